@@ -395,8 +395,10 @@ def hc_skew_basis(k):
 
 def hc_num_res(kind, n):
     """How many per-token numbers parameterise H_res for each residual kind."""
+    if kind == "markov":  # Σ_{k≥2} C(n, k)(k − 1)! cycles
+        return sum(math.comb(n, k) * math.factorial(k - 1) for k in range(2, n + 1))
     return {"hc": n * n, "mhc": n * n, "mhc-lite": math.factorial(n), "kromhc": n.bit_length() - 1,
-            "shc": (n - 1) ** 2, "markov": len(hc_cycle_generators(n))}[kind]
+            "shc": (n - 1) ** 2}[kind]
 
 
 def hc_res_init(kind, n):
@@ -475,8 +477,7 @@ class HyperConnection(nn.Module):
         if kind == "markov":
             self.register_buffer("generators", hc_cycle_generators(n).flatten(1), persistent=False)
         if kind == "shc":
-            U_Z = hc_helmert_basis(n)
-            self.register_buffer("U_Z", U_Z, persistent=False)
+            self.register_buffer("U_Z", hc_helmert_basis(n), persistent=False)
             self.register_buffer("skew_basis", hc_skew_basis(n - 1), persistent=False)
 
     def coefficients(self, X):
@@ -581,7 +582,7 @@ class GPT(nn.Module):
         that each mixer reads and extends in place (keys/values for A, recurrent state for G and M)."""
         B, T = idx.shape
         pos = 0 if cache is None else cache["pos"]
-        if pos + T > self.config.block_size:
+        if pos + T > self.config.block_size and "A" in self.config.mixer:  # G and M have no length limit
             raise ValueError(f"sequence of {pos + T} tokens exceeds block_size={self.config.block_size}: "
                              f"crop the input or train with a larger --block_size")
         rope = (self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T])

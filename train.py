@@ -23,6 +23,7 @@ from dataclasses import fields
 
 import torch
 
+import analyze
 import data
 from model import GPT, GPTConfig
 from optim import build_optimizer
@@ -35,6 +36,7 @@ sample_only = False            # load out_dir/ckpt.pt, print samples, exit
 eval_interval = 250
 eval_iters = 20                # validation batches per eval (a fixed set, the same at every eval)
 log_interval = 50
+analyze_every = 0              # > 0: every N iters append weight/Hessian/noise-scale spectra to out_dir/analysis.jsonl
 seed = 1337
 # data
 dataset = "shakespeare_char"   # shakespeare_char | shakespeare | path/to/file.txt | 'dir/*_train_*.bin'
@@ -317,6 +319,8 @@ def main():
                 "rng": {"torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}}
 
+    # one fixed training batch, so the spectra logged at different steps are comparable
+    analysis_batch = tuple(t.to(dev) for t in data.BatchSampler(train_tokens, batch_size, block_size, seed=1).next_batch())
     t_start, t_last, tokens_since, val_loss = time.time(), time.time(), 0, None
     model.train()
     while True:
@@ -333,6 +337,8 @@ def main():
         if iter_num >= max_iters:
             break
 
+        if analyze_every and iter_num % analyze_every == 0 and master:
+            analyze.analyze_during_training(raw_model, analysis_batch, iter_num, out_dir)
         lr_mult = lr_multiplier(iter_num, total_iters)
         for group in opt.param_groups:
             group["lr"] = group["base_lr"] * lr_mult
@@ -368,6 +374,8 @@ def main():
     if master:
         log_file.close()
         plot_losses(os.path.join(out_dir, "log.jsonl"), os.path.join(out_dir, "loss.png"))
+        if analyze_every:
+            analyze.plot_training_analysis(os.path.join(out_dir, "analysis.jsonl"), os.path.join(out_dir, "analysis.png"))
         print(f"done: val loss {val_loss:.4f} after {iter_num} iters, {time.time() - t_start:.1f}s; "
               f"checkpoint {ckpt_path}")
         if num_samples > 0 and max_new_tokens > 0:
