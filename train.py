@@ -69,13 +69,23 @@ mamba_discretization = "euler"
 chunk_size = 64
 kernels = "auto"
 init = "gpt2"
-# optimizer
+# optimizer (see optim.py): sgd | signsgd | adamw | nadam | lion | tiger | muon | shampoo | mousse | galore
 optimizer = "adamw"
 learning_rate = 3e-3
-min_lr = 3e-4
+min_lr = 3e-4                  # the schedule's floor; every param group is scaled by the same multiplier
 weight_decay = 0.1
-beta1 = 0.9
+beta1 = 0.9                    # adamw, nadam, lion, shampoo, galore (and the aux AdamW of matrix optimizers)
 beta2 = 0.99
+momentum = 0.95                # sgd, muon, mousse
+muon_scale = "jordan"          # muon: jordan | moonlight | spectral
+ns_coeffs = "dion"             # muon, mousse: Newton-Schulz coefficients, jordan | dion
+precond_every = 10             # shampoo, mousse: steps between eigendecompositions
+mousse_alpha = 0.125
+galore_rank = 32
+galore_gap = 200
+galore_scale = 0.25
+aux_lr = 3e-3                  # matrix optimizers: AdamW's lr for embeddings, head, norms, gates, HC
+spectral_lr = False            # scale each block matrix's lr by init.spectral_lr_scale(fan_out, fan_in)
 grad_clip = 1.0                # 0 disables
 max_iters = 1500
 lr_decay_iters = 0             # length of the schedule; 0 means max_iters
@@ -199,6 +209,17 @@ def lr_multiplier(it, total):
     return floor + 0.5 * (1 + math.cos(math.pi * ratio)) * (1 - floor)
 
 
+def optimizer_options():
+    """The config values each optimizer takes, by the names of its constructor's arguments."""
+    betas = (beta1, beta2)
+    return {"sgd": dict(momentum=momentum), "adamw": dict(betas=betas), "nadam": dict(betas=betas),
+            "lion": dict(betas=betas), "muon": dict(momentum=momentum, scale=muon_scale, ns_coeffs=ns_coeffs),
+            "shampoo": dict(betas=betas, precond_every=precond_every),
+            "mousse": dict(momentum=momentum, alpha=mousse_alpha, precond_every=precond_every, ns_coeffs=ns_coeffs),
+            "galore": dict(betas=betas, rank=galore_rank, update_proj_gap=galore_gap, scale=galore_scale),
+            }.get(optimizer, {})
+
+
 def save_checkpoint(path, state):
     tmp = f"{path}.tmp"
     torch.save(state, tmp)
@@ -265,7 +286,8 @@ def main():
     cfg["vocab_size"] = meta["vocab_size"]
     torch.manual_seed(seed)
     model = GPT(model_config(cfg)).to(dev)
-    opt = build_optimizer(model, optimizer, lr=learning_rate, weight_decay=weight_decay, betas=(beta1, beta2))
+    opt = build_optimizer(model, optimizer, lr=learning_rate, weight_decay=weight_decay, aux_lr=aux_lr,
+                          aux_betas=(beta1, beta2), spectral_lr=spectral_lr, **optimizer_options())
     train_sampler = data.BatchSampler(train_tokens, batch_size, block_size, seed=seed + rank)
     iter_num, best_val = 0, float("inf")
     if ckpt is not None:
