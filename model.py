@@ -327,7 +327,8 @@ class MLP(nn.Module):
     def forward(self, x):
         h = self.in_proj(x)
         if self.kind == "relu2":
-            h = F.relu(h).square()
+            h = F.relu(h)
+            h = h * h  # a plain product backpropagates faster on the CPU than .square()
         elif self.kind == "gelu":
             h = F.gelu(h)
         else:
@@ -455,7 +456,7 @@ class HyperConnection(nn.Module):
         super().__init__()
         kind, n = cfg.residual, cfg.hc_streams
         if n < 1:
-            raise ValueError(f"hc_streams={n} must be at least 1")
+            raise ValueError(f"hc_streams={n} is not valid: use at least 1 stream (the default is 4)")
         if kind in ("mhc-lite", "markov") and n > 6:
             raise ValueError(f"residual={kind} enumerates permutations and needs hc_streams <= 6 (got {n}); "
                              f"use kromhc, shc or mhc for more streams")

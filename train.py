@@ -41,10 +41,10 @@ seed = 1337
 # data
 dataset = "shakespeare_char"   # shakespeare_char | shakespeare | path/to/file.txt | 'dir/*_train_*.bin'
 tokenizer = "char"             # for your own .txt: char | gpt2
-batch_size = 32                # sequences per micro-step (per process)
+batch_size = 24                # sequences per micro-step (per process)
 gradient_accumulation_steps = 1  # micro-steps per optimizer step (per process)
 # model (see model.GPTConfig)
-block_size = 128
+block_size = 64
 n_layer = 4
 n_head = 4
 n_embd = 128
@@ -70,8 +70,8 @@ chunk_size = 64
 kernels = "auto"
 init = "gpt2"
 # optimizer (see optim.py): sgd | signsgd | adamw | nadam | lion | tiger | muon | shampoo | mousse | galore
-optimizer = "adamw"
-learning_rate = 3e-3
+optimizer = "muon"
+learning_rate = 0.02
 min_lr = 3e-4                  # the schedule's floor; every param group is scaled by the same multiplier
 weight_decay = 0.1
 beta1 = 0.9                    # adamw, nadam, lion, shampoo, galore (and the aux AdamW of matrix optimizers)
@@ -87,7 +87,7 @@ galore_scale = 0.25
 aux_lr = 3e-3                  # matrix optimizers: AdamW's lr for embeddings, head, norms, gates, HC
 spectral_lr = False            # scale each block matrix's lr by init.spectral_lr_scale(fan_out, fan_in)
 grad_clip = 1.0                # 0 disables
-max_iters = 1500
+max_iters = 1000
 lr_decay_iters = 0             # length of the schedule; 0 means max_iters
 warmup_iters = 100
 schedule = "cosine"            # cosine | wsd (warmup, constant, then linear decay over the last wsd_decay_frac)

@@ -1,0 +1,1721 @@
+"""
+kernels.py: every op the model needs that has a fast path, one section per op.
+
+    op                signature (shapes)                                           paths
+    rms_norm          (x[..., C], weight[C], eps) -> y                             ref, torch, triton
+    rope              (x[B,T,H,D], cos[T,D/2], sin[T,D/2]) -> y  (rotate-half)     ref, triton
+    softmax           (x[R, N]) -> y                                               ref, torch, triton
+    sinkhorn          (logits[..., n, n], iters=20) -> P  (doubly stochastic)      ref, torch, triton
+    gdn2_decay_clip   (g, k, b [B,T,H,K]) -> g' = min(g, −log ‖I − k(b⊙k)ᵀ‖₂)         ref, torch, triton
+    gdn2              (q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16) -> (o, S_T)
+                      q,k,g,b [B,T,H,K]; v,w [B,T,H,V]; S [B,H,K,V]                ref, torch, triton
+    ssd               (x, dt, A, B, C, D=None, chunk_size=64, initial_state=None) -> (y, h_T)
+                      x [b,l,h,p]; dt [b,l,h]; A, D [h]; B, C [b,l,1,n]; h [b,h,p,n]  ref, torch, triton
+Helpers: gdn2_log_rho(k, b) = log ‖I − k(b⊙k)ᵀ‖₂ (what the clip uses), zoh_input_scale(dt, A) (ZOH for ssd).
+
+Each section holds `<op>_ref` (the spec, written plainly), `<op>_torch` (vectorised or chunked
+PyTorch, the CPU path) where it differs, `<op>_triton` where it exists, and the dispatcher
+`<op>(..., kernels="auto")`:
+    "auto"   -> Triton for CUDA tensors when triton is importable and the op has a Triton path, else torch
+    "torch"  -> <op>_torch (or <op>_ref when the two are the same code)
+    "triton" -> <op>_triton (ValueError if this op has no Triton path)
+    "ref"    -> <op>_ref
+Reductions and recurrences run in fp32 and results are cast back to the input dtype; the recurrent
+states S_T, h_T come back in fp32. Any sequence length works (chunked paths pad the tail internally).
+"""
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    # No GPU: Triton kernels run (slowly) in Triton's interpreter, on CPU tensors, so kernels="triton" and the
+    # tests work anywhere. Triton reads this when it is first imported, so it must be set before that.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:
+    triton, tl = None, None
+    HAS_TRITON = False
+
+KERNEL_CHOICES = ("auto", "torch", "triton", "ref")
+
+
+def _path(op, kernels, x):
+    """Resolve kernels= to "torch" | "triton" | "ref" for op on tensor x."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels={kernels!r} is not one of {KERNEL_CHOICES}; pick one of those")
+    has_triton = HAS_TRITON and (op + "_triton") in globals()
+    if kernels == "auto":
+        return "triton" if (has_triton and x.is_cuda) else "torch"
+    if kernels == "triton" and not has_triton:
+        raise ValueError(f"the Triton path for {op} is not available (triton missing or no {op}_triton); use kernels='torch'")
+    return kernels
+
+
+def _fp32(fn):
+    """Run a recurrence with autocast off: its fp32 matmuls and solves stay fp32 inside a bf16 autocast region."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        first = next(a for a in (*args, *kwargs.values()) if torch.is_tensor(a))  # keyword calls work too
+        with torch.autocast(first.device.type, enabled=False):
+            return fn(*args, **kwargs)
+    return run
+
+
+# -----------------------------------------------------------------------------
+# rms_norm: y = x / sqrt(mean(x²) + eps) * weight, in fp32, cast back
+
+def rms_norm_ref(x, weight, eps=1e-6):
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return y.to(x.dtype)
+
+
+def rms_norm_torch(x, weight, eps=1e-6):
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+
+def _programs_for(x, rows):
+    """Persistent-grid size for row kernels: a few programs per SM on a GPU, a handful elsewhere."""
+    if x.is_cuda:
+        return max(1, min(rows, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count))
+    return max(1, min(rows, 4))
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, eps,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # one program normalises BLOCK_R rows; the whole row sits in registers, sums in fp32
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_C)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        tl.store(y_ptr + offs, (x * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr + rows, rstd, mask=rows < n_rows)
+
+    @triton.jit
+    def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # dx = rstd·(dy⊙w − x̂·mean(dy⊙w⊙x̂)); each program also sums dy⊙x̂ over its rows into one dw partial
+        pid, n_prog = tl.program_id(0), tl.num_programs(0)
+        cols = tl.arange(0, BLOCK_C)
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        dw = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        for start in range(pid * BLOCK_R, n_rows, n_prog * BLOCK_R):
+            rows = start + tl.arange(0, BLOCK_R)
+            mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+            offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)
+            x_hat = x * rstd[:, None]
+            dyw = dy * w[None, :]
+            mean_term = tl.sum(dyw * x_hat, axis=1) / n_cols
+            dx = rstd[:, None] * (dyw - x_hat * mean_term[:, None])
+            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw += tl.sum(dy * x_hat, axis=0)
+        tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=cols < n_cols)
+
+
+def _rms_norm_blocks(n_cols):
+    block_c = triton.next_power_of_2(n_cols)
+    return max(1, min(64, 4096 // block_c)), block_c
+
+
+class _RMSNormTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        n_rows, n_cols = x2.shape
+        y = torch.empty_like(x2)
+        rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
+        block_r, block_c = _rms_norm_blocks(n_cols)
+        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+            x2, weight.contiguous(), y, rstd, n_rows, n_cols, eps, BLOCK_R=block_r, BLOCK_C=block_c)
+        ctx.save_for_backward(x2, weight, rstd)
+        return y.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        n_rows, n_cols = x2.shape
+        dy2 = dy.reshape(n_rows, n_cols).contiguous()
+        dx = torch.empty_like(x2)
+        block_r, block_c = _rms_norm_blocks(n_cols)
+        n_prog = _programs_for(x2, triton.cdiv(n_rows, block_r))
+        dw_partial = torch.empty(n_prog, n_cols, device=x2.device, dtype=torch.float32)
+        _rms_norm_bwd_kernel[(n_prog,)](x2, weight.contiguous(), rstd, dy2, dx, dw_partial, n_rows, n_cols,
+                                        BLOCK_R=block_r, BLOCK_C=block_c)
+        return dx.reshape(dy.shape), dw_partial.sum(0).to(weight.dtype), None
+
+
+def rms_norm_triton(x, weight, eps=1e-6):
+    return _RMSNormTriton.apply(x, weight, eps)
+
+
+def rms_norm(x, weight, eps=1e-6, kernels="auto"):
+    path = _path("rms_norm", kernels, x)
+    if path == "triton":
+        return rms_norm_triton(x, weight, eps)
+    if path == "ref":
+        return rms_norm_ref(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+# -----------------------------------------------------------------------------
+# rope: rotate-half; x1, x2 = x[..., :D/2], x[..., D/2:]; y = cat(x1·cos − x2·sin, x2·cos + x1·sin)
+
+def rope_ref(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    cos, sin = cos.float()[None, :, None, :], sin.float()[None, :, None, :]  # [1, T, 1, D/2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, HALF, SIN_SIGN: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        # one program per (b, t): rotate every head's (x1, x2) pairs by angle θ_t (SIN_SIGN=-1 rotates back,
+        # which is the backward pass because a rotation's transpose is its inverse)
+        row = tl.program_id(0)
+        t = row % T
+        heads = tl.arange(0, BLOCK_H)
+        pairs = tl.arange(0, BLOCK_HALF)
+        mask = (heads[:, None] < H) & (pairs[None, :] < HALF)
+        offs = row.to(tl.int64) * H * 2 * HALF + heads[:, None] * 2 * HALF + pairs[None, :]
+        cos = tl.load(cos_ptr + t * HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)[None, :]
+        sin = SIN_SIGN * tl.load(sin_ptr + t * HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)[None, :]
+        x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, (x1 * cos - x2 * sin).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + offs + HALF, (x2 * cos + x1 * sin).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rope_launch(x, cos, sin, sin_sign):
+    B, T, H, D = x.shape
+    y = torch.empty_like(x)
+    _rope_kernel[(B * T,)](x, cos, sin, y, T, H, D // 2, SIN_SIGN=sin_sign,
+                           BLOCK_H=triton.next_power_of_2(H), BLOCK_HALF=triton.next_power_of_2(D // 2))
+    return y
+
+
+class _RoPETriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        ctx.save_for_backward(x, cos, sin)
+        return _rope_launch(x, cos, sin, 1.0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, cos, sin = ctx.saved_tensors
+        dx = _rope_launch(dy.contiguous(), cos, sin, -1.0)
+        dcos = dsin = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # cos/sin are usually buffers; cheap in torch
+            half = x.shape[-1] // 2
+            x1, x2, dy1, dy2 = x[..., :half].float(), x[..., half:].float(), dy[..., :half].float(), dy[..., half:].float()
+            dcos = (dy1 * x1 + dy2 * x2).sum((0, 2)).to(cos.dtype)
+            dsin = (dy2 * x1 - dy1 * x2).sum((0, 2)).to(sin.dtype)
+        return dx, dcos, dsin
+
+
+def rope_triton(x, cos, sin):
+    B, T, H, D = x.shape
+    if D % 2 or cos.shape != (T, D // 2) or sin.shape != (T, D // 2):
+        raise ValueError(f"rope needs x[B,T,H,D] with even D and cos, sin of shape [T, D/2]; got x {tuple(x.shape)}, "
+                         f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    return _RoPETriton.apply(x, cos, sin)
+
+
+def rope(x, cos, sin, kernels="auto"):
+    path = _path("rope", kernels, x)
+    if path == "triton":
+        return rope_triton(x, cos, sin)
+    return rope_ref(x, cos, sin)
+
+
+# -----------------------------------------------------------------------------
+# softmax over the last dim of x[R, N]: y = exp(x − max) / Σ exp(x − max)
+
+def softmax_ref(x):
+    xf = x.float()
+    e = torch.exp(xf - xf.max(-1, keepdim=True).values)
+    return (e / e.sum(-1, keepdim=True)).to(x.dtype)
+
+
+def softmax_torch(x):
+    return torch.softmax(x.float(), dim=-1).to(x.dtype)
+
+
+# The Triton softmax is the lab's teaching kernel (the fused softmax of the Triton tutorial): a
+# persistent grid of programs strides over the rows; each row is loaded once into registers (the
+# block is the row length rounded up to a power of two, the tail masked with -inf so it adds exp(-inf)=0),
+# reduced twice (max, then sum of exponentials) and written once. torch's unfused version reads and
+# writes the row several times; here HBM sees one read and one write per element.
+if HAS_TRITON:
+    @triton.jit
+    def _softmax_fwd_kernel(x_ptr, y_ptr, n_rows, n_cols, BLOCK_N: tl.constexpr):
+        cols = tl.arange(0, BLOCK_N)
+        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            offs = row * n_cols + cols
+            x = tl.load(x_ptr + offs, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
+            e = tl.exp(x - tl.max(x, axis=0))
+            tl.store(y_ptr + offs, (e / tl.sum(e, axis=0)).to(y_ptr.dtype.element_ty), mask=cols < n_cols)
+
+    @triton.jit
+    def _softmax_bwd_kernel(y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, BLOCK_N: tl.constexpr):
+        # dx = y ⊙ (dy − Σ dy⊙y), again one read of each input row and one write
+        cols = tl.arange(0, BLOCK_N)
+        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            offs = row * n_cols + cols
+            y = tl.load(y_ptr + offs, mask=cols < n_cols, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + offs, mask=cols < n_cols, other=0.0).to(tl.float32)
+            dx = y * (dy - tl.sum(dy * y, axis=0))
+            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+class _SoftmaxTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        _softmax_fwd_kernel[(_programs_for(x, x.shape[0]),)](x, y, x.shape[0], x.shape[1],
+                                                              BLOCK_N=triton.next_power_of_2(x.shape[1]))
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        dx = torch.empty_like(y)
+        _softmax_bwd_kernel[(_programs_for(y, y.shape[0]),)](y, dy.contiguous(), dx, y.shape[0], y.shape[1],
+                                                              BLOCK_N=triton.next_power_of_2(y.shape[1]))
+        return dx
+
+
+def softmax_triton(x):
+    if x.ndim != 2:
+        raise ValueError(f"softmax_triton takes a 2-D x[R, N]; got shape {tuple(x.shape)}; reshape to rows first")
+    return _SoftmaxTriton.apply(x)
+
+
+def softmax(x, kernels="auto"):
+    path = _path("softmax", kernels, x)
+    if path == "triton":
+        return softmax_triton(x)
+    if path == "ref":
+        return softmax_ref(x)
+    return softmax_torch(x)
+
+
+# -----------------------------------------------------------------------------
+# sinkhorn: P = exp(logits), then `iters` rounds of (row normalisation, column normalisation), fp32.
+# The last step normalises columns, so columns sum to 1 exactly and rows to within the convergence error.
+# The max is subtracted before exp so large logits cannot overflow; the torch path works in the
+# log domain (logsumexp), so a row whose entries all underflow cannot become 0/0.
+
+def sinkhorn_ref(logits, iters=20):
+    lf = logits.float()
+    P = torch.exp(lf - lf.amax(dim=(-2, -1), keepdim=True))
+    for _ in range(iters):
+        P = P / P.sum(-1, keepdim=True)
+        P = P / P.sum(-2, keepdim=True)
+    return P
+
+
+def sinkhorn_torch(logits, iters=20):
+    L = logits.float()
+    for _ in range(iters):
+        L = L - torch.logsumexp(L, dim=-1, keepdim=True)
+        L = L - torch.logsumexp(L, dim=-2, keepdim=True)
+    return torch.exp(L)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _sinkhorn_load(l_ptr, M, n, BLOCK_M: tl.constexpr, BN: tl.constexpr):
+        # BLOCK_M matrices per program as a [BLOCK_M, BN, BN] tile; padding entries get logit -inf (P = 0)
+        mats = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        idx = tl.arange(0, BN)
+        entry = (idx[None, :, None] < n) & (idx[None, None, :] < n)
+        offs = mats[:, None, None].to(tl.int64) * n * n + idx[None, :, None] * n + idx[None, None, :]
+        mask = entry & (mats[:, None, None] < M)
+        x = tl.where(entry, tl.load(l_ptr + offs, mask=mask, other=0.0).to(tl.float32), -float("inf"))
+        P0 = tl.exp(x - tl.max(tl.max(x, axis=2), axis=1)[:, None, None])
+        return P0, offs, mask, mats, idx
+
+    @triton.jit
+    def _sinkhorn_fwd_kernel(l_ptr, p_ptr, M, n, ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr):
+        P, offs, mask, mats, idx = _sinkhorn_load(l_ptr, M, n, BLOCK_M, BN)
+        for _ in range(ITERS):
+            P = P / tl.where(idx[None, :] < n, tl.sum(P, axis=2), 1.0)[:, :, None]  # rows
+            P = P / tl.where(idx[None, :] < n, tl.sum(P, axis=1), 1.0)[:, None, :]  # columns
+        tl.store(p_ptr + offs, P, mask=mask)
+
+    @triton.jit
+    def _sinkhorn_bwd_kernel(l_ptr, dp_ptr, dl_ptr, sums_ptr, M, n, ITERS: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BN: tl.constexpr):
+        # Recompute the iterates, keeping each normaliser (row sums r_k, column sums c_k) in a scratch
+        # buffer, then walk back: for Y = X / rowsum(X), dX = (dY − rowsum(dY⊙Y)) / r and X = Y·r
+        # (columns alike). The last step is P0 = exp(logits − max): dlogits = dP0 ⊙ P0.
+        P0, offs, mask, mats, idx = _sinkhorn_load(l_ptr, M, n, BLOCK_M, BN)
+        sums = sums_ptr + mats[:, None].to(tl.int64) * (2 * ITERS * BN) + idx[None, :]
+        P = P0
+        for k in range(ITERS):
+            r = tl.where(idx[None, :] < n, tl.sum(P, axis=2), 1.0)
+            tl.store(sums + (2 * k) * BN, r)
+            P = P / r[:, :, None]
+            c = tl.where(idx[None, :] < n, tl.sum(P, axis=1), 1.0)
+            tl.store(sums + (2 * k + 1) * BN, c)
+            P = P / c[:, None, :]
+        tl.debug_barrier()
+        dP = tl.load(dp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        for kk in range(ITERS):
+            k = ITERS - 1 - kk
+            c = tl.load(sums + (2 * k + 1) * BN)
+            dP = (dP - tl.sum(dP * P, axis=1)[:, None, :]) / c[:, None, :]
+            P = P * c[:, None, :]
+            r = tl.load(sums + (2 * k) * BN)
+            dP = (dP - tl.sum(dP * P, axis=2)[:, :, None]) / r[:, :, None]
+            P = P * r[:, :, None]
+        tl.store(dl_ptr + offs, (dP * P0).to(dl_ptr.dtype.element_ty), mask=mask)
+
+
+def _sinkhorn_blocks(n):
+    bn = triton.next_power_of_2(n)
+    return max(1, min(128, 2048 // (bn * bn))), bn
+
+
+class _SinkhornTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, iters):
+        n = logits.shape[-1]
+        L = logits.reshape(-1, n, n).contiguous()
+        P = torch.empty(L.shape, device=L.device, dtype=torch.float32)
+        block_m, bn = _sinkhorn_blocks(n)
+        _sinkhorn_fwd_kernel[(triton.cdiv(L.shape[0], block_m),)](L, P, L.shape[0], n, ITERS=iters,
+                                                                  BLOCK_M=block_m, BN=bn)
+        ctx.save_for_backward(L)
+        ctx.iters, ctx.shape = iters, logits.shape
+        return P.reshape(logits.shape)
+
+    @staticmethod
+    def backward(ctx, dP):
+        (L,) = ctx.saved_tensors
+        M, n, _ = L.shape
+        block_m, bn = _sinkhorn_blocks(n)
+        grid = triton.cdiv(M, block_m)
+        sums = torch.empty(grid * block_m, 2 * ctx.iters, bn, device=L.device, dtype=torch.float32)
+        dL = torch.empty_like(L)
+        _sinkhorn_bwd_kernel[(grid,)](L, dP.reshape(M, n, n).contiguous(), dL, sums, M, n, ITERS=ctx.iters,
+                                      BLOCK_M=block_m, BN=bn)
+        return dL.reshape(ctx.shape), None
+
+
+def sinkhorn_triton(logits, iters=20):
+    if logits.ndim < 2 or logits.shape[-1] != logits.shape[-2]:
+        raise ValueError(f"sinkhorn needs logits[..., n, n]; got shape {tuple(logits.shape)}")
+    return _SinkhornTriton.apply(logits, iters)
+
+
+def sinkhorn(logits, iters=20, kernels="auto"):
+    path = _path("sinkhorn", kernels, logits)
+    if path == "triton":
+        return sinkhorn_triton(logits, iters)
+    if path == "ref":
+        return sinkhorn_ref(logits, iters)
+    return sinkhorn_torch(logits, iters)
+
+
+# -----------------------------------------------------------------------------
+# gdn2_decay_clip: per token and head, with a = k, c = b⊙k, η = ‖a‖‖c‖:
+#   ρ = ‖I − a cᵀ‖₂ = (η + sqrt(η² − 4 a·c + 4)) / 2,   g' = min(g, −log ρ)
+# so that ‖(I − a cᵀ) Diag(exp g')‖₂ ≤ ρ · max exp g' ≤ 1. ρ ≥ 1 always; ρ = 1 iff c = βa with 0 ≤ β‖a‖² ≤ 2,
+# which covers KDA/GDN/DeltaNet (b = β ≤ 2 scalar, ‖k‖ = 1), where the clip changes nothing.
+# g, k, b are [B,T,H,K] (a scalar β broadcast over K); g' comes back in g's dtype.
+
+def gdn2_decay_clip_ref(g, k, b):
+    gf, a = g.float(), k.float()
+    c = b.float() * a
+    eta = a.norm(dim=-1, keepdim=True) * c.norm(dim=-1, keepdim=True)
+    ac = (a * c).sum(-1, keepdim=True)
+    rho = (eta + torch.sqrt(torch.clamp(eta * eta - 4 * ac + 4, min=0))) / 2
+    return torch.minimum(gf, -torch.log(rho)).to(g.dtype)
+
+
+def gdn2_log_rho(k, b):
+    """log ρ = log ‖I − k (b⊙k)ᵀ‖₂ per token and head ([..., K] -> [..., 1], fp32, ≥ 0).
+    Written as log1p(ρ − 1) with ρ − 1 free of cancellation: with δ = η − a·c ≥ 0 and
+    s = sqrt((2 − η)² + 4δ), ρ − 1 = (η − 2 + s)/2, which for η < 2 equals 2δ / (s + 2 − η).
+    δ = η(1 − cos θ) = (η/2)‖â − ĉ‖² is a sum of squares, so for parallel a, c (KDA, GDN, DeltaNet)
+    it is rounding squared, not rounding; ρ − 1 below 1e-6 is taken as 0."""
+    a = k.float()
+    c = b.float() * a
+    eta = a.norm(dim=-1, keepdim=True) * c.norm(dim=-1, keepdim=True)
+    delta = eta / 2 * (F.normalize(a, dim=-1) - F.normalize(c, dim=-1)).pow(2).sum(-1, keepdim=True)
+    s = torch.sqrt(torch.clamp((2 - eta) ** 2 + 4 * delta, min=1e-20))   # the floor keeps d sqrt finite at η = 2, δ = 0
+    small = eta < 2
+    rho_minus_1 = torch.where(small, 2 * delta / torch.where(small, s + 2 - eta, 1.0), (eta - 2 + s) / 2)
+    return torch.where(rho_minus_1 < 1e-6, 0.0, torch.log1p(rho_minus_1))
+
+
+def gdn2_decay_clip_torch(g, k, b):
+    return torch.minimum(g.float(), -gdn2_log_rho(k, b)).to(g.dtype)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _gdn2_clip_bound(k, b):
+        # −log ρ and its pieces for a = k, c = b⊙k (rows of a [BLOCK_R, BLOCK_K] tile), cancellation-free as
+        # in gdn2_decay_clip_torch: δ = η − a·c ≥ 0, s = sqrt((2 − η)² + 4δ), ρ − 1 = 2δ/(s + 2 − η) for η < 2
+        c = b * k
+        na = tl.sqrt(tl.sum(k * k, axis=1))
+        nc = tl.sqrt(tl.sum(c * c, axis=1))
+        eta = na * nc
+        delta = tl.maximum(eta - tl.sum(k * c, axis=1), 0.0)
+        s = tl.sqrt((2.0 - eta) * (2.0 - eta) + 4.0 * delta)
+        small = eta < 2.0
+        rho_m1 = tl.where(small, 2.0 * delta / tl.where(small, s + 2.0 - eta, 1.0), (eta - 2.0 + s) / 2.0)
+        rho_m1 = tl.where(rho_m1 < 1e-6, 0.0, rho_m1)  # fp32 rounding of δ for parallel a, c, as gdn2_log_rho
+        bound = -tl.log(1.0 + rho_m1)
+        return bound, c, na, nc, eta, s, 1.0 + rho_m1
+
+    @triton.jit
+    def _gdn2_clip_load(g_ptr, k_ptr, b_ptr, n_rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_K)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < K)
+        offs = rows[:, None].to(tl.int64) * K + cols[None, :]
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        return g, k, b, offs, mask
+
+    @triton.jit
+    def _gdn2_clip_fwd_kernel(g_ptr, k_ptr, b_ptr, out_ptr, n_rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        g, k, b, offs, mask = _gdn2_clip_load(g_ptr, k_ptr, b_ptr, n_rows, K, BLOCK_R, BLOCK_K)
+        bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
+        tl.store(out_ptr + offs, tl.minimum(g, bound[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gdn2_clip_bwd_kernel(g_ptr, k_ptr, b_ptr, dout_ptr, dg_ptr, dk_ptr, db_ptr, n_rows, K,
+                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        # g' = min(g, β) with β = −log ρ(η, a·c): the gradient goes to g where g < β, to β where g > β, half
+        # each on a tie (as torch.minimum). dβ/da = −(1/ρ)(∂ρ/∂η·‖c‖/‖a‖·a + ∂ρ/∂(a·c)·c), c alike, with
+        # ∂ρ/∂η = (1 + η/s)/2, ∂ρ/∂(a·c) = −1/s; then dk = da + b⊙dc, db = k⊙dc.
+        g, k, b, offs, mask = _gdn2_clip_load(g_ptr, k_ptr, b_ptr, n_rows, K, BLOCK_R, BLOCK_K)
+        dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
+        bound = bound[:, None]
+        dg = tl.where(g < bound, dout, tl.where(g == bound, 0.5 * dout, 0.0))
+        dbound = tl.where(rho > 1.0, tl.sum(dout - dg, axis=1), 0.0)  # β is flat where ρ − 1 was rounded to 0
+        s_safe = tl.maximum(s, 1e-20)
+        deta = dbound * -(1.0 + eta / s_safe) / (2.0 * rho)
+        dac = dbound / (s_safe * rho)
+        da = (deta * tl.where(na > 0, nc / tl.where(na > 0, na, 1.0), 0.0))[:, None] * k + dac[:, None] * c
+        dc = (deta * tl.where(nc > 0, na / tl.where(nc > 0, nc, 1.0), 0.0))[:, None] * c + dac[:, None] * k
+        tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mask)
+        tl.store(dk_ptr + offs, (da + b * dc).to(dk_ptr.dtype.element_ty), mask=mask)
+        tl.store(db_ptr + offs, (k * dc).to(db_ptr.dtype.element_ty), mask=mask)
+
+
+def _gdn2_clip_blocks(K):
+    block_k = triton.next_power_of_2(K)
+    return max(1, min(16, 1024 // block_k)), block_k  # larger tiles spill registers in the backward kernel
+
+
+class _GDN2DecayClipTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, k, b):
+        g, k, b = g.contiguous(), k.contiguous(), b.contiguous()
+        K = g.shape[-1]
+        n_rows = g.numel() // K
+        out = torch.empty_like(g)
+        block_r, block_k = _gdn2_clip_blocks(K)
+        _gdn2_clip_fwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, out, n_rows, K, BLOCK_R=block_r, BLOCK_K=block_k)
+        ctx.save_for_backward(g, k, b)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        g, k, b = ctx.saved_tensors
+        K = g.shape[-1]
+        n_rows = g.numel() // K
+        dg, dk, db = torch.empty_like(g), torch.empty_like(k), torch.empty_like(b)
+        block_r, block_k = _gdn2_clip_blocks(K)
+        _gdn2_clip_bwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, dout.contiguous(), dg, dk, db, n_rows, K,
+                                                               BLOCK_R=block_r, BLOCK_K=block_k)
+        return dg, dk, db
+
+
+def gdn2_decay_clip_triton(g, k, b):
+    if k.shape != g.shape or b.shape != g.shape:
+        raise ValueError(f"gdn2_decay_clip needs g, k, b of one shape [B,T,H,K]; got {tuple(g.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(b.shape)}; broadcast scalar gates with .expand_as(k)")
+    return _GDN2DecayClipTriton.apply(g, k, b)
+
+
+def gdn2_decay_clip(g, k, b, kernels="auto"):
+    if k.shape != g.shape or b.shape != g.shape:
+        raise ValueError(f"gdn2_decay_clip needs g, k, b of one shape [B,T,H,K]; got {tuple(g.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(b.shape)}; broadcast scalar gates with .expand_as(k)")
+    path = _path("gdn2_decay_clip", kernels, g)
+    if path == "triton":
+        return gdn2_decay_clip_triton(g, k, b)
+    if path == "ref":
+        return gdn2_decay_clip_ref(g, k, b)
+    return gdn2_decay_clip_torch(g, k, b)
+
+
+# -----------------------------------------------------------------------------
+# gdn2 (Gated DeltaNet-2), state S ∈ R^{K×V} per head, read after the update:
+#   S_t = (I − k_t (b_t⊙k_t)ᵀ) Diag(exp g_t) S_{t−1} + k_t (w_t⊙v_t)ᵀ,   o_t = S_tᵀ (q_t·scale)
+# q, k, g, b [B,T,H,K]; v, w [B,T,H,V]; S [B,H,K,V]; scale defaults to K^-½.
+# Special cases: KDA (b = w = β), GDN (KDA with g equal over K), DeltaNet (GDN with g = 0).
+# Computed in fp32; o comes back in q's dtype, S_T in fp32.
+
+def _gdn2_check(q, k, v, g, b, w, initial_state):
+    if q.ndim != 4 or k.shape != q.shape or g.shape != q.shape or b.shape != q.shape:
+        raise ValueError(f"gdn2: q, k, g, b must share one [B,T,H,K] shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(g.shape)}, {tuple(b.shape)}; broadcast scalar gates with .expand_as(q)")
+    if v.shape[:3] != q.shape[:3] or w.shape != v.shape:
+        raise ValueError(f"gdn2: v and w must be [B,T,H,V] matching q's [B,T,H], got {tuple(v.shape)}, {tuple(w.shape)}")
+    B, T, H, K = q.shape
+    if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
+        raise ValueError(f"gdn2: initial_state must be [B,H,K,V] = {(B, H, K, v.shape[-1])}, got {tuple(initial_state.shape)}")
+
+
+@_fp32
+def gdn2_ref(q, k, v, g, b, w, scale=None, initial_state=None):
+    _gdn2_check(q, k, v, g, b, w, initial_state)
+    B, T, H, K = q.shape
+    scale = K ** -0.5 if scale is None else scale
+    qf, kf, vf, gf, bf, wf = (t.float() for t in (q, k, v, g, b, w))
+    S = q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32) if initial_state is None else initial_state.float()
+    outs = []
+    for t in range(T):
+        k_t = kf[:, t]
+        S = gf[:, t].exp()[..., None] * S                                   # Diag(exp g_t) S_{t-1}
+        erased = torch.einsum("bhk,bhkv->bhv", bf[:, t] * k_t, S)           # (b_t⊙k_t)ᵀ Diag(exp g_t) S_{t-1}
+        S = S + k_t[..., None] * (wf[:, t] * vf[:, t] - erased)[..., None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, qf[:, t] * scale))
+    return torch.stack(outs, dim=1).to(q.dtype), S
+
+
+_GDN2_MAX_EXPONENT = 40.0   # factored chunks keep every exp(±G) within e^±40, far from fp32's e^±88, gradients included
+
+
+def _gdn2_pair_weights_exact(G, k, xs):
+    """W[n, r, s] = Σ_d x_nrd k_nsd exp(G_nrd − G_nsd) for s < r, else 0, for each x in xs; G, k, x [n, C, K].
+    Pair by pair, so it holds whatever the decay (pairs s ≥ r get exp(−∞) = 0, never exp of a large exponent)."""
+    C = G.shape[-2]
+    strict = torch.ones(C, C, dtype=torch.bool, device=G.device).tril(-1)
+    gap = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~strict[..., None], float("-inf")).exp()
+    return [torch.einsum("nrd,nsd,nrsd->nrs", x, k, gap) for x in xs]
+
+
+@_fp32
+def gdn2_torch(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
+    """Chunked WY / UT-transform form. In a chunk with entering state S_0 and G_r = Σ_{i≤r} g_i (per key channel):
+    the delta-rule corrections u_r = w_r⊙v_r − (b_r⊙k_r)ᵀ Diag(exp g_r) S_{r−1} solve (I + L) U = Z − Ẽ S_0
+    with L_rs = Σ_d b_rd k_rd k_sd exp(G_rd − G_sd) (s < r), Z = W⊙V, Ẽ_r = exp(G_r)⊙b_r⊙k_r; then
+    o_r = scale·((exp(G_r)⊙q_r)ᵀ S_0 + Σ_{s≤r} Σ_d q_rd k_sd exp(G_rd − G_sd) u_s),
+    S_C = Diag(exp G_C) S_0 + Σ_s (exp(G_C − G_s)⊙k_s) u_sᵀ.
+    The pair weights are one matmul of x_r exp(G_r) with k_s exp(−G_s) in every chunk whose |G| stays ≤ 40;
+    steeper chunks (a channel decaying by more than e^−40 within the chunk, e^−2.5 per token over 16) take the
+    exact pairwise sum. All chunks are built at once; only the state hand-off loops over chunks.
+    chunk_size is an upper bound: chunks are at most 16 tokens, since per-channel decays cost K multiply-adds per
+    pair of tokens and longer chunks would more often leave the factoring's range (16 was the fastest on a CPU).
+    The tail is padded with g = 0 and zero inputs, which leaves the state unchanged. Fewer than 4 tokens (decoding
+    steps) take the token loop, which is cheaper there."""
+    _gdn2_check(q, k, v, g, b, w, initial_state)
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"gdn2: chunk_size must be a power of two, got {chunk_size}")
+    B, T, H, K = q.shape
+    if T < 4:
+        return gdn2_ref(q, k, v, g, b, w, scale, initial_state)
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    C = min(chunk_size, 16, 1 << (T - 1).bit_length())
+    N = -(-T // C)
+    out_dtype = q.dtype
+
+    def chunks(t, copy):  # [B,T,H,D] -> [B,H,N,C,D] fp32, tail padded with zeros; a strided view where no matmul reads it
+        t = t.float()
+        t = F.pad(t, (0, 0, 0, 0, 0, N * C - T)) if N * C > T else t
+        t = t.view(B, N, C, H, t.shape[-1]).permute(0, 3, 1, 2, 4)
+        return t.contiguous() if copy else t
+
+    q, k, v = (chunks(t, True) for t in (q, k, v))
+    g, b, w = (chunks(t, False) for t in (g, b, w))
+    G = g.cumsum(dim=-2)
+    decay_in = G.exp()                                          # exp(G_r): chunk start -> r
+    steep = G.detach().abs().amax(dim=(-1, -2)) > _GDN2_MAX_EXPONENT   # [B,H,N]: chunks that cannot be factored
+    any_steep = bool(steep.any())
+    erase = k * b
+    E_in = erase * decay_in
+    q_in = q * decay_in
+    k_from_start = k * (-(G.clamp(-_GDN2_MAX_EXPONENT, _GDN2_MAX_EXPONENT) if any_steep else G)).exp()   # k_s exp(−G_s)
+    k_out = k_from_start * decay_in[..., -1:, :]                # exp(G_C − G_s) ⊙ k_s
+    L = E_in @ k_from_start.transpose(-1, -2)
+    Aqk = q_in @ k_from_start.transpose(-1, -2)
+    if any_steep:                                               # steep chunks: their factored values are replaced
+        idx = steep.nonzero(as_tuple=True)
+        L_steep, A_steep = _gdn2_pair_weights_exact(G[idx], k[idx], (erase[idx], q[idx]))
+        L, Aqk = L.index_put(idx, L_steep), Aqk.index_put(idx, A_steep)
+        later = torch.ones(C, C, device=G.device).triu(1)       # exp(G_C − G_s) from the later decays themselves
+        k_out = k_out.index_put(idx, k[idx] * (later @ g[idx]).exp())
+    L = L.tril(-1)
+    # the s = r terms (exp 0 = 1) added apart: factored, each would put two O(1) terms into G's gradient that cancel
+    # there and swamp the tiny gradients of strong decays
+    Aqk = (Aqk.tril(-1) + torch.diag_embed((q * k).sum(-1))) * scale
+    eye = torch.eye(C, dtype=L.dtype, device=L.device)
+    solve = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)   # (I + L)^{-1}
+    Y, U0 = solve @ E_in, solve @ (v * w)
+    S = q.new_zeros(B * H, K, V) if initial_state is None else initial_state.float().reshape(B * H, K, V)
+    states, corrections = [], []
+    # the hand-off, chunk by chunk with (batch, head) flattened for baddbmm: u = U0 − Y S, S ← Diag(exp G_C) S + k_outᵀ u.
+    # unbind, not indexing: its backward stacks the chunks' gradients once instead of filling N full-size zeros
+    per_chunk = (U0, Y, k_out.transpose(-1, -2), decay_in[..., -1, :, None])
+    for U0_n, Y_n, kT_n, decay_n in zip(*(t.flatten(0, 1).unbind(1) for t in per_chunk)):
+        states.append(S)
+        corrections.append(torch.baddbmm(U0_n, Y_n, S, alpha=-1))
+        S = torch.baddbmm(decay_n * S, kT_n, corrections[-1])
+    S_in, U = torch.stack(states, 1).view(B, H, N, K, V), torch.stack(corrections, 1).view(B, H, N, C, V)
+    o = scale * (q_in @ S_in) + Aqk @ U                        # all chunks' reads at once
+    o = o.reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
+    return o.to(out_dtype), S.reshape(B, H, K, V)
+
+
+# gdn2 in Triton. Two algorithms, picked by length in gdn2_triton:
+# - fused recurrent: one program per (batch·head, value block) walks the tokens with its K×BV slice of S
+#   in registers (columns of S evolve independently, so value blocks need no communication);
+# - chunked (below): the UT-transform form of gdn2_torch, for training lengths.
+# Per token (fla's form of the recurrence): S ← Diag(exp g) S;  u = w⊙v − (b⊙k)ᵀ S;  S ← S + k uᵀ;  o = Sᵀ q̃.
+# Backward of the recurrent form, with e = b⊙k, A_t = Diag(exp g_t) S_{t−1}, q̃ = q·scale:
+#   reverse in time:  dS += q̃ doᵀ;  du = dSᵀ k;  dv = du⊙w;  dw = du⊙v;  dk ∋ dS u;  dS ← Diag(exp g)(dS − e duᵀ)
+#   forward again:    de = −A du;  dq = scale·S_t do      (du kept from the reverse pass)
+#   and dg by the gauge identity: with G_t = Σ_{i≤t} g_i, the loss sees G only through q·e^G, e·e^G and the
+#   written k·e^{−G}, so ∂L/∂G_t = q⊙dq + e⊙de − k⊙dk_write (+ rowsum(dS_T⊙S_T) at t = T), dg = reverse cumsum.
+if HAS_TRITON:
+    @triton.jit
+    def _gdn2_rec_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, s0_ptr, o_ptr, sT_ptr, u_ptr, scale, T, H, K, V,
+                             HAS_INITIAL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+        # u (the corrected write w⊙v − eᵀS per token) is kept for the backward pass
+        pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
+        bi, hi = pid_bh // H, pid_bh % H
+        ks = tl.arange(0, BLOCK_K)
+        vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        mk, mv = ks < K, vs < V
+        state_offs = pid_bh.to(tl.int64) * K * V + ks[:, None] * V + vs[None, :]
+        S = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
+        if HAS_INITIAL:
+            S = tl.load(s0_ptr + state_offs, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        for t in range(T):
+            row = (bi * T + t).to(tl.int64) * H + hi
+            q = tl.load(q_ptr + row * K + ks, mask=mk, other=0.0).to(tl.float32) * scale
+            k = tl.load(k_ptr + row * K + ks, mask=mk, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + row * K + ks, mask=mk, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + row * K + ks, mask=mk, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + row * V + vs, mask=mv, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + row * V + vs, mask=mv, other=0.0).to(tl.float32)
+            S = S * tl.exp(g)[:, None]
+            u = w * v - tl.sum((b * k)[:, None] * S, axis=0)
+            S = S + k[:, None] * u[None, :]
+            tl.store(o_ptr + row * V + vs, tl.sum(S * q[:, None], axis=0).to(o_ptr.dtype.element_ty), mask=mv)
+            tl.store(u_ptr + row * V + vs, u, mask=mv)
+        tl.store(sT_ptr + state_offs, S, mask=mk[:, None] & mv[None, :])
+
+    @triton.jit
+    def _gdn2_rec_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, s0_ptr, u_ptr, do_ptr, dsT_ptr,
+                             dq_ptr, dk_ptr, de_ptr, dv_ptr, dw_ptr, ds0_ptr, dgT_ptr, du_ptr,
+                             scale, B, T, H, K, V, HAS_INITIAL: tl.constexpr,
+                             BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+        # dq, dk (write part), de and dgT are partial sums over this value block: [NV, ...] buffers summed outside
+        pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
+        bi, hi = pid_bh // H, pid_bh % H
+        ks = tl.arange(0, BLOCK_K)
+        vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        mk, mv = ks < K, vs < V
+        state_offs = pid_bh.to(tl.int64) * K * V + ks[:, None] * V + vs[None, :]
+        partial = pid_v.to(tl.int64) * B * T * H * K
+        dS = tl.load(dsT_ptr + state_offs, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        dS_T = dS
+        for tt in range(T):
+            t = T - 1 - tt
+            row = (bi * T + t).to(tl.int64) * H + hi
+            q = tl.load(q_ptr + row * K + ks, mask=mk, other=0.0).to(tl.float32) * scale
+            k = tl.load(k_ptr + row * K + ks, mask=mk, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + row * K + ks, mask=mk, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + row * K + ks, mask=mk, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + row * V + vs, mask=mv, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + row * V + vs, mask=mv, other=0.0).to(tl.float32)
+            u = tl.load(u_ptr + row * V + vs, mask=mv, other=0.0)
+            do = tl.load(do_ptr + row * V + vs, mask=mv, other=0.0).to(tl.float32)
+            dS += q[:, None] * do[None, :]
+            du = tl.sum(dS * k[:, None], axis=0)
+            tl.store(dv_ptr + row * V + vs, du * w, mask=mv)
+            tl.store(dw_ptr + row * V + vs, du * v, mask=mv)
+            tl.store(du_ptr + row * V + vs, du, mask=mv)
+            tl.store(dk_ptr + partial + row * K + ks, tl.sum(dS * u[None, :], axis=1), mask=mk)
+            dS = tl.exp(g)[:, None] * (dS - (b * k)[:, None] * du[None, :])
+        tl.store(ds0_ptr + state_offs, dS, mask=mk[:, None] & mv[None, :])
+        tl.debug_barrier()  # du written above is read back below, possibly by other threads
+        S = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
+        if HAS_INITIAL:
+            S = tl.load(s0_ptr + state_offs, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        for t in range(T):
+            row = (bi * T + t).to(tl.int64) * H + hi
+            k = tl.load(k_ptr + row * K + ks, mask=mk, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + row * K + ks, mask=mk, other=0.0).to(tl.float32)
+            u = tl.load(u_ptr + row * V + vs, mask=mv, other=0.0)
+            du = tl.load(du_ptr + row * V + vs, mask=mv, other=0.0)
+            do = tl.load(do_ptr + row * V + vs, mask=mv, other=0.0).to(tl.float32)
+            S = S * tl.exp(g)[:, None]
+            tl.store(de_ptr + partial + row * K + ks, -tl.sum(S * du[None, :], axis=1), mask=mk)
+            S = S + k[:, None] * u[None, :]
+            tl.store(dq_ptr + partial + row * K + ks, scale * tl.sum(S * do[None, :], axis=1), mask=mk)
+        tl.store(dgT_ptr + (pid_v.to(tl.int64) * B * H + pid_bh) * K + ks, tl.sum(dS_T * S, axis=1), mask=mk)
+
+
+def _gdn2_rec_blocks(K, V):
+    return triton.next_power_of_2(K), min(32, triton.next_power_of_2(V))
+
+
+class _GDN2RecurrentTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, b, w, scale, initial_state):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
+        block_k, block_v = _gdn2_rec_blocks(K, V)
+        o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
+        S_T = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
+        u = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)
+        s0 = initial_state.contiguous() if initial_state is not None else S_T
+        _gdn2_rec_fwd_kernel[(triton.cdiv(V, block_v), B * H)](
+            q, k, v, g, b, w, s0, o, S_T, u, scale, T, H, K, V, HAS_INITIAL=initial_state is not None,
+            BLOCK_K=block_k, BLOCK_V=block_v)
+        ctx.save_for_backward(q, k, v, g, b, w, u, initial_state)
+        ctx.scale = scale
+        return o, S_T
+
+    @staticmethod
+    def backward(ctx, do, dS_T):
+        q, k, v, g, b, w, u, initial_state = ctx.saved_tensors
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        block_k, block_v = _gdn2_rec_blocks(K, V)
+        nv = triton.cdiv(V, block_v)
+        f32 = dict(device=q.device, dtype=torch.float32)
+        dq_p, dk_p, de_p = (torch.empty(nv, B, T, H, K, **f32) for _ in range(3))
+        dv, dw, du = (torch.empty(B, T, H, V, **f32) for _ in range(3))
+        ds0 = torch.empty(B, H, K, V, **f32)
+        dgT = torch.empty(nv, B, H, K, **f32)
+        do = do.contiguous()
+        s0 = initial_state if initial_state is not None else ds0
+        _gdn2_rec_bwd_kernel[(nv, B * H)](
+            q, k, v, g, b, w, s0, u, do, dS_T.contiguous(), dq_p, dk_p, de_p, dv, dw, ds0, dgT, du, ctx.scale,
+            B, T, H, K, V, HAS_INITIAL=initial_state is not None, BLOCK_K=block_k, BLOCK_V=block_v)
+        dq, dk_write, de = dq_p.sum(0), dk_p.sum(0), de_p.sum(0)
+        qf, kf, bf = q.float(), k.float(), b.float()
+        dG = qf * dq + bf * kf * de - kf * dk_write                # ∂L/∂G_t by the gauge identity
+        dG[:, -1] += dgT.sum(0)
+        dg = dG.flip(1).cumsum(1).flip(1)
+        return (dq.to(q.dtype), (dk_write + bf * de).to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), (kf * de).to(b.dtype),
+                dw.to(w.dtype), None, ds0 if initial_state is not None else None)
+
+
+# Chunked gdn2 (chunks of 16 tokens; G = within-chunk cumsum of g, q̃ = scale·q, e = b⊙k, as gdn2_torch):
+#   intra (parallel over chunks):  L_rs = Σ_d e_rd k_sd exp(G_rd − G_sd) (s < r),
+#                                  Aqk_rs = Σ_d q̃_rd k_sd exp(G_rd − G_sd) (s ≤ r),
+#                                  Ainv = (I + L)^{-1} by forward substitution,  Y = Ainv (exp(G)⊙e),  U0 = Ainv (w⊙v)
+#   state pass (sequential):       U = U0 − Y S,  O = (exp(G)⊙q̃) S + Aqk U,
+#                                  S ← Diag(exp G_C) S + (exp(G_C − G)⊙k)ᵀ U
+# The pairwise exp(G_rd − G_sd) is formed per channel for s ≤ r only, so no exponent is positive however strong
+# the decay. Backward: a reverse pass over chunks for the state gradients, then one parallel kernel per chunk
+# through the solve (dL = −Ainvᵀ dAinv Ainvᵀ) and the pair weights; dg by the gauge identity as above.
+# The dots are 16 rows tall, so they stay IEEE fp32 (CUDA cores) whatever the input dtype.
+if HAS_TRITON:
+    @triton.jit
+    def _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
+                            CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
+        rs = tl.arange(0, CHUNK)
+        ks = tl.arange(0, BLOCK_K)
+        pos = c * CHUNK + rs
+        offs = ((bi * T + pos[:, None]).to(tl.int64) * H + hi) * K + ks[None, :]
+        mask = (pos[:, None] < T) & (ks[None, :] < K)
+        q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale
+        k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        G = tl.cumsum(tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32), axis=0)  # tail: g = 0, G flat
+        G_last = tl.sum(tl.where(rs[:, None] == CHUNK - 1, G, 0.0), axis=0)
+        return q, k, b, G, G_last, offs, mask
+
+    @triton.jit
+    def _gdn2_chunk_load_v(ptr, bi, c, hi, T, H, V, vs, CHUNK: tl.constexpr):
+        pos = c * CHUNK + tl.arange(0, CHUNK)
+        offs = ((bi * T + pos[:, None]).to(tl.int64) * H + hi) * V + vs[None, :]
+        mask = (pos[:, None] < T) & (vs[None, :] < V)
+        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32), offs, mask
+
+    @triton.jit
+    def _gdn2_chunk_pair_decay(G, CHUNK: tl.constexpr, STRICT: tl.constexpr):
+        # [C, C, K] tile of exp(G_rd − G_sd) for s ≤ r (s < r when STRICT), 0 elsewhere
+        rs = tl.arange(0, CHUNK)
+        if STRICT:
+            keep = rs[:, None] > rs[None, :]
+        else:
+            keep = rs[:, None] >= rs[None, :]
+        return tl.exp(tl.where(keep[:, :, None], G[:, None, :] - G[None, :, :], -float("inf")))
+
+    @triton.jit
+    def _gdn2_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, Aqk_ptr, Y_ptr, U0_ptr,
+                                 scale, T, H, K, V, n_chunks, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 BLOCK_V: tl.constexpr):
+        pid_bc, hi = tl.program_id(0), tl.program_id(1)
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        rs = tl.arange(0, CHUNK)
+        q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
+                                                                 CHUNK, BLOCK_K)
+        vs = tl.arange(0, BLOCK_V)
+        v, v_offs, v_mask = _gdn2_chunk_load_v(v_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+        w, v_offs, v_mask = _gdn2_chunk_load_v(w_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+        e = b * k
+        P = _gdn2_chunk_pair_decay(G, CHUNK, False)
+        L = tl.where(rs[:, None] > rs[None, :], tl.sum(e[:, None, :] * P * k[None, :, :], axis=2), 0.0)
+        Aqk = tl.sum(q[:, None, :] * P * k[None, :, :], axis=2)
+        Ainv = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+        for r in range(CHUNK):  # row r of (I + L)^{-1}: e_r − Σ_{s<r} L_rs Ainv_s
+            L_r = tl.sum(tl.where(rs[:, None] == r, L, 0.0), axis=0)
+            row = tl.where(rs == r, 1.0, 0.0) - tl.sum(L_r[:, None] * Ainv, axis=0)
+            Ainv = tl.where(rs[:, None] == r, row[None, :], Ainv)
+        cc_offs = (pid_bc * H + hi).to(tl.int64) * CHUNK * CHUNK + rs[:, None] * CHUNK + rs[None, :]
+        tl.store(Ainv_ptr + cc_offs, Ainv)
+        tl.store(Aqk_ptr + cc_offs, Aqk)
+        tl.store(Y_ptr + k_offs, tl.dot(Ainv, tl.exp(G) * e, input_precision="ieee"), mask=k_mask)
+        tl.store(U0_ptr + v_offs, tl.dot(Ainv, w * v, input_precision="ieee"), mask=v_mask)
+
+    @triton.jit
+    def _gdn2_chunk_fwd_state_kernel(q_ptr, k_ptr, g_ptr, b_ptr, Aqk_ptr, Y_ptr, U0_ptr, s0_ptr, o_ptr, S_in_ptr, sT_ptr,
+                                     scale, T, H, K, V, n_chunks, HAS_INITIAL: tl.constexpr, CHUNK: tl.constexpr,
+                                     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+        pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
+        bi, hi = pid_bh // H, pid_bh % H
+        rs = tl.arange(0, CHUNK)
+        ks = tl.arange(0, BLOCK_K)
+        vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        st_offs = ks[:, None] * V + vs[None, :]
+        st_mask = (ks[:, None] < K) & (vs[None, :] < V)
+        S = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
+        if HAS_INITIAL:
+            S = tl.load(s0_ptr + pid_bh.to(tl.int64) * K * V + st_offs, mask=st_mask, other=0.0).to(tl.float32)
+        for c in range(n_chunks):
+            tl.store(S_in_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V + st_offs, S, mask=st_mask)
+            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
+                                                                     CHUNK, BLOCK_K)
+            Y = tl.load(Y_ptr + k_offs, mask=k_mask, other=0.0)
+            U0, v_offs, v_mask = _gdn2_chunk_load_v(U0_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            Aqk = tl.load(Aqk_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * CHUNK * CHUNK
+                          + rs[:, None] * CHUNK + rs[None, :])
+            U = U0 - tl.dot(Y, S, input_precision="ieee")
+            o = tl.dot(tl.exp(G) * q, S, input_precision="ieee") + tl.dot(Aqk, U, input_precision="ieee")
+            tl.store(o_ptr + v_offs, o.to(o_ptr.dtype.element_ty), mask=v_mask)
+            k_out = tl.exp(G_last[None, :] - G) * k
+            S = tl.exp(G_last)[:, None] * S + tl.dot(tl.trans(k_out), U, input_precision="ieee")
+        tl.store(sT_ptr + pid_bh.to(tl.int64) * K * V + st_offs, S, mask=st_mask)
+
+    @triton.jit
+    def _gdn2_chunk_bwd_state_kernel(q_ptr, k_ptr, g_ptr, b_ptr, Aqk_ptr, Y_ptr, U0_ptr, S_in_ptr, do_ptr, dsT_ptr,
+                                     dS_next_ptr, ds0_ptr, scale, T, H, K, V, n_chunks, CHUNK: tl.constexpr,
+                                     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+        # reverse over chunks: dU = Aqkᵀ dO + K_out dS';  dS = (exp(G)⊙q̃)ᵀ dO + Diag(exp G_C) dS' − Yᵀ dU
+        pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
+        bi, hi = pid_bh // H, pid_bh % H
+        rs = tl.arange(0, CHUNK)
+        ks = tl.arange(0, BLOCK_K)
+        vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        st_offs = ks[:, None] * V + vs[None, :]
+        st_mask = (ks[:, None] < K) & (vs[None, :] < V)
+        dS = tl.load(dsT_ptr + pid_bh.to(tl.int64) * K * V + st_offs, mask=st_mask, other=0.0).to(tl.float32)
+        for cc in range(n_chunks):
+            c = n_chunks - 1 - cc
+            chunk_st = ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V + st_offs
+            tl.store(dS_next_ptr + chunk_st, dS, mask=st_mask)
+            S = tl.load(S_in_ptr + chunk_st, mask=st_mask, other=0.0)
+            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
+                                                                     CHUNK, BLOCK_K)
+            Y = tl.load(Y_ptr + k_offs, mask=k_mask, other=0.0)
+            dO, v_offs, v_mask = _gdn2_chunk_load_v(do_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            Aqk = tl.load(Aqk_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * CHUNK * CHUNK
+                          + rs[:, None] * CHUNK + rs[None, :])
+            k_out = tl.exp(G_last[None, :] - G) * k
+            dU = tl.dot(tl.trans(Aqk), dO, input_precision="ieee") + tl.dot(k_out, dS, input_precision="ieee")
+            dS = (tl.dot(tl.trans(tl.exp(G) * q), dO, input_precision="ieee") + tl.exp(G_last)[:, None] * dS
+                  - tl.dot(tl.trans(Y), dU, input_precision="ieee"))
+        tl.store(ds0_ptr + pid_bh.to(tl.int64) * K * V + st_offs, dS, mask=st_mask)
+
+    @triton.jit
+    def _gdn2_chunk_bwd_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, Aqk_ptr, S_in_ptr, dS_next_ptr,
+                                     do_ptr, dq_ptr, dk_ptr, dv_ptr, db_ptr, dw_ptr, dG_ptr, scale, T, H, K, V, n_chunks,
+                                     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+        # one program per (batch·chunk, head), whole K and V; dG is ∂L/∂G_t of the gauge identity (summed outside)
+        pid_bc, hi = tl.program_id(0), tl.program_id(1)
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        rs = tl.arange(0, CHUNK)
+        ks = tl.arange(0, BLOCK_K)
+        vs = tl.arange(0, BLOCK_V)
+        q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
+                                                                 CHUNK, BLOCK_K)
+        v, v_offs, v_mask = _gdn2_chunk_load_v(v_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+        w, v_offs, v_mask = _gdn2_chunk_load_v(w_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+        dO, v_offs, v_mask = _gdn2_chunk_load_v(do_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+        chunk_st = ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V + ks[:, None] * V + vs[None, :]
+        st_mask = (ks[:, None] < K) & (vs[None, :] < V)
+        S = tl.load(S_in_ptr + chunk_st, mask=st_mask, other=0.0)
+        dSn = tl.load(dS_next_ptr + chunk_st, mask=st_mask, other=0.0)
+        cc_offs = (pid_bc * H + hi).to(tl.int64) * CHUNK * CHUNK + rs[:, None] * CHUNK + rs[None, :]
+        Ainv = tl.load(Ainv_ptr + cc_offs)
+        Aqk = tl.load(Aqk_ptr + cc_offs)
+        e = b * k
+        E_tilde = tl.exp(G) * e
+        Z = w * v
+        Y = tl.dot(Ainv, E_tilde, input_precision="ieee")
+        U = tl.dot(Ainv, Z, input_precision="ieee") - tl.dot(Y, S, input_precision="ieee")
+        decay_out = tl.exp(G_last[None, :] - G)
+        dU = tl.dot(tl.trans(Aqk), dO, input_precision="ieee") + tl.dot(decay_out * k, dSn, input_precision="ieee")
+        dAqk = tl.where(rs[:, None] >= rs[None, :], tl.dot(dO, tl.trans(U), input_precision="ieee"), 0.0)
+        dq = tl.exp(G) * tl.dot(dO, tl.trans(S), input_precision="ieee")
+        dk_write = decay_out * tl.dot(U, tl.trans(dSn), input_precision="ieee")
+        dY = -tl.dot(dU, tl.trans(S), input_precision="ieee")
+        AinvT = tl.trans(Ainv)
+        de = tl.exp(G) * tl.dot(AinvT, dY, input_precision="ieee")
+        dZ = tl.dot(AinvT, dU, input_precision="ieee")
+        dAinv = tl.dot(dY, tl.trans(E_tilde), input_precision="ieee") + tl.dot(dU, tl.trans(Z), input_precision="ieee")
+        dL = -tl.dot(tl.dot(AinvT, dAinv, input_precision="ieee"), AinvT, input_precision="ieee")
+        dL = tl.where(rs[:, None] > rs[None, :], dL, 0.0)
+        P = _gdn2_chunk_pair_decay(G, CHUNK, False)
+        de += tl.sum(dL[:, :, None] * k[None, :, :] * P, axis=1)
+        dq += tl.sum(dAqk[:, :, None] * k[None, :, :] * P, axis=1)
+        dk_write += tl.sum((dL[:, :, None] * e[:, None, :] + dAqk[:, :, None] * q[:, None, :]) * P, axis=0)
+        tl.store(dq_ptr + k_offs, dq * scale, mask=k_mask)
+        tl.store(dk_ptr + k_offs, dk_write + b * de, mask=k_mask)
+        tl.store(db_ptr + k_offs, k * de, mask=k_mask)
+        tl.store(dG_ptr + k_offs, q * dq + e * de - k * dk_write, mask=k_mask)
+        tl.store(dv_ptr + v_offs, dZ * w, mask=v_mask)
+        tl.store(dw_ptr + v_offs, dZ * v, mask=v_mask)
+
+
+_GDN2_CHUNK = 16
+
+
+class _GDN2ChunkedTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, b, w, scale, initial_state):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
+        N = triton.cdiv(T, _GDN2_CHUNK)
+        block_k, block_v = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+        f32 = dict(device=q.device, dtype=torch.float32)
+        Ainv = torch.empty(B, N, H, _GDN2_CHUNK, _GDN2_CHUNK, **f32)
+        Aqk = torch.empty(B, N, H, _GDN2_CHUNK, _GDN2_CHUNK, **f32)
+        Y, U0 = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, V, **f32)
+        _gdn2_chunk_intra_kernel[(B * N, H)](q, k, g, b, v, w, Ainv, Aqk, Y, U0, scale, T, H, K, V, N,
+                                             CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8)
+        o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
+        S_in = torch.empty(B, N, H, K, V, **f32)
+        S_T = torch.empty(B, H, K, V, **f32)
+        bv = min(32, block_v)
+        s0 = initial_state.contiguous() if initial_state is not None else S_T
+        _gdn2_chunk_fwd_state_kernel[(triton.cdiv(V, bv), B * H)](
+            q, k, g, b, Aqk, Y, U0, s0, o, S_in, S_T, scale, T, H, K, V, N, HAS_INITIAL=initial_state is not None,
+            CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=bv)
+        ctx.save_for_backward(q, k, v, g, b, w, Ainv, Aqk, Y, U0, S_in, S_T)
+        ctx.scale, ctx.has_initial = scale, initial_state is not None
+        return o, S_T
+
+    @staticmethod
+    def backward(ctx, do, dS_T):
+        q, k, v, g, b, w, Ainv, Aqk, Y, U0, S_in, S_T = ctx.saved_tensors
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        N = triton.cdiv(T, _GDN2_CHUNK)
+        block_k, block_v = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+        bv = min(32, block_v)
+        f32 = dict(device=q.device, dtype=torch.float32)
+        do = do.contiguous()
+        dS_T = dS_T.contiguous()
+        dS_next = torch.empty(B, N, H, K, V, **f32)
+        ds0 = torch.empty(B, H, K, V, **f32)
+        _gdn2_chunk_bwd_state_kernel[(triton.cdiv(V, bv), B * H)](
+            q, k, g, b, Aqk, Y, U0, S_in, do, dS_T, dS_next, ds0, ctx.scale, T, H, K, V, N,
+            CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=bv)
+        dq, dk, db, dG = (torch.empty(B, T, H, K, **f32) for _ in range(4))
+        dv, dw = torch.empty(B, T, H, V, **f32), torch.empty(B, T, H, V, **f32)
+        _gdn2_chunk_bwd_intra_kernel[(B * N, H)](
+            q, k, g, b, v, w, Ainv, Aqk, S_in, dS_next, do, dq, dk, dv, db, dw, dG, ctx.scale, T, H, K, V, N,
+            CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8)
+        dG[:, -1] += (dS_T * S_T).sum(-1)
+        dg = dG.flip(1).cumsum(1).flip(1)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(b.dtype), dw.to(w.dtype), None,
+                ds0 if ctx.has_initial else None)
+
+
+def gdn2_recurrent_triton(q, k, v, g, b, w, scale=None, initial_state=None):
+    _gdn2_check(q, k, v, g, b, w, initial_state)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _GDN2RecurrentTriton.apply(q, k, v, g, b, w, scale, initial_state)
+
+
+def gdn2_chunked_triton(q, k, v, g, b, w, scale=None, initial_state=None):
+    _gdn2_check(q, k, v, g, b, w, initial_state)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _GDN2ChunkedTriton.apply(q, k, v, g, b, w, scale, initial_state)
+
+
+def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None):
+    """Fused recurrent kernel for short sequences (decode, T ≤ 64), chunked kernels for training lengths."""
+    fn = gdn2_recurrent_triton if q.shape[1] <= 64 else gdn2_chunked_triton
+    return fn(q, k, v, g, b, w, scale, initial_state)
+
+
+def gdn2(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16, kernels="auto"):
+    path = _path("gdn2", kernels, q)
+    if path == "triton":
+        return gdn2_triton(q, k, v, g, b, w, scale, initial_state)
+    if path == "ref":
+        return gdn2_ref(q, k, v, g, b, w, scale, initial_state)
+    return gdn2_torch(q, k, v, g, b, w, scale, initial_state, chunk_size)
+
+
+# -----------------------------------------------------------------------------
+# ssd (Mamba2, ngroups = 1), state h ∈ R^{P×N} per head:
+#   h_t = exp(dt_t A) h_{t−1} + dt_t x_t B_tᵀ,   y_t = h_t C_t + D x_t
+# x [b,l,h,p], dt [b,l,h], A [h], B, C [b,l,1,n], D [h] or None, h [b,h,p,n]. fp32 inside;
+# y comes back in x's dtype, h_T in fp32. zoh_input_scale converts Euler's dt·B into ZOH's B̄.
+
+def zoh_input_scale(dt, A):
+    """expm1(dt·A)/(dt·A): multiply x by this to turn ssd's dt·x·Bᵀ into ZOH's (exp(dt A) − 1)/A · x·Bᵀ."""
+    z = dt.float() * A.float()
+    small = z.abs() < 1e-3
+    z_safe = torch.where(small, -1.0, z)                        # keeps the unused branch finite (and its gradient)
+    return torch.where(small, 1 + z / 2 + z * z / 6, torch.expm1(z_safe) / z_safe)
+
+
+def _ssd_check(x, dt, A, B, C, D, initial_state):
+    b, l, h, p = x.shape
+    if dt.shape != (b, l, h) or A.shape != (h,):
+        raise ValueError(f"ssd: dt must be [b,l,h] = {(b, l, h)} and A [h], got {tuple(dt.shape)}, {tuple(A.shape)}")
+    if B.ndim != 4 or B.shape[:3] != (b, l, 1) or C.shape != B.shape:
+        raise ValueError(f"ssd: B and C must be [b,l,1,n] (ngroups = 1), got {tuple(B.shape)}, {tuple(C.shape)}; use B.unsqueeze(2)")
+    if D is not None and D.shape != (h,):
+        raise ValueError(f"ssd: D must be [h] = ({h},) or None, got {tuple(D.shape)}")
+    if initial_state is not None and initial_state.shape != (b, h, p, B.shape[-1]):
+        raise ValueError(f"ssd: initial_state must be [b,h,p,n] = {(b, h, p, B.shape[-1])}, got {tuple(initial_state.shape)}")
+
+
+@_fp32
+def ssd_ref(x, dt, A, B, C, D=None, initial_state=None):
+    _ssd_check(x, dt, A, B, C, D, initial_state)
+    b, l, h, p = x.shape
+    xf, dtf, Af, Bf, Cf = x.float(), dt.float(), A.float(), B.float()[:, :, 0], C.float()[:, :, 0]
+    hs = x.new_zeros(b, h, p, B.shape[-1], dtype=torch.float32) if initial_state is None else initial_state.float()
+    ys = []
+    for t in range(l):
+        decay = torch.exp(dtf[:, t] * Af)[..., None, None]                           # [b,h,1,1]
+        write = (dtf[:, t, :, None] * xf[:, t])[..., None] * Bf[:, t, None, None, :]  # dt_t x_t B_tᵀ
+        hs = decay * hs + write
+        ys.append(torch.einsum("bhpn,bn->bhp", hs, Cf[:, t]))
+    y = torch.stack(ys, dim=1)
+    if D is not None:
+        y = y + D.float()[:, None] * xf
+    return y.to(x.dtype), hs
+
+
+@_fp32
+def ssd_torch(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
+    """Chunked SSD. Within a chunk, with a_r = Σ_{i≤r} dt_i A (cumulative log-decay from the chunk start):
+    y_r = Σ_{s≤r} (C_r·B_s) exp(a_r − a_s) dt_s x_s + exp(a_r) h_0 C_r, and the chunk's own contribution to
+    its end state is Σ_s exp(a_C − a_s) dt_s x_s B_sᵀ; states are passed between chunks in a short loop.
+    Every exponent is a within-chunk difference masked to s ≤ r before exp, so it is ≤ 0.
+    The tail is padded with dt = 0 and zero inputs, which leaves the state unchanged."""
+    _ssd_check(x, dt, A, B, C, D, initial_state)
+    b, l, h, p = x.shape
+    n = B.shape[-1]
+    if chunk_size < 1:
+        raise ValueError(f"ssd: chunk_size must be a positive integer, got {chunk_size}")
+    Cs = min(chunk_size, max(l, 1))                              # short inputs (decoding) get a short chunk
+    N = -(-l // Cs)
+    pad = N * Cs - l
+    # chunk-major layout [N, b, h, Cs, ·]: every per-chunk product below is one batched matmul
+    xf = F.pad(x.float(), (0, 0, 0, 0, 0, pad)).reshape(b, N, Cs, h, p).permute(1, 0, 3, 2, 4)
+    dtf = F.pad(dt.float(), (0, 0, 0, pad)).reshape(b, N, Cs, h).permute(1, 0, 3, 2)
+    Bf = F.pad(B.float()[:, :, 0], (0, 0, 0, pad)).reshape(b, N, 1, Cs, n).transpose(0, 1)
+    Cf = F.pad(C.float()[:, :, 0], (0, 0, 0, pad)).reshape(b, N, 1, Cs, n).transpose(0, 1)
+    a = (dtf * A.float()[:, None]).cumsum(dim=-1)                        # [N,b,h,Cs]
+    causal = torch.ones(Cs, Cs, dtype=torch.bool, device=x.device).tril()
+    L = (a[..., :, None] - a[..., None, :]).masked_fill(~causal, float("-inf")).exp()   # exp(a_r − a_s), s ≤ r
+    x_dt = xf * dtf[..., None]
+    y = ((Cf @ Bf.transpose(-1, -2)) * L) @ x_dt                        # [N,b,h,Cs,p]
+    to_end = (a[..., -1:] - a).exp()                                     # exp(a_C − a_s)
+    chunk_states = (x_dt * to_end[..., None]).transpose(-1, -2) @ Bf     # [N,b,h,p,n]
+    chunk_decay = a[..., -1, None, None].exp()                           # [N,b,h,1,1]
+    hs = x.new_zeros(b, h, p, n, dtype=torch.float32) if initial_state is None else initial_state.float()
+    entering = []
+    for decay_c, state_c in zip(chunk_decay.unbind(0), chunk_states.unbind(0)):   # unbind: see gdn2_torch
+        entering.append(hs)
+        hs = decay_c * hs + state_c
+    entering = torch.stack(entering)                                     # [N,b,h,p,n]
+    y = y + (Cf @ entering.transpose(-1, -2)) * a.exp()[..., None]
+    y = y.permute(1, 0, 3, 2, 4).reshape(b, N * Cs, h, p)[:, :l]
+    if D is not None:
+        y = y + D.float()[:, None] * x.float()
+    return y.to(x.dtype), hs
+
+
+# ssd in Triton: the five forward kernels of mamba_ssm's chunked scan (seeds/mamba2-ssd-triton.md), with
+# a = within-chunk cumulative dt·A, h_in[c] = the state entering chunk c, ngroups = 1:
+#   1 chunk cumsum   a_r = Σ_{i≤r} dt_i A
+#   2 chunk state    states[c] = Σ_s exp(a_last − a_s) dt_s x_s B_sᵀ            (the chunk's own end state)
+#   3 state passing  h_in[c+1] = exp(a_last[c]) h_in[c] + states[c]             (sequential over chunks)
+#   4 chunk C·Bᵀ     CB_rs = C_r·B_s
+#   5 chunk scan     y_r = Σ_{s≤r} CB_rs exp(a_r − a_s) dt_s x_s + exp(a_r) h_in C_r + D x_r
+# Backward: dh_out[c] = Σ_r exp(a_r) dy_r C_rᵀ (kernel 2's shape again), a reverse state pass giving the
+# gradient dS_next[c] of each chunk's end state, and one kernel per (chunk, head) for dx, ddt, dB, dC, dA, dD.
+if HAS_TRITON:
+    @triton.jit
+    def _ssd_chunk_cumsum_kernel(dt_ptr, A_ptr, a_ptr, l, h, n_chunks, Cs,
+                                 BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+        bi, c = tl.program_id(0), tl.program_id(1)
+        hs = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+        rs = tl.arange(0, BLOCK_C)
+        pos = c * Cs + rs
+        dt = tl.load(dt_ptr + (bi * l + pos[None, :]).to(tl.int64) * h + hs[:, None],
+                     mask=(hs[:, None] < h) & (rs[None, :] < Cs) & (pos[None, :] < l), other=0.0).to(tl.float32)
+        A = tl.load(A_ptr + hs, mask=hs < h, other=0.0).to(tl.float32)
+        a = tl.cumsum(dt * A[:, None], axis=1)   # past the sequence end dt = 0, so a stays at its last value
+        tl.store(a_ptr + ((bi * h + hs[:, None]) * n_chunks + c).to(tl.int64) * Cs + rs[None, :], a,
+                 mask=(hs[:, None] < h) & (rs[None, :] < Cs))
+
+    @triton.jit
+    def _ssd_chunk_outer_kernel(x_ptr, y_ptr, dt_ptr, a_ptr, out_ptr, l, h, p, n, n_chunks, Cs,
+                                FROM_START: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # out[b, c, h] = Σ_s scale_s x_sᵀ y_s  ([p, n]), x [b,l,h,p], y [b,l,1,n]. Kernel 2 (chunk state) with
+        # x = x, y = B, scale_s = exp(a_last − a_s)·dt_s; the backward's dh_out with x = dy, y = C, scale_s = exp(a_s).
+        pid_pn, pid_bc, hi = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n_nb = tl.cdiv(n, BLOCK_N)
+        ps = (pid_pn // n_nb) * BLOCK_P + tl.arange(0, BLOCK_P)
+        ns = (pid_pn % n_nb) * BLOCK_N + tl.arange(0, BLOCK_N)
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        rs = tl.arange(0, BLOCK_C)
+        pos = c * Cs + rs
+        valid = (rs < Cs) & (pos < l)
+        a_base = a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs
+        a = tl.load(a_base + rs, mask=rs < Cs, other=0.0)
+        if FROM_START:
+            scale = tl.exp(a)
+        else:
+            a_last = tl.load(a_base + Cs - 1)
+            dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
+            scale = tl.exp(tl.minimum(a_last - a, 0.0)) * dt
+        xT = tl.load(x_ptr + ((bi * l + pos[None, :]).to(tl.int64) * h + hi) * p + ps[:, None],
+                     mask=valid[None, :] & (ps[:, None] < p), other=0.0).to(tl.float32)          # [BLOCK_P, BLOCK_C]
+        y = tl.load(y_ptr + (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :],
+                    mask=valid[:, None] & (ns[None, :] < n), other=0.0).to(tl.float32)           # [BLOCK_C, BLOCK_N]
+        acc = tl.dot(xT, y * scale[:, None], input_precision=DOT)
+        tl.store(out_ptr + (((bi * n_chunks + c) * h + hi).to(tl.int64) * p + ps[:, None]) * n + ns[None, :], acc,
+                 mask=(ps[:, None] < p) & (ns[None, :] < n))
+
+    @triton.jit
+    def _ssd_state_passing_kernel(states_ptr, a_ptr, h0_ptr, entering_ptr, hT_ptr, h, dim, n_chunks, Cs,
+                                  HAS_INITIAL: tl.constexpr, BLOCK: tl.constexpr):
+        # sequential over chunks for a BLOCK-slice of the flattened p·n state
+        ms = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        bi, hi = tl.program_id(1), tl.program_id(2)
+        mask = ms < dim
+        hs = tl.zeros((BLOCK,), dtype=tl.float32)
+        if HAS_INITIAL:
+            hs = tl.load(h0_ptr + (bi * h + hi).to(tl.int64) * dim + ms, mask=mask, other=0.0).to(tl.float32)
+        for c in range(n_chunks):
+            offs = ((bi * n_chunks + c) * h + hi).to(tl.int64) * dim + ms
+            tl.store(entering_ptr + offs, hs, mask=mask)
+            a_last = tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + Cs - 1)
+            hs = tl.exp(a_last) * hs + tl.load(states_ptr + offs, mask=mask, other=0.0)
+        tl.store(hT_ptr + (bi * h + hi).to(tl.int64) * dim + ms, hs, mask=mask)
+
+    @triton.jit
+    def _ssd_bmm_kernel(C_ptr, B_ptr, CB_ptr, l, n, n_chunks, Cs, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+                        DOT: tl.constexpr):
+        pid_bc = tl.program_id(0)
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        rs = tl.arange(0, BLOCK_C)
+        pos = c * Cs + rs
+        valid = (rs < Cs) & (pos < l)
+        acc = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
+        for n0 in range(0, n, BLOCK_N):
+            ns = n0 + tl.arange(0, BLOCK_N)
+            offs = (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :]
+            m = valid[:, None] & (ns[None, :] < n)
+            Cm = tl.load(C_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            Bm = tl.load(B_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            acc += tl.dot(Cm, tl.trans(Bm), input_precision=DOT)
+        tl.store(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :], acc,
+                 mask=(rs[:, None] < Cs) & (rs[None, :] < Cs))
+
+    @triton.jit
+    def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, a_ptr, CB_ptr, C_ptr, entering_ptr, D_ptr, y_ptr,
+                               l, h, p, n, n_chunks, Cs, HAS_D: tl.constexpr,
+                               BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        pid_p, pid_bc, hi = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        rs = tl.arange(0, BLOCK_C)
+        pos = c * Cs + rs
+        valid = (rs < Cs) & (pos < l)
+        a = tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + rs, mask=rs < Cs, other=0.0)
+        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
+        x_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
+        x_mask = valid[:, None] & (ps[None, :] < p)
+        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+        causal = (rs[:, None] >= rs[None, :]) & (rs[:, None] < Cs)
+        L = tl.exp(tl.where(causal, a[:, None] - a[None, :], -float("inf")))
+        CB = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
+                     mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
+        y = tl.dot(CB * L, x * dt[:, None], input_precision=DOT)
+        state_base = entering_ptr + ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n
+        y_off = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
+        for n0 in range(0, n, BLOCK_N):
+            ns = n0 + tl.arange(0, BLOCK_N)
+            Cm = tl.load(C_ptr + (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :],
+                         mask=valid[:, None] & (ns[None, :] < n), other=0.0).to(tl.float32)
+            h_inT = tl.load(state_base + ps[None, :] * n + ns[:, None], mask=(ps[None, :] < p) & (ns[:, None] < n), other=0.0)
+            y_off += tl.dot(Cm, h_inT, input_precision=DOT)
+        y += tl.exp(a)[:, None] * y_off
+        if HAS_D:
+            y += tl.load(D_ptr + hi).to(tl.float32) * x
+        tl.store(y_ptr + x_offs, y.to(y_ptr.dtype.element_ty), mask=x_mask)
+
+    @triton.jit
+    def _ssd_state_passing_bwd_kernel(dh_out_ptr, entering_ptr, a_ptr, dhT_ptr, dS_next_ptr, dh0_ptr, da_last_ptr,
+                                      h, dim, n_chunks, Cs, BLOCK: tl.constexpr):
+        # reverse of kernel 3: dS_next[c] = ds (gradient of chunk c's end state); ds ← dh_out[c] + exp(a_last[c]) ds;
+        # and ∂L/∂a_last[c] from the passed-through state, ⟨ds, exp(a_last) h_in[c]⟩ (partial over this slice)
+        pid_m, bi, hi = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        ms = pid_m * BLOCK + tl.arange(0, BLOCK)
+        mask = ms < dim
+        ds = tl.load(dhT_ptr + (bi * h + hi).to(tl.int64) * dim + ms, mask=mask, other=0.0).to(tl.float32)
+        for cc in range(n_chunks):
+            c = n_chunks - 1 - cc
+            offs = ((bi * n_chunks + c) * h + hi).to(tl.int64) * dim + ms
+            tl.store(dS_next_ptr + offs, ds, mask=mask)
+            decay = tl.exp(tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + Cs - 1))
+            h_in = tl.load(entering_ptr + offs, mask=mask, other=0.0)
+            tl.store(da_last_ptr + (((bi * h + hi) * n_chunks + c) * tl.num_programs(0) + pid_m).to(tl.int64),
+                     tl.sum(ds * h_in, axis=0) * decay)
+            ds = tl.load(dh_out_ptr + offs, mask=mask, other=0.0) + decay * ds
+        tl.store(dh0_ptr + (bi * h + hi).to(tl.int64) * dim + ms, ds, mask=mask)
+
+    @triton.jit
+    def _ssd_chunk_bwd_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, CB_ptr, D_ptr, a_ptr, entering_ptr, dS_next_ptr,
+                              da_last_ptr, dy_ptr, dx_ptr, ddt_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, l, h, p, n, n_chunks, Cs,
+                              HAS_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                              DOT: tl.constexpr):
+        # one program per (batch·chunk, head), whole p, the state dimension n in blocks of BLOCK_N.
+        # With xdt = dt⊙x, L_rs = exp(a_r − a_s) (s ≤ r), M = CB⊙L⊙(dy xdtᵀ), E_s = exp(a_last − a_s):
+        #   dxdt = (CB⊙L)ᵀ dy + E⊙(B dS_nextᵀ);  dC = (L⊙dy xdtᵀ) B + exp(a)⊙(dy h_in);
+        #   dB = (L⊙dy xdtᵀ)ᵀ C + E⊙(xdt dS_next);
+        #   ∂L/∂a_r = Σ_s M_rs − Σ_s M_sr + exp(a_r) dy_r·h_in C_r − E_r xdt_r·dS_next B_r (+ end-state terms at a_last),
+        #   then dt·A's gradient is the reverse cumsum of ∂L/∂a over the chunk.
+        pid_bc, hi = tl.program_id(0), tl.program_id(1)
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        rs = tl.arange(0, BLOCK_C)
+        ps = tl.arange(0, BLOCK_P)
+        pos = c * Cs + rs
+        valid = (rs < Cs) & (pos < l)
+        a_base = a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs
+        a = tl.load(a_base + rs, mask=rs < Cs, other=0.0)
+        a_last = tl.load(a_base + Cs - 1)
+        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
+        x_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
+        x_mask = valid[:, None] & (ps[None, :] < p)
+        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+        xdt = x * dt[:, None]
+        causal = (rs[:, None] >= rs[None, :]) & (rs[:, None] < Cs)
+        L = tl.exp(tl.where(causal, a[:, None] - a[None, :], -float("inf")))
+        E = tl.exp(tl.minimum(a_last - a, 0.0))
+        CB = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
+                     mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
+        CBL = CB * L
+        dyX = tl.dot(dy, tl.trans(xdt), input_precision=DOT)
+        LdyX = L * dyX
+        B_dS = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)             # B dS_nextᵀ, summed over n blocks
+        off_term = tl.zeros((BLOCK_C,), dtype=tl.float32)                  # dy_r·h_in C_r
+        st_base = ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n
+        for n0 in range(0, n, BLOCK_N):
+            ns = n0 + tl.arange(0, BLOCK_N)
+            bc_offs = (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :]
+            bc_mask = valid[:, None] & (ns[None, :] < n)
+            Bm = tl.load(B_ptr + bc_offs, mask=bc_mask, other=0.0).to(tl.float32)
+            Cm = tl.load(C_ptr + bc_offs, mask=bc_mask, other=0.0).to(tl.float32)
+            st_offs = st_base + ps[:, None] * n + ns[None, :]
+            st_mask = (ps[:, None] < p) & (ns[None, :] < n)
+            h_in = tl.load(entering_ptr + st_offs, mask=st_mask, other=0.0)
+            dSn = tl.load(dS_next_ptr + st_offs, mask=st_mask, other=0.0)
+            dy_h = tl.dot(dy, h_in, input_precision=DOT)                   # [C, BLOCK_N]
+            B_dS += tl.dot(Bm, tl.trans(dSn), input_precision=DOT)
+            off_term += tl.sum(dy_h * Cm, axis=1)
+            dC = tl.dot(LdyX, Bm, input_precision=DOT) + tl.exp(a)[:, None] * dy_h
+            dB = tl.dot(tl.trans(LdyX), Cm, input_precision=DOT) + E[:, None] * tl.dot(xdt, dSn, input_precision=DOT)
+            part_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * n + ns[None, :]
+            tl.store(dB_ptr + part_offs, dB, mask=bc_mask)
+            tl.store(dC_ptr + part_offs, dC, mask=bc_mask)
+        dxdt = tl.dot(tl.trans(CBL), dy, input_precision=DOT) + E[:, None] * B_dS
+        dx = dxdt * dt[:, None]
+        if HAS_D:
+            D = tl.load(D_ptr + hi).to(tl.float32)
+            dx += D * dy
+            tl.store(dD_ptr + pid_bc.to(tl.int64) * h + hi, tl.sum(tl.sum(dy * x, axis=1), axis=0))
+        M = CBL * dyX
+        to_end = E * tl.sum(B_dS * xdt, axis=1)
+        da = tl.sum(M, axis=1) - tl.sum(M, axis=0) + tl.exp(a) * off_term - to_end
+        da_last = tl.sum(to_end, axis=0) + tl.load(da_last_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64))
+        da += tl.where(rs == Cs - 1, da_last, 0.0)
+        d_dtA = tl.sum(da, axis=0) - tl.cumsum(da, axis=0) + da                 # Σ_{r ≥ i} ∂L/∂a_r
+        A = tl.load(A_ptr + hi).to(tl.float32)
+        tl.store(dx_ptr + x_offs, dx, mask=x_mask)
+        tl.store(ddt_ptr + (bi * l + pos).to(tl.int64) * h + hi, tl.sum(dxdt * x, axis=1) + A * d_dtA, mask=valid)
+        tl.store(dA_ptr + pid_bc.to(tl.int64) * h + hi, tl.sum(dt * d_dtA, axis=0))
+
+
+def _dot_precision(x):
+    """tl.dot precision: IEEE fp32 (as the references), unless the inputs are bf16/fp16 anyway or torch is
+    allowed TF32 for fp32 matmuls (torch.set_float32_matmul_precision("high")): then TF32 tensor cores."""
+    if x.is_cuda and (x.dtype != torch.float32 or torch.get_float32_matmul_precision() != "highest"):
+        return "tf32"
+    return "ieee"
+
+
+def _ssd_blocks(p, n, Cs):
+    # tl.dot wants every dimension ≥ 16; the state dimension n is walked in blocks of at most 32 where a kernel loops
+    return max(16, triton.next_power_of_2(p)), max(16, triton.next_power_of_2(n)), max(16, triton.next_power_of_2(Cs))
+
+
+class _SSDTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, chunk_size, initial_state):
+        b, l, h, p = x.shape
+        n = B.shape[-1]
+        Cs = chunk_size
+        N = triton.cdiv(l, Cs)
+        x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
+        BP, BN, BC = _ssd_blocks(p, n, Cs)
+        dot = _dot_precision(x)
+        f32 = dict(device=x.device, dtype=torch.float32)
+        a = torch.empty(b, h, N, Cs, **f32)
+        _ssd_chunk_cumsum_kernel[(b, N, triton.cdiv(h, 8))](dt, A, a, l, h, N, Cs, BLOCK_H=8, BLOCK_C=BC)
+        states = torch.empty(b, N, h, p, n, **f32)
+        _ssd_chunk_outer_kernel[(triton.cdiv(p, BP) * triton.cdiv(n, min(BN, 32)), b * N, h)](
+            x, B, dt, a, states, l, h, p, n, N, Cs, FROM_START=False, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
+            DOT=dot, num_warps=8)
+        entering = torch.empty(b, N, h, p, n, **f32)
+        h_T = torch.empty(b, h, p, n, **f32)
+        block = min(1024, triton.next_power_of_2(p * n))
+        h0 = initial_state.contiguous() if initial_state is not None else h_T
+        _ssd_state_passing_kernel[(triton.cdiv(p * n, block), b, h)](
+            states, a, h0, entering, h_T, h, p * n, N, Cs, HAS_INITIAL=initial_state is not None, BLOCK=block)
+        CB = torch.empty(b, N, Cs, Cs, **f32)
+        _ssd_bmm_kernel[(b * N,)](C, B, CB, l, n, N, Cs, BLOCK_C=BC, BLOCK_N=min(BN, 32), DOT=dot)
+        y = torch.empty_like(x)
+        _ssd_chunk_scan_kernel[(triton.cdiv(p, BP), b * N, h)](
+            x, dt, a, CB, C, entering, D if D is not None else A, y, l, h, p, n, N, Cs, HAS_D=D is not None,
+            BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC, DOT=dot, num_warps=8)
+        ctx.save_for_backward(x, dt, A, B, C, CB, D, a, entering)
+        ctx.chunk_size, ctx.has_initial = Cs, initial_state is not None
+        return y, h_T
+
+    @staticmethod
+    def backward(ctx, dy, dh_T):
+        x, dt, A, B, C, CB, D, a, entering = ctx.saved_tensors
+        b, l, h, p = x.shape
+        n = B.shape[-1]
+        Cs = ctx.chunk_size
+        N = triton.cdiv(l, Cs)
+        BP, BN, BC = _ssd_blocks(p, n, Cs)
+        f32 = dict(device=x.device, dtype=torch.float32)
+        dy = dy.contiguous()
+        dh_out = torch.empty(b, N, h, p, n, **f32)
+        _ssd_chunk_outer_kernel[(triton.cdiv(p, BP) * triton.cdiv(n, min(BN, 32)), b * N, h)](
+            dy, C, dt, a, dh_out, l, h, p, n, N, Cs, FROM_START=True, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
+            DOT=_dot_precision(x), num_warps=8)
+        block = min(1024, triton.next_power_of_2(p * n))
+        n_mb = triton.cdiv(p * n, block)
+        dS_next = torch.empty(b, N, h, p, n, **f32)
+        dh0 = torch.empty(b, h, p, n, **f32)
+        da_last = torch.empty(b, h, N, n_mb, **f32)
+        _ssd_state_passing_bwd_kernel[(n_mb, b, h)](dh_out, entering, a, dh_T.contiguous(), dS_next, dh0, da_last, h,
+                                                    p * n, N, Cs, BLOCK=block)
+        dx = torch.empty(b, l, h, p, **f32)
+        ddt = torch.empty(b, l, h, **f32)
+        dB_h, dC_h = torch.empty(b, l, h, n, **f32), torch.empty(b, l, h, n, **f32)
+        dA_p, dD_p = torch.empty(b, N, h, **f32), torch.zeros(b, N, h, **f32)
+        _ssd_chunk_bwd_kernel[(b * N, h)](
+            x, dt, A, B, C, CB, D if D is not None else A, a, entering, dS_next, da_last.sum(-1).contiguous(), dy,
+            dx, ddt, dB_h, dC_h, dA_p, dD_p, l, h, p, n, N, Cs, HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=min(BN, 32),
+            BLOCK_C=BC, DOT=_dot_precision(x), num_warps=8)
+        dD = dD_p.sum((0, 1)).to(D.dtype) if D is not None else None
+        return (dx.to(x.dtype), ddt.to(dt.dtype), dA_p.sum((0, 1)).to(A.dtype), dB_h.sum(2, keepdim=True).to(B.dtype),
+                dC_h.sum(2, keepdim=True).to(C.dtype), dD, None, dh0 if ctx.has_initial else None)
+
+
+def ssd_triton(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
+    _ssd_check(x, dt, A, B, C, D, initial_state)
+    return _SSDTriton.apply(x, dt, A, B, C, D, chunk_size, initial_state)
+
+
+def ssd(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None, kernels="auto"):
+    path = _path("ssd", kernels, x)
+    if path == "triton":
+        return ssd_triton(x, dt, A, B, C, D, chunk_size, initial_state)
+    if path == "ref":
+        return ssd_ref(x, dt, A, B, C, D, initial_state)
+    return ssd_torch(x, dt, A, B, C, D, chunk_size, initial_state)
+
+
+# -----------------------------------------------------------------------------
+# The Triton side of `python kernels.py` (called from the __main__ block below): a walk through the
+# softmax teaching kernel, every Triton op against its reference (outputs and all input gradients), and
+# on a GPU the benchmark (T = 2048, 8 heads of 64, forward+backward; RMSNorm bandwidth). On a CPU the
+# kernels run in Triton's interpreter (set at the top of this file), which is slow, so shapes are tiny there.
+
+# dense HBM bandwidth of common GPUs in GB/s (spec sheets), for RMSNorm's "% of peak"
+_GPU_PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 NVL": 3900, "H100 PCIe": 2000, "H100": 3350, "A100-SXM4-80GB": 2039,
+                  "A100 80GB PCIe": 1935, "A100": 1555, "L40S": 864, "L4": 300, "A10G": 600, "RTX 4090": 1008,
+                  "RTX 3090": 936, "V100": 900, "T4": 320}
+
+
+def triton_report(device):
+    if not HAS_TRITON:
+        print("triton is not installed: no Triton paths to report")
+        return
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("Triton kernels on the CPU need Triton's interpreter, but TRITON_INTERPRET is set to something else")
+        return
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    def rand(*shape):
+        return torch.rand(*shape, device=device, generator=gen)
+
+    # 1. the teaching kernel
+    R, N = 5, 37
+    x = randn(R, N) * 3
+    block_n = triton.next_power_of_2(N)
+    print("\n== softmax_triton, the fused softmax of the Triton tutorial ==")
+    print(f"x is [{R}, {N}]. Each row fits in one block of BLOCK_N = next_power_of_2({N}) = {block_n} lanes; the\n"
+          f"{block_n - N} lanes past the row end load -inf, so they add exp(-inf) = 0 to the sum. A persistent grid of\n"
+          f"{_programs_for(x, R)} programs walks the rows (program i takes rows i, i + P, ...). Per row: one load, max,\n"
+          f"exp(x - max), sum, divide, one store: HBM traffic 2·R·N·4 bytes, where the unfused torch version reads\n"
+          f"and writes the [R, N] tensor about 4 times. Backward: dx = y·(dy − Σ dy·y), again one pass over y and dy.")
+    y = softmax_triton(x)
+    print(f"row sums {[round(s, 6) for s in y.sum(-1).tolist()]}; max |softmax_triton − softmax_ref| = "
+          f"{(y - softmax_ref(x)).abs().max().item():.1e}")
+
+    # 2. errors against the references, forward and backward
+    def errors(fn_tri, fn_ref, args):
+        results = []
+        for fn in (fn_tri, fn_ref):
+            leaves = [a.detach().clone().requires_grad_(True) if torch.is_tensor(a) and a.is_floating_point() else a
+                      for a in args]
+            outs = fn(*leaves)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            results.append((leaves, outs))
+        cot = [torch.randn(o.shape, device=device, generator=gen) for o in results[1][1]]
+        for leaves, outs in results:
+            sum((o.float() * c).sum() for o, c in zip(outs, cot)).backward()
+        pairs = [(f"out{i}", a, b) for i, (a, b) in enumerate(zip(results[0][1], results[1][1]))]
+        pairs += [(f"d{i}", a.grad, b.grad) for i, (a, b) in enumerate(zip(results[0][0], results[1][0]))
+                  if torch.is_tensor(b) and b.grad is not None]
+        return [(name, (a.float() - b.float()).abs().max().item(),
+                 ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()) for name, a, b in pairs]
+
+    small = device == "cpu"
+    B, T, H, K, V = (2, 37, 2, 16, 24) if small else (2, 300, 4, 64, 64)
+    normalize = F.normalize
+    gdn2_in = (normalize(randn(B, T, H, K), dim=-1), normalize(randn(B, T, H, K), dim=-1), randn(B, T, H, V),
+               -rand(B, T, H, K), rand(B, T, H, K), rand(B, T, H, V), None, randn(B, H, K, V))
+    ssd_in = (randn(B, T, H, V), F.softplus(randn(B, T, H) - 1), -rand(H) - 0.5, randn(B, T, 1, K), randn(B, T, 1, K),
+              randn(H), 16 if small else 64, randn(B, H, V, K))
+    angle = randn(T, K // 2)
+    cases = [
+        ("rms_norm", lambda x, w: rms_norm_triton(x, w, 1e-6), lambda x, w: rms_norm_ref(x, w, 1e-6),
+         (randn(B, T, 3 * K + 5), randn(3 * K + 5))),
+        ("rope", rope_triton, rope_ref, (randn(B, T, H, K), angle.cos(), angle.sin())),
+        ("softmax", softmax_triton, softmax_ref, (randn(B * T, 3 * K + 5) * 3,)),
+        ("sinkhorn", sinkhorn_triton, sinkhorn_ref, (randn(B, T, 4, 4) * 2,)),
+        ("gdn2_decay_clip", gdn2_decay_clip_triton, gdn2_decay_clip_ref,
+         (-rand(B, T, H, K), normalize(randn(B, T, H, K), dim=-1), 2 * rand(B, T, H, K))),
+        ("gdn2 recurrent", gdn2_recurrent_triton, gdn2_ref, gdn2_in),
+        ("gdn2 chunked", gdn2_chunked_triton, gdn2_ref, gdn2_in),
+        ("ssd", ssd_triton, lambda x, dt, A, B_, C, D, cs, h0: ssd_ref(x, dt, A, B_, C, D, h0), ssd_in),
+    ]
+    print(f"\n== Triton vs <op>_ref on {device}{' (interpreter)' if small else ''}, fp32: max abs / relative RMS error ==")
+    print(f"shapes: B={B} T={T} H={H} K={K} V={V}; out* are outputs, d<i> the gradient of input i")
+    for name, fn_tri, fn_ref, args in cases:
+        errs = errors(fn_tri, fn_ref, args)
+        print(f"  {name:16s} " + "  ".join(f"{n} {m:.1e}/{r:.1e}" for n, m, r in errs))
+    if device != "cuda":
+        return
+
+    # 3. GPU benchmark: forward+backward at T = 2048, 8 heads of 64, every op against its torch path
+    from triton.testing import do_bench
+    B, T, H, D = 4, 2048, 8, 64
+    print(f"\n== forward+backward, B={B} T={T} H={H} head dim {D} (ms, median of do_bench; (n x) = time / Triton's) ==")
+    # as the model feeds them under bf16 autocast: activations and gates in bf16, decays, dt and angles in fp32
+    bf16 = torch.bfloat16
+    x4 = randn(B, T, H, D).to(bf16)
+    cos, sin = randn(T, D // 2).cos(), randn(T, D // 2).sin()
+    gdn2_args = [normalize(randn(B, T, H, D), dim=-1).to(bf16), normalize(randn(B, T, H, D), dim=-1).to(bf16),
+                 randn(B, T, H, D).to(bf16), -rand(B, T, H, D), rand(B, T, H, D).to(bf16), rand(B, T, H, D).to(bf16)]
+    ssd_args = [randn(B, T, H, D).to(bf16), F.softplus(randn(B, T, H) - 3), -rand(H) - 0.5, randn(B, T, 1, D).to(bf16),
+                randn(B, T, 1, D).to(bf16), randn(H)]
+    bench = [
+        ("rms_norm", lambda x, w: rms_norm_triton(x, w, 1e-6), lambda x, w: rms_norm_torch(x, w, 1e-6),
+         [x4.reshape(B * T, H * D), torch.ones(H * D, device=device)]),
+        ("rope", lambda x: rope_triton(x, cos, sin), lambda x: rope_ref(x, cos, sin), [x4]),
+        ("softmax", softmax_triton, softmax_torch, [x4.reshape(-1, D)]),
+        ("sinkhorn", sinkhorn_triton, sinkhorn_torch, [randn(B, T, 4, 4)]),
+        ("gdn2_decay_clip", gdn2_decay_clip_triton, gdn2_decay_clip_torch, gdn2_args[3:4] + gdn2_args[1:2] + gdn2_args[4:5]),
+        ("gdn2", gdn2_triton, gdn2_torch, gdn2_args),
+        ("ssd", ssd_triton, ssd_torch, ssd_args),
+    ]
+
+    def fwd_bwd(fn, args):
+        leaves = [a.detach().requires_grad_(True) for a in args]
+
+        def step():
+            outs = fn(*leaves)
+            sum(o.float().sum() for o in (outs if isinstance(outs, tuple) else (outs,))).backward()
+        return step
+
+    for name, tri, torch_fn, args in bench:
+        t_tri = do_bench(fwd_bwd(tri, args))
+        t_torch = do_bench(fwd_bwd(torch_fn, args))
+        try:
+            t_compiled = do_bench(fwd_bwd(torch.compile(torch_fn), args))
+            compiled = f"torch.compile {t_compiled:7.3f} ms ({t_compiled / t_tri:5.1f}x)"
+        except Exception as e:  # a compiler failure should not hide the other numbers
+            compiled = f"torch.compile failed: {type(e).__name__}"
+        print(f"  {name:16s} triton {t_tri:7.3f} ms | torch {t_torch:7.3f} ms ({t_torch / t_tri:5.1f}x) | {compiled}")
+
+    rows, C = 16384, 4096
+    x = randn(rows, C).to(torch.bfloat16)
+    w = torch.ones(C, device=device, dtype=torch.bfloat16)
+    nbytes = 2 * x.numel() * x.element_size()              # read x, write y
+    t_fwd = do_bench(lambda: rms_norm_triton(x, w, 1e-6))
+    t_copy = do_bench(lambda: x.clone())
+    t_torch = do_bench(lambda: rms_norm_torch(x, w, 1e-6))
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in _GPU_PEAK_GBPS.items() if k in name), None)
+    gbps = nbytes / t_fwd / 1e6
+    print(f"\n== RMSNorm forward, [{rows}, {C}] bf16 on {name} ==")
+    print(f"  triton {t_fwd * 1e3:7.1f} us = {gbps:6.0f} GB/s"
+          + (f" = {100 * gbps / peak:4.1f}% of the {peak} GB/s spec peak" if peak else " (peak unknown for this GPU)")
+          + f"; x.clone() {nbytes / t_copy / 1e6:6.0f} GB/s; torch path {t_torch / t_fwd:4.1f}x slower")
+
+
+# -----------------------------------------------------------------------------
+# python kernels.py: every path's error against <op>_ref, and the chunked paths' speed against the token loops
+
+if __name__ == "__main__":
+    import time
+
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    paths = ["torch"] + [p for p in ("triton",) if device == "cuda" and HAS_TRITON]
+
+    def rand(*shape, lo=None, hi=None):
+        t = torch.randn(*shape, device=device) if lo is None else lo + (hi - lo) * torch.rand(*shape, device=device)
+        return t
+
+    def best_time(fn, repeats=3):
+        fn()
+        best = float("inf")
+        for _ in range(repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    B, T, H, K, V = 2, 512, 4, 64, 64
+    x4 = rand(B, T, H, K)
+    theta = torch.arange(T, device=device)[:, None] * 10000.0 ** (-torch.arange(K // 2, device=device) / (K // 2))
+    gates = (rand(B, T, H, K), F.normalize(rand(B, T, H, K), dim=-1), rand(B, T, H, V), rand(B, T, H, K, lo=-1.0, hi=-0.01),
+             rand(B, T, H, K, lo=0.0, hi=1.0), rand(B, T, H, V, lo=0.0, hi=1.0))
+    ssd_in = (rand(B, T, H, V), F.softplus(rand(B, T, H) - 2), -rand(H, lo=1.0, hi=4.0), rand(B, T, 1, 32), rand(B, T, 1, 32), rand(H))
+    ops = {
+        "rms_norm": lambda kernels: rms_norm(x4, x4[0, 0, 0], 1e-6, kernels=kernels),
+        "rope": lambda kernels: rope(x4, theta.cos(), theta.sin(), kernels=kernels),
+        "softmax": lambda kernels: softmax(x4.reshape(-1, K) * 4, kernels=kernels),
+        "sinkhorn": lambda kernels: sinkhorn(x4.reshape(-1, 4, 4) * 5, kernels=kernels),
+        "gdn2_decay_clip": lambda kernels: gdn2_decay_clip(gates[3], gates[1], gates[4], kernels=kernels),
+        "gdn2": lambda kernels: gdn2(*gates, kernels=kernels),
+        "ssd": lambda kernels: ssd(*ssd_in, kernels=kernels),
+    }
+    print(f"device {device}; shapes B={B} T={T} H={H} K={K} V={V}; errors against <op>_ref")
+    for name, run in ops.items():
+        want = run("ref")
+        want = want if isinstance(want, tuple) else (want,)
+        for path in paths:
+            if path == "triton" and (name + "_triton") not in globals():
+                continue
+            got = run(path)
+            got = got if isinstance(got, tuple) else (got,)
+            for part, (a, b) in enumerate(zip(got, want)):
+                err = (a.float() - b.float())
+                print(f"  {name:16s} {path:6s} out{part}: max abs {err.abs().max().item():.2e}  "
+                      f"rel RMS {(err.norm() / b.float().norm()).item():.2e}")
+
+    print(f"speed at T={T} (best of 3; ratio = token loop time / chunked time)")
+    b1, h1, d1 = 1, 2, 32                                         # a small shape next to the main one
+    small_gates = (rand(b1, T, h1, d1), F.normalize(rand(b1, T, h1, d1), dim=-1), rand(b1, T, h1, d1),
+                   rand(b1, T, h1, d1, lo=-1.0, hi=-0.01), rand(b1, T, h1, d1, lo=0.0, hi=1.0), rand(b1, T, h1, d1, lo=0.0, hi=1.0))
+    small_ssd = (rand(b1, T, h1, d1), F.softplus(rand(b1, T, h1) - 2), -rand(h1, lo=1.0, hi=4.0),
+                 rand(b1, T, 1, 32), rand(b1, T, 1, 32), rand(h1))
+    for name, ref_fn, fast_fn, inputs, shape in (
+            ("gdn2", gdn2_ref, gdn2_torch, small_gates, f"B={b1} H={h1} K=V={d1}"), ("gdn2", gdn2_ref, gdn2_torch, gates, f"B={B} H={H} K=V={K}"),
+            ("ssd", ssd_ref, ssd_torch, small_ssd, f"b={b1} h={h1} p={d1} n=32"), ("ssd", ssd_ref, ssd_torch, ssd_in, f"b={B} h={H} p={V} n=32")):
+        for path in paths:
+            fn = fast_fn if path == "torch" else globals().get(name + "_triton")
+            if fn is None:
+                continue
+            with torch.no_grad():
+                t_ref, t_fast = best_time(lambda: ref_fn(*inputs), 1), best_time(lambda: fn(*inputs))
+            print(f"  {name:5s} {path:6s} {shape:19s} forward:          {t_ref * 1e3:8.1f} ms vs {t_fast * 1e3:7.2f} ms = {t_ref / t_fast:6.1f}x")
+            leaves = [t.detach().requires_grad_() for t in inputs]
+
+            def train_step(f):
+                out, state = f(*leaves)
+                (out.float().sum() + state.sum()).backward()
+            t_ref, t_fast = best_time(lambda: train_step(ref_fn), 1), best_time(lambda: train_step(fn))
+            print(f"  {name:5s} {path:6s} {shape:19s} forward+backward: {t_ref * 1e3:8.1f} ms vs {t_fast * 1e3:7.2f} ms = {t_ref / t_fast:6.1f}x")
+
+    triton_report(device)  # the Triton walkthrough, error table and GPU benchmark (defined above)

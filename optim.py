@@ -1,0 +1,592 @@
+"""
+Optimizers, from SGD to Mousse, and build_optimizer (which parameter goes to which optimizer).
+
+Every optimizer is a torch.optim.Optimizer with standard param_groups and state_dict.
+Shared conventions (DESIGN.md): t counts steps from 1; weight decay is decoupled,
+    p <- p * (1 - lr * wd)   then   p <- p - lr * u
+where u is the optimizer's update direction, given in each class docstring.
+
+Element-wise optimizers (SGD, SignSGD, AdamW, NAdam, Lion, Tiger) use torch._foreach_* ops, one
+kernel per op for the whole group, which is what makes them fast on the CPU. Matrix optimizers
+(Muon, Shampoo, Mousse, GaLore) loop over their 2-D matrices.
+"""
+
+import inspect
+import math
+
+import torch
+
+# -----------------------------------------------------------------------------
+# msign: the orthogonal polar factor U V^T of G = U S V^T, by Newton-Schulz
+
+# One (a, b, c) per step; a set shorter than `steps` repeats its last triple.
+NS_COEFFS = {
+    "jordan": [(3.4445, -4.7750, 2.0315)],  # Keller Jordan's quintic, steepest slope at 0
+    "dion": [  # microsoft/dion's five-step schedule (seeds/mousse-optimizer.md)
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ],
+}
+
+
+def ns_schedule(steps, coeffs):
+    """The list of `steps` (a, b, c) triples Newton-Schulz applies."""
+    if coeffs not in NS_COEFFS:
+        raise ValueError(f"unknown Newton-Schulz coeffs {coeffs!r}; use one of {sorted(NS_COEFFS)}")
+    table = NS_COEFFS[coeffs]
+    return [table[min(i, len(table) - 1)] for i in range(steps)]
+
+
+def ns_scalar(x, steps=5, coeffs="jordan"):
+    """What Newton-Schulz does to one singular value x of G/||G||_F: x <- a x + b x^3 + c x^5."""
+    for a, b, c in ns_schedule(steps, coeffs):
+        x = a * x + b * x**3 + c * x**5
+    return x
+
+
+def msign(G, steps=5, coeffs="jordan"):
+    """msign(G) ~ U V^T: X = G/(||G||_F + 1e-7), then each step X <- aX + (bA + cA^2)X with A = X X^T.
+    Works on the wide orientation (A is the smaller Gram matrix); fp32 on the CPU, bf16 on CUDA."""
+    if G.ndim != 2:
+        raise ValueError(f"msign takes a 2-D matrix, got shape {tuple(G.shape)}; reshape it first")
+    X = G.to(torch.bfloat16 if G.is_cuda else torch.float32)
+    tall = X.size(0) > X.size(1)
+    if tall:
+        X = X.mT
+    X = X / (X.norm() + 1e-7)
+    for a, b, c in ns_schedule(steps, coeffs):
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+# -----------------------------------------------------------------------------
+# element-wise optimizers
+
+
+def _live_params(optimizer, group, *buffers):
+    """Parameters of `group` that have a gradient, their gradients, their state buffers (zeros on
+    first use) and their step counts t, advanced by one."""
+    params, grads, bufs, ts = [], [], [[] for _ in buffers], []
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        state = optimizer.state[p]
+        if not state:
+            state["step"] = 0
+            for name in buffers:
+                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        params.append(p)
+        grads.append(p.grad)
+        for lst, name in zip(bufs, buffers):
+            lst.append(state[name])
+        ts.append(state["step"])
+    return params, grads, bufs, ts
+
+
+def _decay(params, group):
+    if group["weight_decay"] != 0 and params:
+        torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+
+
+class SGD(torch.optim.Optimizer):
+    """SGD with momentum: m <- mu m + g;  u = g + mu m (nesterov) or u = m."""
+
+    def __init__(self, params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            params, grads, (ms,), _ = _live_params(self, group, "m")
+            if not params:
+                continue
+            mu = group["momentum"]
+            _decay(params, group)
+            torch._foreach_mul_(ms, mu)
+            torch._foreach_add_(ms, grads)
+            if group["nesterov"]:
+                u = torch._foreach_mul(ms, mu)
+                torch._foreach_add_(u, grads)
+            else:
+                u = ms
+            torch._foreach_add_(params, u, alpha=-group["lr"])
+
+
+class SignSGD(torch.optim.Optimizer):
+    """SignSGD / Signum: m <- beta m + (1 - beta) g;  u = sign(m). beta = 0 is plain sign(g)."""
+
+    def __init__(self, params, lr=1e-3, beta=0.0, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, beta=beta, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            params, grads, (ms,), _ = _live_params(self, group, "m")
+            if not params:
+                continue
+            _decay(params, group)
+            torch._foreach_lerp_(ms, grads, 1 - group["beta"])
+            torch._foreach_add_(params, torch._foreach_sign(ms), alpha=-group["lr"])
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW: m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2;
+    u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            params, grads, (ms, vs), ts = _live_params(self, group, "m", "v")
+            if not params:
+                continue
+            b1, b2 = group["betas"]
+            _decay(params, group)
+            torch._foreach_lerp_(ms, grads, 1 - b1)
+            torch._foreach_mul_(vs, b2)
+            torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
+            denom = torch._foreach_sqrt(vs)  # sqrt(v / (1 - b2^t)) = sqrt(v) / sqrt(1 - b2^t)
+            torch._foreach_div_(denom, [math.sqrt(1 - b2**t) for t in ts])
+            torch._foreach_add_(denom, group["eps"])
+            torch._foreach_addcdiv_(params, ms, denom, [-group["lr"] / (1 - b1**t) for t in ts])
+
+
+class NAdam(torch.optim.Optimizer):
+    """NAdam (seeds/nesterov.md): AdamW's m and v, but the numerator looks one step ahead:
+    u = ((b1 m + (1-b1) g) / (1 - b1^(t+1))) / (sqrt(v / (1 - b2^t)) + eps)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            params, grads, (ms, vs), ts = _live_params(self, group, "m", "v")
+            if not params:
+                continue
+            b1, b2 = group["betas"]
+            _decay(params, group)
+            torch._foreach_lerp_(ms, grads, 1 - b1)
+            torch._foreach_mul_(vs, b2)
+            torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
+            lookahead = torch._foreach_lerp(ms, grads, 1 - b1)
+            denom = torch._foreach_sqrt(vs)
+            torch._foreach_div_(denom, [math.sqrt(1 - b2**t) for t in ts])
+            torch._foreach_add_(denom, group["eps"])
+            torch._foreach_addcdiv_(params, lookahead, denom, [-group["lr"] / (1 - b1 ** (t + 1)) for t in ts])
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion: u = sign(b1 m + (1-b1) g), then m <- b2 m + (1-b2) g."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            params, grads, (ms,), _ = _live_params(self, group, "m")
+            if not params:
+                continue
+            b1, b2 = group["betas"]
+            _decay(params, group)
+            u = torch._foreach_lerp(ms, grads, 1 - b1)
+            torch._foreach_sign_(u)
+            torch._foreach_add_(params, u, alpha=-group["lr"])
+            torch._foreach_lerp_(ms, grads, 1 - b2)
+
+
+class Tiger(torch.optim.Optimizer):
+    """Tiger (Lion with b1 = b2): m <- beta m + (1-beta) g;  u = sign(m)."""
+
+    def __init__(self, params, lr=1e-4, beta=0.965, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, beta=beta, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            params, grads, (ms,), _ = _live_params(self, group, "m")
+            if not params:
+                continue
+            _decay(params, group)
+            torch._foreach_lerp_(ms, grads, 1 - group["beta"])
+            torch._foreach_add_(params, torch._foreach_sign(ms), alpha=-group["lr"])
+
+
+# -----------------------------------------------------------------------------
+# matrix optimizers (2-D parameters only; build_optimizer routes everything else to AdamW)
+
+
+def _check_matrices(optimizer):
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.ndim != 2:
+                raise ValueError(
+                    f"{type(optimizer).__name__} takes 2-D matrices, got shape {tuple(p.shape)}; "
+                    "use build_optimizer, which sends other parameters to AdamW")
+
+
+def muon_scale(kind, rows, cols):
+    """Muon's shape scaling s of msign's output for a [rows, cols] = [fan_out, fan_in] weight."""
+    if kind == "jordan":
+        return max(1.0, rows / cols) ** 0.5
+    if kind == "moonlight":  # update RMS ~ 0.2, AdamW's typical update RMS
+        return 0.2 * max(rows, cols) ** 0.5
+    if kind == "spectral":  # ||u||_2 = sqrt(fan_out / fan_in), the spectral condition
+        return (rows / cols) ** 0.5
+    raise ValueError(f"unknown Muon scale {kind!r}; use 'jordan', 'moonlight' or 'spectral'")
+
+
+def _inverse_root(S, exponent, eps, relative):
+    """S^(-exponent) of a symmetric PSD matrix by eigh, eigenvalues floored first at eps (relative=False)
+    or at eps * the largest eigenvalue (relative=True)."""
+    lam, Q = torch.linalg.eigh(S)
+    floor = eps * lam.max().item() if relative else eps
+    lam = lam.clamp_min(max(floor, 1e-30))
+    return (Q * lam.pow(-exponent)) @ Q.mT
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon: m <- beta m + (1-beta) g;  u0 = (1-beta) g + beta m (nesterov) or m;
+    u = s * msign(u0), s from `scale`: 'jordan' max(1, rows/cols)^1/2, 'moonlight'
+    0.2 max(rows, cols)^1/2, 'spectral' (fan_out/fan_in)^1/2.
+    Newton-Schulz defaults to the 'dion' schedule: its singular values land in [0.97, 1.15] where
+    'jordan' gives [0.68, 1.21], so 'moonlight' really yields an update RMS of 0.2 (jordan: 0.16-0.19)."""
+
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, scale="jordan",
+                 ns_steps=5, ns_coeffs="dion", weight_decay=0.0):
+        muon_scale(scale, 1, 1)
+        ns_schedule(ns_steps, ns_coeffs)
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, scale=scale,
+                                      ns_steps=ns_steps, ns_coeffs=ns_coeffs, weight_decay=weight_decay))
+        _check_matrices(self)
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            beta, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g, state = p.grad, self.state[p]
+                if not state:
+                    state.update(step=0, m=torch.zeros_like(p))
+                state["step"] += 1
+                m = state["m"]
+                m.lerp_(g, 1 - beta)
+                u0 = g.lerp(m, beta) if group["nesterov"] else m
+                u = msign(u0, group["ns_steps"], group["ns_coeffs"])
+                p.mul_(1 - lr * wd)
+                p.add_(u, alpha=-lr * muon_scale(group["scale"], *p.shape))
+
+
+class Shampoo(torch.optim.Optimizer):
+    """Shampoo with AdamW grafting: L <- b2 L + (1-b2) G G^T, R <- b2 R + (1-b2) G^T G;
+    u = L^-1/4 m R^-1/4 rescaled to the Frobenius norm of AdamW's u on the same g.
+    m and v are AdamW's moments (betas); the roots are recomputed from L, R on steps 1, 1 + precond_every, ...
+    (eigh, eigenvalues floored at eps * max) and cached in the state between refreshes."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-6, precond_every=10,
+                 graft_eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, precond_every=precond_every,
+                                      graft_eps=graft_eps, weight_decay=weight_decay))
+        _check_matrices(self)
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (b1, b2), eps, lr, wd = group["betas"], group["eps"], group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g, state = p.grad, self.state[p]
+                if not state:
+                    rows, cols = p.shape
+                    state.update(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p),
+                                 L=g.new_zeros(rows, rows), R=g.new_zeros(cols, cols),
+                                 L_root=g.new_zeros(rows, rows), R_root=g.new_zeros(cols, cols))
+                state["step"] += 1
+                t, m, v, L, R = state["step"], state["m"], state["v"], state["L"], state["R"]
+                m.lerp_(g, 1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                L.mul_(b2).add_(g @ g.mT, alpha=1 - b2)
+                R.mul_(b2).add_(g.mT @ g, alpha=1 - b2)
+                if (t - 1) % group["precond_every"] == 0:
+                    for S, root in ((L, state["L_root"]), (R, state["R_root"])):
+                        root.copy_(_inverse_root(S, 0.25, eps, relative=True))
+                direction = state["L_root"] @ m @ state["R_root"]
+                adam = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + group["graft_eps"])
+                u = direction * (adam.norm() / direction.norm().clamp_min(1e-30))
+                p.mul_(1 - lr * wd)
+                p.add_(u, alpha=-lr)
+
+
+class Mousse(torch.optim.Optimizer):
+    """Mousse (seeds/mousse-optimizer.md, arXiv 2603.09697): Muon in Shampoo-whitened coordinates.
+    m, u0 as Muon (momentum, nesterov); L <- b2 L + (1-b2) G G^T, R <- b2 R + (1-b2) G^T G from raw g.
+    On steps 1, 1 + precond_every, ...: L~ = rows * Lhat / tr(Lhat), Lhat = L / (1 - b2^t) (R~ alike),
+    eigh, eigenvalues floored at eps, roots L~^-alpha, R~^-alpha cached in the state. Then
+    O = msign(L~^-a u0 R~^-a),  u = L~^-a O R~^-a * ||O||_F / ||L~^-a O R~^-a||_F * (rows/cols)^1/2."""
+
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, alpha=0.125, beta2=0.95, eps=1e-5,
+                 precond_every=10, ns_steps=5, ns_coeffs="dion", weight_decay=0.0):
+        ns_schedule(ns_steps, ns_coeffs)
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, alpha=alpha, beta2=beta2,
+                                      eps=eps, precond_every=precond_every, ns_steps=ns_steps,
+                                      ns_coeffs=ns_coeffs, weight_decay=weight_decay))
+        _check_matrices(self)
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            beta, b2, lr, wd = group["momentum"], group["beta2"], group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g, state = p.grad, self.state[p]
+                rows, cols = p.shape
+                if not state:
+                    state.update(step=0, m=torch.zeros_like(p),
+                                 L=g.new_zeros(rows, rows), R=g.new_zeros(cols, cols),
+                                 L_root=g.new_zeros(rows, rows), R_root=g.new_zeros(cols, cols))
+                state["step"] += 1
+                t, m, L, R = state["step"], state["m"], state["L"], state["R"]
+                m.lerp_(g, 1 - beta)
+                u0 = g.lerp(m, beta) if group["nesterov"] else m
+                L.mul_(b2).add_(g @ g.mT, alpha=1 - b2)
+                R.mul_(b2).add_(g.mT @ g, alpha=1 - b2)
+                if (t - 1) % group["precond_every"] == 0:
+                    for S, root in ((L, state["L_root"]), (R, state["R_root"])):
+                        S_hat = S / (1 - b2**t)
+                        S_tilde = S_hat * (S.size(0) / S_hat.trace().clamp_min(1e-30))
+                        root.copy_(_inverse_root(S_tilde, group["alpha"], group["eps"], relative=False))
+                L_root, R_root = state["L_root"], state["R_root"]
+                O = msign(L_root @ u0 @ R_root, group["ns_steps"], group["ns_coeffs"])
+                u = L_root @ O @ R_root
+                u = u * (O.norm() / u.norm().clamp_min(1e-30))
+                p.mul_(1 - lr * wd)
+                p.add_(u, alpha=-lr * muon_scale("spectral", rows, cols))
+
+
+class GaLore(torch.optim.Optimizer):
+    """GaLore: on steps 1, 1 + update_proj_gap, ... P = top-`rank` singular vectors of g on its smaller
+    side (left if rows <= cols, else right); AdamW moments on the projection r = P^T g (or g P);
+    u = scale * P adam(r) (or adam(r) P^T). Moments are kept across projection refreshes (as GaLore does)."""
+
+    def __init__(self, params, lr=1e-3, rank=32, update_proj_gap=200, scale=0.25, betas=(0.9, 0.99),
+                 eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, rank=rank, update_proj_gap=update_proj_gap, scale=scale,
+                                      betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        _check_matrices(self)
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (b1, b2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g, state = p.grad, self.state[p]
+                rows, cols = p.shape
+                left = rows <= cols
+                r = min(group["rank"], rows, cols)
+                if not state:
+                    projected = (r, cols) if left else (rows, r)
+                    state.update(step=0, P=g.new_zeros(rows if left else cols, r),
+                                 m=g.new_zeros(projected), v=g.new_zeros(projected))
+                state["step"] += 1
+                t, P, m, v = state["step"], state["P"], state["m"], state["v"]
+                if (t - 1) % group["update_proj_gap"] == 0:
+                    U, _, Vh = torch.linalg.svd(g.float() if g.element_size() < 4 else g, full_matrices=False)
+                    P.copy_(U[:, :r] if left else Vh[:r].mT)
+                low = P.mT @ g if left else g @ P
+                m.lerp_(low, 1 - b1)
+                v.mul_(b2).addcmul_(low, low, value=1 - b2)
+                adam = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + group["eps"])
+                u = P @ adam if left else adam @ P.mT
+                p.mul_(1 - lr * wd)
+                p.add_(u, alpha=-lr * group["scale"])
+
+
+# -----------------------------------------------------------------------------
+# routing: which parameter goes to which optimizer
+
+ELEMENTWISE = {"sgd": SGD, "signsgd": SignSGD, "adamw": AdamW, "nadam": NAdam, "lion": Lion, "tiger": Tiger}
+MATRIX = {"muon": Muon, "shampoo": Shampoo, "mousse": Mousse, "galore": GaLore}
+
+
+def is_block_matrix(name, p):
+    """The parameters matrix optimizers take: 2-D weights inside blocks, hyper-connection ones excepted."""
+    return p.ndim == 2 and name.startswith("blocks.") and ".hc_" not in name
+
+
+class CombinedOptimizer:
+    """Several optimizers driven as one: the schedule sees every param group, the checkpoint one state dict."""
+
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self):
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def step(self):
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none=True):
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers],
+                "kinds": [type(opt).__name__ for opt in self.optimizers]}
+
+    def load_state_dict(self, state_dict):
+        kinds = [type(opt).__name__ for opt in self.optimizers]
+        if state_dict.get("kinds") != kinds:
+            raise ValueError(f"optimizer state holds {state_dict.get('kinds')}, this run builds {kinds}; "
+                             "resume with the same --optimizer")
+        for opt, sd in zip(self.optimizers, state_dict["optimizers"]):
+            opt.load_state_dict(sd)
+
+
+def build_optimizer(model, name, lr, weight_decay, aux_lr=3e-3, aux_betas=(0.9, 0.99), aux_eps=1e-8,
+                    aux_weight_decay=None, spectral_lr=False, **kw):
+    """One optimizer object for `model`. Routing:
+    - matrix optimizers (muon, mousse, shampoo, galore): block matrices (2-D, name 'blocks.*', no '.hc_')
+      go to `name` with lr, weight_decay; every other parameter (embeddings, lm_head, norms, biases, gate
+      scalars, HC parameters, A_log, dt_bias, conv weights) goes to AdamW with aux_lr, aux_betas, aux_eps,
+      weight decay aux_weight_decay (default weight_decay) on tensors of 2 or more dims;
+    - element-wise optimizers (sgd, signsgd, adamw, nadam, lion, tiger) take every parameter with lr;
+    - 1-D tensors never get weight decay.
+    Every param group carries base_lr (the schedule sets group['lr'] = group['base_lr'] * multiplier).
+    spectral_lr=True gives each block matrix its own group with base_lr = lr * init.spectral_lr_scale(
+    fan_out, fan_in, name). **kw are `name`'s own hyper-parameters (e.g. momentum, betas, scale, alpha, rank)."""
+    name = name.lower()
+    table = {**ELEMENTWISE, **MATRIX}
+    if name not in table:
+        raise ValueError(f"unknown optimizer {name!r}; use one of {', '.join(table)}")
+    cls = table[name]
+    options = [k for k in inspect.signature(cls).parameters if k not in ("params", "lr", "weight_decay")]
+    unknown = sorted(set(kw) - set(options))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for optimizer {name!r}; valid: {options}")
+    if aux_weight_decay is None:
+        aux_weight_decay = weight_decay
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    blocks = [p for n, p in named if is_block_matrix(n, p)]
+    # under spectral_lr an untied lm_head is scaled as the dense map n_embd -> vocab it is (when tied it is
+    # wte.weight, which named_parameters lists once, as the embedding, and which stays unscaled)
+    head = [p for n, p in named if spectral_lr and n == "lm_head.weight"]
+    rest = [p for n, p in named if not is_block_matrix(n, p) and not any(p is h for h in head)]
+    if spectral_lr:
+        from init import spectral_lr_scale
+        own = {"muon_scale": kw.get("scale", "jordan")} if name == "muon" else {}  # Muon's shape factor
+        block_groups = [dict(params=[p], weight_decay=weight_decay,
+                             base_lr=lr * spectral_lr_scale(p.shape[0], p.shape[1], name, **own)) for p in blocks]
+    else:
+        block_groups = [dict(params=blocks, weight_decay=weight_decay, base_lr=lr)]
+
+    def rest_groups(base_lr, wd, kind):
+        groups = [dict(params=[p for p in rest if p.ndim >= 2], weight_decay=wd, base_lr=base_lr),
+                  dict(params=[p for p in rest if p.ndim < 2], weight_decay=0.0, base_lr=base_lr)]
+        if head:
+            groups.append(dict(params=head, weight_decay=wd, base_lr=base_lr * spectral_lr_scale(*head[0].shape, kind)))
+        return groups
+
+    def nonempty(groups):
+        return [dict(g, lr=g["base_lr"]) for g in groups if g["params"]]
+
+    if name in ELEMENTWISE:
+        return CombinedOptimizer([cls(nonempty(block_groups + rest_groups(lr, weight_decay, name)), lr=lr, **kw)])
+    if not blocks:
+        raise ValueError(f"{name} found no block matrices (2-D 'blocks.*' parameters) in the model; "
+                         "use an element-wise optimizer such as adamw")
+    optimizers = [cls(nonempty(block_groups), lr=lr, **kw)]
+    if rest or head:
+        optimizers.append(AdamW(nonempty(rest_groups(aux_lr, aux_weight_decay, "adamw")), lr=aux_lr, betas=aux_betas,
+                                eps=aux_eps))
+    return CombinedOptimizer(optimizers)
+
+
+def state_bytes(optimizer):
+    """Bytes held in tensors of the optimizer state."""
+    opts = optimizer.optimizers if isinstance(optimizer, CombinedOptimizer) else [optimizer]
+    return sum(v.numel() * v.element_size() for opt in opts for s in opt.state.values()
+               for v in s.values() if torch.is_tensor(v))
+
+
+# -----------------------------------------------------------------------------
+# demo: msign's singular-value band, then each optimizer's state memory and step time against AdamW
+
+if __name__ == "__main__":
+    import time
+
+    torch.manual_seed(0)
+    xs = torch.logspace(-4, 0, 4001, dtype=torch.float64)
+    print("Newton-Schulz: singular value x of G/||G||_F -> msign's singular value")
+    for coeffs in NS_COEFFS:
+        for steps in (5, 8):
+            y = ns_scalar(xs, steps, coeffs)
+            for lo in (1e-3, 3e-3):
+                ok = y[xs >= lo]
+                print(f"  {coeffs:6s} {steps} steps, x >= {lo:.0e}: [{ok.min():.3f}, {ok.max():.3f}]")
+    print("moonlight update RMS (target 0.2) on Gaussian gradients:")
+    for shape in [(128, 128), (512, 128), (128, 512), (384, 1536)]:
+        G = torch.randn(shape)
+        rms = {c: (muon_scale("moonlight", *shape) * msign(G, 5, c)).pow(2).mean().sqrt().item() for c in NS_COEFFS}
+        print(f"  {str(shape):12s} " + "  ".join(f"{c} {v:.3f}" for c, v in rms.items()))
+
+    # the baby model's parameters: n_embd 128, 4 layers of attention + relu2 MLP, a 65-token embedding
+    d, n_layer = 128, 4
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1, self.norm2 = torch.nn.Parameter(torch.ones(d)), torch.nn.Parameter(torch.ones(d))
+            self.q_proj, self.k_proj, self.v_proj, self.out_proj = (torch.nn.Linear(d, d, bias=False) for _ in range(4))
+            self.in_proj, self.mlp_out_proj = torch.nn.Linear(d, 4 * d, bias=False), torch.nn.Linear(4 * d, d, bias=False)
+
+    model = torch.nn.Module()
+    model.wte = torch.nn.Embedding(65, d)
+    model.blocks = torch.nn.ModuleList(Layer() for _ in range(n_layer))
+    model.norm_f = torch.nn.Parameter(torch.ones(d))
+    n_block = sum(p.numel() for n, p in model.named_parameters() if is_block_matrix(n, p))
+    n_all = sum(p.numel() for p in model.parameters())
+    grads = [[torch.randn_like(p) for p in model.parameters()] for _ in range(3)]
+    lrs = {"sgd": 0.1, "signsgd": 1e-4, "adamw": 1e-3, "nadam": 1e-3, "lion": 1e-4, "tiger": 1e-4,
+           "muon": 0.02, "shampoo": 1e-3, "mousse": 0.02, "galore": 1e-2}
+    torch.set_num_threads(1)
+    rows = []
+    for name in list(ELEMENTWISE) + list(MATRIX):
+        opt = build_optimizer(model, name, lr=lrs[name], weight_decay=0.1, aux_lr=1e-3)
+        times = []
+        for k in range(13):  # the first step creates the state; 12 more cross a preconditioner refresh
+            for p, g in zip(model.parameters(), grads[k % 3]):
+                p.grad = g
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        main = opt.optimizers[0]
+        main_bytes = sum(v.numel() * v.element_size() for s in main.state.values() for v in s.values()
+                         if torch.is_tensor(v))
+        rows.append((name, state_bytes(opt) / n_all, main_bytes / n_block if name in MATRIX else None,
+                     1e3 * sum(times[1:]) / len(times[1:])))
+    adamw_ms = next(ms for name, _, _, ms in rows if name == "adamw")
+    print(f"{n_all:,} parameters, {n_block:,} of them in block matrices; 1 thread (timings depend on machine load)")
+    print(f"{'optimizer':9s} {'state bytes/param':>17s} {'on block matrices':>17s} {'step ms':>8s} {'vs adamw':>8s}")
+    for name, all_b, block_b, ms in rows:
+        block = f"{block_b:17.1f}" if block_b is not None else f"{'-':>17s}"
+        print(f"{name:9s} {all_b:17.1f} {block} {ms:8.2f} {ms / adamw_ms:8.2f}")
