@@ -49,14 +49,15 @@ def ns_scalar(x, steps=5, coeffs="jordan"):
 
 def msign(G, steps=5, coeffs="jordan"):
     """msign(G) ~ U V^T: X = G/(||G||_F + 1e-7), then each step X <- aX + (bA + cA^2)X with A = X X^T.
-    Works on the wide orientation (A is the smaller Gram matrix); fp32 on the CPU, bf16 on CUDA."""
-    if G.ndim != 2:
-        raise ValueError(f"msign takes a 2-D matrix, got shape {tuple(G.shape)}; reshape it first")
+    Works on the wide orientation (A is the smaller Gram matrix); fp32 on the CPU, bf16 on CUDA.
+    G may be a stack [..., m, n] of same-shaped matrices, each orthogonalised on its own."""
+    if G.ndim < 2:
+        raise ValueError(f"msign takes a matrix (or a stack of them), got shape {tuple(G.shape)}; reshape it first")
     X = G.to(torch.bfloat16 if G.is_cuda else torch.float32)
-    tall = X.size(0) > X.size(1)
+    tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT
-    X = X / (X.norm() + 1e-7)
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     for a, b, c in ns_schedule(steps, coeffs):
         A = X @ X.mT
         B = b * A + c * (A @ A)
@@ -275,6 +276,7 @@ class Muon(torch.optim.Optimizer):
     def step(self):
         for group in self.param_groups:
             beta, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+            by_shape = {}  # same-shaped matrices go through Newton-Schulz as one batch (far fewer small ops)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -284,10 +286,12 @@ class Muon(torch.optim.Optimizer):
                 state["step"] += 1
                 m = state["m"]
                 m.lerp_(g, 1 - beta)
-                u0 = g.lerp(m, beta) if group["nesterov"] else m
-                u = msign(u0, group["ns_steps"], group["ns_coeffs"])
-                p.mul_(1 - lr * wd)
-                p.add_(u, alpha=-lr * muon_scale(group["scale"], *p.shape))
+                by_shape.setdefault(p.shape, []).append((p, g.lerp(m, beta) if group["nesterov"] else m))
+            for shape, items in by_shape.items():
+                updates = msign(torch.stack([u0 for _, u0 in items]), group["ns_steps"], group["ns_coeffs"])
+                for (p, _), u in zip(items, updates.unbind(0)):
+                    p.mul_(1 - lr * wd)
+                    p.add_(u, alpha=-lr * muon_scale(group["scale"], *shape))
 
 
 class Shampoo(torch.optim.Optimizer):

@@ -1919,9 +1919,13 @@ def test_optim_msign_band_and_singular_vectors(coeffs, shape, cond):
         assert x.min() < threshold5
 
 
-def test_optim_msign_rejects_non_matrix():
-    with pytest.raises(ValueError, match="2-D"):
-        optim.msign(torch.randn(3, 4, 5))
+def test_optim_msign_rejects_non_matrix_and_batches_stacks():
+    with pytest.raises(ValueError, match="matrix"):
+        optim.msign(torch.randn(5))
+    stack = torch.randn(3, 6, 4)  # tall slices: each is orthogonalised on its own
+    batched = optim.msign(stack)
+    for G, X in zip(stack, batched):
+        assert torch.allclose(X, optim.msign(G), atol=1e-5)
     with pytest.raises(ValueError, match="coeffs"):
         optim.msign(torch.randn(3, 4), coeffs="nope")
 
