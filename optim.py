@@ -207,21 +207,11 @@ class Lion(torch.optim.Optimizer):
             torch._foreach_lerp_(ms, grads, 1 - b2)
 
 
-class Tiger(torch.optim.Optimizer):
-    """Tiger (Lion with b1 = b2): m <- beta m + (1-beta) g;  u = sign(m)."""
+class Tiger(SignSGD):
+    """Tiger (Lion with b1 = b2): m <- beta m + (1-beta) g;  u = sign(m). SignSGD's rule with Tiger's defaults."""
 
     def __init__(self, params, lr=1e-4, beta=0.965, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, beta=beta, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            params, grads, (ms,), _ = _live_params(self, group, "m")
-            if not params:
-                continue
-            _decay(params, group)
-            torch._foreach_lerp_(ms, grads, 1 - group["beta"])
-            torch._foreach_add_(params, torch._foreach_sign(ms), alpha=-group["lr"])
+        super().__init__(params, lr=lr, beta=beta, weight_decay=weight_decay)
 
 
 # -----------------------------------------------------------------------------

@@ -414,15 +414,20 @@ def _kernels_gdn2_inputs(B, T, H, K, V, decay, init, seed=0):
 @pytest.mark.parametrize("decay", [5.0, 0.01])
 def test_kernels_gdn2_torch_matches_ref(T, chunk, init, decay):
     q, k, v, g, b, w, S0 = _kernels_gdn2_inputs(2, T, 2, 8, 6, decay, init)
-    inputs = [t.requires_grad_() for t in (q, k, v, g, b, w) + ((S0,) if init else ())]
-    S_in = inputs[6] if init else None
-    o_ref, S_ref = kernels.gdn2(*inputs[:6], initial_state=S_in, kernels="ref")
-    o, S = kernels.gdn2(*inputs[:6], initial_state=S_in, chunk_size=chunk, kernels="torch")
-    assert _kernels_rel(o, o_ref) < 5e-3 and _kernels_rel(S, S_ref) < 5e-3
-    do, dS = torch.randn_like(o_ref), torch.randn_like(S_ref)
-    grads_ref = torch.autograd.grad((o_ref * do).sum() + (S_ref * dS).sum(), inputs)
-    grads = torch.autograd.grad((o * do).sum() + (S * dS).sum(), inputs)
-    for name, gr, gt in zip("q k v g b w S0".split(), grads_ref, grads):
+    _kernels_check_chunked_vs_ref(kernels.gdn2, (q, k, v, g, b, w), S0, chunk, "q k v g b w S0")
+
+
+def _kernels_check_chunked_vs_ref(op, inputs, initial_state, chunk, names):
+    """op's torch path vs its token loop: output, final state and every input's gradient (rel. RMS ≤ 5e-3)."""
+    inputs = [t.requires_grad_() for t in inputs + ((initial_state,) if initial_state is not None else ())]
+    state_in = inputs[6] if initial_state is not None else None
+    out_ref, state_ref = op(*inputs[:6], initial_state=state_in, kernels="ref")
+    out, state = op(*inputs[:6], initial_state=state_in, chunk_size=chunk, kernels="torch")
+    assert _kernels_rel(out, out_ref) < 5e-3 and _kernels_rel(state, state_ref) < 5e-3
+    d_out, d_state = torch.randn_like(out_ref), torch.randn_like(state_ref)
+    grads_ref = torch.autograd.grad((out_ref * d_out).sum() + (state_ref * d_state).sum(), inputs)
+    grads = torch.autograd.grad((out * d_out).sum() + (state * d_state).sum(), inputs)
+    for name, gr, gt in zip(names.split(), grads_ref, grads):
         assert _kernels_rel(gt, gr) < 5e-3, name
 
 
@@ -682,16 +687,7 @@ def _kernels_ssd_inputs(b, l, h, p, n, decay, init, seed=0):
 @pytest.mark.parametrize("decay", [5.0, 0.01])
 def test_kernels_ssd_torch_matches_ref(T, chunk, init, decay):
     x, dt, A, B, C, D, h0 = _kernels_ssd_inputs(2, T, 3, 4, 5, decay, init)
-    inputs = [t.requires_grad_() for t in (x, dt, A, B, C, D) + ((h0,) if init else ())]
-    h_in = inputs[6] if init else None
-    y_ref, h_ref = kernels.ssd(*inputs[:6], initial_state=h_in, kernels="ref")
-    y, hT = kernels.ssd(*inputs[:6], chunk_size=chunk, initial_state=h_in, kernels="torch")
-    assert _kernels_rel(y, y_ref) < 5e-3 and _kernels_rel(hT, h_ref) < 5e-3
-    dy, dh = torch.randn_like(y_ref), torch.randn_like(h_ref)
-    grads_ref = torch.autograd.grad((y_ref * dy).sum() + (h_ref * dh).sum(), inputs)
-    grads = torch.autograd.grad((y * dy).sum() + (hT * dh).sum(), inputs)
-    for name, gr, gt in zip("x dt A B C D h0".split(), grads_ref, grads):
-        assert _kernels_rel(gt, gr) < 5e-3, name
+    _kernels_check_chunked_vs_ref(kernels.ssd, (x, dt, A, B, C, D), h0, chunk, "x dt A B C D h0")
 
 
 def test_kernels_low_precision_inputs_and_autocast():
