@@ -47,6 +47,8 @@ KERNEL_CHOICES = ("auto", "torch", "triton", "ref")
 
 def _path(op, kernels, x):
     """Resolve kernels= to "torch" | "triton" | "ref" for op on tensor x."""
+    if kernels == "auto" and not x.is_cuda:  # the common CPU case, decided without a lookup
+        return "torch"
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels={kernels!r} is not one of {KERNEL_CHOICES}; pick one of those")
     has_triton = HAS_TRITON and (op + "_triton") in globals()
@@ -237,11 +239,21 @@ def rope_triton(x, cos, sin):
     return _RoPETriton.apply(x, cos, sin)
 
 
+def rope_torch(x, cos, sin):
+    # the same rotation in fewer ops: y = x ⊙ [cos, cos] + [x2, x1] ⊙ [−sin, sin]
+    half = x.shape[-1] // 2
+    cos2 = torch.cat((cos, cos), dim=-1)[None, :, None, :].to(x.dtype)
+    sin2 = torch.cat((-sin, sin), dim=-1)[None, :, None, :].to(x.dtype)
+    return x * cos2 + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin2
+
+
 def rope(x, cos, sin, kernels="auto"):
     path = _path("rope", kernels, x)
     if path == "triton":
         return rope_triton(x, cos, sin)
-    return rope_ref(x, cos, sin)
+    if path == "ref":
+        return rope_ref(x, cos, sin)
+    return rope_torch(x, cos, sin)
 
 
 # -----------------------------------------------------------------------------

@@ -130,10 +130,10 @@ class Attention(nn.Module):
             if "k" in cache:
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v
-        # query i sits at absolute position (S - T + i) and sees keys 0 .. S - T + i
         S = k.size(2)
-        mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
         dropout = self.dropout if self.training else 0.0
+        if self.math_path or S != T:  # query i sits at position S - T + i and sees keys 0 .. S - T + i
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
         if self.math_path:
             att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
             att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)

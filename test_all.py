@@ -781,10 +781,10 @@ def test_kernels_chunked_faster_than_token_loop():
     q, k, v, g, b, w, _ = _kernels_gdn2_inputs(1, 512, 2, 32, 32, 0.5, False)
     x, dt, A, B, C, D, _ = _kernels_ssd_inputs(1, 512, 2, 32, 32, 0.5, False)
     with torch.no_grad():
-        gdn2_ratio = _kernels_best_time(lambda: kernels.gdn2_ref(q, k, v, g, b, w), 1) / \
-            _kernels_best_time(lambda: kernels.gdn2_torch(q, k, v, g, b, w))
-        ssd_ratio = _kernels_best_time(lambda: kernels.ssd_ref(x, dt, A, B, C, D), 1) / \
-            _kernels_best_time(lambda: kernels.ssd_torch(x, dt, A, B, C, D))
+        gdn2_ratio = _kernels_best_time(lambda: kernels.gdn2_ref(q, k, v, g, b, w), 2) / \
+            _kernels_best_time(lambda: kernels.gdn2_torch(q, k, v, g, b, w), 7)
+        ssd_ratio = _kernels_best_time(lambda: kernels.ssd_ref(x, dt, A, B, C, D), 2) / \
+            _kernels_best_time(lambda: kernels.ssd_torch(x, dt, A, B, C, D), 7)
     leaves = [t.requires_grad_() for t in (q, k, v, g, b, w)]
 
     def gdn2_train_step(fn):
@@ -792,7 +792,7 @@ def test_kernels_chunked_faster_than_token_loop():
         torch.autograd.backward((o, S), (torch.ones_like(o), torch.ones_like(S)))
 
     gdn2_train_ratio = _kernels_best_time(lambda: gdn2_train_step(kernels.gdn2_ref), 1) / \
-        _kernels_best_time(lambda: gdn2_train_step(kernels.gdn2_torch))
+        _kernels_best_time(lambda: gdn2_train_step(kernels.gdn2_torch), 5)
     # measured on a loaded 2-core machine: gdn2 ≈ 50x forward and ≈ 25x forward+backward, ssd ≈ 15-20x;
     # the bounds leave room for timing noise
     assert gdn2_ratio > 10 and gdn2_train_ratio > 10 and ssd_ratio > 5, (gdn2_ratio, gdn2_train_ratio, ssd_ratio)
@@ -806,7 +806,6 @@ def test_kernels_chunked_faster_than_token_loop():
 # against autograd through the reference) by fla's criterion: relative RMS error ≤ 5e-3. Shapes are
 # small and deliberately not multiples of the block or chunk sizes.
 
-pytestmark = pytest.mark.skipif(not kernels.HAS_TRITON, reason="triton is not installed")
 
 TRITON_TOL = 5e-3
 
@@ -1018,7 +1017,6 @@ def test_triton_model_matches_torch(mixer, residual, T):
 # Each test compares against something independent: a token-loop re-implementation of the layer written
 # from the recurrence (not from kernels.py), an SVD, a full forward pass, or the loss at initialisation.
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 # one entry per mixer configuration under test
 MIXERS_CASES = {
@@ -1370,17 +1368,16 @@ for case in cases:
 """
 
 
-@pytest.mark.skipif(not os.path.isfile(os.path.join(HERE, "data", "shakespeare_char", "train.bin")),
-                    reason="shakespeare_char is not prepared (python data.py)")
 def test_mixers_train_py_val_loss_falls(tmp_path):
     """python train.py with each mixer on shakespeare_char (CPU, 40 steps of a tiny model): the val loss
     falls by more than 0.5 nats from its value at step 0, and the samples at the end go through generate()."""
+    data.load_dataset("shakespeare_char")  # prepared once, outside the subprocess
     common = ("--device=cpu --n_layer=2 --n_head=2 --n_embd=32 --block_size=32 --batch_size=8 --max_iters=40 "
               "--eval_interval=40 --eval_iters=4 --log_interval=20 --warmup_iters=5 --learning_rate=1e-2 "
               "--mamba_d_state=16 --mamba_headdim=16 --chunk_size=16 --num_samples=1 --max_new_tokens=20")
     cases = [" ".join([name, *args]) for name, args in TRAIN_PY_CASES.items()]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-c", MIXERS_TRAIN_PY_DRIVER, str(tmp_path), common, *cases], cwd=HERE,
+    run = subprocess.run([sys.executable, "-c", MIXERS_TRAIN_PY_DRIVER, str(tmp_path), common, *cases], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     for name in TRAIN_PY_CASES:
@@ -1420,13 +1417,12 @@ print(json.dumps(report))
 """
 
 
-@pytest.mark.skipif(not kernels.HAS_TRITON, reason="triton is not installed")
 def test_mixers_triton_path_matches_torch_path():
     """G (gdn2 with the clip, kda with broadcast gates) and M (zoh) with kernels="triton" under the
     interpreter: logits and every parameter gradient match kernels="torch", and cached generation on the
     Triton path (prompt, one token, two tokens) matches its full forward."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-c", MIXERS_TRITON_SCRIPT], cwd=HERE, env=env,
+    run = subprocess.run([sys.executable, "-c", MIXERS_TRITON_SCRIPT], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     for row in json.loads(run.stdout.strip().splitlines()[-1]):
