@@ -483,6 +483,15 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path):
+    """Write the figure to a temporary name, then rename: a crash never leaves half a PNG."""
+    fig.tight_layout()
+    tmp = f"{path}.tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
 def _mp_density(lam, sigma2, gamma):
     lo, hi = sigma2 * (1 - math.sqrt(gamma)) ** 2, sigma2 * (1 + math.sqrt(gamma)) ** 2
     inside = (lam > lo) & (lam < hi)
@@ -531,9 +540,7 @@ def plot_weights(summary, arrays, path):
         ax.tick_params(labelsize=6)
         if i == 0:
             ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_hessian(summary, arrays, path):
@@ -547,9 +554,7 @@ def plot_hessian(summary, arrays, path):
     trace = f", trace ≈ {summary['trace']:.3g} ± {summary['trace_stderr']:.2g}" if "trace" in summary else ""
     ax.set_title(f"Hessian eigenvalue density (SLQ), top eigenvalues dashed{trace}", fontsize=9)
     ax.set_xlabel("eigenvalue")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_gradients(summary, arrays, path):
@@ -565,9 +570,7 @@ def plot_gradients(summary, arrays, path):
     ratios = np.concatenate([arrays[nm] / max(np.sqrt((arrays[nm] ** 2).sum()), 1e-300) for nm in names])
     ax2.hist(np.log10(np.maximum(ratios, 1e-12)), bins=80)
     ax2.set_xlabel("log10 σ_i / ‖G‖_F  (what Newton–Schulz sees)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_ns(results, path, model_ratios=None):
@@ -592,9 +595,7 @@ def plot_ns(results, path, model_ratios=None):
         twin = ax2.twinx()
         twin.hist(model_ratios, bins=np.logspace(-6, 0, 80), color="k", alpha=0.2)
         twin.set_ylabel("gradient singular values (count)", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_hc(summary, arrays, path):
@@ -613,9 +614,7 @@ def plot_hc(summary, arrays, path):
     ax2.set_xlabel("sublayer")
     ax2.set_title("spectrum of each H_res", fontsize=9)
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_gates(summary, arrays, path):
@@ -632,9 +631,7 @@ def plot_gates(summary, arrays, path):
     ax2.axhline(1.0, color="gray", ls="--", lw=1)
     ax2.set_xlabel("G layer")
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_isotropy(summary, arrays, path):
@@ -650,9 +647,7 @@ def plot_isotropy(summary, arrays, path):
     ax.set_ylabel("λ / mean λ")
     ax.set_title("layer-input second-moment spectra (flat = isotropic); colour = depth", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -836,9 +831,7 @@ def plot_training_analysis(jsonl_path, png_path):
     axes[1, 1].set_title("gradient noise scale B_simple (sequences)", fontsize=9)
     for ax in axes.flat:
         ax.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, png_path)
 
 
 # ----------------------------------------------------------------------------------------------------
