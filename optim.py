@@ -141,6 +141,7 @@ class SignSGD(torch.optim.Optimizer):
 class AdamW(torch.optim.Optimizer):
     """AdamW: m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2;
     u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)."""
+    lookahead = False  # NAdam's Nesterov numerator
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -159,32 +160,17 @@ class AdamW(torch.optim.Optimizer):
             denom = torch._foreach_sqrt(vs)  # sqrt(v / (1 - b2^t)) = sqrt(v) / sqrt(1 - b2^t)
             torch._foreach_div_(denom, [math.sqrt(1 - b2**t) for t in ts])
             torch._foreach_add_(denom, group["eps"])
-            torch._foreach_addcdiv_(params, ms, denom, [-group["lr"] / (1 - b1**t) for t in ts])
+            if self.lookahead:  # b1 m + (1-b1) g, debiased one step ahead
+                numer, bias1 = torch._foreach_lerp(ms, grads, 1 - b1), [1 - b1 ** (t + 1) for t in ts]
+            else:
+                numer, bias1 = ms, [1 - b1**t for t in ts]
+            torch._foreach_addcdiv_(params, numer, denom, [-group["lr"] / c for c in bias1])
 
 
-class NAdam(torch.optim.Optimizer):
+class NAdam(AdamW):
     """NAdam (seeds/nesterov.md): AdamW's m and v, but the numerator looks one step ahead:
     u = ((b1 m + (1-b1) g) / (1 - b1^(t+1))) / (sqrt(v / (1 - b2^t)) + eps)."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            params, grads, (ms, vs), ts = _live_params(self, group, "m", "v")
-            if not params:
-                continue
-            b1, b2 = group["betas"]
-            _decay(params, group)
-            torch._foreach_lerp_(ms, grads, 1 - b1)
-            torch._foreach_mul_(vs, b2)
-            torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
-            lookahead = torch._foreach_lerp(ms, grads, 1 - b1)
-            denom = torch._foreach_sqrt(vs)
-            torch._foreach_div_(denom, [math.sqrt(1 - b2**t) for t in ts])
-            torch._foreach_add_(denom, group["eps"])
-            torch._foreach_addcdiv_(params, lookahead, denom, [-group["lr"] / (1 - b1 ** (t + 1)) for t in ts])
+    lookahead = True
 
 
 class Lion(torch.optim.Optimizer):

@@ -168,11 +168,17 @@ def test_generate_with_cache_matches_full_forward():
     model = GPT(tiny_config()).eval()
     prompt = torch.randint(0, 50, (1, 5))
     out = model.generate(prompt, 20, temperature=1e-8)
+    assert torch.equal(out, greedy_by_recomputation(model, prompt, 20, window=32))
+
+
+@torch.no_grad()
+def greedy_by_recomputation(model, prompt, steps, window=None):
+    """Greedy decoding the slow way: a full forward pass over the (last `window` tokens of the) prefix per token."""
     seq = prompt
-    for _ in range(20):
-        logits, _ = model(seq[:, -32:])
+    for _ in range(steps):
+        logits, _ = model(seq if window is None else seq[:, -window:])
         seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(out, seq)
+    return seq
 
 
 def test_flops_per_token_counts_matmuls():
@@ -1085,13 +1091,7 @@ def test_mixers_generate_greedy_matches_recomputation(case):
     whole prefix picks at every step."""
     model = mixers_model(case)
     prompt = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(3))
-    out = model.generate(prompt, 12, top_k=1)
-    expected = prompt
-    with torch.no_grad():
-        for _ in range(12):
-            logits, _ = model(expected)
-            expected = torch.cat([expected, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(out, expected)
+    assert torch.equal(model.generate(prompt, 12, top_k=1), greedy_by_recomputation(model, prompt, 12))
 
 
 @pytest.mark.parametrize("case", ["G-gdn2", "M"])
@@ -1100,13 +1100,7 @@ def test_mixers_generate_past_block_size(case):
     state, and picks what greedy recomputation over the whole sequence picks."""
     model = mixers_model(case, block_size=16)
     prompt = torch.randint(0, 37, (1, 6), generator=torch.Generator().manual_seed(5))
-    out = model.generate(prompt, 20, top_k=1)
-    expected = prompt
-    with torch.no_grad():
-        for _ in range(20):
-            logits, _ = model(expected)
-            expected = torch.cat([expected, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(out, expected)
+    assert torch.equal(model.generate(prompt, 20, top_k=1), greedy_by_recomputation(model, prompt, 20))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -236,10 +236,6 @@ def load_checkpoint(path):
                           f"delete it and train again, or point --out_dir at another run") from None
 
 
-def model_config(cfg):
-    return GPTConfig.from_dict({k: cfg[k] for k in (f.name for f in fields(GPTConfig)) if k in cfg})
-
-
 def print_samples(model, meta, device, n, length):
     tok = data.tokenizer_from_meta(meta)
     prompt = torch.tensor([tok.encode(start)], dtype=torch.long, device=device)
@@ -269,23 +265,23 @@ def main():
 
     if sample_only:
         ckpt = load_checkpoint(ckpt_path)
-        model = GPT(model_config(ckpt["config"])).to(dev)
+        model = GPT(GPTConfig.from_dict(ckpt["config"])).to(dev)
         model.load_state_dict(ckpt["model"])
         print_samples(model, ckpt["meta"], dev, num_samples, max_new_tokens)
         return
 
     # everything that can fail on bad input happens before anything is written
     train_tokens, val_tokens, meta = data.load_dataset(dataset, tokenizer)
-    ckpt = load_checkpoint(ckpt_path) if init_from == "resume" else None
     if init_from not in ("scratch", "resume"):
         raise ConfigError(f"--init_from={init_from!r} is not valid: use scratch or resume")
+    ckpt = load_checkpoint(ckpt_path) if init_from == "resume" else None
     if ckpt is not None:  # the architecture comes from the checkpoint
         for k in (f.name for f in fields(GPTConfig)):
             if k in ckpt["config"] and k != "kernels":
                 cfg[k] = ckpt["config"][k]
     cfg["vocab_size"] = meta["vocab_size"]
     torch.manual_seed(seed)
-    model = GPT(model_config(cfg)).to(dev)
+    model = GPT(GPTConfig.from_dict(cfg)).to(dev)
     opt = build_optimizer(model, optimizer, lr=learning_rate, weight_decay=weight_decay, aux_lr=aux_lr,
                           aux_betas=(beta1, beta2), spectral_lr=spectral_lr, **optimizer_options())
     train_sampler = data.BatchSampler(train_tokens, batch_size, block_size, seed=seed + rank)
@@ -341,8 +337,8 @@ def main():
                 "rng": {"torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}}
 
-    # one fixed training batch, so the spectra logged at different steps are comparable
-    analysis_batch = tuple(t.to(dev) for t in data.BatchSampler(train_tokens, batch_size, block_size, seed=1).next_batch())
+    if analyze_every:  # one fixed training batch, so the spectra logged at different steps are comparable
+        analysis_batch = tuple(t.to(dev) for t in data.BatchSampler(train_tokens, batch_size, block_size, seed=1).next_batch())
     t_start, t_last, tokens_since, val_loss = time.time(), time.time(), 0, None
     model.train()
     while True:
