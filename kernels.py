@@ -3,10 +3,13 @@ kernels.py: every op the model needs that has a fast path, one section per op.
 
     op                signature (shapes)                                           paths
     rms_norm          (x[..., C], weight[C], eps) -> y                             ref, torch, triton
-    rope              (x[B,T,H,D], cos[T,D/2], sin[T,D/2]) -> y  (rotate-half)     ref, triton
+    rope              (x[B,T,H,D], cos[T,D/2], sin[T,D/2]) -> y  (interleaved pairs) ref, torch, triton
     softmax           (x[R, N]) -> y                                               ref, torch, triton
     sinkhorn          (logits[..., n, n], iters=20) -> P  (doubly stochastic)      ref, torch, triton
     gdn2_decay_clip   (g, k, b [B,T,H,K]) -> g' = min(g, −log ‖I − k(b⊙k)ᵀ‖₂)         ref, torch, triton
+    gdn2_gates        (decay_logits, erase_logits, k [B,T,H,K], A_log [H], dt_bias [H,K], clip=True) -> (g', b)
+                      g = −exp(A_log)·softplus(decay_logits + dt_bias), b = σ(erase_logits),
+                      g' = gdn2_decay_clip(g, k, b), or g without the clip         ref, torch, triton
     gdn2              (q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16) -> (o, S_T)
                       q,k,g,b [B,T,H,K]; v,w [B,T,H,V]; S [B,H,K,V]                ref, torch, triton
     ssd               (x, dt, A, B, C, D=None, chunk_size=64, initial_state=None) -> (y, h_T)
@@ -79,7 +82,8 @@ def rms_norm_ref(x, weight, eps=1e-6):
 
 
 def rms_norm_torch(x, weight, eps=1e-6):
-    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+    dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 is computed in fp32, fp64 stays fp64
+    return F.rms_norm(x.to(dtype), (x.shape[-1],), weight.to(dtype), eps).to(x.dtype)
 
 
 def _programs_for(x, rows):
@@ -174,33 +178,36 @@ def rms_norm(x, weight, eps=1e-6, kernels="auto"):
 
 
 # -----------------------------------------------------------------------------
-# rope: rotate-half; x1, x2 = x[..., :D/2], x[..., D/2:]; y = cat(x1·cos − x2·sin, x2·cos + x1·sin)
+# rope: the pairs (x_2i, x_2i+1) are complex numbers z_i = x_2i + i·x_2i+1, turned by angle θ_i(t):
+#   y_2i = x_2i·cos − x_2i+1·sin,   y_2i+1 = x_2i+1·cos + x_2i·sin,   i.e. y = z · e^{iθ}
+# (RoFormer's interleaved pairs. Rotate-half pairs (x_i, x_i+D/2) are the same rotation of a permuted x,
+# so either convention gives the same model family; interleaved lets the torch path be one complex multiply.)
 
 def rope_ref(x, cos, sin):
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    x_even, x_odd = x[..., 0::2].float(), x[..., 1::2].float()
     cos, sin = cos.float()[None, :, None, :], sin.float()[None, :, None, :]  # [1, T, 1, D/2]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    y = torch.stack((x_even * cos - x_odd * sin, x_odd * cos + x_even * sin), dim=-1)
+    return y.flatten(-2).to(x.dtype)
 
 
 if HAS_TRITON:
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, HALF, SIN_SIGN: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-        # one program per (b, t): rotate every head's (x1, x2) pairs by angle θ_t (SIN_SIGN=-1 rotates back,
+        # one program per (b, t): turn every head's (x_2i, x_2i+1) pairs by angle θ_t (SIN_SIGN=-1 turns back,
         # which is the backward pass because a rotation's transpose is its inverse)
         row = tl.program_id(0)
         t = row % T
         heads = tl.arange(0, BLOCK_H)
         pairs = tl.arange(0, BLOCK_HALF)
         mask = (heads[:, None] < H) & (pairs[None, :] < HALF)
-        offs = row.to(tl.int64) * H * 2 * HALF + heads[:, None] * 2 * HALF + pairs[None, :]
+        offs = row.to(tl.int64) * H * 2 * HALF + heads[:, None] * 2 * HALF + 2 * pairs[None, :]
         cos = tl.load(cos_ptr + t * HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)[None, :]
         sin = SIN_SIGN * tl.load(sin_ptr + t * HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)[None, :]
-        x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs, (x1 * cos - x2 * sin).to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_ptr + offs + HALF, (x2 * cos + x1 * sin).to(y_ptr.dtype.element_ty), mask=mask)
+        x_even = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x_odd = tl.load(x_ptr + offs + 1, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, (x_even * cos - x_odd * sin).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + offs + 1, (x_odd * cos + x_even * sin).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _rope_launch(x, cos, sin, sin_sign):
@@ -224,10 +231,9 @@ class _RoPETriton(torch.autograd.Function):
         dx = _rope_launch(dy.contiguous(), cos, sin, -1.0)
         dcos = dsin = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # cos/sin are usually buffers; cheap in torch
-            half = x.shape[-1] // 2
-            x1, x2, dy1, dy2 = x[..., :half].float(), x[..., half:].float(), dy[..., :half].float(), dy[..., half:].float()
-            dcos = (dy1 * x1 + dy2 * x2).sum((0, 2)).to(cos.dtype)
-            dsin = (dy2 * x1 - dy1 * x2).sum((0, 2)).to(sin.dtype)
+            x_even, x_odd, dy_even, dy_odd = x[..., 0::2].float(), x[..., 1::2].float(), dy[..., 0::2].float(), dy[..., 1::2].float()
+            dcos = (dy_even * x_even + dy_odd * x_odd).sum((0, 2)).to(cos.dtype)
+            dsin = (dy_odd * x_even - dy_even * x_odd).sum((0, 2)).to(sin.dtype)
         return dx, dcos, dsin
 
 
@@ -240,11 +246,10 @@ def rope_triton(x, cos, sin):
 
 
 def rope_torch(x, cos, sin):
-    # the same rotation in fewer ops: y = x ⊙ [cos, cos] + [x2, x1] ⊙ [−sin, sin]
-    half = x.shape[-1] // 2
-    cos2 = torch.cat((cos, cos), dim=-1)[None, :, None, :].to(x.dtype)
-    sin2 = torch.cat((-sin, sin), dim=-1)[None, :, None, :].to(x.dtype)
-    return x * cos2 + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin2
+    # one complex multiply each way (its backward multiplies by the conjugate), computed in fp32 or wider
+    z = torch.view_as_complex(x.to(torch.promote_types(x.dtype, torch.float32)).contiguous().unflatten(-1, (-1, 2)))
+    turn = torch.complex(cos, sin).to(z.dtype)[None, :, None, :]
+    return torch.view_as_real(z * turn).flatten(-2).to(x.dtype)
 
 
 def rope(x, cos, sin, kernels="auto"):
@@ -520,13 +525,11 @@ if HAS_TRITON:
         tl.store(out_ptr + offs, tl.minimum(g, bound[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _gdn2_clip_bwd_kernel(g_ptr, k_ptr, b_ptr, dout_ptr, dg_ptr, dk_ptr, db_ptr, n_rows, K,
-                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        # g' = min(g, β) with β = −log ρ(η, a·c): the gradient goes to g where g < β, to β where g > β, half
-        # each on a tie (as torch.minimum). dβ/da = −(1/ρ)(∂ρ/∂η·‖c‖/‖a‖·a + ∂ρ/∂(a·c)·c), c alike, with
+    def _gdn2_clip_bwd(g, k, b, dout):
+        # (dg, dk, db) of g' = min(g, β) with β = −log ρ(η, a·c), on fp32 tiles where k and dout are 0 past the
+        # row ends; shared with the fused gdn2_gates kernel. The gradient goes to g where g < β, to β where g > β,
+        # half each on a tie (as torch.minimum). dβ/da = −(1/ρ)(∂ρ/∂η·‖c‖/‖a‖·a + ∂ρ/∂(a·c)·c), c alike, with
         # ∂ρ/∂η = (1 + η/s)/2, ∂ρ/∂(a·c) = −1/s; then dk = da + b⊙dc, db = k⊙dc.
-        g, k, b, offs, mask = _gdn2_clip_load(g_ptr, k_ptr, b_ptr, n_rows, K, BLOCK_R, BLOCK_K)
-        dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
         bound = bound[:, None]
         dg = tl.where(g < bound, dout, tl.where(g == bound, 0.5 * dout, 0.0))
@@ -536,9 +539,17 @@ if HAS_TRITON:
         dac = dbound / (s_safe * rho)
         da = (deta * tl.where(na > 0, nc / tl.where(na > 0, na, 1.0), 0.0))[:, None] * k + dac[:, None] * c
         dc = (deta * tl.where(nc > 0, na / tl.where(nc > 0, nc, 1.0), 0.0))[:, None] * c + dac[:, None] * k
+        return dg, da + b * dc, k * dc
+
+    @triton.jit
+    def _gdn2_clip_bwd_kernel(g_ptr, k_ptr, b_ptr, dout_ptr, dg_ptr, dk_ptr, db_ptr, n_rows, K,
+                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        g, k, b, offs, mask = _gdn2_clip_load(g_ptr, k_ptr, b_ptr, n_rows, K, BLOCK_R, BLOCK_K)
+        dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dg, dk, db = _gdn2_clip_bwd(g, k, b, dout)
         tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mask)
-        tl.store(dk_ptr + offs, (da + b * dc).to(dk_ptr.dtype.element_ty), mask=mask)
-        tl.store(db_ptr + offs, (k * dc).to(db_ptr.dtype.element_ty), mask=mask)
+        tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=mask)
+        tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=mask)
 
 
 def _gdn2_clip_blocks(K):
@@ -587,6 +598,150 @@ def gdn2_decay_clip(g, k, b, kernels="auto"):
     if path == "ref":
         return gdn2_decay_clip_ref(g, k, b)
     return gdn2_decay_clip_torch(g, k, b)
+
+
+# -----------------------------------------------------------------------------
+# gdn2_gates: gdn2's log-decay and erase gate from their projections, the clip fused in. Per token, head h, channel:
+#   g = −exp(A_log[h])·softplus(decay_logits + dt_bias[h]),   b = σ(erase_logits),   g' = min(g, −log ρ(k, b)) if clip
+# decay_logits, erase_logits, k are [B,T,H,K], A_log [H], dt_bias [H, K] or [H*K]. g' comes back in fp32, b in
+# erase_logits' dtype; the clip reads b as returned, so ρ is the norm of the transition the recurrence applies.
+
+def _gdn2_gates_check(decay_logits, erase_logits, k, A_log, dt_bias):
+    if k.dim() != 4 or decay_logits.shape != k.shape or erase_logits.shape != k.shape or A_log.shape != k.shape[2:3] \
+            or dt_bias.numel() != k.shape[2] * k.shape[3]:
+        raise ValueError(f"gdn2_gates needs decay_logits, erase_logits, k of one shape [B,T,H,K], A_log [H], dt_bias [H, K]; "
+                         f"got {tuple(decay_logits.shape)}, {tuple(erase_logits.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(A_log.shape)}, {tuple(dt_bias.shape)}")
+
+
+def gdn2_gates_ref(decay_logits, erase_logits, k, A_log, dt_bias, clip=True):
+    H, K = k.shape[-2:]
+    erase_gate = torch.sigmoid(erase_logits)
+    log_decay = -A_log.float().exp()[:, None] * F.softplus(decay_logits.float() + dt_bias.float().reshape(H, K))
+    return (gdn2_decay_clip_ref(log_decay, k, erase_gate) if clip else log_decay), erase_gate
+
+
+def gdn2_gates_torch(decay_logits, erase_logits, k, A_log, dt_bias, clip=True):
+    log_decay, erase_gate = gdn2_gates_ref(decay_logits, erase_logits, k, A_log, dt_bias, clip=False)
+    return (gdn2_decay_clip_torch(log_decay, k, erase_gate) if clip else log_decay), erase_gate
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _softplus(x):
+        # log(1 + eˣ), and x itself past 20 as in F.softplus. tl has no log1p: log(w)·u/(w − 1) with w = 1 + u is
+        # log1p(u) to full precision, where log(1 + u) would round away the small u = eˣ of a negative x
+        u = tl.exp(tl.minimum(x, 20.0))
+        w = 1.0 + u
+        return tl.where(x > 20.0, x, tl.where(w == 1.0, u, tl.log(w) * u / tl.where(w == 1.0, 1.0, w - 1.0)))
+
+    @triton.jit
+    def _sigmoid(x):
+        # σ(x) through e^−|x| ≤ 1, which cannot overflow
+        e = tl.exp(-tl.abs(x))
+        return tl.where(x >= 0, 1.0, e) / (1.0 + e)
+
+    @triton.jit
+    def _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr, dt_bias_ptr, n_rows, H, K,
+                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        # a [BLOCK_R, BLOCK_K] tile of rows (b, t, h): x = decay_logits + dt_bias[h], A = exp(A_log[h]), the unclipped
+        # g = −A·softplus(x), and b = σ(erase_logits) rounded to erase_logits' dtype, as gdn2_gates returns it
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_K)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < K)
+        offs = rows[:, None].to(tl.int64) * K + cols[None, :]
+        heads = rows % H  # < H on the rows past n_rows too, so the loads by head need no row mask
+        x = tl.load(decay_logits_ptr + offs, mask=mask, other=0.0).to(tl.float32) \
+            + tl.load(dt_bias_ptr + heads[:, None] * K + cols[None, :], mask=cols[None, :] < K, other=0.0).to(tl.float32)
+        A = tl.exp(tl.load(A_log_ptr + heads).to(tl.float32))
+        g = -A[:, None] * _softplus(x)
+        erase_logits = tl.load(erase_logits_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        b = _sigmoid(erase_logits).to(erase_logits_ptr.dtype.element_ty).to(tl.float32)
+        return x, A, g, b, rows, offs, mask
+
+    @triton.jit
+    def _gdn2_gates_fwd_kernel(decay_logits_ptr, erase_logits_ptr, k_ptr, A_log_ptr, dt_bias_ptr, g_ptr, b_ptr,
+                               n_rows, H, K, CLIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        x, A, g, b, rows, offs, mask = _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr, dt_bias_ptr,
+                                                        n_rows, H, K, BLOCK_R, BLOCK_K)
+        if CLIP:
+            k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
+            g = tl.minimum(g, bound[:, None])
+        tl.store(g_ptr + offs, g, mask=mask)
+        tl.store(b_ptr + offs, b.to(b_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gdn2_gates_bwd_kernel(decay_logits_ptr, erase_logits_ptr, k_ptr, A_log_ptr, dt_bias_ptr, dg_ptr, db_ptr,
+                               d_decay_logits_ptr, d_erase_logits_ptr, dk_ptr, dA_log_rows_ptr, n_rows, H, K,
+                               CLIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        # through the clip (shared with the standalone kernel) to dg of the unclipped g = −A·softplus(x); then
+        # dx = −A·σ(x)·dg, which is also dt_bias's gradient per element; ∂g/∂A_log = g, so each row adds Σ_K dg·g
+        # to dA_log[h]; d erase_logits = b(1 − b)·db, db including the clip's share
+        x, A, g, b, rows, offs, mask = _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr, dt_bias_ptr,
+                                                        n_rows, H, K, BLOCK_R, BLOCK_K)
+        dg = tl.load(dg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        db = tl.load(db_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if CLIP:
+            k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            dg, dk, db_clip = _gdn2_clip_bwd(g, k, b, dg)
+            db += db_clip
+            tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=mask)
+        tl.store(d_decay_logits_ptr + offs, -A[:, None] * _sigmoid(x) * dg, mask=mask)
+        tl.store(d_erase_logits_ptr + offs, (b * (1.0 - b) * db).to(d_erase_logits_ptr.dtype.element_ty), mask=mask)
+        tl.store(dA_log_rows_ptr + rows, tl.sum(dg * g, axis=1), mask=rows < n_rows)
+
+
+class _GDN2GatesTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, decay_logits, erase_logits, k, A_log, dt_bias, clip):
+        H, K = k.shape[-2:]
+        decay_logits, erase_logits, k = decay_logits.contiguous(), erase_logits.contiguous(), k.contiguous()
+        A_log, dt_bias_hk = A_log.contiguous(), dt_bias.reshape(H, K).contiguous()
+        n_rows = k.numel() // K
+        log_decay = torch.empty(k.shape, device=k.device, dtype=torch.float32)
+        erase_gate = torch.empty_like(erase_logits)
+        block_r, block_k = _gdn2_clip_blocks(K)
+        _gdn2_gates_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+            decay_logits, erase_logits, k, A_log, dt_bias_hk, log_decay, erase_gate, n_rows, H, K,
+            CLIP=clip, BLOCK_R=block_r, BLOCK_K=block_k)
+        ctx.save_for_backward(decay_logits, erase_logits, k, A_log, dt_bias_hk)
+        ctx.clip, ctx.dt_bias_shape = clip, dt_bias.shape
+        return log_decay, erase_gate
+
+    @staticmethod
+    def backward(ctx, d_log_decay, d_erase_gate):
+        decay_logits, erase_logits, k, A_log, dt_bias = ctx.saved_tensors
+        H, K = k.shape[-2:]
+        n_rows = k.numel() // K
+        # fp32 whatever decay_logits' dtype: summed over B, T it is dt_bias's gradient
+        d_decay_logits = torch.empty(k.shape, device=k.device, dtype=torch.float32)
+        d_erase_logits = torch.empty_like(erase_logits)
+        dk = torch.empty_like(k) if ctx.clip else None
+        dA_log_rows = torch.empty(n_rows, device=k.device, dtype=torch.float32)
+        block_r, block_k = _gdn2_clip_blocks(K)
+        _gdn2_gates_bwd_kernel[(triton.cdiv(n_rows, block_r),)](
+            decay_logits, erase_logits, k, A_log, dt_bias, d_log_decay.contiguous(), d_erase_gate.contiguous(),
+            d_decay_logits, d_erase_logits, dk, dA_log_rows, n_rows, H, K,
+            CLIP=ctx.clip, BLOCK_R=block_r, BLOCK_K=block_k)
+        dA_log = dA_log_rows.view(-1, H).sum(0)
+        d_dt_bias = d_decay_logits.view(-1, H * K).sum(0).reshape(ctx.dt_bias_shape)
+        return d_decay_logits.to(decay_logits.dtype), d_erase_logits, dk, dA_log.to(A_log.dtype), d_dt_bias.to(dt_bias.dtype), None
+
+
+def gdn2_gates_triton(decay_logits, erase_logits, k, A_log, dt_bias, clip=True):
+    _gdn2_gates_check(decay_logits, erase_logits, k, A_log, dt_bias)
+    return _GDN2GatesTriton.apply(decay_logits, erase_logits, k, A_log, dt_bias, clip)
+
+
+def gdn2_gates(decay_logits, erase_logits, k, A_log, dt_bias, clip=True, kernels="auto"):
+    _gdn2_gates_check(decay_logits, erase_logits, k, A_log, dt_bias)
+    path = _path("gdn2_gates", kernels, k)
+    if path == "triton":
+        return gdn2_gates_triton(decay_logits, erase_logits, k, A_log, dt_bias, clip)
+    if path == "ref":
+        return gdn2_gates_ref(decay_logits, erase_logits, k, A_log, dt_bias, clip)
+    return gdn2_gates_torch(decay_logits, erase_logits, k, A_log, dt_bias, clip)
 
 
 # -----------------------------------------------------------------------------
@@ -1581,6 +1736,8 @@ def triton_report(device):
         ("sinkhorn", sinkhorn_triton, sinkhorn_ref, (randn(B, T, 4, 4) * 2,)),
         ("gdn2_decay_clip", gdn2_decay_clip_triton, gdn2_decay_clip_ref,
          (-rand(B, T, H, K), normalize(randn(B, T, H, K), dim=-1), 2 * rand(B, T, H, K))),
+        ("gdn2_gates", gdn2_gates_triton, gdn2_gates_ref,   # decay_logits, erase_logits, k, A_log, dt_bias
+         (randn(B, T, H, K) - 1, 2 * randn(B, T, H, K), normalize(randn(B, T, H, K), dim=-1), 2.7 * rand(H), randn(H * K) - 3)),
         ("gdn2 recurrent", gdn2_recurrent_triton, gdn2_ref, gdn2_in),
         ("gdn2 chunked", gdn2_chunked_triton, gdn2_ref, gdn2_in),
         ("ssd", ssd_triton, lambda x, dt, A, B_, C, D, cs, h0: ssd_ref(x, dt, A, B_, C, D, h0), ssd_in),
@@ -1612,6 +1769,8 @@ def triton_report(device):
         ("softmax", softmax_triton, softmax_torch, [x4.reshape(-1, D)]),
         ("sinkhorn", sinkhorn_triton, sinkhorn_torch, [randn(B, T, 4, 4)]),
         ("gdn2_decay_clip", gdn2_decay_clip_triton, gdn2_decay_clip_torch, gdn2_args[3:4] + gdn2_args[1:2] + gdn2_args[4:5]),
+        ("gdn2_gates", gdn2_gates_triton, gdn2_gates_torch,
+         [randn(B, T, H, D) - 1, randn(B, T, H, D).to(bf16), gdn2_args[1], 2.7 * rand(H), randn(H * D) - 3]),
         ("gdn2", gdn2_triton, gdn2_torch, gdn2_args),
         ("ssd", ssd_triton, ssd_torch, ssd_args),
     ]
@@ -1682,6 +1841,7 @@ if __name__ == "__main__":
     theta = torch.arange(T, device=device)[:, None] * 10000.0 ** (-torch.arange(K // 2, device=device) / (K // 2))
     gates = (rand(B, T, H, K), F.normalize(rand(B, T, H, K), dim=-1), rand(B, T, H, V), rand(B, T, H, K, lo=-1.0, hi=-0.01),
              rand(B, T, H, K, lo=0.0, hi=1.0), rand(B, T, H, V, lo=0.0, hi=1.0))
+    gate_logits = (rand(B, T, H, K) - 1, 2 * rand(B, T, H, K), gates[1], rand(H, lo=0.0, hi=2.7), rand(H * K) - 3)
     ssd_in = (rand(B, T, H, V), F.softplus(rand(B, T, H) - 2), -rand(H, lo=1.0, hi=4.0), rand(B, T, 1, 32), rand(B, T, 1, 32), rand(H))
     ops = {
         "rms_norm": lambda kernels: rms_norm(x4, x4[0, 0, 0], 1e-6, kernels=kernels),
@@ -1689,6 +1849,7 @@ if __name__ == "__main__":
         "softmax": lambda kernels: softmax(x4.reshape(-1, K) * 4, kernels=kernels),
         "sinkhorn": lambda kernels: sinkhorn(x4.reshape(-1, 4, 4) * 5, kernels=kernels),
         "gdn2_decay_clip": lambda kernels: gdn2_decay_clip(gates[3], gates[1], gates[4], kernels=kernels),
+        "gdn2_gates": lambda kernels: gdn2_gates(*gate_logits, kernels=kernels),
         "gdn2": lambda kernels: gdn2(*gates, kernels=kernels),
         "ssd": lambda kernels: ssd(*ssd_in, kernels=kernels),
     }

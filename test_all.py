@@ -149,7 +149,7 @@ def test_rope_scores_depend_only_on_relative_position():
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_sdpa_and_math_attention_agree(qk_norm):
     torch.manual_seed(0)
-    fused = GPT(tiny_config(qk_norm=qk_norm))
+    fused = GPT(tiny_config(qk_norm=qk_norm, attention="sdpa"))
     math_path = GPT(tiny_config(qk_norm=qk_norm, attention="math"))
     math_path.load_state_dict(fused.state_dict())
     idx = torch.randint(0, 50, (2, 24))
@@ -314,7 +314,7 @@ def test_kernels_dispatch_auto_on_cpu_is_torch_and_triton_needs_an_op():
     x = torch.randn(4, 8)
     assert torch.equal(kernels.softmax(x), kernels.softmax(x, kernels="torch"))
     q = torch.randn(1, 5, 2, 4)
-    for op in ("rms_norm", "rope", "softmax", "sinkhorn", "gdn2_decay_clip", "gdn2", "ssd"):
+    for op in ("rms_norm", "rope", "softmax", "sinkhorn", "gdn2_decay_clip", "gdn2_gates", "gdn2", "ssd"):
         has_path = kernels.HAS_TRITON and hasattr(kernels, op + "_triton")
         assert kernels._path(op, "auto", q) == "torch"          # CPU tensors never go to Triton under auto
         if not has_path:
@@ -331,6 +331,8 @@ def test_kernels_shape_errors_are_value_errors():
         kernels.gdn2_torch(q, q, v, q, q, v, chunk_size=24)
     with pytest.raises(ValueError, match="gdn2_decay_clip"):
         kernels.gdn2_decay_clip(q, q, q[..., :1])
+    with pytest.raises(ValueError, match="gdn2_gates"):
+        kernels.gdn2_gates(q, q, q, torch.zeros(2), torch.zeros(3))  # dt_bias must have H·K = 8 entries
     x, dt, A = torch.randn(1, 8, 2, 3), torch.rand(1, 8, 2), -torch.rand(2)
     with pytest.raises(ValueError, match="ngroups"):
         kernels.ssd(x, dt, A, torch.randn(1, 8, 5), torch.randn(1, 8, 5))
@@ -358,12 +360,43 @@ def test_kernels_rope_is_complex_rotation(path):
     x = torch.randn(B, T, H, D)
     theta = torch.arange(T)[:, None] * 10000.0 ** (-torch.arange(D // 2) / (D // 2))
     y = kernels.rope(x, theta.cos(), theta.sin(), kernels=path)
-    # rotate-half pairs (x_i, x_{i+D/2}) are the complex number x_i + i·x_{i+D/2}, multiplied by e^{iθ}
-    z = torch.complex(x[..., : D // 2].double(), x[..., D // 2:].double()) * torch.polar(
+    # the pairs (x_2i, x_2i+1) are the complex number x_2i + i·x_2i+1, multiplied by e^{iθ}
+    z = torch.complex(x[..., 0::2].double(), x[..., 1::2].double()) * torch.polar(
         torch.ones_like(theta, dtype=torch.float64), theta.double())[None, :, None, :]
-    expect = torch.cat((z.real, z.imag), dim=-1)
+    expect = torch.stack((z.real, z.imag), dim=-1).flatten(-2)
     assert _kernels_rel(y, expect) < 1e-6
     assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "rope"])
+def test_kernels_torch_path_backward_matches_reference(op):
+    """rms_norm_torch and rope_torch (a complex multiply): gradients of every input against autograd through
+    the _ref formulas (fp32), per-example gradients through torch.func, and first and second derivatives
+    against finite differences (fp64)."""
+    torch.manual_seed(0)
+    B, T, H, D = 2, 7, 3, 16
+    theta = torch.arange(T)[:, None] * 10000.0 ** (-torch.arange(D // 2) / (D // 2))
+    if op == "rms_norm":
+        inputs = (torch.randn(B, T, H * D) * 3, 1 + 0.3 * torch.randn(H * D))
+        torch_fn, ref_fn = (lambda x, w: kernels.rms_norm_torch(x, w, 1e-5)), (lambda x, w: kernels.rms_norm_ref(x, w, 1e-5))
+    else:
+        inputs = (torch.randn(B, T, H, D),)
+        torch_fn, ref_fn = (lambda x: kernels.rope_torch(x, theta.cos(), theta.sin())), (lambda x: kernels.rope_ref(x, theta.cos(), theta.sin()))
+    cotangent = torch.randn(B, T, H * D).view_as(ref_fn(*inputs))
+    grads = []
+    for fn in (torch_fn, ref_fn):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        grads.append(torch.autograd.grad(fn(*leaves), leaves, cotangent))
+    for got, want in zip(*grads):
+        assert _kernels_rel(got, want) < 1e-6
+    # per-example gradients through torch.func (vmap of grad) agree too
+    per_example = [torch.func.vmap(torch.func.grad(lambda xi: (fn(xi[None], *inputs[1:]) ** 2).sum()))(inputs[0])
+                   for fn in (torch_fn, ref_fn)]
+    assert _kernels_rel(*per_example) < 1e-6
+    doubles = tuple(t.double().requires_grad_() for t in inputs)
+    if op == "rope":
+        torch_fn = lambda x: kernels.rope_torch(x, theta.cos().double(), theta.sin().double())
+    assert torch.autograd.gradcheck(torch_fn, doubles) and torch.autograd.gradgradcheck(torch_fn, doubles)
 
 
 @pytest.mark.parametrize("path", ["torch", "ref"])
@@ -918,6 +951,31 @@ def test_triton_gdn2_decay_clip_noop_for_kda():
     assert torch.equal(kernels.gdn2_decay_clip_triton(g, k, b), g)
     g0 = torch.zeros_like(g)  # DeltaNet: g = 0 must stay exactly 0 (no rounding-size clip)
     assert torch.equal(kernels.gdn2_decay_clip_triton(g0, k, b), g0)
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_triton_gdn2_gates(clip):
+    # K = 12 fills 12 of 16 lanes and the 30 rows two row blocks of 16, the second ragged. decay_logits + dt_bias
+    # ≈ N(−4, 2) gives weak decays and erase logits ~ N(0, 4) spread b over channels, so ρ > 1 clips about half
+    torch.manual_seed(0)
+    B, T, H, K = 2, 5, 3, 12
+    inputs = dict(decay_logits=torch.randn(B, T, H, K) - 1, erase_logits=torch.randn(B, T, H, K) * 2,
+                  k=torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1), A_log=torch.rand(H) * 2.7,
+                  dt_bias=torch.randn(H * K) - 3)
+    unclipped = kernels.gdn2_gates_ref(**inputs, clip=False)[0]
+    clipped = (kernels.gdn2_gates_ref(**inputs)[0] < unclipped).float().mean().item()
+    assert 0.2 < clipped < 0.8  # both branches of the min are exercised
+    errs = triton_compare(lambda **kw: kernels.gdn2_gates_triton(**kw, clip=clip),
+                          lambda **kw: kernels.gdn2_gates_ref(**kw, clip=clip), inputs)
+    assert set(errs) == {"out0", "out1", "ddecay_logits", "derase_logits", "dA_log", "ddt_bias"} | ({"dk"} if clip else set())
+    triton_assert_close(errs)
+    torch_errs = triton_compare(lambda **kw: kernels.gdn2_gates_torch(**kw, clip=clip),
+                                lambda **kw: kernels.gdn2_gates_ref(**kw, clip=clip), inputs)
+    triton_assert_close(torch_errs)
+    # the dispatcher finds the Triton path and takes dt_bias as [H, K] too
+    inputs["dt_bias"] = inputs["dt_bias"].view(H, K)
+    for got, want in zip(kernels.gdn2_gates(**inputs, clip=clip, kernels="triton"), kernels.gdn2_gates_triton(**inputs, clip=clip)):
+        assert torch.equal(got, want)
 
 
 def triton_gdn2_inputs(B=2, T=37, H=2, K=16, V=37, decay=0.5, seed=0):
