@@ -255,7 +255,7 @@ def bad_input_cases(tmp_path):
     garbage.mkdir()
     (garbage / "ckpt.pt").write_bytes(b"not a checkpoint")
     return [
-        (["--n_layers=2"], "unknown config key 'n_layers'"),
+        (["--n_layers=2"], "unknown config key 'n_layers'; did you mean --n_layer?"),
         (["--max_iters=lots"], "--max_iters expects a int"),
         (["--dataset=no/such/file.txt"], "neither a built-in name"),
         ([f"--dataset={empty}"], "holds no text"),

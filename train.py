@@ -13,6 +13,7 @@ is written. The checkpoint out_dir/ckpt.pt (written atomically at every eval) ho
 optimizer, the config, the RNG and sampler states, so a resumed CPU run continues bit for bit.
 """
 import ast
+import difflib
 import json
 import math
 import os
@@ -130,7 +131,9 @@ def apply_overrides(args, namespace):
             pairs = [(key, parse_value(text))]
         for key, value in pairs:
             if key not in defaults:
-                raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(config_keys)}")
+                close = difflib.get_close_matches(key, config_keys, n=3)
+                hint = f"did you mean {' or '.join('--' + k for k in close)}? " if close else ""
+                raise ConfigError(f"unknown config key {key!r}; {hint}valid keys: {', '.join(config_keys)}")
             namespace[key] = check_type(key, value, defaults[key])
 
 
