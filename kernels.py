@@ -33,17 +33,16 @@ import os
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    # No GPU: Triton kernels run (slowly) in Triton's interpreter, on CPU tensors, so kernels="triton" and the
-    # tests work anywhere. Triton reads this when it is first imported, so it must be set before that.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-try:
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:
-    triton, tl = None, None
-    HAS_TRITON = False
+# Triton is imported only where its kernels can run: on a CUDA machine, or on the CPU in Triton's interpreter
+# when TRITON_INTERPRET=1 is set before Python imports this file (the tests do). A plain CPU import stays torch-only.
+HAS_TRITON = False
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        import triton
+        import triton.language as tl
+        HAS_TRITON = True
+    except ImportError:
+        pass
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "ref")
 
@@ -58,7 +57,8 @@ def _path(op, kernels, x):
     if kernels == "auto":
         return "triton" if (has_triton and x.is_cuda) else "torch"
     if kernels == "triton" and not has_triton:
-        raise ValueError(f"the Triton path for {op} is not available (triton missing or no {op}_triton); use kernels='torch'")
+        raise ValueError(f"the Triton path for {op} is not available (no {op}_triton, triton not installed, or a CPU "
+                         "run without TRITON_INTERPRET=1 set before starting Python); use kernels='torch'")
     return kernels
 
 
@@ -86,88 +86,6 @@ def rms_norm_torch(x, weight, eps=1e-6):
     return F.rms_norm(x.to(dtype), (x.shape[-1],), weight.to(dtype), eps).to(x.dtype)
 
 
-def _programs_for(x, rows):
-    """Persistent-grid size for row kernels: a few programs per SM on a GPU, a handful elsewhere."""
-    if x.is_cuda:
-        return max(1, min(rows, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count))
-    return max(1, min(rows, 4))
-
-
-if HAS_TRITON:
-    @triton.jit
-    def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, eps,
-                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # one program normalises BLOCK_R rows; the whole row sits in registers, sums in fp32
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.arange(0, BLOCK_C)
-        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-        offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-        tl.store(y_ptr + offs, (x * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(rstd_ptr + rows, rstd, mask=rows < n_rows)
-
-    @triton.jit
-    def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols,
-                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # dx = rstd·(dy⊙w − x̂·mean(dy⊙w⊙x̂)); each program also sums dy⊙x̂ over its rows into one dw partial
-        pid, n_prog = tl.program_id(0), tl.num_programs(0)
-        cols = tl.arange(0, BLOCK_C)
-        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        dw = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        for start in range(pid * BLOCK_R, n_rows, n_prog * BLOCK_R):
-            rows = start + tl.arange(0, BLOCK_R)
-            mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-            offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)
-            x_hat = x * rstd[:, None]
-            dyw = dy * w[None, :]
-            mean_term = tl.sum(dyw * x_hat, axis=1) / n_cols
-            dx = rstd[:, None] * (dyw - x_hat * mean_term[:, None])
-            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-            dw += tl.sum(dy * x_hat, axis=0)
-        tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=cols < n_cols)
-
-
-def _rms_norm_blocks(n_cols):
-    block_c = triton.next_power_of_2(n_cols)
-    return max(1, min(64, 4096 // block_c)), block_c
-
-
-class _RMSNormTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        n_rows, n_cols = x2.shape
-        y = torch.empty_like(x2)
-        rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
-        block_r, block_c = _rms_norm_blocks(n_cols)
-        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-            x2, weight.contiguous(), y, rstd, n_rows, n_cols, eps, BLOCK_R=block_r, BLOCK_C=block_c)
-        ctx.save_for_backward(x2, weight, rstd)
-        return y.reshape(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight, rstd = ctx.saved_tensors
-        n_rows, n_cols = x2.shape
-        dy2 = dy.reshape(n_rows, n_cols).contiguous()
-        dx = torch.empty_like(x2)
-        block_r, block_c = _rms_norm_blocks(n_cols)
-        n_prog = _programs_for(x2, triton.cdiv(n_rows, block_r))
-        dw_partial = torch.empty(n_prog, n_cols, device=x2.device, dtype=torch.float32)
-        _rms_norm_bwd_kernel[(n_prog,)](x2, weight.contiguous(), rstd, dy2, dx, dw_partial, n_rows, n_cols,
-                                        BLOCK_R=block_r, BLOCK_C=block_c)
-        return dx.reshape(dy.shape), dw_partial.sum(0).to(weight.dtype), None
-
-
-def rms_norm_triton(x, weight, eps=1e-6):
-    return _RMSNormTriton.apply(x, weight, eps)
-
-
 def rms_norm(x, weight, eps=1e-6, kernels="auto"):
     path = _path("rms_norm", kernels, x)
     if path == "triton":
@@ -188,61 +106,6 @@ def rope_ref(x, cos, sin):
     cos, sin = cos.float()[None, :, None, :], sin.float()[None, :, None, :]  # [1, T, 1, D/2]
     y = torch.stack((x_even * cos - x_odd * sin, x_odd * cos + x_even * sin), dim=-1)
     return y.flatten(-2).to(x.dtype)
-
-
-if HAS_TRITON:
-    @triton.jit
-    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, HALF, SIN_SIGN: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-        # one program per (b, t): turn every head's (x_2i, x_2i+1) pairs by angle θ_t (SIN_SIGN=-1 turns back,
-        # which is the backward pass because a rotation's transpose is its inverse)
-        row = tl.program_id(0)
-        t = row % T
-        heads = tl.arange(0, BLOCK_H)
-        pairs = tl.arange(0, BLOCK_HALF)
-        mask = (heads[:, None] < H) & (pairs[None, :] < HALF)
-        offs = row.to(tl.int64) * H * 2 * HALF + heads[:, None] * 2 * HALF + 2 * pairs[None, :]
-        cos = tl.load(cos_ptr + t * HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)[None, :]
-        sin = SIN_SIGN * tl.load(sin_ptr + t * HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)[None, :]
-        x_even = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x_odd = tl.load(x_ptr + offs + 1, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs, (x_even * cos - x_odd * sin).to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_ptr + offs + 1, (x_odd * cos + x_even * sin).to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def _rope_launch(x, cos, sin, sin_sign):
-    B, T, H, D = x.shape
-    y = torch.empty_like(x)
-    _rope_kernel[(B * T,)](x, cos, sin, y, T, H, D // 2, SIN_SIGN=sin_sign,
-                           BLOCK_H=triton.next_power_of_2(H), BLOCK_HALF=triton.next_power_of_2(D // 2))
-    return y
-
-
-class _RoPETriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-        ctx.save_for_backward(x, cos, sin)
-        return _rope_launch(x, cos, sin, 1.0)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, cos, sin = ctx.saved_tensors
-        dx = _rope_launch(dy.contiguous(), cos, sin, -1.0)
-        dcos = dsin = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # cos/sin are usually buffers; cheap in torch
-            x_even, x_odd, dy_even, dy_odd = x[..., 0::2].float(), x[..., 1::2].float(), dy[..., 0::2].float(), dy[..., 1::2].float()
-            dcos = (dy_even * x_even + dy_odd * x_odd).sum((0, 2)).to(cos.dtype)
-            dsin = (dy_odd * x_even - dy_even * x_odd).sum((0, 2)).to(sin.dtype)
-        return dx, dcos, dsin
-
-
-def rope_triton(x, cos, sin):
-    B, T, H, D = x.shape
-    if D % 2 or cos.shape != (T, D // 2) or sin.shape != (T, D // 2):
-        raise ValueError(f"rope needs x[B,T,H,D] with even D and cos, sin of shape [T, D/2]; got x {tuple(x.shape)}, "
-                         f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
-    return _RoPETriton.apply(x, cos, sin)
 
 
 def rope_torch(x, cos, sin):
@@ -272,58 +135,6 @@ def softmax_ref(x):
 
 def softmax_torch(x):
     return torch.softmax(x.float(), dim=-1).to(x.dtype)
-
-
-# The Triton softmax is the lab's teaching kernel (the fused softmax of the Triton tutorial): a
-# persistent grid of programs strides over the rows; each row is loaded once into registers (the
-# block is the row length rounded up to a power of two, the tail masked with -inf so it adds exp(-inf)=0),
-# reduced twice (max, then sum of exponentials) and written once. torch's unfused version reads and
-# writes the row several times; here HBM sees one read and one write per element.
-if HAS_TRITON:
-    @triton.jit
-    def _softmax_fwd_kernel(x_ptr, y_ptr, n_rows, n_cols, BLOCK_N: tl.constexpr):
-        cols = tl.arange(0, BLOCK_N)
-        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-            offs = row * n_cols + cols
-            x = tl.load(x_ptr + offs, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
-            e = tl.exp(x - tl.max(x, axis=0))
-            tl.store(y_ptr + offs, (e / tl.sum(e, axis=0)).to(y_ptr.dtype.element_ty), mask=cols < n_cols)
-
-    @triton.jit
-    def _softmax_bwd_kernel(y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, BLOCK_N: tl.constexpr):
-        # dx = y ⊙ (dy − Σ dy⊙y), again one read of each input row and one write
-        cols = tl.arange(0, BLOCK_N)
-        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-            offs = row * n_cols + cols
-            y = tl.load(y_ptr + offs, mask=cols < n_cols, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + offs, mask=cols < n_cols, other=0.0).to(tl.float32)
-            dx = y * (dy - tl.sum(dy * y, axis=0))
-            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=cols < n_cols)
-
-
-class _SoftmaxTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        x = x.contiguous()
-        y = torch.empty_like(x)
-        _softmax_fwd_kernel[(_programs_for(x, x.shape[0]),)](x, y, x.shape[0], x.shape[1],
-                                                              BLOCK_N=triton.next_power_of_2(x.shape[1]))
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        dx = torch.empty_like(y)
-        _softmax_bwd_kernel[(_programs_for(y, y.shape[0]),)](y, dy.contiguous(), dx, y.shape[0], y.shape[1],
-                                                              BLOCK_N=triton.next_power_of_2(y.shape[1]))
-        return dx
-
-
-def softmax_triton(x):
-    if x.ndim != 2:
-        raise ValueError(f"softmax_triton takes a 2-D x[R, N]; got shape {tuple(x.shape)}; reshape to rows first")
-    return _SoftmaxTriton.apply(x)
 
 
 def softmax(x, kernels="auto"):
@@ -356,93 +167,6 @@ def sinkhorn_torch(logits, iters=20):
         L = L - torch.logsumexp(L, dim=-1, keepdim=True)
         L = L - torch.logsumexp(L, dim=-2, keepdim=True)
     return torch.exp(L)
-
-
-if HAS_TRITON:
-    @triton.jit
-    def _sinkhorn_load(l_ptr, M, n, BLOCK_M: tl.constexpr, BN: tl.constexpr):
-        # BLOCK_M matrices per program as a [BLOCK_M, BN, BN] tile; padding entries get logit -inf (P = 0)
-        mats = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        idx = tl.arange(0, BN)
-        entry = (idx[None, :, None] < n) & (idx[None, None, :] < n)
-        offs = mats[:, None, None].to(tl.int64) * n * n + idx[None, :, None] * n + idx[None, None, :]
-        mask = entry & (mats[:, None, None] < M)
-        x = tl.where(entry, tl.load(l_ptr + offs, mask=mask, other=0.0).to(tl.float32), -float("inf"))
-        P0 = tl.exp(x - tl.max(tl.max(x, axis=2), axis=1)[:, None, None])
-        return P0, offs, mask, mats, idx
-
-    @triton.jit
-    def _sinkhorn_fwd_kernel(l_ptr, p_ptr, M, n, ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr):
-        P, offs, mask, mats, idx = _sinkhorn_load(l_ptr, M, n, BLOCK_M, BN)
-        for _ in range(ITERS):
-            P = P / tl.where(idx[None, :] < n, tl.sum(P, axis=2), 1.0)[:, :, None]  # rows
-            P = P / tl.where(idx[None, :] < n, tl.sum(P, axis=1), 1.0)[:, None, :]  # columns
-        tl.store(p_ptr + offs, P, mask=mask)
-
-    @triton.jit
-    def _sinkhorn_bwd_kernel(l_ptr, dp_ptr, dl_ptr, sums_ptr, M, n, ITERS: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BN: tl.constexpr):
-        # Recompute the iterates, keeping each normaliser (row sums r_k, column sums c_k) in a scratch
-        # buffer, then walk back: for Y = X / rowsum(X), dX = (dY − rowsum(dY⊙Y)) / r and X = Y·r
-        # (columns alike). The last step is P0 = exp(logits − max): dlogits = dP0 ⊙ P0.
-        P0, offs, mask, mats, idx = _sinkhorn_load(l_ptr, M, n, BLOCK_M, BN)
-        sums = sums_ptr + mats[:, None].to(tl.int64) * (2 * ITERS * BN) + idx[None, :]
-        P = P0
-        for k in range(ITERS):
-            r = tl.where(idx[None, :] < n, tl.sum(P, axis=2), 1.0)
-            tl.store(sums + (2 * k) * BN, r)
-            P = P / r[:, :, None]
-            c = tl.where(idx[None, :] < n, tl.sum(P, axis=1), 1.0)
-            tl.store(sums + (2 * k + 1) * BN, c)
-            P = P / c[:, None, :]
-        tl.debug_barrier()
-        dP = tl.load(dp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        for kk in range(ITERS):
-            k = ITERS - 1 - kk
-            c = tl.load(sums + (2 * k + 1) * BN)
-            dP = (dP - tl.sum(dP * P, axis=1)[:, None, :]) / c[:, None, :]
-            P = P * c[:, None, :]
-            r = tl.load(sums + (2 * k) * BN)
-            dP = (dP - tl.sum(dP * P, axis=2)[:, :, None]) / r[:, :, None]
-            P = P * r[:, :, None]
-        tl.store(dl_ptr + offs, (dP * P0).to(dl_ptr.dtype.element_ty), mask=mask)
-
-
-def _sinkhorn_blocks(n):
-    bn = triton.next_power_of_2(n)
-    return max(1, min(128, 2048 // (bn * bn))), bn
-
-
-class _SinkhornTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, iters):
-        n = logits.shape[-1]
-        L = logits.reshape(-1, n, n).contiguous()
-        P = torch.empty(L.shape, device=L.device, dtype=torch.float32)
-        block_m, bn = _sinkhorn_blocks(n)
-        _sinkhorn_fwd_kernel[(triton.cdiv(L.shape[0], block_m),)](L, P, L.shape[0], n, ITERS=iters,
-                                                                  BLOCK_M=block_m, BN=bn)
-        ctx.save_for_backward(L)
-        ctx.iters, ctx.shape = iters, logits.shape
-        return P.reshape(logits.shape)
-
-    @staticmethod
-    def backward(ctx, dP):
-        (L,) = ctx.saved_tensors
-        M, n, _ = L.shape
-        block_m, bn = _sinkhorn_blocks(n)
-        grid = triton.cdiv(M, block_m)
-        sums = torch.empty(grid * block_m, 2 * ctx.iters, bn, device=L.device, dtype=torch.float32)
-        dL = torch.empty_like(L)
-        _sinkhorn_bwd_kernel[(grid,)](L, dP.reshape(M, n, n).contiguous(), dL, sums, M, n, ITERS=ctx.iters,
-                                      BLOCK_M=block_m, BN=bn)
-        return dL.reshape(ctx.shape), None
-
-
-def sinkhorn_triton(logits, iters=20):
-    if logits.ndim < 2 or logits.shape[-1] != logits.shape[-2]:
-        raise ValueError(f"sinkhorn needs logits[..., n, n]; got shape {tuple(logits.shape)}")
-    return _SinkhornTriton.apply(logits, iters)
 
 
 def sinkhorn(logits, iters=20, kernels="auto"):
@@ -490,104 +214,6 @@ def gdn2_decay_clip_torch(g, k, b):
     return torch.minimum(g.float(), -gdn2_log_rho(k, b)).to(g.dtype)
 
 
-if HAS_TRITON:
-    @triton.jit
-    def _gdn2_clip_bound(k, b):
-        # −log ρ and its pieces for a = k, c = b⊙k (rows of a [BLOCK_R, BLOCK_K] tile), cancellation-free as
-        # in gdn2_decay_clip_torch: δ = η − a·c ≥ 0, s = sqrt((2 − η)² + 4δ), ρ − 1 = 2δ/(s + 2 − η) for η < 2
-        c = b * k
-        na = tl.sqrt(tl.sum(k * k, axis=1))
-        nc = tl.sqrt(tl.sum(c * c, axis=1))
-        eta = na * nc
-        delta = tl.maximum(eta - tl.sum(k * c, axis=1), 0.0)
-        s = tl.sqrt((2.0 - eta) * (2.0 - eta) + 4.0 * delta)
-        small = eta < 2.0
-        rho_m1 = tl.where(small, 2.0 * delta / tl.where(small, s + 2.0 - eta, 1.0), (eta - 2.0 + s) / 2.0)
-        rho_m1 = tl.where(rho_m1 < 1e-6, 0.0, rho_m1)  # fp32 rounding of δ for parallel a, c, as gdn2_log_rho
-        bound = -tl.log(1.0 + rho_m1)
-        return bound, c, na, nc, eta, s, 1.0 + rho_m1
-
-    @triton.jit
-    def _gdn2_clip_load(g_ptr, k_ptr, b_ptr, n_rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.arange(0, BLOCK_K)
-        mask = (rows[:, None] < n_rows) & (cols[None, :] < K)
-        offs = rows[:, None].to(tl.int64) * K + cols[None, :]
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        return g, k, b, offs, mask
-
-    @triton.jit
-    def _gdn2_clip_fwd_kernel(g_ptr, k_ptr, b_ptr, out_ptr, n_rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        g, k, b, offs, mask = _gdn2_clip_load(g_ptr, k_ptr, b_ptr, n_rows, K, BLOCK_R, BLOCK_K)
-        bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
-        tl.store(out_ptr + offs, tl.minimum(g, bound[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _gdn2_clip_bwd(g, k, b, dout):
-        # (dg, dk, db) of g' = min(g, β) with β = −log ρ(η, a·c), on fp32 tiles where k and dout are 0 past the
-        # row ends; shared with the fused gdn2_gates kernel. The gradient goes to g where g < β, to β where g > β,
-        # half each on a tie (as torch.minimum). dβ/da = −(1/ρ)(∂ρ/∂η·‖c‖/‖a‖·a + ∂ρ/∂(a·c)·c), c alike, with
-        # ∂ρ/∂η = (1 + η/s)/2, ∂ρ/∂(a·c) = −1/s; then dk = da + b⊙dc, db = k⊙dc.
-        bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
-        bound = bound[:, None]
-        dg = tl.where(g < bound, dout, tl.where(g == bound, 0.5 * dout, 0.0))
-        dbound = tl.where(rho > 1.0, tl.sum(dout - dg, axis=1), 0.0)  # β is flat where ρ − 1 was rounded to 0
-        s_safe = tl.maximum(s, 1e-20)
-        deta = dbound * -(1.0 + eta / s_safe) / (2.0 * rho)
-        dac = dbound / (s_safe * rho)
-        da = (deta * tl.where(na > 0, nc / tl.where(na > 0, na, 1.0), 0.0))[:, None] * k + dac[:, None] * c
-        dc = (deta * tl.where(nc > 0, na / tl.where(nc > 0, nc, 1.0), 0.0))[:, None] * c + dac[:, None] * k
-        return dg, da + b * dc, k * dc
-
-    @triton.jit
-    def _gdn2_clip_bwd_kernel(g_ptr, k_ptr, b_ptr, dout_ptr, dg_ptr, dk_ptr, db_ptr, n_rows, K,
-                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        g, k, b, offs, mask = _gdn2_clip_load(g_ptr, k_ptr, b_ptr, n_rows, K, BLOCK_R, BLOCK_K)
-        dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        dg, dk, db = _gdn2_clip_bwd(g, k, b, dout)
-        tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mask)
-        tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=mask)
-        tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=mask)
-
-
-def _gdn2_clip_blocks(K):
-    block_k = triton.next_power_of_2(K)
-    return max(1, min(16, 1024 // block_k)), block_k  # larger tiles spill registers in the backward kernel
-
-
-class _GDN2DecayClipTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, g, k, b):
-        g, k, b = g.contiguous(), k.contiguous(), b.contiguous()
-        K = g.shape[-1]
-        n_rows = g.numel() // K
-        out = torch.empty_like(g)
-        block_r, block_k = _gdn2_clip_blocks(K)
-        _gdn2_clip_fwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, out, n_rows, K, BLOCK_R=block_r, BLOCK_K=block_k)
-        ctx.save_for_backward(g, k, b)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        g, k, b = ctx.saved_tensors
-        K = g.shape[-1]
-        n_rows = g.numel() // K
-        dg, dk, db = torch.empty_like(g), torch.empty_like(k), torch.empty_like(b)
-        block_r, block_k = _gdn2_clip_blocks(K)
-        _gdn2_clip_bwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, dout.contiguous(), dg, dk, db, n_rows, K,
-                                                               BLOCK_R=block_r, BLOCK_K=block_k)
-        return dg, dk, db
-
-
-def gdn2_decay_clip_triton(g, k, b):
-    if k.shape != g.shape or b.shape != g.shape:
-        raise ValueError(f"gdn2_decay_clip needs g, k, b of one shape [B,T,H,K]; got {tuple(g.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(b.shape)}; broadcast scalar gates with .expand_as(k)")
-    return _GDN2DecayClipTriton.apply(g, k, b)
-
-
 def gdn2_decay_clip(g, k, b, kernels="auto"):
     if k.shape != g.shape or b.shape != g.shape:
         raise ValueError(f"gdn2_decay_clip needs g, k, b of one shape [B,T,H,K]; got {tuple(g.shape)}, {tuple(k.shape)}, "
@@ -624,114 +250,6 @@ def gdn2_gates_ref(decay_logits, erase_logits, k, A_log, dt_bias, clip=True):
 def gdn2_gates_torch(decay_logits, erase_logits, k, A_log, dt_bias, clip=True):
     log_decay, erase_gate = gdn2_gates_ref(decay_logits, erase_logits, k, A_log, dt_bias, clip=False)
     return (gdn2_decay_clip_torch(log_decay, k, erase_gate) if clip else log_decay), erase_gate
-
-
-if HAS_TRITON:
-    @triton.jit
-    def _softplus(x):
-        # log(1 + eˣ), and x itself past 20 as in F.softplus. tl has no log1p: log(w)·u/(w − 1) with w = 1 + u is
-        # log1p(u) to full precision, where log(1 + u) would round away the small u = eˣ of a negative x
-        u = tl.exp(tl.minimum(x, 20.0))
-        w = 1.0 + u
-        return tl.where(x > 20.0, x, tl.where(w == 1.0, u, tl.log(w) * u / tl.where(w == 1.0, 1.0, w - 1.0)))
-
-    @triton.jit
-    def _sigmoid(x):
-        # σ(x) through e^−|x| ≤ 1, which cannot overflow
-        e = tl.exp(-tl.abs(x))
-        return tl.where(x >= 0, 1.0, e) / (1.0 + e)
-
-    @triton.jit
-    def _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr, dt_bias_ptr, n_rows, H, K,
-                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        # a [BLOCK_R, BLOCK_K] tile of rows (b, t, h): x = decay_logits + dt_bias[h], A = exp(A_log[h]), the unclipped
-        # g = −A·softplus(x), and b = σ(erase_logits) rounded to erase_logits' dtype, as gdn2_gates returns it
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.arange(0, BLOCK_K)
-        mask = (rows[:, None] < n_rows) & (cols[None, :] < K)
-        offs = rows[:, None].to(tl.int64) * K + cols[None, :]
-        heads = rows % H  # < H on the rows past n_rows too, so the loads by head need no row mask
-        x = tl.load(decay_logits_ptr + offs, mask=mask, other=0.0).to(tl.float32) \
-            + tl.load(dt_bias_ptr + heads[:, None] * K + cols[None, :], mask=cols[None, :] < K, other=0.0).to(tl.float32)
-        A = tl.exp(tl.load(A_log_ptr + heads).to(tl.float32))
-        g = -A[:, None] * _softplus(x)
-        erase_logits = tl.load(erase_logits_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        b = _sigmoid(erase_logits).to(erase_logits_ptr.dtype.element_ty).to(tl.float32)
-        return x, A, g, b, rows, offs, mask
-
-    @triton.jit
-    def _gdn2_gates_fwd_kernel(decay_logits_ptr, erase_logits_ptr, k_ptr, A_log_ptr, dt_bias_ptr, g_ptr, b_ptr,
-                               n_rows, H, K, CLIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        x, A, g, b, rows, offs, mask = _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr, dt_bias_ptr,
-                                                        n_rows, H, K, BLOCK_R, BLOCK_K)
-        if CLIP:
-            k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
-            g = tl.minimum(g, bound[:, None])
-        tl.store(g_ptr + offs, g, mask=mask)
-        tl.store(b_ptr + offs, b.to(b_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _gdn2_gates_bwd_kernel(decay_logits_ptr, erase_logits_ptr, k_ptr, A_log_ptr, dt_bias_ptr, dg_ptr, db_ptr,
-                               d_decay_logits_ptr, d_erase_logits_ptr, dk_ptr, dA_log_rows_ptr, n_rows, H, K,
-                               CLIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        # through the clip (shared with the standalone kernel) to dg of the unclipped g = −A·softplus(x); then
-        # dx = −A·σ(x)·dg, which is also dt_bias's gradient per element; ∂g/∂A_log = g, so each row adds Σ_K dg·g
-        # to dA_log[h]; d erase_logits = b(1 − b)·db, db including the clip's share
-        x, A, g, b, rows, offs, mask = _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr, dt_bias_ptr,
-                                                        n_rows, H, K, BLOCK_R, BLOCK_K)
-        dg = tl.load(dg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        db = tl.load(db_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if CLIP:
-            k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            dg, dk, db_clip = _gdn2_clip_bwd(g, k, b, dg)
-            db += db_clip
-            tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=mask)
-        tl.store(d_decay_logits_ptr + offs, -A[:, None] * _sigmoid(x) * dg, mask=mask)
-        tl.store(d_erase_logits_ptr + offs, (b * (1.0 - b) * db).to(d_erase_logits_ptr.dtype.element_ty), mask=mask)
-        tl.store(dA_log_rows_ptr + rows, tl.sum(dg * g, axis=1), mask=rows < n_rows)
-
-
-class _GDN2GatesTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, decay_logits, erase_logits, k, A_log, dt_bias, clip):
-        H, K = k.shape[-2:]
-        decay_logits, erase_logits, k = decay_logits.contiguous(), erase_logits.contiguous(), k.contiguous()
-        A_log, dt_bias_hk = A_log.contiguous(), dt_bias.reshape(H, K).contiguous()
-        n_rows = k.numel() // K
-        log_decay = torch.empty(k.shape, device=k.device, dtype=torch.float32)
-        erase_gate = torch.empty_like(erase_logits)
-        block_r, block_k = _gdn2_clip_blocks(K)
-        _gdn2_gates_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-            decay_logits, erase_logits, k, A_log, dt_bias_hk, log_decay, erase_gate, n_rows, H, K,
-            CLIP=clip, BLOCK_R=block_r, BLOCK_K=block_k)
-        ctx.save_for_backward(decay_logits, erase_logits, k, A_log, dt_bias_hk)
-        ctx.clip, ctx.dt_bias_shape = clip, dt_bias.shape
-        return log_decay, erase_gate
-
-    @staticmethod
-    def backward(ctx, d_log_decay, d_erase_gate):
-        decay_logits, erase_logits, k, A_log, dt_bias = ctx.saved_tensors
-        H, K = k.shape[-2:]
-        n_rows = k.numel() // K
-        # fp32 whatever decay_logits' dtype: summed over B, T it is dt_bias's gradient
-        d_decay_logits = torch.empty(k.shape, device=k.device, dtype=torch.float32)
-        d_erase_logits = torch.empty_like(erase_logits)
-        dk = torch.empty_like(k) if ctx.clip else None
-        dA_log_rows = torch.empty(n_rows, device=k.device, dtype=torch.float32)
-        block_r, block_k = _gdn2_clip_blocks(K)
-        _gdn2_gates_bwd_kernel[(triton.cdiv(n_rows, block_r),)](
-            decay_logits, erase_logits, k, A_log, dt_bias, d_log_decay.contiguous(), d_erase_gate.contiguous(),
-            d_decay_logits, d_erase_logits, dk, dA_log_rows, n_rows, H, K,
-            CLIP=ctx.clip, BLOCK_R=block_r, BLOCK_K=block_k)
-        dA_log = dA_log_rows.view(-1, H).sum(0)
-        d_dt_bias = d_decay_logits.view(-1, H * K).sum(0).reshape(ctx.dt_bias_shape)
-        return d_decay_logits.to(decay_logits.dtype), d_erase_logits, dk, dA_log.to(A_log.dtype), d_dt_bias.to(dt_bias.dtype), None
-
-
-def gdn2_gates_triton(decay_logits, erase_logits, k, A_log, dt_bias, clip=True):
-    _gdn2_gates_check(decay_logits, erase_logits, k, A_log, dt_bias)
-    return _GDN2GatesTriton.apply(decay_logits, erase_logits, k, A_log, dt_bias, clip)
 
 
 def gdn2_gates(decay_logits, erase_logits, k, A_log, dt_bias, clip=True, kernels="auto"):
@@ -863,6 +381,615 @@ def gdn2_torch(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
     o = o.reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
     return o.to(out_dtype), S.reshape(B, H, K, V)
 
+
+def gdn2(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16, kernels="auto"):
+    path = _path("gdn2", kernels, q)
+    if path == "triton":
+        return gdn2_triton(q, k, v, g, b, w, scale, initial_state)
+    if path == "ref":
+        return gdn2_ref(q, k, v, g, b, w, scale, initial_state)
+    return gdn2_torch(q, k, v, g, b, w, scale, initial_state, chunk_size)
+
+
+# -----------------------------------------------------------------------------
+# ssd (Mamba2, ngroups = 1), state h ∈ R^{P×N} per head:
+#   h_t = exp(dt_t A) h_{t−1} + dt_t x_t B_tᵀ,   y_t = h_t C_t + D x_t
+# x [b,l,h,p], dt [b,l,h], A [h], B, C [b,l,1,n], D [h] or None, h [b,h,p,n]. fp32 inside;
+# y comes back in x's dtype, h_T in fp32. zoh_input_scale converts Euler's dt·B into ZOH's B̄.
+
+def zoh_input_scale(dt, A):
+    """expm1(dt·A)/(dt·A): multiply x by this to turn ssd's dt·x·Bᵀ into ZOH's (exp(dt A) − 1)/A · x·Bᵀ."""
+    z = dt.float() * A.float()
+    small = z.abs() < 1e-3
+    z_safe = torch.where(small, -1.0, z)                        # keeps the unused branch finite (and its gradient)
+    return torch.where(small, 1 + z / 2 + z * z / 6, torch.expm1(z_safe) / z_safe)
+
+
+def _ssd_check(x, dt, A, B, C, D, initial_state):
+    b, l, h, p = x.shape
+    if dt.shape != (b, l, h) or A.shape != (h,):
+        raise ValueError(f"ssd: dt must be [b,l,h] = {(b, l, h)} and A [h], got {tuple(dt.shape)}, {tuple(A.shape)}")
+    if B.ndim != 4 or B.shape[:3] != (b, l, 1) or C.shape != B.shape:
+        raise ValueError(f"ssd: B and C must be [b,l,1,n] (ngroups = 1), got {tuple(B.shape)}, {tuple(C.shape)}; use B.unsqueeze(2)")
+    if D is not None and D.shape != (h,):
+        raise ValueError(f"ssd: D must be [h] = ({h},) or None, got {tuple(D.shape)}")
+    if initial_state is not None and initial_state.shape != (b, h, p, B.shape[-1]):
+        raise ValueError(f"ssd: initial_state must be [b,h,p,n] = {(b, h, p, B.shape[-1])}, got {tuple(initial_state.shape)}")
+
+
+@_fp32
+def ssd_ref(x, dt, A, B, C, D=None, initial_state=None):
+    _ssd_check(x, dt, A, B, C, D, initial_state)
+    b, l, h, p = x.shape
+    xf, dtf, Af, Bf, Cf = x.float(), dt.float(), A.float(), B.float()[:, :, 0], C.float()[:, :, 0]
+    hs = x.new_zeros(b, h, p, B.shape[-1], dtype=torch.float32) if initial_state is None else initial_state.float()
+    ys = []
+    for t in range(l):
+        decay = torch.exp(dtf[:, t] * Af)[..., None, None]                           # [b,h,1,1]
+        write = (dtf[:, t, :, None] * xf[:, t])[..., None] * Bf[:, t, None, None, :]  # dt_t x_t B_tᵀ
+        hs = decay * hs + write
+        ys.append(torch.einsum("bhpn,bn->bhp", hs, Cf[:, t]))
+    y = torch.stack(ys, dim=1)
+    if D is not None:
+        y = y + D.float()[:, None] * xf
+    return y.to(x.dtype), hs
+
+
+@_fp32
+def ssd_torch(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
+    """Chunked SSD. Within a chunk, with a_r = Σ_{i≤r} dt_i A (cumulative log-decay from the chunk start):
+    y_r = Σ_{s≤r} (C_r·B_s) exp(a_r − a_s) dt_s x_s + exp(a_r) h_0 C_r, and the chunk's own contribution to
+    its end state is Σ_s exp(a_C − a_s) dt_s x_s B_sᵀ; states are passed between chunks in a short loop.
+    Every exponent is a within-chunk difference masked to s ≤ r before exp, so it is ≤ 0.
+    The tail is padded with dt = 0 and zero inputs, which leaves the state unchanged."""
+    _ssd_check(x, dt, A, B, C, D, initial_state)
+    b, l, h, p = x.shape
+    n = B.shape[-1]
+    if chunk_size < 1:
+        raise ValueError(f"ssd: chunk_size must be a positive integer, got {chunk_size}")
+    Cs = min(chunk_size, max(l, 1))                              # short inputs (decoding) get a short chunk
+    N = -(-l // Cs)
+    pad = N * Cs - l
+    # chunk-major layout [N, b, h, Cs, ·]: every per-chunk product below is one batched matmul
+    xf = F.pad(x.float(), (0, 0, 0, 0, 0, pad)).reshape(b, N, Cs, h, p).permute(1, 0, 3, 2, 4)
+    dtf = F.pad(dt.float(), (0, 0, 0, pad)).reshape(b, N, Cs, h).permute(1, 0, 3, 2)
+    Bf = F.pad(B.float()[:, :, 0], (0, 0, 0, pad)).reshape(b, N, 1, Cs, n).transpose(0, 1)
+    Cf = F.pad(C.float()[:, :, 0], (0, 0, 0, pad)).reshape(b, N, 1, Cs, n).transpose(0, 1)
+    a = (dtf * A.float()[:, None]).cumsum(dim=-1)                        # [N,b,h,Cs]
+    causal = torch.ones(Cs, Cs, dtype=torch.bool, device=x.device).tril()
+    L = (a[..., :, None] - a[..., None, :]).masked_fill(~causal, float("-inf")).exp()   # exp(a_r − a_s), s ≤ r
+    x_dt = xf * dtf[..., None]
+    y = ((Cf @ Bf.transpose(-1, -2)) * L) @ x_dt                        # [N,b,h,Cs,p]
+    to_end = (a[..., -1:] - a).exp()                                     # exp(a_C − a_s)
+    chunk_states = (x_dt * to_end[..., None]).transpose(-1, -2) @ Bf     # [N,b,h,p,n]
+    chunk_decay = a[..., -1, None, None].exp()                           # [N,b,h,1,1]
+    hs = x.new_zeros(b, h, p, n, dtype=torch.float32) if initial_state is None else initial_state.float()
+    entering = []
+    for decay_c, state_c in zip(chunk_decay.unbind(0), chunk_states.unbind(0)):   # unbind: see gdn2_torch
+        entering.append(hs)
+        hs = decay_c * hs + state_c
+    entering = torch.stack(entering)                                     # [N,b,h,p,n]
+    y = y + (Cf @ entering.transpose(-1, -2)) * a.exp()[..., None]
+    y = y.permute(1, 0, 3, 2, 4).reshape(b, N * Cs, h, p)[:, :l]
+    if D is not None:
+        y = y + D.float()[:, None] * x.float()
+    return y.to(x.dtype), hs
+
+
+def ssd(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None, kernels="auto"):
+    path = _path("ssd", kernels, x)
+    if path == "triton":
+        return ssd_triton(x, dt, A, B, C, D, chunk_size, initial_state)
+    if path == "ref":
+        return ssd_ref(x, dt, A, B, C, D, initial_state)
+    return ssd_torch(x, dt, A, B, C, D, chunk_size, initial_state)
+
+
+# =============================================================================
+# Triton: the fast paths, one subsection per op, in the order of the spec sections above.
+
+# -----------------------------------------------------------------------------
+# rms_norm in Triton
+
+def _programs_for(x, rows):
+    """Persistent-grid size for row kernels: a few programs per SM on a GPU, a handful elsewhere."""
+    if x.is_cuda:
+        return max(1, min(rows, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count))
+    return max(1, min(rows, 4))
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, eps,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # one program normalises BLOCK_R rows; the whole row sits in registers, sums in fp32
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_C)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        tl.store(y_ptr + offs, (x * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr + rows, rstd, mask=rows < n_rows)
+
+    @triton.jit
+    def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # dx = rstd·(dy⊙w − x̂·mean(dy⊙w⊙x̂)); each program also sums dy⊙x̂ over its rows into one dw partial
+        pid, n_prog = tl.program_id(0), tl.num_programs(0)
+        cols = tl.arange(0, BLOCK_C)
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        dw = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        for start in range(pid * BLOCK_R, n_rows, n_prog * BLOCK_R):
+            rows = start + tl.arange(0, BLOCK_R)
+            mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+            offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)
+            x_hat = x * rstd[:, None]
+            dyw = dy * w[None, :]
+            mean_term = tl.sum(dyw * x_hat, axis=1) / n_cols
+            dx = rstd[:, None] * (dyw - x_hat * mean_term[:, None])
+            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw += tl.sum(dy * x_hat, axis=0)
+        tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=cols < n_cols)
+
+
+def _rms_norm_blocks(n_cols):
+    block_c = triton.next_power_of_2(n_cols)
+    return max(1, min(64, 4096 // block_c)), block_c
+
+
+class _RMSNormTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        n_rows, n_cols = x2.shape
+        y = torch.empty_like(x2)
+        rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
+        block_r, block_c = _rms_norm_blocks(n_cols)
+        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+            x2, weight.contiguous(), y, rstd, n_rows, n_cols, eps, BLOCK_R=block_r, BLOCK_C=block_c)
+        ctx.save_for_backward(x2, weight, rstd)
+        return y.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        n_rows, n_cols = x2.shape
+        dy2 = dy.reshape(n_rows, n_cols).contiguous()
+        dx = torch.empty_like(x2)
+        block_r, block_c = _rms_norm_blocks(n_cols)
+        n_prog = _programs_for(x2, triton.cdiv(n_rows, block_r))
+        dw_partial = torch.empty(n_prog, n_cols, device=x2.device, dtype=torch.float32)
+        _rms_norm_bwd_kernel[(n_prog,)](x2, weight.contiguous(), rstd, dy2, dx, dw_partial, n_rows, n_cols,
+                                        BLOCK_R=block_r, BLOCK_C=block_c)
+        return dx.reshape(dy.shape), dw_partial.sum(0).to(weight.dtype), None
+
+
+def rms_norm_triton(x, weight, eps=1e-6):
+    return _RMSNormTriton.apply(x, weight, eps)
+
+
+# -----------------------------------------------------------------------------
+# rope in Triton
+
+if HAS_TRITON:
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, HALF, SIN_SIGN: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        # one program per (b, t): turn every head's (x_2i, x_2i+1) pairs by angle θ_t (SIN_SIGN=-1 turns back,
+        # which is the backward pass because a rotation's transpose is its inverse)
+        row = tl.program_id(0)
+        t = row % T
+        heads = tl.arange(0, BLOCK_H)
+        pairs = tl.arange(0, BLOCK_HALF)
+        mask = (heads[:, None] < H) & (pairs[None, :] < HALF)
+        offs = row.to(tl.int64) * H * 2 * HALF + heads[:, None] * 2 * HALF + 2 * pairs[None, :]
+        cos = tl.load(cos_ptr + t * HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)[None, :]
+        sin = SIN_SIGN * tl.load(sin_ptr + t * HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)[None, :]
+        x_even = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x_odd = tl.load(x_ptr + offs + 1, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, (x_even * cos - x_odd * sin).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + offs + 1, (x_odd * cos + x_even * sin).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rope_launch(x, cos, sin, sin_sign):
+    B, T, H, D = x.shape
+    y = torch.empty_like(x)
+    _rope_kernel[(B * T,)](x, cos, sin, y, T, H, D // 2, SIN_SIGN=sin_sign,
+                           BLOCK_H=triton.next_power_of_2(H), BLOCK_HALF=triton.next_power_of_2(D // 2))
+    return y
+
+
+class _RoPETriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        ctx.save_for_backward(x, cos, sin)
+        return _rope_launch(x, cos, sin, 1.0)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, cos, sin = ctx.saved_tensors
+        dx = _rope_launch(dy.contiguous(), cos, sin, -1.0)
+        dcos = dsin = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # cos/sin are usually buffers; cheap in torch
+            x_even, x_odd, dy_even, dy_odd = x[..., 0::2].float(), x[..., 1::2].float(), dy[..., 0::2].float(), dy[..., 1::2].float()
+            dcos = (dy_even * x_even + dy_odd * x_odd).sum((0, 2)).to(cos.dtype)
+            dsin = (dy_odd * x_even - dy_even * x_odd).sum((0, 2)).to(sin.dtype)
+        return dx, dcos, dsin
+
+
+def rope_triton(x, cos, sin):
+    B, T, H, D = x.shape
+    if D % 2 or cos.shape != (T, D // 2) or sin.shape != (T, D // 2):
+        raise ValueError(f"rope needs x[B,T,H,D] with even D and cos, sin of shape [T, D/2]; got x {tuple(x.shape)}, "
+                         f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    return _RoPETriton.apply(x, cos, sin)
+
+
+# -----------------------------------------------------------------------------
+# softmax in Triton
+
+# The Triton softmax is the lab's teaching kernel (the fused softmax of the Triton tutorial): a
+# persistent grid of programs strides over the rows; each row is loaded once into registers (the
+# block is the row length rounded up to a power of two, the tail masked with -inf so it adds exp(-inf)=0),
+# reduced twice (max, then sum of exponentials) and written once. torch's unfused version reads and
+# writes the row several times; here HBM sees one read and one write per element.
+if HAS_TRITON:
+    @triton.jit
+    def _softmax_fwd_kernel(x_ptr, y_ptr, n_rows, n_cols, BLOCK_N: tl.constexpr):
+        cols = tl.arange(0, BLOCK_N)
+        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            offs = row * n_cols + cols
+            x = tl.load(x_ptr + offs, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
+            e = tl.exp(x - tl.max(x, axis=0))
+            tl.store(y_ptr + offs, (e / tl.sum(e, axis=0)).to(y_ptr.dtype.element_ty), mask=cols < n_cols)
+
+    @triton.jit
+    def _softmax_bwd_kernel(y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, BLOCK_N: tl.constexpr):
+        # dx = y ⊙ (dy − Σ dy⊙y), again one read of each input row and one write
+        cols = tl.arange(0, BLOCK_N)
+        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            offs = row * n_cols + cols
+            y = tl.load(y_ptr + offs, mask=cols < n_cols, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + offs, mask=cols < n_cols, other=0.0).to(tl.float32)
+            dx = y * (dy - tl.sum(dy * y, axis=0))
+            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+class _SoftmaxTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        _softmax_fwd_kernel[(_programs_for(x, x.shape[0]),)](x, y, x.shape[0], x.shape[1],
+                                                              BLOCK_N=triton.next_power_of_2(x.shape[1]))
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        dx = torch.empty_like(y)
+        _softmax_bwd_kernel[(_programs_for(y, y.shape[0]),)](y, dy.contiguous(), dx, y.shape[0], y.shape[1],
+                                                              BLOCK_N=triton.next_power_of_2(y.shape[1]))
+        return dx
+
+
+def softmax_triton(x):
+    if x.ndim != 2:
+        raise ValueError(f"softmax_triton takes a 2-D x[R, N]; got shape {tuple(x.shape)}; reshape to rows first")
+    return _SoftmaxTriton.apply(x)
+
+
+# -----------------------------------------------------------------------------
+# sinkhorn in Triton
+
+if HAS_TRITON:
+    @triton.jit
+    def _sinkhorn_load(l_ptr, M, n, BLOCK_M: tl.constexpr, BN: tl.constexpr):
+        # BLOCK_M matrices per program as a [BLOCK_M, BN, BN] tile; padding entries get logit -inf (P = 0)
+        mats = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        idx = tl.arange(0, BN)
+        entry = (idx[None, :, None] < n) & (idx[None, None, :] < n)
+        offs = mats[:, None, None].to(tl.int64) * n * n + idx[None, :, None] * n + idx[None, None, :]
+        mask = entry & (mats[:, None, None] < M)
+        x = tl.where(entry, tl.load(l_ptr + offs, mask=mask, other=0.0).to(tl.float32), -float("inf"))
+        P0 = tl.exp(x - tl.max(tl.max(x, axis=2), axis=1)[:, None, None])
+        return P0, offs, mask, mats, idx
+
+    @triton.jit
+    def _sinkhorn_fwd_kernel(l_ptr, p_ptr, M, n, ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr):
+        P, offs, mask, mats, idx = _sinkhorn_load(l_ptr, M, n, BLOCK_M, BN)
+        for _ in range(ITERS):
+            P = P / tl.where(idx[None, :] < n, tl.sum(P, axis=2), 1.0)[:, :, None]  # rows
+            P = P / tl.where(idx[None, :] < n, tl.sum(P, axis=1), 1.0)[:, None, :]  # columns
+        tl.store(p_ptr + offs, P, mask=mask)
+
+    @triton.jit
+    def _sinkhorn_bwd_kernel(l_ptr, dp_ptr, dl_ptr, sums_ptr, M, n, ITERS: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BN: tl.constexpr):
+        # Recompute the iterates, keeping each normaliser (row sums r_k, column sums c_k) in a scratch
+        # buffer, then walk back: for Y = X / rowsum(X), dX = (dY − rowsum(dY⊙Y)) / r and X = Y·r
+        # (columns alike). The last step is P0 = exp(logits − max): dlogits = dP0 ⊙ P0.
+        P0, offs, mask, mats, idx = _sinkhorn_load(l_ptr, M, n, BLOCK_M, BN)
+        sums = sums_ptr + mats[:, None].to(tl.int64) * (2 * ITERS * BN) + idx[None, :]
+        P = P0
+        for k in range(ITERS):
+            r = tl.where(idx[None, :] < n, tl.sum(P, axis=2), 1.0)
+            tl.store(sums + (2 * k) * BN, r)
+            P = P / r[:, :, None]
+            c = tl.where(idx[None, :] < n, tl.sum(P, axis=1), 1.0)
+            tl.store(sums + (2 * k + 1) * BN, c)
+            P = P / c[:, None, :]
+        tl.debug_barrier()
+        dP = tl.load(dp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        for kk in range(ITERS):
+            k = ITERS - 1 - kk
+            c = tl.load(sums + (2 * k + 1) * BN)
+            dP = (dP - tl.sum(dP * P, axis=1)[:, None, :]) / c[:, None, :]
+            P = P * c[:, None, :]
+            r = tl.load(sums + (2 * k) * BN)
+            dP = (dP - tl.sum(dP * P, axis=2)[:, :, None]) / r[:, :, None]
+            P = P * r[:, :, None]
+        tl.store(dl_ptr + offs, (dP * P0).to(dl_ptr.dtype.element_ty), mask=mask)
+
+
+def _sinkhorn_blocks(n):
+    bn = triton.next_power_of_2(n)
+    return max(1, min(128, 2048 // (bn * bn))), bn
+
+
+class _SinkhornTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, iters):
+        n = logits.shape[-1]
+        L = logits.reshape(-1, n, n).contiguous()
+        P = torch.empty(L.shape, device=L.device, dtype=torch.float32)
+        block_m, bn = _sinkhorn_blocks(n)
+        _sinkhorn_fwd_kernel[(triton.cdiv(L.shape[0], block_m),)](L, P, L.shape[0], n, ITERS=iters,
+                                                                  BLOCK_M=block_m, BN=bn)
+        ctx.save_for_backward(L)
+        ctx.iters, ctx.shape = iters, logits.shape
+        return P.reshape(logits.shape)
+
+    @staticmethod
+    def backward(ctx, dP):
+        (L,) = ctx.saved_tensors
+        M, n, _ = L.shape
+        block_m, bn = _sinkhorn_blocks(n)
+        grid = triton.cdiv(M, block_m)
+        sums = torch.empty(grid * block_m, 2 * ctx.iters, bn, device=L.device, dtype=torch.float32)
+        dL = torch.empty_like(L)
+        _sinkhorn_bwd_kernel[(grid,)](L, dP.reshape(M, n, n).contiguous(), dL, sums, M, n, ITERS=ctx.iters,
+                                      BLOCK_M=block_m, BN=bn)
+        return dL.reshape(ctx.shape), None
+
+
+def sinkhorn_triton(logits, iters=20):
+    if logits.ndim < 2 or logits.shape[-1] != logits.shape[-2]:
+        raise ValueError(f"sinkhorn needs logits[..., n, n]; got shape {tuple(logits.shape)}")
+    return _SinkhornTriton.apply(logits, iters)
+
+
+# -----------------------------------------------------------------------------
+# gdn2_decay_clip in Triton
+
+if HAS_TRITON:
+    @triton.jit
+    def _gdn2_clip_bound(k, b):
+        # −log ρ and its pieces for a = k, c = b⊙k (rows of a [BLOCK_R, BLOCK_K] tile), cancellation-free as
+        # in gdn2_decay_clip_torch: δ = η − a·c ≥ 0, s = sqrt((2 − η)² + 4δ), ρ − 1 = 2δ/(s + 2 − η) for η < 2
+        c = b * k
+        na = tl.sqrt(tl.sum(k * k, axis=1))
+        nc = tl.sqrt(tl.sum(c * c, axis=1))
+        eta = na * nc
+        delta = tl.maximum(eta - tl.sum(k * c, axis=1), 0.0)
+        s = tl.sqrt((2.0 - eta) * (2.0 - eta) + 4.0 * delta)
+        small = eta < 2.0
+        rho_m1 = tl.where(small, 2.0 * delta / tl.where(small, s + 2.0 - eta, 1.0), (eta - 2.0 + s) / 2.0)
+        rho_m1 = tl.where(rho_m1 < 1e-6, 0.0, rho_m1)  # fp32 rounding of δ for parallel a, c, as gdn2_log_rho
+        bound = -tl.log(1.0 + rho_m1)
+        return bound, c, na, nc, eta, s, 1.0 + rho_m1
+
+    @triton.jit
+    def _gdn2_clip_load(g_ptr, k_ptr, b_ptr, n_rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_K)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < K)
+        offs = rows[:, None].to(tl.int64) * K + cols[None, :]
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        return g, k, b, offs, mask
+
+    @triton.jit
+    def _gdn2_clip_fwd_kernel(g_ptr, k_ptr, b_ptr, out_ptr, n_rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        g, k, b, offs, mask = _gdn2_clip_load(g_ptr, k_ptr, b_ptr, n_rows, K, BLOCK_R, BLOCK_K)
+        bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
+        tl.store(out_ptr + offs, tl.minimum(g, bound[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gdn2_clip_bwd(g, k, b, dout):
+        # (dg, dk, db) of g' = min(g, β) with β = −log ρ(η, a·c), on fp32 tiles where k and dout are 0 past the
+        # row ends; shared with the fused gdn2_gates kernel. The gradient goes to g where g < β, to β where g > β,
+        # half each on a tie (as torch.minimum). dβ/da = −(1/ρ)(∂ρ/∂η·‖c‖/‖a‖·a + ∂ρ/∂(a·c)·c), c alike, with
+        # ∂ρ/∂η = (1 + η/s)/2, ∂ρ/∂(a·c) = −1/s; then dk = da + b⊙dc, db = k⊙dc.
+        bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
+        bound = bound[:, None]
+        dg = tl.where(g < bound, dout, tl.where(g == bound, 0.5 * dout, 0.0))
+        dbound = tl.where(rho > 1.0, tl.sum(dout - dg, axis=1), 0.0)  # β is flat where ρ − 1 was rounded to 0
+        s_safe = tl.maximum(s, 1e-20)
+        deta = dbound * -(1.0 + eta / s_safe) / (2.0 * rho)
+        dac = dbound / (s_safe * rho)
+        da = (deta * tl.where(na > 0, nc / tl.where(na > 0, na, 1.0), 0.0))[:, None] * k + dac[:, None] * c
+        dc = (deta * tl.where(nc > 0, na / tl.where(nc > 0, nc, 1.0), 0.0))[:, None] * c + dac[:, None] * k
+        return dg, da + b * dc, k * dc
+
+    @triton.jit
+    def _gdn2_clip_bwd_kernel(g_ptr, k_ptr, b_ptr, dout_ptr, dg_ptr, dk_ptr, db_ptr, n_rows, K,
+                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        g, k, b, offs, mask = _gdn2_clip_load(g_ptr, k_ptr, b_ptr, n_rows, K, BLOCK_R, BLOCK_K)
+        dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dg, dk, db = _gdn2_clip_bwd(g, k, b, dout)
+        tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mask)
+        tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=mask)
+        tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=mask)
+
+
+def _gdn2_clip_blocks(K):
+    block_k = triton.next_power_of_2(K)
+    return max(1, min(16, 1024 // block_k)), block_k  # larger tiles spill registers in the backward kernel
+
+
+class _GDN2DecayClipTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, k, b):
+        g, k, b = g.contiguous(), k.contiguous(), b.contiguous()
+        K = g.shape[-1]
+        n_rows = g.numel() // K
+        out = torch.empty_like(g)
+        block_r, block_k = _gdn2_clip_blocks(K)
+        _gdn2_clip_fwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, out, n_rows, K, BLOCK_R=block_r, BLOCK_K=block_k)
+        ctx.save_for_backward(g, k, b)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        g, k, b = ctx.saved_tensors
+        K = g.shape[-1]
+        n_rows = g.numel() // K
+        dg, dk, db = torch.empty_like(g), torch.empty_like(k), torch.empty_like(b)
+        block_r, block_k = _gdn2_clip_blocks(K)
+        _gdn2_clip_bwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, dout.contiguous(), dg, dk, db, n_rows, K,
+                                                               BLOCK_R=block_r, BLOCK_K=block_k)
+        return dg, dk, db
+
+
+def gdn2_decay_clip_triton(g, k, b):
+    if k.shape != g.shape or b.shape != g.shape:
+        raise ValueError(f"gdn2_decay_clip needs g, k, b of one shape [B,T,H,K]; got {tuple(g.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(b.shape)}; broadcast scalar gates with .expand_as(k)")
+    return _GDN2DecayClipTriton.apply(g, k, b)
+
+
+# -----------------------------------------------------------------------------
+# gdn2_gates in Triton
+
+if HAS_TRITON:
+    @triton.jit
+    def _softplus(x):
+        # log(1 + eˣ), and x itself past 20 as in F.softplus. tl has no log1p: log(w)·u/(w − 1) with w = 1 + u is
+        # log1p(u) to full precision, where log(1 + u) would round away the small u = eˣ of a negative x
+        u = tl.exp(tl.minimum(x, 20.0))
+        w = 1.0 + u
+        return tl.where(x > 20.0, x, tl.where(w == 1.0, u, tl.log(w) * u / tl.where(w == 1.0, 1.0, w - 1.0)))
+
+    @triton.jit
+    def _sigmoid(x):
+        # σ(x) through e^−|x| ≤ 1, which cannot overflow
+        e = tl.exp(-tl.abs(x))
+        return tl.where(x >= 0, 1.0, e) / (1.0 + e)
+
+    @triton.jit
+    def _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr, dt_bias_ptr, n_rows, H, K,
+                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        # a [BLOCK_R, BLOCK_K] tile of rows (b, t, h): x = decay_logits + dt_bias[h], A = exp(A_log[h]), the unclipped
+        # g = −A·softplus(x), and b = σ(erase_logits) rounded to erase_logits' dtype, as gdn2_gates returns it
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_K)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < K)
+        offs = rows[:, None].to(tl.int64) * K + cols[None, :]
+        heads = rows % H  # < H on the rows past n_rows too, so the loads by head need no row mask
+        x = tl.load(decay_logits_ptr + offs, mask=mask, other=0.0).to(tl.float32) \
+            + tl.load(dt_bias_ptr + heads[:, None] * K + cols[None, :], mask=cols[None, :] < K, other=0.0).to(tl.float32)
+        A = tl.exp(tl.load(A_log_ptr + heads).to(tl.float32))
+        g = -A[:, None] * _softplus(x)
+        erase_logits = tl.load(erase_logits_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        b = _sigmoid(erase_logits).to(erase_logits_ptr.dtype.element_ty).to(tl.float32)
+        return x, A, g, b, rows, offs, mask
+
+    @triton.jit
+    def _gdn2_gates_fwd_kernel(decay_logits_ptr, erase_logits_ptr, k_ptr, A_log_ptr, dt_bias_ptr, g_ptr, b_ptr,
+                               n_rows, H, K, CLIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        x, A, g, b, rows, offs, mask = _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr, dt_bias_ptr,
+                                                        n_rows, H, K, BLOCK_R, BLOCK_K)
+        if CLIP:
+            k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
+            g = tl.minimum(g, bound[:, None])
+        tl.store(g_ptr + offs, g, mask=mask)
+        tl.store(b_ptr + offs, b.to(b_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gdn2_gates_bwd_kernel(decay_logits_ptr, erase_logits_ptr, k_ptr, A_log_ptr, dt_bias_ptr, dg_ptr, db_ptr,
+                               d_decay_logits_ptr, d_erase_logits_ptr, dk_ptr, dA_log_rows_ptr, n_rows, H, K,
+                               CLIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        # through the clip (shared with the standalone kernel) to dg of the unclipped g = −A·softplus(x); then
+        # dx = −A·σ(x)·dg, which is also dt_bias's gradient per element; ∂g/∂A_log = g, so each row adds Σ_K dg·g
+        # to dA_log[h]; d erase_logits = b(1 − b)·db, db including the clip's share
+        x, A, g, b, rows, offs, mask = _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr, dt_bias_ptr,
+                                                        n_rows, H, K, BLOCK_R, BLOCK_K)
+        dg = tl.load(dg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        db = tl.load(db_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if CLIP:
+            k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            dg, dk, db_clip = _gdn2_clip_bwd(g, k, b, dg)
+            db += db_clip
+            tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=mask)
+        tl.store(d_decay_logits_ptr + offs, -A[:, None] * _sigmoid(x) * dg, mask=mask)
+        tl.store(d_erase_logits_ptr + offs, (b * (1.0 - b) * db).to(d_erase_logits_ptr.dtype.element_ty), mask=mask)
+        tl.store(dA_log_rows_ptr + rows, tl.sum(dg * g, axis=1), mask=rows < n_rows)
+
+
+class _GDN2GatesTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, decay_logits, erase_logits, k, A_log, dt_bias, clip):
+        H, K = k.shape[-2:]
+        decay_logits, erase_logits, k = decay_logits.contiguous(), erase_logits.contiguous(), k.contiguous()
+        A_log, dt_bias_hk = A_log.contiguous(), dt_bias.reshape(H, K).contiguous()
+        n_rows = k.numel() // K
+        log_decay = torch.empty(k.shape, device=k.device, dtype=torch.float32)
+        erase_gate = torch.empty_like(erase_logits)
+        block_r, block_k = _gdn2_clip_blocks(K)
+        _gdn2_gates_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+            decay_logits, erase_logits, k, A_log, dt_bias_hk, log_decay, erase_gate, n_rows, H, K,
+            CLIP=clip, BLOCK_R=block_r, BLOCK_K=block_k)
+        ctx.save_for_backward(decay_logits, erase_logits, k, A_log, dt_bias_hk)
+        ctx.clip, ctx.dt_bias_shape = clip, dt_bias.shape
+        return log_decay, erase_gate
+
+    @staticmethod
+    def backward(ctx, d_log_decay, d_erase_gate):
+        decay_logits, erase_logits, k, A_log, dt_bias = ctx.saved_tensors
+        H, K = k.shape[-2:]
+        n_rows = k.numel() // K
+        # fp32 whatever decay_logits' dtype: summed over B, T it is dt_bias's gradient
+        d_decay_logits = torch.empty(k.shape, device=k.device, dtype=torch.float32)
+        d_erase_logits = torch.empty_like(erase_logits)
+        dk = torch.empty_like(k) if ctx.clip else None
+        dA_log_rows = torch.empty(n_rows, device=k.device, dtype=torch.float32)
+        block_r, block_k = _gdn2_clip_blocks(K)
+        _gdn2_gates_bwd_kernel[(triton.cdiv(n_rows, block_r),)](
+            decay_logits, erase_logits, k, A_log, dt_bias, d_log_decay.contiguous(), d_erase_gate.contiguous(),
+            d_decay_logits, d_erase_logits, dk, dA_log_rows, n_rows, H, K,
+            CLIP=ctx.clip, BLOCK_R=block_r, BLOCK_K=block_k)
+        dA_log = dA_log_rows.view(-1, H).sum(0)
+        d_dt_bias = d_decay_logits.view(-1, H * K).sum(0).reshape(ctx.dt_bias_shape)
+        return d_decay_logits.to(decay_logits.dtype), d_erase_logits, dk, dA_log.to(A_log.dtype), d_dt_bias.to(dt_bias.dtype), None
+
+
+def gdn2_gates_triton(decay_logits, erase_logits, k, A_log, dt_bias, clip=True):
+    _gdn2_gates_check(decay_logits, erase_logits, k, A_log, dt_bias)
+    return _GDN2GatesTriton.apply(decay_logits, erase_logits, k, A_log, dt_bias, clip)
+
+
+# -----------------------------------------------------------------------------
+# gdn2 in Triton
 
 # gdn2 in Triton. Two algorithms, picked by length in gdn2_triton:
 # - fused recurrent: one program per (batch·head, value block) walks the tokens with its K×BV slice of S
@@ -1257,99 +1384,8 @@ def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None):
     return fn(q, k, v, g, b, w, scale, initial_state)
 
 
-def gdn2(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16, kernels="auto"):
-    path = _path("gdn2", kernels, q)
-    if path == "triton":
-        return gdn2_triton(q, k, v, g, b, w, scale, initial_state)
-    if path == "ref":
-        return gdn2_ref(q, k, v, g, b, w, scale, initial_state)
-    return gdn2_torch(q, k, v, g, b, w, scale, initial_state, chunk_size)
-
-
 # -----------------------------------------------------------------------------
-# ssd (Mamba2, ngroups = 1), state h ∈ R^{P×N} per head:
-#   h_t = exp(dt_t A) h_{t−1} + dt_t x_t B_tᵀ,   y_t = h_t C_t + D x_t
-# x [b,l,h,p], dt [b,l,h], A [h], B, C [b,l,1,n], D [h] or None, h [b,h,p,n]. fp32 inside;
-# y comes back in x's dtype, h_T in fp32. zoh_input_scale converts Euler's dt·B into ZOH's B̄.
-
-def zoh_input_scale(dt, A):
-    """expm1(dt·A)/(dt·A): multiply x by this to turn ssd's dt·x·Bᵀ into ZOH's (exp(dt A) − 1)/A · x·Bᵀ."""
-    z = dt.float() * A.float()
-    small = z.abs() < 1e-3
-    z_safe = torch.where(small, -1.0, z)                        # keeps the unused branch finite (and its gradient)
-    return torch.where(small, 1 + z / 2 + z * z / 6, torch.expm1(z_safe) / z_safe)
-
-
-def _ssd_check(x, dt, A, B, C, D, initial_state):
-    b, l, h, p = x.shape
-    if dt.shape != (b, l, h) or A.shape != (h,):
-        raise ValueError(f"ssd: dt must be [b,l,h] = {(b, l, h)} and A [h], got {tuple(dt.shape)}, {tuple(A.shape)}")
-    if B.ndim != 4 or B.shape[:3] != (b, l, 1) or C.shape != B.shape:
-        raise ValueError(f"ssd: B and C must be [b,l,1,n] (ngroups = 1), got {tuple(B.shape)}, {tuple(C.shape)}; use B.unsqueeze(2)")
-    if D is not None and D.shape != (h,):
-        raise ValueError(f"ssd: D must be [h] = ({h},) or None, got {tuple(D.shape)}")
-    if initial_state is not None and initial_state.shape != (b, h, p, B.shape[-1]):
-        raise ValueError(f"ssd: initial_state must be [b,h,p,n] = {(b, h, p, B.shape[-1])}, got {tuple(initial_state.shape)}")
-
-
-@_fp32
-def ssd_ref(x, dt, A, B, C, D=None, initial_state=None):
-    _ssd_check(x, dt, A, B, C, D, initial_state)
-    b, l, h, p = x.shape
-    xf, dtf, Af, Bf, Cf = x.float(), dt.float(), A.float(), B.float()[:, :, 0], C.float()[:, :, 0]
-    hs = x.new_zeros(b, h, p, B.shape[-1], dtype=torch.float32) if initial_state is None else initial_state.float()
-    ys = []
-    for t in range(l):
-        decay = torch.exp(dtf[:, t] * Af)[..., None, None]                           # [b,h,1,1]
-        write = (dtf[:, t, :, None] * xf[:, t])[..., None] * Bf[:, t, None, None, :]  # dt_t x_t B_tᵀ
-        hs = decay * hs + write
-        ys.append(torch.einsum("bhpn,bn->bhp", hs, Cf[:, t]))
-    y = torch.stack(ys, dim=1)
-    if D is not None:
-        y = y + D.float()[:, None] * xf
-    return y.to(x.dtype), hs
-
-
-@_fp32
-def ssd_torch(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
-    """Chunked SSD. Within a chunk, with a_r = Σ_{i≤r} dt_i A (cumulative log-decay from the chunk start):
-    y_r = Σ_{s≤r} (C_r·B_s) exp(a_r − a_s) dt_s x_s + exp(a_r) h_0 C_r, and the chunk's own contribution to
-    its end state is Σ_s exp(a_C − a_s) dt_s x_s B_sᵀ; states are passed between chunks in a short loop.
-    Every exponent is a within-chunk difference masked to s ≤ r before exp, so it is ≤ 0.
-    The tail is padded with dt = 0 and zero inputs, which leaves the state unchanged."""
-    _ssd_check(x, dt, A, B, C, D, initial_state)
-    b, l, h, p = x.shape
-    n = B.shape[-1]
-    if chunk_size < 1:
-        raise ValueError(f"ssd: chunk_size must be a positive integer, got {chunk_size}")
-    Cs = min(chunk_size, max(l, 1))                              # short inputs (decoding) get a short chunk
-    N = -(-l // Cs)
-    pad = N * Cs - l
-    # chunk-major layout [N, b, h, Cs, ·]: every per-chunk product below is one batched matmul
-    xf = F.pad(x.float(), (0, 0, 0, 0, 0, pad)).reshape(b, N, Cs, h, p).permute(1, 0, 3, 2, 4)
-    dtf = F.pad(dt.float(), (0, 0, 0, pad)).reshape(b, N, Cs, h).permute(1, 0, 3, 2)
-    Bf = F.pad(B.float()[:, :, 0], (0, 0, 0, pad)).reshape(b, N, 1, Cs, n).transpose(0, 1)
-    Cf = F.pad(C.float()[:, :, 0], (0, 0, 0, pad)).reshape(b, N, 1, Cs, n).transpose(0, 1)
-    a = (dtf * A.float()[:, None]).cumsum(dim=-1)                        # [N,b,h,Cs]
-    causal = torch.ones(Cs, Cs, dtype=torch.bool, device=x.device).tril()
-    L = (a[..., :, None] - a[..., None, :]).masked_fill(~causal, float("-inf")).exp()   # exp(a_r − a_s), s ≤ r
-    x_dt = xf * dtf[..., None]
-    y = ((Cf @ Bf.transpose(-1, -2)) * L) @ x_dt                        # [N,b,h,Cs,p]
-    to_end = (a[..., -1:] - a).exp()                                     # exp(a_C − a_s)
-    chunk_states = (x_dt * to_end[..., None]).transpose(-1, -2) @ Bf     # [N,b,h,p,n]
-    chunk_decay = a[..., -1, None, None].exp()                           # [N,b,h,1,1]
-    hs = x.new_zeros(b, h, p, n, dtype=torch.float32) if initial_state is None else initial_state.float()
-    entering = []
-    for decay_c, state_c in zip(chunk_decay.unbind(0), chunk_states.unbind(0)):   # unbind: see gdn2_torch
-        entering.append(hs)
-        hs = decay_c * hs + state_c
-    entering = torch.stack(entering)                                     # [N,b,h,p,n]
-    y = y + (Cf @ entering.transpose(-1, -2)) * a.exp()[..., None]
-    y = y.permute(1, 0, 3, 2, 4).reshape(b, N * Cs, h, p)[:, :l]
-    if D is not None:
-        y = y + D.float()[:, None] * x.float()
-    return y.to(x.dtype), hs
-
+# ssd in Triton
 
 # ssd in Triton: the five forward kernels of mamba_ssm's chunked scan (seeds/mamba2-ssd-triton.md), with
 # a = within-chunk cumulative dt·A, h_in[c] = the state entering chunk c, ngroups = 1:
@@ -1652,20 +1688,11 @@ def ssd_triton(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
     return _SSDTriton.apply(x, dt, A, B, C, D, chunk_size, initial_state)
 
 
-def ssd(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None, kernels="auto"):
-    path = _path("ssd", kernels, x)
-    if path == "triton":
-        return ssd_triton(x, dt, A, B, C, D, chunk_size, initial_state)
-    if path == "ref":
-        return ssd_ref(x, dt, A, B, C, D, initial_state)
-    return ssd_torch(x, dt, A, B, C, D, chunk_size, initial_state)
-
-
 # -----------------------------------------------------------------------------
 # The Triton side of `python kernels.py` (called from the __main__ block below): a walk through the
 # softmax teaching kernel, every Triton op against its reference (outputs and all input gradients), and
 # on a GPU the benchmark (T = 2048, 8 heads of 64, forward+backward; RMSNorm bandwidth). On a CPU the
-# kernels run in Triton's interpreter (set at the top of this file), which is slow, so shapes are tiny there.
+# kernels run in Triton's interpreter (TRITON_INTERPRET=1), which is slow, so shapes are tiny there.
 
 # dense HBM bandwidth of common GPUs in GB/s (spec sheets), for RMSNorm's "% of peak"
 _GPU_PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 NVL": 3900, "H100 PCIe": 2000, "H100": 3350, "A100-SXM4-80GB": 2039,
@@ -1675,10 +1702,7 @@ _GPU_PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 NVL": 3900, "H100 PCIe":
 
 def triton_report(device):
     if not HAS_TRITON:
-        print("triton is not installed: no Triton paths to report")
-        return
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        print("Triton kernels on the CPU need Triton's interpreter, but TRITON_INTERPRET is set to something else")
+        print("Triton is not loaded: on a CPU run `TRITON_INTERPRET=1 python kernels.py` (Triton's interpreter)")
         return
     gen = torch.Generator(device=device).manual_seed(0)
 
