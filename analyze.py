@@ -39,6 +39,7 @@ import torch.nn as nn
 import data
 import kernels
 import optim
+import train
 from init import natural_spectral_norm
 from model import GPT, GPTConfig, HyperConnection, GatedDelta
 
@@ -838,47 +839,37 @@ def plot_training_analysis(jsonl_path, png_path):
 # command line
 
 OPTIONS = {  # analysis options; every GPTConfig key is also accepted (fresh init only)
-    "ckpt": "", "out_dir": "", "sections": ",".join(SECTIONS), "device": "auto", "seed": 0,
-    "dataset": "shakespeare_char", "tokenizer": "char", "split": "val",
-    "batch_size": 8, "micro_batches": 8, "hessian_batches": 1,
-    "top_k": 3, "power_iters": 100, "n_probes": 100, "lanczos_iters": 60, "n_slq": 2,
+    "ckpt": "",                        # a train.py checkpoint to analyse (empty: a fresh init)
+    "out_dir": "",                     # where the outputs go (empty: the checkpoint's folder + /analysis)
+    "sections": ",".join(SECTIONS),    # comma-separated, any of weights,hessian,gradients,ns,hc,gates,isotropy
+    "device": "auto",                  # auto (cuda if available, else cpu) | cpu | cuda
+    "seed": 0,                         # seeds a fresh init, the batches and the probes
+    "dataset": "shakespeare_char",     # as train.py's --dataset (a checkpoint names its own)
+    "tokenizer": "char",               # as train.py's --tokenizer
+    "split": "val",                    # train | val: the split the batches come from
+    "batch_size": 8,                   # sequences per micro-batch
+    "micro_batches": 8,                # micro-batches (at least 2 for the noise scale)
+    "hessian_batches": 1,              # micro-batches in the Hessian's loss
+    "top_k": 3,                        # top Hessian eigenvalues
+    "power_iters": 100,                # block power iterations for them
+    "n_probes": 100,                   # Hutchinson probes for the Hessian trace
+    "lanczos_iters": 60,               # Lanczos steps per SLQ run
+    "n_slq": 2,                        # SLQ runs (random start vectors)
 }
 
 
 def parse_args(argv):
-    """--key=value for OPTIONS and GPTConfig keys; a bare path or --config=path is a train.py config file
-    whose model and data keys are used (its other keys are training settings and are ignored)."""
-    model_keys = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-    opts, model_overrides = dict(OPTIONS), {}
-    for arg in argv:
-        if arg in ("-h", "--help"):
-            print(__doc__ + "\noptions: --config=file.py " + " ".join(f"--{k}={v!r}" for k, v in OPTIONS.items()) +
-                  "\nfresh-init model keys: " + " ".join(f"--{k}" for k in model_keys))
-            sys.exit(0)
-        if arg.startswith("--config="):
-            arg = arg[len("--config="):]
-        if not arg.startswith("--"):
-            if not os.path.isfile(arg):
-                raise ValueError(f"config file {arg!r} not found: give a train.py-style .py file of assignments")
-            values = {}
-            exec(open(arg).read(), {}, values)
-            pairs = [(k, v) for k, v in values.items() if k in OPTIONS or k in model_keys]
-        else:
-            key, eq, text = arg[2:].partition("=")
-            if not eq or (key not in OPTIONS and key not in model_keys):
-                raise ValueError(f"bad argument {arg!r}: use --key=value with a key among "
-                                 f"{', '.join(OPTIONS)} or a GPTConfig key ({', '.join(model_keys)})")
-            pairs = [(key, text)]
-        for key, value in pairs:
-            default = OPTIONS.get(key, model_keys.get(key))
-            if isinstance(value, str) and not isinstance(default, str):
-                value = {"true": True, "false": False}.get(value.lower(), value)
-                try:
-                    value = type(default)(value) if not isinstance(value, bool) else value
-                except ValueError:
-                    raise ValueError(f"--{key} expects a {type(default).__name__} (default {default!r}), got {value!r}") from None
-            (opts if key in OPTIONS else model_overrides)[key] = value
-    return opts, model_overrides
+    """train.py's parser (train.parse_config) over OPTIONS and the GPTConfig keys, with GPTConfig's
+    defaults. A bare path or --config=path is a train.py config file; only its model keys, dataset and
+    tokenizer are used (its other keys are training settings). Returns (options, model overrides)."""
+    model_keys = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size"}
+    with open(__file__) as f:
+        options_source = f.read().split("\nOPTIONS = {", 1)[1]
+    descriptions = {**train.config_help(), **train.source_comments(options_source)}
+    given = train.parse_config(argv, {**OPTIONS, **model_keys}, __doc__, descriptions,
+                               file_keys={*model_keys, "dataset", "tokenizer"})
+    opts = {**OPTIONS, **{k: v for k, v in given.items() if k in OPTIONS}}
+    return opts, {k: v for k, v in given.items() if k not in OPTIONS}
 
 
 def load_model(opts, model_overrides):
@@ -887,11 +878,9 @@ def load_model(opts, model_overrides):
     if opts["ckpt"]:
         if model_overrides:
             raise ValueError(f"model keys {sorted(model_overrides)} cannot change a checkpoint's model: drop them")
-        if not os.path.isfile(opts["ckpt"]):
-            raise ValueError(f"no checkpoint at {opts['ckpt']}: train first (python train.py) or fix --ckpt")
-        ckpt = torch.load(opts["ckpt"], map_location="cpu", weights_only=True)
+        ckpt = train.load_checkpoint(opts["ckpt"])
         model = GPT(GPTConfig.from_dict(ckpt["config"]))
-        model.load_state_dict(ckpt["model"])
+        train.load_weights(model, ckpt, opts["ckpt"])
         return model, ckpt["config"].get("dataset", opts["dataset"]), ckpt["config"].get("tokenizer", opts["tokenizer"])
     _, _, meta = data.load_dataset(opts["dataset"], opts["tokenizer"])
     torch.manual_seed(opts["seed"])

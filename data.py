@@ -35,17 +35,24 @@ class DataError(ValueError):
 # ----------------------------------------------------------------------------------------------------
 # writing files so that a crash never leaves a half-written one behind
 
+def atomic_write(path, write):
+    """write(tmp) writes the file at the temporary path tmp (same folder and extension as path); then
+    tmp is renamed to path. Every file specgpt writes goes through here."""
+    root, ext = os.path.splitext(path)
+    tmp = f"{root}.tmp{os.getpid()}{ext}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def atomic_write_bytes(path, data):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
-def atomic_write_tokens(path, tokens):
-    tmp = f"{path}.tmp{os.getpid()}"
-    np.asarray(tokens, dtype=np.uint16).tofile(tmp)
-    os.replace(tmp, path)
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            f.write(data)
+    atomic_write(path, write)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -177,6 +184,20 @@ def read_shard(path):
 # ----------------------------------------------------------------------------------------------------
 # preparing a dataset: text -> tokens -> data/<name>/{train,val}.bin + meta.json
 
+def read_text_file(path):
+    """The UTF-8 text of path; a file with NUL bytes (not text) or bytes that are not UTF-8 is an error."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if b"\0" in raw:
+        raise DataError(f"{path} is not a text file (it holds NUL bytes at offset {raw.index(0)}): "
+                        f"give a UTF-8 .txt file")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start}): convert it, "
+                        f"e.g. iconv -f latin1 -t utf-8 {path} > converted.txt") from None
+
+
 def prepare_text(text, tokenizer_name, out_dir, source, val_fraction=0.1):
     """Tokenize text and split it 90/10 by position into uint16 token files."""
     if not text.strip():
@@ -194,8 +215,8 @@ def prepare_text(text, tokenizer_name, out_dir, source, val_fraction=0.1):
     tokens = np.array(tokenizer.encode(text), dtype=np.int64)
     n_train = int(len(tokens) * (1 - val_fraction))
     os.makedirs(out_dir, exist_ok=True)
-    atomic_write_tokens(os.path.join(out_dir, "train.bin"), tokens[:n_train])
-    atomic_write_tokens(os.path.join(out_dir, "val.bin"), tokens[n_train:])
+    atomic_write(os.path.join(out_dir, "train.bin"), tokens[:n_train].astype(np.uint16).tofile)
+    atomic_write(os.path.join(out_dir, "val.bin"), tokens[n_train:].astype(np.uint16).tofile)
     meta.update(source=source, train_tokens=n_train, val_tokens=len(tokens) - n_train, text_chars=len(text))
     atomic_write_bytes(os.path.join(out_dir, "meta.json"), json.dumps(meta, indent=1).encode())
     return meta
@@ -217,7 +238,7 @@ def load_dataset(dataset, tokenizer="char"):
         key = f"{os.path.abspath(dataset)}:{stat.st_size}:{stat.st_mtime_ns}:{tokenizer}"
         stem = os.path.splitext(os.path.basename(dataset))[0]
         name = f"{stem}_{tokenizer}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
-        get_text, source = (lambda: open(dataset, encoding="utf-8", errors="replace").read()), dataset
+        get_text, source = (lambda: read_text_file(dataset)), dataset
     out_dir = os.path.join(DATA_DIR, name)
     meta_path = os.path.join(out_dir, "meta.json")
     if not os.path.exists(meta_path):

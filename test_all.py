@@ -4,6 +4,8 @@ specgpt's test suite (CPU only): python -m pytest -q test_all.py
 Every test compares against something independent of the code under test (a token loop, an SVD, a
 dense Hessian, torch's own implementation, a closed form, a fact about the data) and can fail.
 """
+import dataclasses
+import datetime
 import functools
 import hashlib
 import io
@@ -11,9 +13,9 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
-import time
 import types
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU; must precede importing triton
@@ -31,6 +33,7 @@ import data
 import init
 import kernels
 import optim
+import train
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -108,6 +111,40 @@ def test_sampler_state_restores_the_same_batches():
     b.load_state_dict(state)
     for (x, y), (x2, y2) in zip(expected, (b.next_batch() for _ in range(3))):
         assert torch.equal(x, x2) and torch.equal(y, y2) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_text_files_must_be_utf8_text(tmp_path):
+    """An executable is refused as not text; Latin-1 bytes are an error naming the byte and the fix
+    (never U+FFFD in the vocabulary); UTF-8 with accents reads back exactly; nothing is cached on failure."""
+    binary = tmp_path / "program"
+    binary.write_bytes(open(sys.executable, "rb").read(65536))
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("naïve café\n".encode("latin-1") * 20)
+    utf8 = tmp_path / "utf8.txt"
+    utf8.write_text("naïve café\n" * 20, encoding="utf-8")
+    with pytest.raises(data.DataError, match="is not a text file"):
+        data.load_dataset(str(binary))
+    with pytest.raises(data.DataError, match=re.escape("is not UTF-8 (byte 0xef at offset 2)")):
+        data.load_dataset(str(latin1))
+    assert not [d for d in os.listdir(data.DATA_DIR) if d.startswith(("program_", "latin1_"))]
+    train_tokens, val_tokens, meta = data.load_dataset(str(utf8))
+    assert "\ufffd" not in meta["chars"] and {"ï", "é"} <= set(meta["chars"])
+    tok = data.tokenizer_from_meta(meta)
+    assert tok.decode(np.concatenate([train_tokens, val_tokens]).tolist()) == "naïve café\n" * 20
+
+
+def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
+    path = str(tmp_path / "x.png")
+    data.atomic_write(path, lambda tmp: open(tmp, "w").write("old"))
+
+    def fail_midway(tmp):
+        with open(tmp, "w") as f:
+            f.write("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        data.atomic_write(path, fail_midway)
+    assert open(path).read() == "old" and os.listdir(tmp_path) == ["x.png"]
 
 
 # ====================================================================================================
@@ -234,7 +271,8 @@ def test_train_smoke_then_sample(tmp_path):
 
 
 def test_resume_is_bit_identical(tmp_path):
-    """40 steps straight == 20 steps, resume, 20 more: the same loss at every step."""
+    """40 steps straight == 20 steps, resume, 20 more: the same loss at every step, and one log whose
+    steps and times run on across the resume (the resumed step's eval is not repeated)."""
     common = [*TINY, "--log_interval=1", "--eval_interval=20", "--lr_decay_iters=40", "--dropout=0.1"]
     straight, split = str(tmp_path / "a"), str(tmp_path / "b")
     run_train(*common, "--max_iters=40", f"--out_dir={straight}")
@@ -243,6 +281,55 @@ def test_resume_is_bit_identical(tmp_path):
     losses = lambda d: {r["step"]: r["loss"] for r in log_rows(d) if "loss" in r}
     a, b = losses(straight), losses(split)
     assert sorted(a) == list(range(1, 41)) and a == b
+    assert [r["step"] for r in log_rows(split)] == [r["step"] for r in log_rows(straight)]
+    evals = [r for r in log_rows(split) if "val" in r]
+    assert [r["step"] for r in evals] == [0, 20, 40]
+    assert evals[0]["time"] < evals[1]["time"] < evals[2]["time"]
+
+
+def test_diverging_run_keeps_the_last_finite_checkpoint(tmp_path):
+    """lr 1e6 diverges within a few steps: the run stops with one line naming the checkpoint it kept,
+    which holds only finite tensors and loads; the hint does not suggest the grad_clip already in force.
+    Resuming that run with a changed model key is refused, naming both values."""
+    out = str(tmp_path / "nan")
+    proc = run_train(*TINY, "--learning_rate=1e6", "--max_iters=40", "--eval_interval=1", f"--out_dir={out}",
+                     check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "nan" in lines[0] and "--learning_rate" in lines[0] and "--grad_clip" not in lines[0], lines
+    ckpt = train.load_checkpoint(os.path.join(out, "ckpt.pt"))
+    assert 0 < ckpt["iter_num"] < 40 and f"still holds iter {ckpt['iter_num']}" in lines[0], lines
+    tensors = [t for t in ckpt["model"].values() if t.is_floating_point()]
+    assert tensors and all(torch.isfinite(t).all() for t in tensors)
+    assert math.isfinite(ckpt["val_loss"])
+    model = GPT(GPTConfig.from_dict(ckpt["config"]))
+    train.load_weights(model, ckpt, out)
+    x = torch.zeros(1, 8, dtype=torch.long)
+    assert torch.isfinite(model(x, x)[1])
+    assert max(r["step"] for r in log_rows(out)) == ckpt["iter_num"]
+
+    before = {name: os.path.getmtime(os.path.join(out, name)) for name in os.listdir(out)}
+    other_vocab = tmp_path / "digits.txt"
+    other_vocab.write_text("0123456789\n" * 300)
+    resume = ["--init_from=resume", f"--out_dir={out}", *TINY]
+    for args, message in [(["--mixer=M"], "--mixer='M' differs from the checkpoint's mixer='A'"),
+                          (["--n_layer=6"], "--n_layer=6 differs from the checkpoint's n_layer=1"),
+                          (["--block_size=128"], "--block_size=128 differs from the checkpoint's block_size=32"),
+                          ([f"--dataset={other_vocab}"], "vocabulary of 11 tokens"),
+                          (["--max_iters=50", "--qk_norm=True"], "--qk_norm=True differs")]:
+        with pytest.raises(ValueError) as error:
+            train.main([*resume, *args])
+        assert message in str(error.value) and "\n" not in str(error.value), (args, error.value)
+    assert {name: os.path.getmtime(os.path.join(out, name)) for name in os.listdir(out)} == before
+
+
+def test_resume_takes_changeable_model_keys():
+    saved = {**train.model_defaults(), "mixer": "G", "dropout": 0.0, "kernels": "auto"}
+    config, changes = train.resumed_model_config(saved, {"dropout": 0.1, "kernels": "torch", "mixer": "G"})
+    assert config == {**saved, "dropout": 0.1, "kernels": "torch"}
+    assert sorted(changes) == ["dropout 0.0 -> 0.1", "kernels 'auto' -> 'torch'"]
+    old = {k: v for k, v in saved.items() if k != "chunk_size"}  # a checkpoint older than a model key
+    assert train.resumed_model_config(old, {})[0]["chunk_size"] == GPTConfig().chunk_size
 
 
 def bad_input_cases(tmp_path):
@@ -254,27 +341,133 @@ def bad_input_cases(tmp_path):
     garbage = tmp_path / "garbage"
     garbage.mkdir()
     (garbage / "ckpt.pt").write_bytes(b"not a checkpoint")
+    binary = tmp_path / "ls_copy"
+    binary.write_bytes(open(sys.executable, "rb").read(4096))  # an executable: not text
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
     return [
         (["--n_layers=2"], "unknown config key 'n_layers'; did you mean --n_layer?"),
-        (["--max_iters=lots"], "--max_iters expects a int"),
+        (["--max_iters=lots"], "--max_iters expects an integer (default 850), got 'lots'"),
         (["--dataset=no/such/file.txt"], "neither a built-in name"),
         ([f"--dataset={empty}"], "holds no text"),
         ([f"--dataset={tmp_path}/bad_train_*.bin"], "bad shard header"),
         (["--init_from=resume", f"--out_dir={garbage}"], "not a readable checkpoint"),
+        (["--block_size=-1"], "--block_size=-1 is not valid: use at least 1"),
+        ([f"--dataset={binary}"], "is not a text file"),
+        ([f"--out_dir={a_file}"], "is a file, not a folder"),
     ]
 
 
 def test_bad_inputs_give_one_line_errors_and_write_nothing(tmp_path):
+    """End to end (python train.py in a subprocess) for a representative set; the rest in-process below."""
     for args, message in bad_input_cases(tmp_path):
         if not args[-1].startswith("--out_dir="):
             args = [*args, f"--out_dir={tmp_path / 'never'}"]
         out = args[-1].split("=", 1)[1]
-        before = sorted(os.listdir(out)) if os.path.exists(out) else None
+        before = sorted(os.listdir(out)) if os.path.isdir(out) else None
         proc = run_train(*args, check=False)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 1 and len(lines) == 1 and message in lines[0], (args, proc.stderr)
         assert "Traceback" not in proc.stderr
-        assert (sorted(os.listdir(out)) if os.path.exists(out) else None) == before, args
+        assert (sorted(os.listdir(out)) if os.path.isdir(out) else None) == before, args
+
+
+def test_bad_values_are_one_line_errors_before_anything_is_created(tmp_path):
+    """train.main on each bad value: a ValueError of one line that names the key, and no out_dir."""
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("to be or not to be, that is the question " * 15)  # 630 chars: 63 validation tokens
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café crème, déjà vu\n".encode("latin-1") * 50)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    out = tmp_path / "never"
+    cases = [(["--n_layer=0"], "--n_layer=0 is not valid"),
+             (["--eval_iters=0"], "--eval_iters=0 is not valid"),
+             (["--batch_size=0"], "--batch_size=0 is not valid: use at least 1"),
+             (["--sample_only=True", "--top_k=0"], "--top_k=0 is not valid"),
+             (["--init_from=resum"], "--init_from='resum' is not valid: use scratch or resume"),
+             (["--schedule=linear"], "use cosine or wsd"),
+             (["--device=gpu"], "is not a device"),
+             (["--mixer=X"], "mixer='X' is not valid"),
+             (["--optimizer=adam"], "unknown optimizer 'adam'"),
+             (["--qk_norm=0"], "--qk_norm expects True or False"),
+             (["--learning_rate=fast"], "--learning_rate expects a number"),
+             ([f"--out_dir={a_file}/run"], "is a file, not a folder"),
+             (["--out_dir=/proc/self/specgpt_run"], "is not writable"),
+             ([f"--dataset={tiny}", "--block_size=64"], "the validation split of"),
+             ([f"--dataset={latin1}"], "is not UTF-8 (byte 0xe9 at offset 3)")]
+    for args, message in cases:
+        if not any(a.startswith("--out_dir=") for a in args):
+            args = [*args, f"--out_dir={out}"]
+        with pytest.raises(ValueError) as error:
+            train.main(args)
+        assert message in str(error.value) and "\n" not in str(error.value), (args, str(error.value))
+        assert not out.exists() and not (a_file.parent / "a_file" / "run").exists()
+
+
+def test_train_py_defines_no_model_key_and_documents_every_key():
+    """train.py's module-level assignments name no GPTConfig field; its keys are its run settings plus
+    every GPTConfig field (vocab_size comes from the data), and --help describes each one."""
+    import ast
+    model_keys = {f.name for f in dataclasses.fields(GPTConfig)}
+    tree = ast.parse(open(os.path.join(ROOT, "train.py")).read())
+    assigned = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+                if isinstance(t, ast.Name)}
+    assert assigned and not assigned & model_keys
+    assert set(train.RUN_DEFAULTS) <= assigned
+    assert set(train.model_defaults()) == model_keys - {"vocab_size"}
+    assert set(train.MODEL_DEFAULTS) <= model_keys and set(train.RESUME_CHANGEABLE) <= model_keys
+    descriptions = train.config_help()
+    keys = {**train.RUN_DEFAULTS, **train.model_defaults()}
+    assert [k for k in keys if not descriptions.get(k)] == []
+    proc = run_train("--help")
+    for key, value in keys.items():
+        assert f"--{key}={value!r}" in proc.stdout, key
+
+
+def test_parse_config_types_and_files(tmp_path):
+    defaults = {"n": 3, "lr": 0.1, "flag": False, "name": "a", "maybe": None}
+    parse = lambda *args, **kw: train.parse_config(list(args), defaults, "", {}, **kw)
+    assert parse("--n=5", "--lr=1", "--flag=true", "--name=b.txt", "--maybe=None") == \
+        {"n": 5, "lr": 1.0, "flag": True, "name": "b.txt", "maybe": None}
+    assert isinstance(parse("--lr=1")["lr"], float)
+    for arg, message in [("--flag=0", "--flag expects True or False"), ("--flag=no", "got 'no'"),
+                         ("--n=2.5", "--n expects an integer"), ("--n=True", "--n expects an integer"),
+                         ("--lr=x", "--lr expects a number"), ("--nn=1", "did you mean --n?"), ("--n", "--key=value")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse(arg)
+    config = tmp_path / "c.py"
+    config.write_text("n = 7\nname = 'z'\nmax_iters = 9\n")
+    assert parse(str(config), "--name=y", file_keys={"n", "name"}) == {"n": 7, "name": "y"}
+    assert parse(f"--config={config}", file_keys={"n"}) == {"n": 7}
+    with pytest.raises(ValueError, match="unknown config key 'max_iters'"):
+        parse(str(config))
+
+
+def test_analyze_cli_shares_train_parser(tmp_path):
+    """analyze.py parses booleans (and every other type) as train.py does, and a corrupt or refused
+    checkpoint is a one-line error (end to end for the corrupt one)."""
+    for arg, message in [("--qk_norm=0", "--qk_norm expects True or False"), ("--bias=no", "--bias expects True or False"),
+                         ("--power_iters=many", "--power_iters expects an integer"), ("--n_layr=2", "did you mean --n_layer?")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            analyze.parse_args([arg])
+    opts, model = analyze.parse_args(["--qk_norm=True", "--bias=false", "--top_k=5", "--n_layer=2"])
+    assert model == {"qk_norm": True, "bias": False, "n_layer": 2} and opts["top_k"] == 5
+    config = tmp_path / "run.py"
+    config.write_text("n_layer = 3\nmax_iters = 10\ndataset = 'shakespeare_char'\ntop_k = 200\n")
+    opts, model = analyze.parse_args([str(config)])
+    assert model == {"n_layer": 3} and opts["top_k"] == 3 and opts["dataset"] == "shakespeare_char"
+    refused = tmp_path / "refused.pt"
+    torch.save({"model": {}, "config": {}, "meta": {}, "when": datetime.date(2020, 1, 1)}, refused)
+    with pytest.raises(ValueError, match="is not a readable checkpoint"):
+        analyze.load_model({**analyze.OPTIONS, "ckpt": str(refused)}, {})
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"\x80\x02not a pickle")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "analyze.py"), f"--ckpt={corrupt}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "is not a readable checkpoint" in lines[0], proc.stderr
+    assert not (tmp_path / "analysis").exists()
 
 
 def test_ddp_two_processes_on_cpu(tmp_path):
@@ -801,40 +994,6 @@ def test_kernels_zoh_vs_euler_first_order():
         h = a.exp()[..., None, None] * h + x[:, s].double()[..., None] * B_bar
         ys.append(torch.einsum("bhpn,bn->bhp", h, C[:, s, 0].double()))
     assert _kernels_rel(y_zoh, torch.stack(ys, 1)) < 1e-5 and _kernels_rel(h_zoh, h) < 1e-5
-
-
-# -----------------------------------------------------------------------------
-# speed: the chunked paths must beat the token loops by a wide margin at T = 512
-
-def _kernels_best_time(fn, repeats=3):
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def test_kernels_chunked_faster_than_token_loop():
-    q, k, v, g, b, w, _ = _kernels_gdn2_inputs(1, 512, 2, 32, 32, 0.5, False)
-    x, dt, A, B, C, D, _ = _kernels_ssd_inputs(1, 512, 2, 32, 32, 0.5, False)
-    with torch.no_grad():
-        gdn2_ratio = _kernels_best_time(lambda: kernels.gdn2_ref(q, k, v, g, b, w), 2) / \
-            _kernels_best_time(lambda: kernels.gdn2_torch(q, k, v, g, b, w), 7)
-        ssd_ratio = _kernels_best_time(lambda: kernels.ssd_ref(x, dt, A, B, C, D), 2) / \
-            _kernels_best_time(lambda: kernels.ssd_torch(x, dt, A, B, C, D), 7)
-    leaves = [t.requires_grad_() for t in (q, k, v, g, b, w)]
-
-    def gdn2_train_step(fn):
-        o, S = fn(*leaves)
-        torch.autograd.backward((o, S), (torch.ones_like(o), torch.ones_like(S)))
-
-    gdn2_train_ratio = _kernels_best_time(lambda: gdn2_train_step(kernels.gdn2_ref), 1) / \
-        _kernels_best_time(lambda: gdn2_train_step(kernels.gdn2_torch), 5)
-    # measured on a loaded 2-core machine: gdn2 ≈ 50x forward and ≈ 25x forward+backward, ssd ≈ 15-20x;
-    # the bounds leave room for timing noise
-    assert gdn2_ratio > 10 and gdn2_train_ratio > 10 and ssd_ratio > 5, (gdn2_ratio, gdn2_train_ratio, ssd_ratio)
 
 
 # ==================================================================================================

@@ -2,21 +2,25 @@
 Train a specgpt model.
 
     python train.py                                  # baby GPT on shakespeare_char, ~2 minutes on a CPU
-    python train.py --mixer=GGGA --optimizer=muon    # flip any config key below with --key=value
+    python train.py --mixer=GGGA --optimizer=muon    # flip any config key with --key=value
     python train.py my_config.py --max_iters=500     # a config file (plain Python assignments), then overrides
     python train.py --init_from=resume               # continue out_dir/ckpt.pt exactly where it stopped
     python train.py --sample_only=True --start="ROMEO:"   # sample from out_dir/ckpt.pt
     torchrun --nproc_per_node=2 train.py             # data-parallel (DDP) on 2 processes
 
-Every value below can be overridden; a wrong key or type stops with a one-line error before anything
-is written. The checkpoint out_dir/ckpt.pt (written atomically at every eval) holds the model, the
-optimizer, the config, the RNG and sampler states, so a resumed CPU run continues bit for bit.
+The config keys are the run settings below and every field of model.GPTConfig (the model; only
+MODEL_DEFAULTS differ from GPTConfig's defaults). Every value is checked before anything is written: a
+wrong key, type or value stops with a one-line error. The checkpoint out_dir/ckpt.pt (written
+atomically at every eval, only while the loss and weights are finite) holds the model, the optimizer,
+the config, the RNG and sampler states, so a resumed CPU run continues bit for bit.
 """
 import ast
 import difflib
+import inspect
 import json
 import math
 import os
+import re
 import sys
 import time
 from contextlib import nullcontext
@@ -24,106 +28,111 @@ from dataclasses import fields
 
 import torch
 
-import analyze
 import data
 from model import GPT, GPTConfig
 from optim import build_optimizer
 
 # ----------------------------------------------------------------------------------------------------
-# config: module-level values, overridden by config files and --key=value
-out_dir = "out"
+# config: the run's settings (module-level values, overridden by config files and --key=value;
+# the comment beside each is its --help text)
+out_dir = "out"                # folder for ckpt.pt, log.jsonl, loss.png
 init_from = "scratch"          # scratch | resume (from out_dir/ckpt.pt)
 sample_only = False            # load out_dir/ckpt.pt, print samples, exit
-eval_interval = 250
+eval_interval = 250            # steps between evals (each eval writes the checkpoint)
 eval_iters = 20                # validation batches per eval (a fixed set, the same at every eval)
-log_interval = 50
+log_interval = 50              # steps between training-loss lines
 analyze_every = 0              # > 0: every N iters append weight/Hessian/noise-scale spectra to out_dir/analysis.jsonl
-seed = 1337
+seed = 1337                    # seeds the init and the training batches
 # data
 dataset = "shakespeare_char"   # shakespeare_char | shakespeare | path/to/file.txt | 'dir/*_train_*.bin'
 tokenizer = "char"             # for your own .txt: char | gpt2
 batch_size = 24                # sequences per micro-step (per process)
 gradient_accumulation_steps = 1  # micro-steps per optimizer step (per process)
-# model (see model.GPTConfig)
-block_size = 64
-n_layer = 4
-n_head = 4
-n_embd = 128
-mixer = "A"
-mlp = "relu2"
-residual = "res"
-hc_streams = 4
-rope_base = 10000.0
-qk_norm = False
-tie_embeddings = True
-bias = False
-dropout = 0.0
-attention = "sdpa"
-gdn_variant = "gdn2"
-gdn_clip = True
-gdn_expand_v = 1
-conv_size = 4
-mamba_d_state = 64
-mamba_expand = 2
-mamba_headdim = 32
-mamba_discretization = "euler"
-chunk_size = 64
-kernels = "auto"
-init = "gpt2"
-# optimizer (see optim.py): sgd | signsgd | adamw | nadam | lion | tiger | muon | shampoo | mousse | galore
-optimizer = "muon"
-learning_rate = 0.02
+# optimizer (see optim.py)
+optimizer = "muon"             # sgd | signsgd | adamw | nadam | lion | tiger | muon | shampoo | mousse | galore
+learning_rate = 0.02           # peak lr of the schedule
 min_lr = 3e-4                  # the schedule's floor; every param group is scaled by the same multiplier
-weight_decay = 0.1
+weight_decay = 0.1             # decoupled weight decay of the matrices
 beta1 = 0.9                    # adamw, nadam, lion, shampoo, galore (and the aux AdamW of matrix optimizers)
-beta2 = 0.99
+beta2 = 0.99                   # as beta1
 momentum = 0.95                # sgd, muon, mousse
 muon_scale = "jordan"          # muon: jordan | moonlight | spectral
 ns_coeffs = "dion"             # muon, mousse: Newton-Schulz coefficients, jordan | dion
 precond_every = 10             # shampoo, mousse: steps between eigendecompositions
-mousse_alpha = 0.125
-galore_rank = 32
-galore_gap = 200
-galore_scale = 0.25
+mousse_alpha = 0.125           # mousse: preconditioner exponent, L^-alpha g R^-alpha
+galore_rank = 32               # galore: rank of the projection
+galore_gap = 200               # galore: steps between projection updates
+galore_scale = 0.25            # galore: scale of the projected update
 aux_lr = 3e-3                  # matrix optimizers: AdamW's lr for embeddings, head, norms, gates, HC
 spectral_lr = False            # scale each block matrix's lr by init.spectral_lr_scale(fan_out, fan_in)
-grad_clip = 1.0                # 0 disables
-max_iters = 850
+grad_clip = 1.0                # clip the gradient's global norm to this; 0 disables
+max_iters = 850                # optimizer steps
 lr_decay_iters = 0             # length of the schedule; 0 means max_iters
-warmup_iters = 100
+warmup_iters = 100             # linear warmup steps
 schedule = "cosine"            # cosine | wsd (warmup, constant, then linear decay over the last wsd_decay_frac)
-wsd_decay_frac = 0.2
+wsd_decay_frac = 0.2           # wsd: fraction of the steps spent decaying, in (0, 1]
 # system
 device = "auto"                # auto (cuda > mps > cpu) | cpu | cuda | cuda:1 | mps
 dtype = "auto"                 # auto (bfloat16 autocast on CUDA, float32 elsewhere) | float32 | bfloat16
 compile = None                 # None: torch.compile on CUDA only; True / False force it
 # sampling at the end (and with sample_only)
-num_samples = 2
-max_new_tokens = 300
-temperature = 0.8
-top_k = 40
-start = "\n"
+num_samples = 2                # samples printed at the end; 0 for none
+max_new_tokens = 300           # tokens per sample
+temperature = 0.8              # softmax temperature of sampling; 0 is greedy
+top_k = 40                     # sample among the top_k most likely tokens (>= 1; the vocabulary size: all)
+start = "\n"                   # the prompt of every sample
 # ----------------------------------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items()
-               if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))]
+RUN_DEFAULTS = {k: v for k, v in globals().items()
+                if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))}
+# the model's keys are GPTConfig's fields (vocab_size comes from the data); the run's own defaults:
+MODEL_DEFAULTS = {"block_size": 64}  # the CPU baby model's context (nanoGPT's shakespeare_char recipe)
+# model keys that may change on resume: they change how the same weights compute or train, not the weights
+RESUME_CHANGEABLE = ("kernels", "attention", "chunk_size", "dropout")
+MODEL_SIZES = ("block_size", "n_layer", "n_head", "n_embd", "hc_streams", "mamba_headdim")  # each >= 1
 
 
 class ConfigError(ValueError):
     pass
 
 
-def apply_overrides(args, namespace):
-    """Apply config files (args without '--') and --key=value overrides to namespace, with checks."""
-    defaults = {k: namespace[k] for k in config_keys}
+def model_defaults():
+    """GPTConfig's fields and defaults, with MODEL_DEFAULTS in place of GPTConfig's own."""
+    return {f.name: MODEL_DEFAULTS.get(f.name, f.default) for f in fields(GPTConfig) if f.name != "vocab_size"}
+
+
+def source_comments(source):
+    """{name: comment} for each line `name = value  # comment`, `name: type = value  # comment` or
+    `"name": value,  # comment` of source (the first such line of each name)."""
+    found = {}
+    for name, comment in re.findall(r'^\s*"?(\w+)"?\s*[:=][^#\n]*#\s*(.*)$', source, re.M):
+        found.setdefault(name, comment)
+    return found
+
+
+def config_help():
+    """{key: description}: the comment beside each run setting above and each GPTConfig field."""
+    return {**source_comments(inspect.getsource(GPTConfig)), **source_comments(open(__file__).read())}
+
+
+def parse_config(args, defaults, usage, descriptions, file_keys=None):
+    """The values that config files (args without '--', or --config=file) and --key=value overrides
+    give, as {key: value}, each checked against the type of defaults[key]. A config file's keys outside
+    file_keys (when given) are skipped. -h / --help prints usage and every key, then exits."""
+    given = {}
     for arg in args:
         if arg in ("-h", "--help"):
-            print(__doc__ + "\nkeys and defaults:\n" + "\n".join(f"  --{k}={defaults[k]!r}" for k in config_keys))
+            width = min(32, max(len(f"--{k}={v!r}") for k, v in defaults.items()))
+            print(usage + "\nconfig keys and defaults:\n" + "\n".join(
+                f"  {f'--{k}={v!r}':<{width}}  {descriptions.get(k, type(v).__name__)}" for k, v in defaults.items()))
             sys.exit(0)
+        if arg.startswith("--config="):
+            arg = arg[len("--config="):]
         if not arg.startswith("--"):
             if not os.path.isfile(arg):
                 raise ConfigError(f"config file {arg!r} not found: give a path to a .py file of assignments")
             exec(open(arg).read(), {}, file_values := {})
-            pairs = [(k, v) for k, v in file_values.items() if not k.startswith("_")]
+            pairs = [(k, v) for k, v in file_values.items()
+                     if not k.startswith("_") and (file_keys is None or k in file_keys)]
         else:
             key, eq, text = arg[2:].partition("=")
             if not eq:
@@ -131,10 +140,11 @@ def apply_overrides(args, namespace):
             pairs = [(key, parse_value(text))]
         for key, value in pairs:
             if key not in defaults:
-                close = difflib.get_close_matches(key, config_keys, n=3)
+                close = difflib.get_close_matches(key, defaults, n=3)
                 hint = f"did you mean {' or '.join('--' + k for k in close)}? " if close else ""
-                raise ConfigError(f"unknown config key {key!r}; {hint}valid keys: {', '.join(config_keys)}")
-            namespace[key] = check_type(key, value, defaults[key])
+                raise ConfigError(f"unknown config key {key!r}; {hint}valid keys: {', '.join(defaults)}")
+            given[key] = check_type(key, value, defaults[key])
+    return given
 
 
 def parse_value(text):
@@ -149,20 +159,75 @@ def parse_value(text):
 
 def check_type(key, value, default):
     if default is None:
-        ok = value is None or isinstance(value, bool)
+        ok, expected = value is None or isinstance(value, bool), "True, False or None"
     elif isinstance(default, bool):
-        ok = isinstance(value, bool)
+        ok, expected = isinstance(value, bool), "True or False"
     elif isinstance(default, float):
-        ok, value = isinstance(value, (int, float)) and not isinstance(value, bool), value
+        ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
         value = float(value) if ok else value
     elif isinstance(default, int):
-        ok = isinstance(value, int) and not isinstance(value, bool)
+        ok, expected = isinstance(value, int) and not isinstance(value, bool), "an integer"
     else:
-        ok, value = True, str(value)
+        ok, expected, value = True, "a string", str(value)
     if not ok:
-        raise ConfigError(f"--{key} expects a {type(default).__name__ if default is not None else 'bool or None'}"
-                          f" (default {default!r}), got {value!r}")
+        raise ConfigError(f"--{key} expects {expected} (default {default!r}), got {value!r}")
     return value
+
+
+def check_settings(c):
+    """The run settings' ranges and choices, and the model's sizes (GPTConfig checks the rest)."""
+    rules = [("init_from", c["init_from"] in ("scratch", "resume"), "scratch or resume"),
+             ("eval_interval", c["eval_interval"] >= 1, "at least 1"),
+             ("eval_iters", c["eval_iters"] >= 1, "at least 1"),
+             ("log_interval", c["log_interval"] >= 1, "at least 1"),
+             ("analyze_every", c["analyze_every"] >= 0, "0 (off) or more"),
+             ("batch_size", c["batch_size"] >= 1, "at least 1"),
+             ("gradient_accumulation_steps", c["gradient_accumulation_steps"] >= 1, "at least 1"),
+             ("learning_rate", c["learning_rate"] > 0, "positive"),
+             ("min_lr", c["min_lr"] >= 0, "0 or more"),
+             ("aux_lr", c["aux_lr"] >= 0, "0 or more"),
+             ("grad_clip", c["grad_clip"] >= 0, "0 (off) or more"),
+             ("max_iters", c["max_iters"] >= 0, "0 or more"),
+             ("lr_decay_iters", c["lr_decay_iters"] >= 0, "0 (= max_iters) or more"),
+             ("warmup_iters", c["warmup_iters"] >= 0, "0 or more"),
+             ("schedule", c["schedule"] in ("cosine", "wsd"), "cosine or wsd"),
+             ("wsd_decay_frac", 0 < c["wsd_decay_frac"] <= 1, "in (0, 1]"),
+             ("precond_every", c["precond_every"] >= 1, "at least 1"),
+             ("galore_rank", c["galore_rank"] >= 1, "at least 1"),
+             ("galore_gap", c["galore_gap"] >= 1, "at least 1"),
+             ("dtype", c["dtype"] in ("auto", "float32", "bfloat16"), "auto, float32 or bfloat16"),
+             ("num_samples", c["num_samples"] >= 0, "0 or more"),
+             ("max_new_tokens", c["max_new_tokens"] >= 0, "0 or more"),
+             ("temperature", c["temperature"] >= 0, "0 (greedy) or more"),
+             ("top_k", c["top_k"] >= 1, "at least 1 (the vocabulary size keeps every token)")]
+    rules += [(k, c[k] >= 1, "at least 1") for k in MODEL_SIZES if k in c]
+    for key, ok, allowed in rules:
+        if not ok:
+            raise ConfigError(f"--{key}={c[key]!r} is not valid: use {allowed}")
+    if c["device"] != "auto":
+        try:
+            torch.device(c["device"])
+        except RuntimeError:
+            raise ConfigError(f"--device={c['device']!r} is not a device: use auto, cpu, cuda, cuda:1 or mps") from None
+
+
+def check_out_dir(path):
+    """out_dir must be a folder that exists or can be made, and be writable."""
+    path = os.path.abspath(path)
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"--out_dir={path!r}: {existing} is a file, not a folder: point --out_dir elsewhere")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out_dir={path!r}: the folder {existing} is not writable: point --out_dir elsewhere")
+
+
+def make_out_dir(path):
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create --out_dir={path!r} ({e.strerror}): point --out_dir elsewhere") from None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -224,19 +289,53 @@ def optimizer_options():
 
 
 def save_checkpoint(path, state):
-    tmp = f"{path}.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # a crash mid-write leaves the previous checkpoint intact
+    data.atomic_write(path, lambda tmp: torch.save(state, tmp))  # a crash mid-write keeps the previous one
 
 
 def load_checkpoint(path):
-    if not os.path.exists(path):
+    """The checkpoint dict at path, or a one-line error when it is missing, unreadable or not specgpt's."""
+    if not os.path.isfile(path):
         raise ConfigError(f"no checkpoint at {path}: train first, or point --out_dir at a run")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, not a torch file, or holding objects weights_only refuses
         raise ConfigError(f"{path} is not a readable checkpoint ({type(e).__name__}): "
-                          f"delete it and train again, or point --out_dir at another run") from None
+                          f"delete it and train again, or point at another run") from None
+    if not isinstance(ckpt, dict) or not {"model", "config", "meta"} <= ckpt.keys():
+        raise ConfigError(f"{path} is not a specgpt checkpoint (no model, config and meta): point at a train.py run")
+    return ckpt
+
+
+def load_weights(model, ckpt, path):
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise ConfigError(f"the weights in {path} do not fit this model ({str(e).splitlines()[0]}): "
+                          f"train again with this version of model.py") from None
+
+
+def resumed_model_config(saved, given):
+    """The checkpoint's model keys (GPTConfig's default for a key newer than the checkpoint). A model key
+    given on the command line must equal the checkpoint's, except those of RESUME_CHANGEABLE, which take
+    effect. Returns (model config, descriptions of the changes)."""
+    config, changes = {}, []
+    for key, default in model_defaults().items():
+        config[key] = saved.get(key, default)
+        if key in given and given[key] != config[key]:
+            if key not in RESUME_CHANGEABLE:
+                raise ConfigError(f"--{key}={given[key]!r} differs from the checkpoint's {key}={config[key]!r}: "
+                                  f"a resumed run keeps its model; drop --{key}, or start a new run in another --out_dir")
+            changes.append(f"{key} {config[key]!r} -> {given[key]!r}")
+            config[key] = given[key]
+    return config, changes
+
+
+def check_same_vocabulary(meta, saved_meta, saved_dataset):
+    same = all(meta.get(k) == saved_meta.get(k) for k in ("tokenizer", "vocab_size", "chars"))
+    if not same:
+        raise ConfigError(f"--dataset={dataset!r} has a {meta['tokenizer']} vocabulary of {meta['vocab_size']} tokens, "
+                          f"the checkpoint's ({saved_dataset!r}) a {saved_meta['tokenizer']} vocabulary of "
+                          f"{saved_meta['vocab_size']}: resume with --dataset={saved_dataset!r}")
 
 
 def print_samples(model, meta, device, n, length):
@@ -248,11 +347,20 @@ def print_samples(model, meta, device, n, length):
         print(f"--- sample {i + 1} ---\n{tok.decode(out[0].tolist())}")
 
 
+def diverged(what, iter_num, ckpt_path, saved_iter):
+    kept = f"{ckpt_path} still holds iter {saved_iter}" if saved_iter is not None else "no checkpoint was written"
+    hint = f"try a lower --learning_rate (now {learning_rate:g})" + (" or --grad_clip=1.0" if grad_clip == 0 else "")
+    return f"{what} at iter {iter_num}: stopped, {kept}; {hint}"
+
+
 # ----------------------------------------------------------------------------------------------------
 
-def main():
-    apply_overrides(sys.argv[1:], globals())
-    cfg = {k: globals()[k] for k in config_keys}
+def main(args):
+    defaults = {**RUN_DEFAULTS, **model_defaults()}
+    given = parse_config(args, defaults, __doc__, config_help())
+    cfg = {**defaults, **given}
+    check_settings(cfg)
+    globals().update({k: cfg[k] for k in RUN_DEFAULTS})
     ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     dev = pick_device(device)
@@ -268,35 +376,42 @@ def main():
 
     if sample_only:
         ckpt = load_checkpoint(ckpt_path)
-        model = GPT(GPTConfig.from_dict(ckpt["config"])).to(dev)
-        model.load_state_dict(ckpt["model"])
+        model_cfg, changes = resumed_model_config(ckpt["config"], given)
+        model = GPT(GPTConfig(vocab_size=ckpt["meta"]["vocab_size"], **model_cfg)).to(dev)
+        load_weights(model, ckpt, ckpt_path)
         print_samples(model, ckpt["meta"], dev, num_samples, max_new_tokens)
         return
 
     # everything that can fail on bad input happens before anything is written
+    check_out_dir(out_dir)
     train_tokens, val_tokens, meta = data.load_dataset(dataset, tokenizer)
-    if init_from not in ("scratch", "resume"):
-        raise ConfigError(f"--init_from={init_from!r} is not valid: use scratch or resume")
     ckpt = load_checkpoint(ckpt_path) if init_from == "resume" else None
-    if ckpt is not None:  # the architecture comes from the checkpoint
-        for k in (f.name for f in fields(GPTConfig)):
-            if k in ckpt["config"] and k != "kernels":
-                cfg[k] = ckpt["config"][k]
-    cfg["vocab_size"] = meta["vocab_size"]
+    model_cfg, changes = {k: cfg[k] for k in model_defaults()}, []
+    if ckpt is not None:
+        check_same_vocabulary(meta, ckpt["meta"], ckpt["config"].get("dataset"))
+        model_cfg, changes = resumed_model_config(ckpt["config"], given)
+    cfg.update(model_cfg, vocab_size=meta["vocab_size"])
+    config = GPTConfig(vocab_size=meta["vocab_size"], **model_cfg)
+    for split, tokens in (("training", train_tokens), ("validation", val_tokens)):
+        if len(tokens) < config.block_size + 2:
+            raise ConfigError(f"the {split} split of {dataset} has only {len(tokens)} tokens (the validation split is "
+                              f"the last 10% of a text), fewer than block_size + 2 = {config.block_size + 2}: "
+                              f"use more text or a smaller --block_size")
     torch.manual_seed(seed)
-    model = GPT(GPTConfig.from_dict(cfg)).to(dev)
+    model = GPT(config).to(dev)
     opt = build_optimizer(model, optimizer, lr=learning_rate, weight_decay=weight_decay, aux_lr=aux_lr,
                           aux_betas=(beta1, beta2), spectral_lr=spectral_lr, **optimizer_options())
-    train_sampler = data.BatchSampler(train_tokens, batch_size, block_size, seed=seed + rank)
-    iter_num, best_val = 0, float("inf")
+    train_sampler = data.BatchSampler(train_tokens, batch_size, config.block_size, seed=seed + rank)
+    iter_num, best_val, val_loss, elapsed, saved_iter = 0, float("inf"), float("nan"), 0.0, None
     if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
+        load_weights(model, ckpt, ckpt_path)
         opt.load_state_dict(ckpt["optimizer"])
         train_sampler.load_state_dict(ckpt["sampler"][rank] if rank < len(ckpt["sampler"]) else ckpt["sampler"][0])
         torch.set_rng_state(ckpt["rng"]["torch"])
         if device_type == "cuda" and ckpt["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
         iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
+        val_loss, elapsed, saved_iter = ckpt.get("val_loss", best_val), ckpt.get("elapsed", 0.0), iter_num
 
     use_bf16 = dtype == "bfloat16" or (dtype == "auto" and device_type == "cuda")
     autocast = torch.autocast(device_type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
@@ -307,21 +422,32 @@ def main():
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model)
     total_iters = lr_decay_iters or max_iters
-    tokens_per_iter = gradient_accumulation_steps * world * batch_size * block_size
-    flops_per_iter = raw_model.flops_per_token(block_size) * tokens_per_iter / world
+    tokens_per_iter = gradient_accumulation_steps * world * batch_size * config.block_size
+    flops_per_iter = raw_model.flops_per_token(config.block_size) * tokens_per_iter / world
     peak = peak_flops(device_type)
+    log_path = os.path.join(out_dir, "log.jsonl")
     if master:
-        os.makedirs(out_dir, exist_ok=True)
+        make_out_dir(out_dir)
+        if ckpt is None and os.path.exists(log_path):
+            os.remove(log_path)  # a new run starts a new log
+        elif ckpt is not None and os.path.exists(log_path):  # drop what was logged after the checkpoint
+            kept = [line for line in open(log_path) if line.strip() and json.loads(line)["step"] <= iter_num]
+            data.atomic_write(log_path, lambda tmp: open(tmp, "w").writelines(kept))
         print(f"{dataset}: {len(train_tokens):,} train tokens, vocab {meta['vocab_size']} | model "
-              f"{raw_model.num_params() / 1e6:.2f}M params, mixer {mixer}, residual {residual} | {optimizer} | "
-              f"{dev}{' bf16' if use_bf16 else ''} | {tokens_per_iter:,} tokens/iter ({world} x {gradient_accumulation_steps}"
-              f" x {batch_size} x {block_size})")
-    log_file = open(os.path.join(out_dir, "log.jsonl"), "a") if master else None
+              f"{raw_model.num_params() / 1e6:.2f}M params, mixer {config.mixer}, residual {config.residual} | "
+              f"{optimizer} | {dev}{' bf16' if use_bf16 else ''} | {tokens_per_iter:,} tokens/iter ({world} x "
+              f"{gradient_accumulation_steps} x {batch_size} x {config.block_size})")
+        if ckpt is not None:
+            print(f"resuming at iter {iter_num}" + (f"; changed: {', '.join(changes)}" if changes else ""))
+
+    def log(row):
+        with open(log_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
     @torch.no_grad()
     def evaluate():
         model.eval()
-        val_sampler = data.BatchSampler(val_tokens, batch_size, block_size, seed=0)  # same batches each eval
+        val_sampler = data.BatchSampler(val_tokens, batch_size, config.block_size, seed=0)  # same batches each eval
         losses = []
         for _ in range(eval_iters):
             x, y = (t.to(dev) for t in val_sampler.next_batch())
@@ -336,25 +462,31 @@ def main():
             samplers = [None] * world
             torch.distributed.all_gather_object(samplers, train_sampler.state_dict())
         return {"model": raw_model.state_dict(), "optimizer": opt.state_dict(), "config": cfg, "meta": meta,
-                "iter_num": iter_num, "best_val_loss": best_val, "sampler": samplers,
+                "iter_num": iter_num, "best_val_loss": best_val, "val_loss": val_loss,
+                "elapsed": time.time() - t_start, "sampler": samplers,
                 "rng": {"torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}}
 
     if analyze_every:  # one fixed training batch, so the spectra logged at different steps are comparable
-        analysis_batch = tuple(t.to(dev) for t in data.BatchSampler(train_tokens, batch_size, block_size, seed=1).next_batch())
-    t_start, t_last, tokens_since, val_loss = time.time(), time.time(), 0, None
+        import analyze
+        analysis_batch = tuple(t.to(dev) for t in data.BatchSampler(train_tokens, batch_size, config.block_size, seed=1).next_batch())
+    t_start, t_last, tokens_since = time.time() - elapsed, time.time(), 0
+    last_eval = iter_num if ckpt is not None else -1  # the checkpoint already holds the eval at its step
     model.train()
     while True:
-        if iter_num % eval_interval == 0 or iter_num >= max_iters:
-            val_loss = evaluate()
+        if (iter_num % eval_interval == 0 or iter_num >= max_iters) and iter_num != last_eval:
+            val_loss, last_eval = evaluate(), iter_num
+            if not math.isfinite(val_loss) or not all(torch.isfinite(p).all() for p in raw_model.parameters()):
+                raise FloatingPointError(diverged(f"val loss {val_loss} (or a weight not finite)", iter_num,
+                                                  ckpt_path, saved_iter))
             best_val = min(best_val, val_loss)
             state = checkpoint_state()
             if master:
                 print(f"iter {iter_num}: val loss {val_loss:.4f} (best {best_val:.4f}), "
                       f"{time.time() - t_start:.1f}s elapsed")
-                log_file.write(json.dumps({"step": iter_num, "val": val_loss, "time": time.time() - t_start}) + "\n")
-                log_file.flush()
+                log({"step": iter_num, "val": val_loss, "time": time.time() - t_start})
                 save_checkpoint(ckpt_path, state)
+            saved_iter = iter_num
         if iter_num >= max_iters:
             break
 
@@ -372,8 +504,7 @@ def main():
                 (loss / gradient_accumulation_steps).backward()
             loss_sum += loss.item() / gradient_accumulation_steps
         if not math.isfinite(loss_sum):
-            raise FloatingPointError(f"loss became {loss_sum} at iter {iter_num}: stopped; the last good checkpoint "
-                              f"{ckpt_path} is kept. Try a lower --learning_rate or --grad_clip=1.0")
+            raise FloatingPointError(diverged(f"training loss {loss_sum}", iter_num, ckpt_path, saved_iter))
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
@@ -388,13 +519,11 @@ def main():
             eta = (max_iters - iter_num) * tokens_per_iter / tok_s
             print(f"iter {iter_num}: loss {loss_sum:.4f}, lr {opt.param_groups[0]['lr']:.2e}, "
                   f"{tok_s:,.0f} tokens/s, mfu {100 * mfu:.1f}%, eta {eta:.0f}s")
-            log_file.write(json.dumps({"step": iter_num, "loss": loss_sum, "lr": opt.param_groups[0]["lr"],
-                                       "tokens_per_s": tok_s, "mfu": mfu}) + "\n")
+            log({"step": iter_num, "loss": loss_sum, "lr": opt.param_groups[0]["lr"], "tokens_per_s": tok_s, "mfu": mfu})
             t_last, tokens_since = now, 0
 
     if master:
-        log_file.close()
-        plot_losses(os.path.join(out_dir, "log.jsonl"), os.path.join(out_dir, "loss.png"))
+        plot_losses(log_path, os.path.join(out_dir, "loss.png"))
         if analyze_every:
             analyze.plot_training_analysis(os.path.join(out_dir, "analysis.jsonl"), os.path.join(out_dir, "analysis.png"))
         print(f"done: val loss {val_loss:.4f} after {iter_num} iters, {time.time() - t_start:.1f}s; "
@@ -410,7 +539,7 @@ def plot_losses(log_path, png_path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = [json.loads(line) for line in open(log_path)]
+    rows = [json.loads(line) for line in open(log_path)] if os.path.exists(log_path) else []
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, label in (("loss", "train"), ("val", "val")):
         pts = [(r["step"], r[key]) for r in rows if key in r]
@@ -420,14 +549,13 @@ def plot_losses(log_path, png_path):
     ax.set_ylabel("loss")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png_path + ".tmp.png")
+    data.atomic_write(png_path, fig.savefig)
     plt.close(fig)
-    os.replace(png_path + ".tmp.png", png_path)
 
 
 if __name__ == "__main__":
     try:
-        main()
+        main(sys.argv[1:])
     except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: one line that says what to fix
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
