@@ -24,30 +24,30 @@ from init import init_weights
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 84
-    block_size: int = 256
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
+    vocab_size: int = 84             # tokens in the vocabulary (train.py takes it from the data)
+    block_size: int = 256            # context length in tokens
+    n_layer: int = 4                 # blocks (mixer + MLP)
+    n_head: int = 4                  # heads of every mixer; n_embd / n_head is the head size (even)
+    n_embd: int = 128                # residual stream width
     mixer: str = "A"               # letters cycled over layers: A attention, G gated delta, M Mamba2
     mlp: str = "relu2"             # relu2 | gelu | swiglu
     residual: str = "res"          # res | hc | mhc | mhc-lite | kromhc | shc | markov
-    hc_streams: int = 4
-    rope_base: float = 10000.0
-    qk_norm: bool = False
-    tie_embeddings: bool = True
-    bias: bool = False
-    dropout: float = 0.0
+    hc_streams: int = 4              # parallel residual streams of the hyper-connection residuals
+    rope_base: float = 10000.0       # RoPE's base: the slowest pair turns once per ~2π·rope_base tokens
+    qk_norm: bool = False            # RMSNorm on queries and keys before RoPE
+    tie_embeddings: bool = True      # lm_head shares the token embedding's weight
+    bias: bool = False               # biases in the linear layers
+    dropout: float = 0.0             # dropout probability (embeddings, attention, residual branches)
     attention: str = "sdpa"        # sdpa (fused) | math (explicit softmax: supports double backward)
     gdn_variant: str = "gdn2"      # deltanet | gdn | kda | gdn2
-    gdn_clip: bool = True
-    gdn_expand_v: int = 1
-    conv_size: int = 4
-    mamba_d_state: int = 64
-    mamba_expand: int = 2
-    mamba_headdim: int = 32
+    gdn_clip: bool = True            # gdn2: the spectral clip that keeps each transition contractive
+    gdn_expand_v: int = 1            # G mixer: value width = gdn_expand_v x head size
+    conv_size: int = 4               # G and M mixers: width of the causal short convolution
+    mamba_d_state: int = 64          # M mixer: state size N
+    mamba_expand: int = 2            # M mixer: inner width = mamba_expand x n_embd
+    mamba_headdim: int = 32          # M mixer: head size P (divides the inner width)
     mamba_discretization: str = "euler"  # euler | zoh
-    chunk_size: int = 64
+    chunk_size: int = 64             # G and M mixers: chunk length of the chunked scan (a power of two)
     kernels: str = "auto"          # auto | torch | triton | ref
     init: str = "gpt2"             # gpt2 | spectral
 
