@@ -487,10 +487,8 @@ def _pyplot():
 def _save(plt, fig, path):
     """Write the figure to a temporary name, then rename: a crash never leaves half a PNG."""
     fig.tight_layout()
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=110)
+    data.atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def _mp_density(lam, sigma2, gamma):

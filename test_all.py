@@ -2510,7 +2510,7 @@ def test_optim_spectral_lr_gives_muon_the_spectral_condition():
 # ==================================================================================================
 # init.py
 # Tests for init.py: spectral init against SVDs and the Marchenko–Pastur edge, spectral_lr_scale against
-# one real optimizer step, and muP's coordinate check (widths 64 → 512) with AdamW and Muon.
+# one real optimizer step, and muP's coordinate check (widths 64 → 256) with AdamW and Muon.
 
 INIT_WIDTHS = (64, 128, 256, 512)
 INIT_RATIOS = (0.25, 1.0, 4.0)  # fan_out / fan_in; the narrow side is the width (an MLP's out_proj, a square, in_proj)
@@ -2687,7 +2687,7 @@ def test_init_spectral_lr_scale_update_size(case):
     element-wise rules it equals the closed form (a rank-one sign matrix has ‖·‖₂ = sqrt(mn))."""
     name, make, scale_kw, per_lr = LR_CASES[case]
     lr = 1e-3
-    widths = (64, 128, 256) if case in ("shampoo", "mousse") else INIT_WIDTHS  # eigh of 4w × 4w factors
+    widths = (64, 128, 256)  # 4x in width: without the scale AdamW's step grows 4x (test below), the bound is 2%
     # Mousse whitens with factors floored at eps, which lifts the round-off directions of an exactly
     # rank-one gradient (and msign then amplifies them): its update is not rank one, so its size is
     # read in the Frobenius norm it is rescaled to.
@@ -2726,9 +2726,12 @@ def test_init_build_optimizer_uses_spectral_lr_scale():
 
 
 # ---------------------------------------------------------------------------------------------------
-# coordinate check: widths 64 → 512, 2 layers, head size 16, 10 steps on one batch of 4 × 32 characters
+# coordinate check: widths 64 → 256, 2 layers, head size 16, 10 steps on one batch of 4 × 32 characters.
+# A quantity may drift at most like width^(1/3) (a factor 2 over 64 → 512): 4^(1/3) = 1.59 over 64 → 256.
+# Measured: spectral's largest spread 1.41 (AdamW), 1.15 (Muon); gpt2 up to 8.0 and 4.4 (its test below).
 
-COORD_WIDTHS = (64, 128, 256, 512)
+COORD_WIDTHS = (64, 128, 256)
+COORD_BAND = (COORD_WIDTHS[-1] / COORD_WIDTHS[0]) ** (1 / 3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -2763,18 +2766,18 @@ def init_is_head(key):
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_init_coord_check_spectral_hidden(optimizer):
     """Every hidden layer's output (each Linear in the blocks, each block, the embedding) and every hidden
-    ΔW (and the embedding's) stays within a factor 2 from width 64 to 512 with spectral + spectral_lr."""
+    ΔW (and the embedding's) stays within COORD_BAND from width 64 to 256 with spectral + spectral_lr."""
     spreads = init_spreads(init_coord_stats(optimizer, "spectral"), keep=lambda k: not init_is_head(k))
     assert len(spreads) == 28
-    assert max(spreads.values()) <= 2.0, {k: round(v, 2) for k, v in spreads.items() if v > 2}
+    assert max(spreads.values()) <= COORD_BAND, {k: round(v, 2) for k, v in spreads.items() if v > COORD_BAND}
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_init_coord_check_spectral_lm_head(optimizer):
-    """The logits and the lm_head's ΔW within a factor 2 as well: needs the head's lr × spectral_lr_scale(V, n_embd)."""
+    """The logits and the lm_head's ΔW within COORD_BAND as well: needs the head's lr × spectral_lr_scale(V, n_embd)."""
     spreads = init_spreads(init_coord_stats(optimizer, "spectral"), keep=init_is_head)
     assert len(spreads) == 2
-    assert max(spreads.values()) <= 2.0, spreads
+    assert max(spreads.values()) <= COORD_BAND, spreads
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

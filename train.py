@@ -432,7 +432,7 @@ def main(args):
             os.remove(log_path)  # a new run starts a new log
         elif ckpt is not None and os.path.exists(log_path):  # drop what was logged after the checkpoint
             kept = [line for line in open(log_path) if line.strip() and json.loads(line)["step"] <= iter_num]
-            data.atomic_write(log_path, lambda tmp: open(tmp, "w").writelines(kept))
+            data.atomic_write_bytes(log_path, "".join(kept).encode())
         print(f"{dataset}: {len(train_tokens):,} train tokens, vocab {meta['vocab_size']} | model "
               f"{raw_model.num_params() / 1e6:.2f}M params, mixer {config.mixer}, residual {config.residual} | "
               f"{optimizer} | {dev}{' bf16' if use_bf16 else ''} | {tokens_per_iter:,} tokens/iter ({world} x "
