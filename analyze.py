@@ -30,7 +30,9 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
 import sys
+import time
 
 import numpy as np
 import torch
@@ -332,6 +334,35 @@ def gradient_stats(model, batches):
             summary["matrices"][name] = {"stable_rank": float((s ** 2).sum() / max(s[0] ** 2, 1e-300)),
                                          "spectral_norm": float(s[0]), "frobenius": float(np.sqrt((s ** 2).sum()))}
     return summary, arrays
+
+
+def curvature_noise_scale(model, batches):
+    """The noise scale that predicts the best step (McCandlish et al. 2018, eqs. 2.6-2.8), from k ≥ 2
+    micro-batches of b sequences: B_noise = tr(HΣ) / GᵀHG, η_opt(B) = η_max / (1 + B_noise/B) with
+    η_max = |G|² / GᵀHG, and the best one-step loss drop ΔL_max = ½ |G|⁴ / GᵀHG. The two-batch-size
+    estimator of noise_scale in the H-norm: E gᵀHg = GᵀHG + tr(HΣ)/B, with gᵢᵀHgᵢ (B = b) and ḡᵀHḡ
+    (B = kb) from k + 1 Hessian-vector products; H is the Hessian of the mean loss over the same batches.
+    B_simple = tr Σ / |G|² from the same gradients. In sequences. Returns a dict."""
+    sizes = {x.shape[0] for x, _ in batches}
+    if len(batches) < 2 or len(sizes) != 1:
+        raise ValueError(f"curvature_noise_scale needs >= 2 micro-batches of one size, got sizes "
+                         f"{[x.shape[0] for x, _ in batches]}: split the batch evenly")
+    b, k = sizes.pop(), len(batches)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = []
+    for x, y in batches:
+        g = torch.autograd.grad(model(x, y)[1], params, allow_unused=True)
+        grads.append(torch.cat([(gi if gi is not None else torch.zeros_like(p)).reshape(-1).float() for gi, p in zip(g, params)]))
+    mean = torch.stack(grads).mean(0)
+    hvp = hessian_vector_product(model, batches)[0]
+    plain = noise_scale(sum(g.pow(2).sum().item() for g in grads) / k, mean.pow(2).sum().item(), b, k * b)
+    curved = noise_scale(sum(torch.dot(g, hvp(g)).item() for g in grads) / k, torch.dot(mean, hvp(mean)).item(), b, k * b)
+    G_sq, GHG = plain["G_sq"], curved["G_sq"]
+    return {"b_small": b, "b_big": k * b, "G_sq": G_sq, "tr_sigma": plain["tr_sigma"], "B_simple": plain["B_simple"],
+            "GHG": GHG, "tr_H_sigma": curved["tr_sigma"],
+            "B_noise": curved["tr_sigma"] / GHG if GHG > 0 else float("nan"),
+            "eta_max": G_sq / GHG if GHG > 0 else float("nan"),
+            "delta_L_max": 0.5 * G_sq ** 2 / GHG if GHG > 0 else float("nan")}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -779,6 +810,8 @@ def analyze_during_training(model, batch, step, out_dir, micro_batches=4, hessia
             grads, _ = gradient_stats(twin, [(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]) for i in range(micro_batches)])
             record["noise"] = {k: grads[k] for k in ("b_small", "b_big", "sq_norm_small", "sq_norm_big", "G_sq", "tr_sigma", "B_simple")}
             record["gradient_stable_rank"] = {name: m["stable_rank"] for name, m in grads["matrices"].items()}
+            curvature = curvature_noise_scale(twin, [(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]) for i in range(micro_batches)])
+            record["noise"].update({k: curvature[k] for k in ("GHG", "tr_H_sigma", "B_noise", "eta_max", "delta_L_max")})
         hc, _ = hc_spectra(twin, x)
         if hc is not None:
             record["hc_prod_norm"] = [layer["prod_norm_max"] for layer in hc["layers"]]
@@ -832,6 +865,226 @@ def plot_training_analysis(jsonl_path, png_path):
     for ax in axes.flat:
         ax.set_xlabel("step")
     _save(plt, fig, png_path)
+
+
+# ----------------------------------------------------------------------------------------------------
+# critical batch size: train.py at several batch sizes to one target loss (McCandlish et al. 2018)
+
+def steps_to_target(log_rows, target):
+    """The step at which the val loss first reaches target, linearly interpolated between the two evals
+    around the crossing; None if it never does."""
+    evals = [(r["step"], r["val"]) for r in log_rows if "val" in r]
+    for (s0, v0), (s1, v1) in zip(evals, evals[1:]):
+        if v1 <= target:
+            return float(s1) if v0 <= v1 else s0 + (v0 - target) / (v0 - v1) * (s1 - s0)
+    return None
+
+
+def _read_log(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip().endswith("}")]
+
+
+def batch_scan(batch_sizes, target, out_dir, max_iters=4000, analyze_batch=0, analyze_every=25,
+               train_args=(), verbose=True):
+    """Train train.py's model at each batch size B (sequences) with a constant lr (wsd without decay)
+    until the val loss reaches target, as a subprocess, stopping it at the crossing. Evals use about 256
+    validation sequences whatever B is, every ~320/B steps. The run at B = analyze_batch also logs the
+    cheap analysis sections (B_simple and B_noise) every analyze_every steps. Writes and returns
+    out_dir/scan.json: {"target", "runs": [{"batch_size", "steps", "examples"}], "noise": [records]}."""
+    runs, noise = [], []
+    for B in batch_sizes:
+        run_dir = os.path.join(out_dir, f"B{B}")
+        for name in ("log.jsonl", "analysis.jsonl"):
+            if os.path.exists(os.path.join(run_dir, name)):
+                os.remove(os.path.join(run_dir, name))
+        args = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"),
+                f"--out_dir={run_dir}", f"--batch_size={B}", f"--max_iters={max_iters}", "--schedule=wsd",
+                "--wsd_decay_frac=0.0", f"--eval_interval={max(5, round(320 / B))}", f"--eval_iters={max(2, 256 // B)}",
+                "--log_interval=1000000", "--num_samples=0", *train_args]
+        if B == analyze_batch:
+            args.append(f"--analyze_every={analyze_every}")
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        steps = None
+        while steps is None and proc.poll() is None:
+            steps = steps_to_target(_read_log(os.path.join(run_dir, "log.jsonl")), target)
+            if steps is None:
+                time.sleep(1.0)
+        proc.terminate()
+        err = proc.communicate()[1]
+        steps = steps or steps_to_target(_read_log(os.path.join(run_dir, "log.jsonl")), target)
+        if steps is None:
+            raise ValueError(f"batch size {B} did not reach val loss {target} in {max_iters} steps "
+                             f"({err.strip().splitlines()[-1] if err.strip() else 'no error'}): raise max_iters or the target")
+        runs.append({"batch_size": B, "steps": steps, "examples": steps * B})
+        if B == analyze_batch:
+            noise = _read_log(os.path.join(run_dir, "analysis.jsonl"))
+        if verbose:
+            print(f"B = {B}: val loss {target} after {steps:.1f} steps, {steps * B:.0f} sequences", flush=True)
+        result = {"target": target, "runs": runs, "noise": noise}
+        tmp = os.path.join(out_dir, "scan.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(_jsonable(result), f, indent=1)
+        os.replace(tmp, os.path.join(out_dir, "scan.json"))
+    return result
+
+
+def fit_critical_batch(steps, examples):
+    """Fit (S/S_min − 1)(E/E_min − 1) = 1 (Kaplan et al. 2020, McCandlish et al. 2018) to runs that reach
+    one loss in S steps and E = B·S examples. With E = B·S the relation is S = S_min + E_min/B, linear in
+    (S_min, E_min): least squares on the relative residuals (S_min + E_min/B)/S − 1. B_crit = E_min/S_min
+    is the batch at which a run needs 2 S_min steps and 2 E_min examples."""
+    S, E = np.asarray(steps, dtype=np.float64), np.asarray(examples, dtype=np.float64)
+    if len(S) < 2 or (S <= 0).any() or (E <= 0).any():
+        raise ValueError(f"fit_critical_batch needs >= 2 runs with positive steps and examples, got {len(S)}")
+    B = E / S
+    (S_min, E_min), *_ = np.linalg.lstsq(np.stack([1 / S, 1 / (B * S)], axis=1), np.ones_like(S), rcond=None)
+    rel = (S_min + E_min / B) / S - 1
+    return {"S_min": float(S_min), "E_min": float(E_min), "B_crit": float(E_min / S_min),
+            "rms_rel_error": float(np.sqrt((rel ** 2).mean()))}
+
+
+def plot_batch_scan(scan, fit, path):
+    """Steps against examples per batch size, with the fitted hyperbola S = S_min(1 + B_crit/B),
+    E = E_min(1 + B/B_crit)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    S = np.array([r["steps"] for r in scan["runs"]])
+    E = np.array([r["examples"] for r in scan["runs"]])
+    B = np.logspace(np.log10(E.min() / S.max()) - 1, np.log10(E.max() / S.min()) + 1, 200)
+    ax.loglog(fit["E_min"] * (1 + B / fit["B_crit"]), fit["S_min"] * (1 + fit["B_crit"] / B), "-", color="gray",
+              label=f"fit: S_min {fit['S_min']:.0f}, E_min {fit['E_min']:.0f}, B_crit {fit['B_crit']:.1f}")
+    ax.loglog(E, S, "o")
+    for r in scan["runs"]:
+        ax.annotate(f"B={r['batch_size']}", (r["examples"], r["steps"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    ax.axhline(fit["S_min"], color="gray", ls=":", lw=1)
+    ax.axvline(fit["E_min"], color="gray", ls=":", lw=1)
+    ax.set_xlabel("examples E (sequences)")
+    ax.set_ylabel("steps S")
+    ax.set_title(f"steps and examples to val loss {scan['target']}", fontsize=9)
+    ax.legend(fontsize=7)
+    _save(plt, fig, path)
+
+
+# ----------------------------------------------------------------------------------------------------
+# multi-power law: the loss curve as a function of the learning-rate schedule (Luo et al. 2025)
+
+MPL_PARAMS = ("L0", "A", "alpha", "B", "C", "beta", "gamma")
+
+
+def mpl_loss(params, lrs, steps):
+    """L(t) = L0 + A (S₁(t) + S_W)^−α − LD(t) at the given steps t ≥ 1, for lrs[t − 1] = η_t, the lr of
+    step t relative to the peak: S₁(t) + S_W = Σ_{τ≤t} η_τ is the lr area (warmup included), and
+        LD(t) = B Σ_{k=p+1}^{t} (η_{k−1} − η_k) (1 − (C η_k^−γ S_k(t) + 1)^−β),  S_k(t) = Σ_{τ=k}^{t} η_τ,
+    the extra drop each lr decrease after the peak step p brings. params: {name: float or 0-d tensor}
+    of MPL_PARAMS. Returns a float64 tensor."""
+    eta = torch.as_tensor(np.asarray(lrs, dtype=np.float64))
+    t = torch.as_tensor(np.asarray(steps, dtype=np.int64))
+    area = torch.cat([torch.zeros(1, dtype=eta.dtype), eta.cumsum(0)])  # area[t] = Σ_{τ≤t} η_τ
+    peak = int(eta.argmax())  # 0-based: step peak + 1 is the first at the peak
+    k = torch.arange(peak + 2, len(eta) + 1)  # steps after the peak
+    eta_k, drop = eta[k - 1], eta[k - 2] - eta[k - 1]
+    S_k = (area[t][:, None] - area[k - 1][None, :]).clamp(min=0)  # Σ_{τ=k}^{t} η_τ, 0 where k > t
+    p = {name: torch.as_tensor(params[name], dtype=torch.float64) for name in MPL_PARAMS}
+    decay = drop * (1 - (p["C"] * eta_k.clamp(min=1e-12) ** -p["gamma"] * S_k + 1) ** -p["beta"])
+    LD = p["B"] * (decay * (k[None, :] <= t[:, None])).sum(1)
+    return p["L0"] + p["A"] * area[t] ** -p["alpha"] - LD
+
+
+def fit_mpl(curves, iters=500):
+    """Least-squares fit of mpl_loss to curves [(lrs, steps, losses), ...], using the points at or after
+    each schedule's peak. A, α, B, C, β are fitted through their logs (kept positive). Returns
+    (params, rms error)."""
+    data_ = []
+    for lrs, steps, losses in curves:
+        keep = np.asarray(steps) >= int(np.argmax(lrs)) + 1
+        data_.append((lrs, np.asarray(steps)[keep], torch.as_tensor(np.asarray(losses, dtype=np.float64)[keep])))
+    low = min(float(l.min()) for _, _, l in data_)
+    raw = {"L0": torch.tensor(0.8 * low, dtype=torch.float64), "A": torch.tensor(0.0, dtype=torch.float64),
+           "alpha": torch.tensor(math.log(0.5), dtype=torch.float64), "B": torch.tensor(math.log(0.5), dtype=torch.float64),
+           "C": torch.tensor(0.0, dtype=torch.float64), "beta": torch.tensor(math.log(0.5), dtype=torch.float64),
+           "gamma": torch.tensor(0.5, dtype=torch.float64)}
+    for v in raw.values():
+        v.requires_grad_(True)
+
+    def params():
+        return {n: v if n in ("L0", "gamma") else v.exp() for n, v in raw.items()}
+
+    def loss():
+        residuals = torch.cat([mpl_loss(params(), lrs, steps) - losses for lrs, steps, losses in data_])
+        return residuals.pow(2).mean()
+
+    opt = torch.optim.Adam(raw.values(), lr=0.02)
+    for _ in range(iters):
+        opt.zero_grad()
+        value = loss()
+        value.backward()
+        opt.step()
+    lbfgs = torch.optim.LBFGS(raw.values(), max_iter=1000, line_search_fn="strong_wolfe", tolerance_grad=1e-12,
+                              tolerance_change=1e-15)
+
+    def closure():
+        lbfgs.zero_grad()
+        value = loss()
+        value.backward()
+        return value
+
+    lbfgs.step(closure)
+    with torch.no_grad():
+        return {n: float(v) for n, v in params().items()}, math.sqrt(loss().item())
+
+
+def read_schedule_run(run_dir):
+    """(lrs relative to the peak, eval steps, val losses) from a train.py run logged with --log_interval=1."""
+    rows = _read_log(os.path.join(run_dir, "log.jsonl"))
+    lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
+    if not lr or sorted(lr) != list(range(1, max(lr) + 1)):
+        raise ValueError(f"{run_dir}/log.jsonl lacks the lr of every step: train with --log_interval=1")
+    lrs = np.array([lr[s] for s in range(1, max(lr) + 1)])
+    evals = [(r["step"], r["val"]) for r in rows if "val" in r and 1 <= r["step"] <= len(lrs)]
+    return lrs / lrs.max(), np.array([s for s, _ in evals]), np.array([v for _, v in evals])
+
+
+def mpl_predict(fit_dirs, predict_dirs, png_path=None):
+    """Fit the multi-power law to the runs in fit_dirs and predict the val loss of the runs in
+    predict_dirs from their schedules alone. Returns {"params", "fit_rms", "runs": {dir: {"rms", "max",
+    "rms_no_decay_term"}}}; the last is the same fit's L0 + A·area^−α without LD, for comparison."""
+    fit_curves = [read_schedule_run(d) for d in fit_dirs]
+    params, fit_rms = fit_mpl(fit_curves)
+    result = {"params": params, "fit_rms": fit_rms, "runs": {}}
+    shown = []
+    for d in list(fit_dirs) + list(predict_dirs):
+        lrs, steps, losses = read_schedule_run(d)
+        keep = steps >= int(np.argmax(lrs)) + 1
+        predicted = mpl_loss(params, lrs, steps).numpy()
+        no_decay = mpl_loss({**params, "B": 0.0}, lrs, steps).numpy()
+        if d in predict_dirs:
+            err = predicted[keep] - losses[keep]
+            result["runs"][d] = {"rms": float(np.sqrt((err ** 2).mean())), "max": float(np.abs(err).max()),
+                                 "final_error": float(err[-1]),
+                                 "rms_no_decay_term": float(np.sqrt(((no_decay - losses)[keep] ** 2).mean()))}
+        shown.append((d, lrs, steps, losses, predicted, d in predict_dirs))
+    if png_path:
+        plt = _pyplot()
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for i, (d, lrs, steps, losses, predicted, held_out) in enumerate(shown):
+            color = f"C{i}"
+            name = os.path.basename(os.path.normpath(d)) + (" (predicted)" if held_out else " (fitted)")
+            ax1.plot(steps, losses, "o", color=color, ms=3)
+            ax1.plot(steps, predicted, "-" if held_out else "--", color=color, label=name)
+            ax2.plot(np.arange(1, len(lrs) + 1), lrs, color=color, label=name)
+        low = min(run[3].min() for run in shown)
+        ax1.set_ylim(low - 0.05, low + 0.6)
+        ax1.set_xlabel("step")
+        ax1.set_ylabel("val loss (dots measured, lines MPL)")
+        ax1.legend(fontsize=7)
+        ax2.set_xlabel("step")
+        ax2.set_ylabel("lr / peak lr")
+        ax2.legend(fontsize=7)
+        _save(plt, fig, png_path)
+    return result
 
 
 # ----------------------------------------------------------------------------------------------------
