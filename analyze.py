@@ -1,14 +1,19 @@
 """
-Spectra that explain what training did: weights, Hessian, gradients, Newton–Schulz, hyper-connection
-mixing matrices, GDN2 gates, layer-input isotropy.
+Spectra that explain what training did: weights, Hessian, gradients, noise scales, Newton–Schulz,
+hyper-connection mixing matrices, GDN2 gates, layer-input isotropy, width transfer; and two lab tools
+that drive train.py: the critical batch size and the multi-power law of the loss against the lr schedule.
 
     python analyze.py --ckpt=out/ckpt.pt                      # a trained model (its data and batch shape)
     python analyze.py --n_layer=4 --n_embd=128                # a fresh init: any GPTConfig key, no training
     python analyze.py --config=my_config.py --mixer=GGGA     # a fresh init from a train.py config file
     python analyze.py --ckpt=out/ckpt.pt --sections=weights,hessian
+    python analyze.py --sections=coord                        # muP's coordinate check, widths 64 → 512
+    python analyze.py --scan_batch_sizes=4,8,16,32,64 --scan_target=2.2   # steps and examples to a loss
+    python analyze.py --mpl_fit=out/constant,out/wsd50 --mpl_predict=out/cosine   # loss from the schedule
 
 writes <out_dir>/summary.json (default out_dir: the checkpoint's folder + /analysis), <section>.npz with
-the arrays and <section>.png, and prints a short table. Sections, each also a function of a model:
+the arrays and <section>.png, and prints a short table. Sections (the SECTIONS table), each also a
+function:
 
     weights    weight_spectra(model)             singular values, σ_max, natural spectral norm, stable rank,
                                                  Marchenko–Pastur fit and the spikes above its edge, tail α
@@ -16,10 +21,13 @@ the arrays and <section>.png, and prints a short table. Sections, each also a fu
                                                  products), Hutchinson trace, stochastic Lanczos density
     gradients  gradient_stats(model, batches)    gradient stable rank per matrix, noise scale
                                                  B_simple = tr(Σ)/|G|² from two batch sizes
+    noise      curvature_noise_scale(model, batches)  B_noise = tr(HΣ)/GᵀHG, η_max, ΔL_max
     ns         ns_response(coeffs, steps, xs)    what msign's Newton–Schulz does to each singular value
     hc         hc_spectra(model, idx)            H_res spectra per layer and ‖Π H_res‖₂ down the depth
     gates      gdn2_gates(model, idx)            ρ = ‖I − k(b⊙k)ᵀ‖₂, fraction of decays clipped, max ‖(I − a cᵀ)D‖₂
     isotropy   isotropy(model, idx)              eigenvalues of each linear layer's input second moment
+    coord      coordinate_transfer()             (not default) layer output RMS and ‖ΔW‖_nat over widths
+    lr_transfer lr_transfer(dataset)             (not default) best lr per width, ~10 min per optimizer
 
 The model runs in fp32 with kernels="torch" and the explicit-softmax attention (analysis_model): fused
 SDPA and the Triton kernels have no second derivative, which Hessian-vector products need.
@@ -41,10 +49,9 @@ import torch.nn as nn
 import data
 import kernels
 import optim
-from init import natural_spectral_norm
+from init import init_weights, natural_spectral_norm
 from model import GPT, GPTConfig, HyperConnection, GatedDelta
 
-SECTIONS = ("weights", "hessian", "gradients", "ns", "hc", "gates", "isotropy")
 TW1_QUANTILE_99 = 2.02  # 99% quantile of the Tracy–Widom (β = 1) law of the largest noise eigenvalue
 
 
@@ -342,7 +349,8 @@ def curvature_noise_scale(model, batches):
     η_max = |G|² / GᵀHG, and the best one-step loss drop ΔL_max = ½ |G|⁴ / GᵀHG. The two-batch-size
     estimator of noise_scale in the H-norm: E gᵀHg = GᵀHG + tr(HΣ)/B, with gᵢᵀHgᵢ (B = b) and ḡᵀHḡ
     (B = kb) from k + 1 Hessian-vector products; H is the Hessian of the mean loss over the same batches.
-    B_simple = tr Σ / |G|² from the same gradients. In sequences. Returns a dict."""
+    B_simple = tr Σ / |G|² from the same gradients. In sequences. B_noise, η_max and ΔL_max are nan where
+    GᵀHG ≤ 0: the loss has no minimum along G there (early training, see the Hessian section). Returns a dict."""
     sizes = {x.shape[0] for x, _ in batches}
     if len(batches) < 2 or len(sizes) != 1:
         raise ValueError(f"curvature_noise_scale needs >= 2 micro-batches of one size, got sizes "
@@ -448,12 +456,12 @@ def hc_spectra(model, idx):
 
 
 # ----------------------------------------------------------------------------------------------------
-# gates: the spectral clip of Gated DeltaNet-2 (seed gdn2-stability.md)
+# gates: the spectral clip of Gated DeltaNet-2
 
 @torch.no_grad()
 def gdn2_gates(model, idx):
     """For each GatedDelta mixer on one forward pass of idx, per token and head, with a = k, c = b⊙k:
-    ρ = ‖I − a cᵀ‖₂ = (η + sqrt(η² − 4 a·c + 4)) / 2, η = ‖a‖‖c‖; the fraction of decay entries the
+    ρ = ‖I − a cᵀ‖₂ = (η + sqrt(η² − 4 a·c + 4)) / 2, η = ‖a‖‖c‖ (kernels.gdn2_log_rho); the fraction of decay entries the
     clip g ← min(g, −log ρ) (kernels.gdn2_decay_clip) changes, whether or not the model applies it
     (gdn_clip); and the largest ‖(I − a cᵀ) Diag(exp g)‖₂ (by SVD) before and after the clip. Returns (summary, arrays); (None, {}) for a model without G mixers."""
     captured = _capture_inputs(model, GatedDelta, idx)
@@ -465,8 +473,7 @@ def gdn2_gates(model, idx):
         g = mixer.log_decay(x).expand_as(k).float()
         clipped = kernels.gdn2_decay_clip(g, k, b, kernels="torch")
         a, c = k.double(), (b * k).double()
-        eta = a.norm(dim=-1) * c.norm(dim=-1)
-        rho = (eta + torch.sqrt((eta ** 2 - 4 * (a * c).sum(-1) + 4).clamp(min=0))) / 2
+        rho = kernels.gdn2_log_rho(k, b).squeeze(-1).double().exp()
         transition = torch.eye(a.size(-1), dtype=torch.float64) - a.unsqueeze(-1) * c.unsqueeze(-2)
         before = torch.linalg.matrix_norm(transition * g.double().exp().unsqueeze(-2), ord=2)
         after = torch.linalg.matrix_norm(transition * clipped.double().exp().unsqueeze(-2), ord=2)
@@ -479,7 +486,7 @@ def gdn2_gates(model, idx):
 
 
 # ----------------------------------------------------------------------------------------------------
-# isotropy: the second moment of each linear layer's input (seed isotropy-steepest-descent.md)
+# isotropy: the second moment of each linear layer's input
 
 @torch.no_grad()
 def isotropy(model, idx):
@@ -502,6 +509,165 @@ def isotropy(model, idx):
                          "condition": float(lam[0] / max(lam[-1], 1e-12 * lam[0]))}
         arrays[name] = lam
     return summary, arrays
+
+
+# ----------------------------------------------------------------------------------------------------
+# width transfer: muP's coordinate check and a learning-rate sweep over widths (Yang, Simon & Bernstein
+# 2023): spectral init with optim.spectral_lr_scale against GPT-2 init, AdamW and Muon
+
+TRANSFER_WIDTHS = (64, 128, 256, 512)
+TRANSFER_LRS = {"adamw": (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2), "muon": (5e-3, 1e-2, 2e-2, 4e-2, 8e-2)}
+
+
+def coordinate_check(model, optimizer, idx, targets, steps=10):
+    """muP's coordinate check for one model: train `steps` steps on the batch (idx, targets), then
+    return {"out <name>": RMS of the output of every Linear, Embedding and block on that batch,
+    "dW <name>": natural spectral norm of W_after − W_before for every 2-D weight (hyper-connection
+    maps excepted; kind "embedding" for wte)}. Run it at several widths: under a width-consistent
+    parametrization every entry stays of the same size."""
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.ndim == 2 and ".hc_" not in n}
+    model.train()
+    for _ in range(steps):
+        _, loss = model(idx, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    stats = {}
+
+    def record(key):
+        return lambda module, inputs, output: stats.__setitem__(key, output.float().pow(2).mean().sqrt().item())
+
+    blocks = {id(b) for b in model.blocks}
+    watched = [(n, m) for n, m in model.named_modules()
+               if ".hc_" not in f".{n}" and (isinstance(m, (nn.Linear, nn.Embedding)) or id(m) in blocks)]
+    hooks = [m.register_forward_hook(record("out " + n)) for n, m in watched]
+    with torch.no_grad():
+        model(idx)
+    for h in hooks:
+        h.remove()
+    params = dict(model.named_parameters())
+    for n, W0 in before.items():
+        stats["dW " + n] = natural_spectral_norm(params[n].detach() - W0, "embedding" if n == "wte.weight" else "dense")
+    return stats
+
+
+def width_model(width, scheme, vocab_size, block_size):
+    """2 layers, head size 16 (the head count grows with the width), untied lm_head; spectral uses the
+    "exact" embedding, whose output has RMS 1 at every width ("stable" is n_embd^-½ by design)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=width // 16,
+                          n_embd=width, tie_embeddings=False, init=scheme))
+    if scheme == "spectral":
+        init_weights(model, "spectral", embedding="exact")
+    return model
+
+
+def coordinate_transfer(widths=TRANSFER_WIDTHS, steps=10):
+    """coordinate_check at each width (one batch of 4 × 32 random characters, vocabulary 84), gpt2 vs
+    spectral + spectral_lr, AdamW (lr 1e-3) and Muon (lr 0.02). Returns (summary {"<optimizer> <scheme>":
+    {"values": {key: [per width]}, "spread": {key: largest / smallest}, "max_spread_out",
+    "max_spread_dW" (lm_head left out)}}, {})."""
+    idx = torch.randint(0, 84, (4, 33), generator=torch.Generator().manual_seed(0))
+    summary = {"widths": list(widths), "steps": steps}
+    for optimizer, lr in (("adamw", 1e-3), ("muon", 0.02)):
+        for scheme in ("gpt2", "spectral"):
+            stats = []
+            for width in widths:
+                model = width_model(width, scheme, 84, 32)
+                opt = optim.build_optimizer(model, optimizer, lr=lr, weight_decay=0.0, aux_lr=3e-3,
+                                            spectral_lr=scheme == "spectral")
+                stats.append(coordinate_check(model, opt, idx[:, :-1], idx[:, 1:], steps=steps))
+            values = {key: [s[key] for s in stats] for key in stats[0]}
+            spread = {key: max(v) / min(v) for key, v in values.items()}
+            summary[f"{optimizer} {scheme}"] = {
+                "values": values, "spread": spread,
+                **{f"max_spread_{kind}": max(s for k, s in spread.items() if k.startswith(kind + " ") and "lm_head" not in k)
+                   for kind in ("out", "dW")}}
+    return summary, {}
+
+
+def plot_coordinate_transfer(summary, arrays, path):
+    plt = _pyplot()
+    widths = summary["widths"]
+    fig, axes = plt.subplots(2, 4, figsize=(18, 8))
+    for row, optimizer in enumerate(("adamw", "muon")):
+        for col, (scheme, prefix, what) in enumerate((("gpt2", "out ", "RMS of layer outputs"),
+                                                      ("spectral", "out ", "RMS of layer outputs"),
+                                                      ("gpt2", "dW ", "‖ΔW‖_nat"), ("spectral", "dW ", "‖ΔW‖_nat"))):
+            ax, run = axes[row, col], summary[f"{optimizer} {scheme}"]
+            if col % 2:
+                ax.sharey(axes[row, col - 1])
+            for key, values in run["values"].items():
+                if key.startswith(prefix):
+                    color = "tab:red" if "lm_head" in key else "tab:green" if "wte" in key else "tab:blue"
+                    ax.plot(widths, values, marker="o", lw=1, color=color, alpha=0.7)
+            label = "gpt2" if scheme == "gpt2" else "spectral + spectral_lr"
+            ax.set(xscale="log", yscale="log", xlabel="n_embd",
+                   title=f"{optimizer}, {label}\n{what}: max spread {run['max_spread_' + prefix.strip()]:.1f}x")
+            ax.set_xticks(widths, [str(w) for w in widths])
+            ax.minorticks_off()
+    fig.suptitle(f"Coordinate check after {summary['steps']} steps, one line per layer (blue: blocks, green: embedding, "
+                 "red: lm_head, left out of the spreads)")
+    _save(plt, fig, path)
+
+
+def show_coordinate_transfer(summary):
+    print(f"coord: largest / smallest over widths {summary['widths']} after {summary['steps']} steps (lm_head left out)")
+    for optimizer in ("adamw", "muon"):
+        for scheme in ("gpt2", "spectral"):
+            run = summary[f"{optimizer} {scheme}"]
+            print(f"  {optimizer:5s} {scheme:8s}: layer output RMS spread {run['max_spread_out']:.2f}x, "
+                  f"‖ΔW‖_nat spread {run['max_spread_dW']:.2f}x")
+
+
+def lr_transfer(dataset="shakespeare_char", tokenizer="char", widths=(64, 256), steps=200, batch_size=8, block_size=64):
+    """Val loss after `steps` steps for each lr of TRANSFER_LRS at each width, gpt2 vs spectral +
+    spectral_lr. Warmup 20 steps, then a cosine to 0.1 of the peak; Muon's AdamW part at lr 3e-3.
+    About 10 minutes per optimizer on one CPU core. Returns (summary, {})."""
+    train_tokens, val_tokens, meta = data.load_dataset(dataset, tokenizer)
+    val_sampler = data.BatchSampler(val_tokens, batch_size, block_size, seed=123)
+    val_batches = [val_sampler.next_batch() for _ in range(8)]
+    summary = {}
+    for optimizer, lrs in TRANSFER_LRS.items():
+        for scheme in ("spectral", "gpt2"):
+            for width in widths:
+                losses = []
+                for lr in lrs:
+                    model = width_model(width, scheme, meta["vocab_size"], block_size)
+                    opt = optim.build_optimizer(model, optimizer, lr=lr, weight_decay=0.0, aux_lr=3e-3,
+                                                spectral_lr=scheme == "spectral")
+                    sampler = data.BatchSampler(train_tokens, batch_size, block_size, seed=1)
+                    for it in range(steps):
+                        mult = min(1.0, (it + 1) / 20) * (0.1 + 0.45 * (1 + math.cos(math.pi * it / steps)))
+                        for group in opt.param_groups:
+                            group["lr"] = group["base_lr"] * mult
+                        _, loss = model(*sampler.next_batch())
+                        loss.backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                    with torch.no_grad():
+                        losses.append(sum(model(x, y)[1].item() for x, y in val_batches) / len(val_batches))
+                summary[f"{optimizer} {scheme} {width}"] = {"lrs": list(lrs), "losses": losses,
+                                                            "best_lr": lrs[losses.index(min(losses))]}
+    return summary, {}
+
+
+def plot_lr_transfer(summary, arrays, path):
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, optimizer in zip(axes, TRANSFER_LRS):
+        for key, run in summary.items():
+            if key.startswith(optimizer + " "):
+                ax.semilogx(run["lrs"], run["losses"], "o-" if " spectral " in key else "s--", label=key[len(optimizer) + 1:])
+        ax.set(xlabel="lr", ylabel="val loss", title=optimizer)
+        ax.legend(fontsize=7)
+    _save(plt, fig, path)
+
+
+def show_lr_transfer(summary):
+    for key, run in summary.items():
+        print(f"lr_transfer {key}: " + "  ".join(f"lr {lr:g}: {v:.4f}" for lr, v in zip(run["lrs"], run["losses"]))
+              + f"   best {run['best_lr']:g}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -604,24 +770,26 @@ def plot_gradients(summary, arrays, path):
     _save(plt, fig, path)
 
 
-def plot_ns(results, path, model_ratios=None):
-    """results: {coeffs: (summary, arrays)} from ns_response; model_ratios: σ_i/‖G‖_F of real gradients."""
+def plot_ns(summary, arrays, path):
+    """summary {coeffs: ns_response summary}, arrays "<coeffs>.xs"/"<coeffs>.ys" and, when the
+    gradients section ran, "gradient_ratios" (σ_i/‖G‖_F of the real gradients)."""
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     x = np.linspace(0, 1.05, 500)
     ax1.plot(x, x, color="gray", lw=0.8, ls=":")
     ax1.axhline(1.0, color="gray", lw=0.8, ls="--")
-    for coeffs, (summary, arrays) in results.items():
+    for coeffs, s in summary.items():
         a, b, c = optim.ns_schedule(1, coeffs)[0]
-        ax1.plot(x, a * x + b * x ** 3 + c * x ** 5, label=f"{coeffs}: peak {summary['one_step_peak']:.4f} "
-                                                           f"at {summary['one_step_argmax']:.4f}")
-        ax2.semilogx(arrays["xs"], arrays["ys"][-1], label=f"{coeffs}, {summary['steps']} steps "
-                                                          f"(slope at 0: {summary['slope_at_zero']:.0f})")
+        ax1.plot(x, a * x + b * x ** 3 + c * x ** 5, label=f"{coeffs}: peak {s['one_step_peak']:.4f} "
+                                                           f"at {s['one_step_argmax']:.4f}")
+        ax2.semilogx(arrays[f"{coeffs}.xs"], arrays[f"{coeffs}.ys"][-1], label=f"{coeffs}, {s['steps']} steps "
+                                                                            f"(slope at 0: {s['slope_at_zero']:.0f})")
     ax1.set_title("one Newton–Schulz step on a singular value", fontsize=9)
     ax1.legend(fontsize=7)
     ax2.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax2.set_title("after all steps: input σ/‖G‖_F → output singular value", fontsize=9)
     ax2.legend(fontsize=7, loc="upper left")
+    model_ratios = arrays.get("gradient_ratios")
     if model_ratios is not None and len(model_ratios):
         twin = ax2.twinx()
         twin.hist(model_ratios, bins=np.logspace(-6, 0, 80), color="k", alpha=0.2)
@@ -682,106 +850,153 @@ def plot_isotropy(summary, arrays, path):
 
 
 # ----------------------------------------------------------------------------------------------------
-# run sections, save, print
+# the sections: one row each in SECTIONS (a new section is its function and its row)
 
 def _jsonable(x):
     return json.loads(json.dumps(x, default=float, allow_nan=True))
 
 
-def run_analysis(model, batches, out_dir, sections=SECTIONS, top_k=3, power_iters=100, n_probes=100,
-                 lanczos_iters=60, n_slq=2, hessian_batches=1, seed=0, verbose=True):
-    """Run the chosen sections on an analysis_model and write summary.json, <section>.npz and
-    <section>.png into out_dir. batches: micro-batches [(x, y), ...] (≥ 2 for the noise scale); the
-    Hessian uses the first hessian_batches of them, hc/gates/isotropy the first one. Returns the summary."""
-    os.makedirs(out_dir, exist_ok=True)
-    summary, gradient_ratios = {}, None
-
-    def save(section, section_summary, arrays, plot, *extra):
-        summary[section] = section_summary
-        if arrays:
-            np.savez(os.path.join(out_dir, f"{section}.npz"), **{k.replace(".", "/"): v for k, v in arrays.items()})
-        plot(section_summary, arrays, os.path.join(out_dir, f"{section}.png"), *extra)
-
-    idx = batches[0][0]
-    for section in sections:
-        if verbose:
-            print(f"[{section}]", file=sys.stderr)
-        if section == "weights":
-            save(section, *weight_spectra(model), plot_weights)
-        elif section == "hessian":
-            s, a = hessian_spectrum(model, batches[:hessian_batches], top_k, power_iters, n_probes=n_probes,
-                                    lanczos_iters=lanczos_iters, n_slq=n_slq, seed=seed, verbose=verbose)
-            save(section, s, a, plot_hessian)
-        elif section == "gradients":
-            s, a = gradient_stats(model, batches)
-            gradient_ratios = np.concatenate([sv / max(np.sqrt((sv ** 2).sum()), 1e-300)
-                                              for nm, sv in a.items() if optim.is_block_matrix(nm, model.get_parameter(nm))])
-            save(section, s, a, plot_gradients)
-        elif section == "ns":
-            results = {coeffs: ns_response(coeffs) for coeffs in optim.NS_COEFFS}
-            ns_summary = {coeffs: s for coeffs, (s, _) in results.items()}
-            if gradient_ratios is not None:
-                for coeffs in results:
-                    out = ns_response(coeffs, xs=gradient_ratios)[1]["ys"][-1]
-                    ns_summary[coeffs]["gradient_frac_below_half"] = float((out < 0.5).mean())
-            arrays = {f"{coeffs}.{k}": v for coeffs, (_, a) in results.items() for k, v in a.items()}
-            summary[section] = ns_summary
-            np.savez(os.path.join(out_dir, "ns.npz"), **{k.replace(".", "/"): v for k, v in arrays.items()})
-            plot_ns(results, os.path.join(out_dir, "ns.png"), gradient_ratios)
-        elif section in ("hc", "gates"):
-            s, a = (hc_spectra if section == "hc" else gdn2_gates)(model, idx)
-            if s is None:
-                summary[section] = None
-                continue
-            save(section, s, a, plot_hc if section == "hc" else plot_gates)
-        elif section == "isotropy":
-            save(section, *isotropy(model, idx), plot_isotropy)
-        else:
-            raise ValueError(f"unknown section {section!r}: use any of {', '.join(SECTIONS)}")
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(_jsonable(summary), f, indent=1)
-    return summary
+def ns_section(model, inputs):
+    """ns_response for every coefficient set; with the gradients section's results, also the share of
+    the real gradients' directions that msign leaves below 0.5."""
+    summary, arrays = {}, {}
+    ratios = None
+    if "gradients" in inputs:
+        grads = inputs["gradients"][1]
+        ratios = np.concatenate([sv / max(np.sqrt((sv ** 2).sum()), 1e-300) for nm, sv in grads.items()
+                                 if optim.is_block_matrix(nm, model.get_parameter(nm))])
+        arrays["gradient_ratios"] = ratios
+    for coeffs in optim.NS_COEFFS:
+        summary[coeffs], a = ns_response(coeffs)
+        arrays.update({f"{coeffs}.xs": a["xs"], f"{coeffs}.ys": a["ys"]})
+        if ratios is not None:
+            out = ns_response(coeffs, xs=ratios)[1]["ys"][-1]
+            summary[coeffs]["gradient_frac_below_half"] = float((out < 0.5).mean())
+    return summary, arrays
 
 
-def print_table(summary):
-    if summary.get("weights"):
-        print(f"{'matrix':34s} {'shape':>11s} {'σ_max':>7s} {'nat‖W‖':>7s} {'s.rank':>7s} {'spikes':>6s} {'α':>6s}")
-        for name, s in summary["weights"].items():
-            print(f"{name:34s} {'x'.join(map(str, s['shape'])):>11s} {s['sigma_max']:7.3f} "
-                  f"{s['natural_spectral_norm']:7.3f} {s['stable_rank']:7.2f} {s['n_spikes']:6d} {s['alpha']:6.2f}")
-    if summary.get("hessian"):
-        h = summary["hessian"]
-        line = f"hessian: top eigenvalues {', '.join(f'{v:.4g}' for v in h['top_eigenvalues'])}"
-        if "trace" in h:
-            line += f"; trace {h['trace']:.4g} ± {h['trace_stderr']:.2g}"
-        if "slq_lambda_min" in h:
-            line += (f"; SLQ range [{h['slq_lambda_min']:.3g}, {h['slq_lambda_max']:.3g}], trace {h['slq_trace']:.4g}, "
-                     f"mass below −1% of the radius {h['slq_mass_negative']:.3f}")
-        print(line)
-    if summary.get("gradients"):
-        g = summary["gradients"]
-        ranks = [m["stable_rank"] for m in g["matrices"].values()]
-        print(f"gradients: B_simple {g['B_simple']:.4g} sequences (tr Σ {g['tr_sigma']:.3g}, |G|² {g['G_sq']:.3g}; "
-              f"B {g['b_small']} vs {g['b_big']}); gradient stable rank median {np.median(ranks):.2f}")
-    for coeffs, s in (summary.get("ns") or {}).items():
+def show_weights(summary):
+    print(f"{'matrix':34s} {'shape':>11s} {'σ_max':>7s} {'nat‖W‖':>7s} {'s.rank':>7s} {'spikes':>6s} {'α':>6s}")
+    for name, s in summary.items():
+        print(f"{name:34s} {'x'.join(map(str, s['shape'])):>11s} {s['sigma_max']:7.3f} "
+              f"{s['natural_spectral_norm']:7.3f} {s['stable_rank']:7.2f} {s['n_spikes']:6d} {s['alpha']:6.2f}")
+
+
+def show_hessian(h):
+    line = f"hessian: top eigenvalues {', '.join(f'{v:.4g}' for v in h['top_eigenvalues'])}"
+    if "trace" in h:
+        line += f"; trace {h['trace']:.4g} ± {h['trace_stderr']:.2g}"
+    if "slq_lambda_min" in h:
+        line += (f"; SLQ range [{h['slq_lambda_min']:.3g}, {h['slq_lambda_max']:.3g}], trace {h['slq_trace']:.4g}, "
+                 f"mass below −1% of the radius {h['slq_mass_negative']:.3f}")
+    print(line)
+
+
+def show_gradients(g):
+    ranks = [m["stable_rank"] for m in g["matrices"].values()]
+    print(f"gradients: B_simple {g['B_simple']:.4g} sequences (tr Σ {g['tr_sigma']:.3g}, |G|² {g['G_sq']:.3g}; "
+          f"B {g['b_small']} vs {g['b_big']}); gradient stable rank median {np.median(ranks):.2f}")
+
+
+def show_noise(n):
+    print(f"noise: B_noise = tr(HΣ)/GᵀHG {n['B_noise']:.4g} sequences (tr HΣ {n['tr_H_sigma']:.3g}, GᵀHG {n['GHG']:.3g}), "
+          f"B_simple {n['B_simple']:.4g}; η_max = |G|²/GᵀHG {n['eta_max']:.3g}, ΔL_max {n['delta_L_max']:.3g}")
+
+
+def show_ns(summary):
+    for coeffs, s in summary.items():
         extra = f"; gradient directions left below 0.5: {s['gradient_frac_below_half']:.3f}" if "gradient_frac_below_half" in s else ""
         print(f"ns {coeffs}: one-step peak {s['one_step_peak']:.4f} at {s['one_step_argmax']:.4f}, slope at 0 after "
               f"{s['steps']} steps {s['slope_at_zero']:.1f}, output range for x ≥ 1e-3 "
               f"[{s['range_above_1e-3'][0]:.3f}, {s['range_above_1e-3'][1]:.3f}]{extra}")
-    if summary.get("hc"):
-        h = summary["hc"]
-        print(f"hc ({h['kind']}): ‖Π H_res‖₂ down the depth " +
-              " ".join(f"{layer['prod_norm_max']:.3f}" for layer in h["layers"]))
-    if summary.get("gates"):
-        for layer in summary["gates"]["layers"]:
-            print(f"gates {layer['name']}: ρ mean {layer['rho_mean']:.4f} max {layer['rho_max']:.4f}, clipped "
-                  f"{layer['frac_clipped']:.4f}, max ‖(I−acᵀ)D‖₂ {layer['max_transition_norm']:.4f} → "
-                  f"{layer['max_transition_norm_clipped']:.4f}")
-    if summary.get("isotropy"):
-        iso = summary["isotropy"]
-        print("isotropy (participation ratio, 1 = isotropic): " +
-              " ".join(f"{name.replace('blocks.', '').replace('.weight', '')} {s['participation_ratio']:.2f}"
-                       for name, s in iso.items()))
+
+
+def show_hc(h):
+    print(f"hc ({h['kind']}): ‖Π H_res‖₂ down the depth " + " ".join(f"{layer['prod_norm_max']:.3f}" for layer in h["layers"]))
+
+
+def show_gates(summary):
+    for layer in summary["layers"]:
+        print(f"gates {layer['name']}: ρ mean {layer['rho_mean']:.4f} max {layer['rho_max']:.4f}, clipped "
+              f"{layer['frac_clipped']:.4f}, max ‖(I−acᵀ)D‖₂ {layer['max_transition_norm']:.4f} → "
+              f"{layer['max_transition_norm_clipped']:.4f}")
+
+
+def show_isotropy(summary):
+    print("isotropy (participation ratio, 1 = isotropic): " +
+          " ".join(f"{name.replace('blocks.', '').replace('.weight', '')} {s['participation_ratio']:.2f}"
+                   for name, s in summary.items()))
+
+
+@dataclasses.dataclass
+class Section:
+    """run(model, inputs) -> (summary, arrays), summary None where the model lacks the part; inputs holds
+    "batches" (micro-batches [(x, y), ...]), "idx" (the first batch's tokens), "opts" (the command-line
+    options) and the (summary, arrays) of every earlier section that ran. needs: the earlier sections
+    run reads when present. plot(summary, arrays, path) draws <section>.png; show(summary) prints.
+    default: run when --sections is not given."""
+    run: object
+    plot: object
+    show: object
+    needs: tuple = ()
+    default: bool = True
+
+
+SECTIONS = {  # in run order: a section's needs come before it
+    "weights": Section(lambda model, inputs: weight_spectra(model), plot_weights, show_weights),
+    "hessian": Section(lambda model, inputs: hessian_spectrum(
+        model, inputs["batches"][:inputs["opts"]["hessian_batches"]], inputs["opts"]["top_k"], inputs["opts"]["power_iters"],
+        n_probes=inputs["opts"]["n_probes"], lanczos_iters=inputs["opts"]["lanczos_iters"], n_slq=inputs["opts"]["n_slq"],
+        seed=inputs["opts"]["seed"], verbose=True), plot_hessian, show_hessian),
+    "gradients": Section(lambda model, inputs: gradient_stats(model, inputs["batches"]), plot_gradients, show_gradients),
+    "noise": Section(lambda model, inputs: (curvature_noise_scale(model, inputs["batches"]), {}), None, show_noise),
+    "ns": Section(ns_section, plot_ns, show_ns, needs=("gradients",)),
+    "hc": Section(lambda model, inputs: hc_spectra(model, inputs["idx"]), plot_hc, show_hc),
+    "gates": Section(lambda model, inputs: gdn2_gates(model, inputs["idx"]), plot_gates, show_gates),
+    "isotropy": Section(lambda model, inputs: isotropy(model, inputs["idx"]), plot_isotropy, show_isotropy),
+    "coord": Section(lambda model, inputs: coordinate_transfer(), plot_coordinate_transfer, show_coordinate_transfer,
+                     default=False),
+    "lr_transfer": Section(lambda model, inputs: lr_transfer(inputs["opts"]["dataset"], inputs["opts"]["tokenizer"]),
+                           plot_lr_transfer, show_lr_transfer, default=False),
+}
+DEFAULT_SECTIONS = [name for name, s in SECTIONS.items() if s.default]
+
+
+def run_analysis(model, batches, out_dir, sections=DEFAULT_SECTIONS, opts=None, verbose=True):
+    """Run the chosen sections (in SECTIONS order) on an analysis_model and write summary.json,
+    <section>.npz and <section>.png into out_dir. batches: micro-batches [(x, y), ...] (≥ 2 for the noise
+    scales); opts: the command-line options (OPTIONS' keys; the Hessian uses the first hessian_batches
+    micro-batches). Returns the summary."""
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown sections {unknown}: choose from {','.join(SECTIONS)}")
+    os.makedirs(out_dir, exist_ok=True)
+    inputs = {"batches": batches, "idx": batches[0][0], "opts": {**OPTIONS, **(opts or {})}}
+    summary = {}
+    for name in [s for s in SECTIONS if s in sections]:
+        section = SECTIONS[name]
+        if verbose:
+            print(f"[{name}]", file=sys.stderr)
+        section_summary, arrays = section.run(model, inputs)
+        summary[name] = section_summary
+        if section_summary is None:
+            continue
+        inputs[name] = (section_summary, arrays)
+        if arrays:
+            np.savez(os.path.join(out_dir, f"{name}.npz"), **{k.replace(".", "/"): v for k, v in arrays.items()})
+        if section.plot:
+            section.plot(section_summary, arrays, os.path.join(out_dir, f"{name}.png"))
+    tmp = os.path.join(out_dir, "summary.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(_jsonable(summary), f, indent=1)
+    os.replace(tmp, os.path.join(out_dir, "summary.json"))
+    return summary
+
+
+def print_table(summary):
+    for name, section_summary in summary.items():
+        if section_summary:
+            SECTIONS[name].show(section_summary)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -893,7 +1108,8 @@ def batch_scan(batch_sizes, target, out_dir, max_iters=4000, analyze_batch=0, an
     until the val loss reaches target, as a subprocess, stopping it at the crossing. Evals use about 256
     validation sequences whatever B is, every ~320/B steps. The run at B = analyze_batch also logs the
     cheap analysis sections (B_simple and B_noise) every analyze_every steps. Writes and returns
-    out_dir/scan.json: {"target", "runs": [{"batch_size", "steps", "examples"}], "noise": [records]}."""
+    out_dir/scan.json: {"target", "analyze_batch", "runs": [{"batch_size", "steps", "examples"}], "noise":
+    [analyze_during_training records]}."""
     runs, noise = [], []
     for B in batch_sizes:
         run_dir = os.path.join(out_dir, f"B{B}")
@@ -923,7 +1139,7 @@ def batch_scan(batch_sizes, target, out_dir, max_iters=4000, analyze_batch=0, an
             noise = _read_log(os.path.join(run_dir, "analysis.jsonl"))
         if verbose:
             print(f"B = {B}: val loss {target} after {steps:.1f} steps, {steps * B:.0f} sequences", flush=True)
-        result = {"target": target, "runs": runs, "noise": noise}
+        result = {"target": target, "analyze_batch": analyze_batch, "runs": runs, "noise": noise}
         tmp = os.path.join(out_dir, "scan.json.tmp")
         with open(tmp, "w") as f:
             json.dump(_jsonable(result), f, indent=1)
@@ -1091,10 +1307,15 @@ def mpl_predict(fit_dirs, predict_dirs, png_path=None):
 # command line
 
 OPTIONS = {  # analysis options; every GPTConfig key is also accepted (fresh init only)
-    "ckpt": "", "out_dir": "", "sections": ",".join(SECTIONS), "device": "auto", "seed": 0,
+    "ckpt": "", "out_dir": "", "sections": ",".join(DEFAULT_SECTIONS), "device": "auto", "seed": 0,
     "dataset": "shakespeare_char", "tokenizer": "char", "split": "val",
     "batch_size": 8, "micro_batches": 8, "hessian_batches": 1,
     "top_k": 3, "power_iters": 100, "n_probes": 100, "lanczos_iters": 60, "n_slq": 2,
+    # the batch-size scan (batch_scan, fit_critical_batch): train.py runs, not a model analysis
+    "scan_batch_sizes": "", "scan_target": 2.2, "scan_max_iters": 4000, "scan_analyze_batch": 0,
+    "scan_train_args": "",
+    # the multi-power law (mpl_predict): train.py run folders logged with --log_interval=1
+    "mpl_fit": "", "mpl_predict": "",
 }
 
 
@@ -1152,8 +1373,60 @@ def load_model(opts, model_overrides):
     return model, opts["dataset"], opts["tokenizer"]
 
 
+def main_scan(opts):
+    """--scan_batch_sizes=4,8,16: batch_scan, the critical-batch fit, scan.png and a table."""
+    out_dir = opts["out_dir"] or os.path.join("out", "scan")
+    batch_sizes = [int(b) for b in opts["scan_batch_sizes"].split(",")]
+    scan = batch_scan(batch_sizes, opts["scan_target"], out_dir, opts["scan_max_iters"], opts["scan_analyze_batch"],
+                      train_args=opts["scan_train_args"].split())
+    report_scan(scan, out_dir)
+
+
+def report_scan(scan, out_dir):
+    """The fit of a scan.json, its plot and a table, with the noise scales the analysed run logged (in
+    the same units, sequences, averaged over the run's calls). Returns the fit."""
+    fit = fit_critical_batch([r["steps"] for r in scan["runs"]], [r["examples"] for r in scan["runs"]])
+    plot_batch_scan(scan, fit, os.path.join(out_dir, "scan.png"))
+    print(f"{'B':>5s} {'steps S':>9s} {'examples E':>11s} {'fit S':>9s}")
+    for r in scan["runs"]:
+        print(f"{r['batch_size']:5d} {r['steps']:9.1f} {r['examples']:11.0f} {fit['S_min'] + fit['E_min'] / r['batch_size']:9.1f}")
+    print(f"S_min {fit['S_min']:.1f} steps, E_min {fit['E_min']:.0f} sequences, B_crit = E_min/S_min {fit['B_crit']:.1f} "
+          f"sequences (rms relative misfit {fit['rms_rel_error']:.3f})")
+    noise = [r["noise"] for r in scan["noise"] if "noise" in r]
+    if noise:
+        fit["noise_calls"] = len(noise)
+        for key in ("B_noise", "B_simple"):
+            fit[f"{key}_mean"] = float(np.mean([n[key] for n in noise]))
+        fit["B_noise_ratio_of_sums"] = sum(n["tr_H_sigma"] for n in noise) / sum(n["GHG"] for n in noise)
+        fit["B_simple_ratio_of_sums"] = sum(n["tr_sigma"] for n in noise) / sum(n["G_sq"] for n in noise)
+        print(f"over the {len(noise)} analysis calls of the B = {scan.get('analyze_batch')} run: "
+              f"mean B_noise {fit['B_noise_mean']:.1f}, mean B_simple {fit['B_simple_mean']:.1f}; "
+              f"Σ tr HΣ / Σ GᵀHG {fit['B_noise_ratio_of_sums']:.1f}, Σ tr Σ / Σ |G|² {fit['B_simple_ratio_of_sums']:.1f}")
+    return fit
+
+
+def main_mpl(opts):
+    """--mpl_fit=dirs --mpl_predict=dirs: mpl_predict, mpl.png and the errors."""
+    fit_dirs = [d for d in opts["mpl_fit"].split(",") if d]
+    predict_dirs = [d for d in opts["mpl_predict"].split(",") if d]
+    out_dir = opts["out_dir"] or os.path.join("out", "mpl")
+    os.makedirs(out_dir, exist_ok=True)
+    result = mpl_predict(fit_dirs, predict_dirs, os.path.join(out_dir, "mpl.png"))
+    print("multi-power law fitted to " + ", ".join(fit_dirs) + f" (rms {result['fit_rms']:.4f}): " +
+          ", ".join(f"{k} {v:.4g}" for k, v in result["params"].items()))
+    for d, r in result["runs"].items():
+        print(f"  {d}: predicted val loss rms error {r['rms']:.4f}, max {r['max']:.4f}, at the last eval "
+              f"{r['final_error']:+.4f} (without the decay term: rms {r['rms_no_decay_term']:.4f})")
+    with open(os.path.join(out_dir, "mpl.json"), "w") as f:
+        json.dump(_jsonable(result), f, indent=1)
+
+
 def main(argv):
     opts, model_overrides = parse_args(argv)
+    if opts["scan_batch_sizes"]:
+        return main_scan(opts)
+    if opts["mpl_fit"]:
+        return main_mpl(opts)
     sections = [s for s in opts["sections"].split(",") if s]
     unknown = set(sections) - set(SECTIONS)
     if unknown:
@@ -1171,8 +1444,7 @@ def main(argv):
     print(f"analysing {'checkpoint ' + opts['ckpt'] if opts['ckpt'] else 'a fresh init'}: "
           f"{model.num_params():,} parameters, {len(batches)} batches of {opts['batch_size']}x{model.config.block_size} "
           f"{opts['split']} tokens from {dataset}, sections {','.join(sections)} -> {out_dir}")
-    summary = run_analysis(model, batches, out_dir, sections, opts["top_k"], opts["power_iters"], opts["n_probes"],
-                           opts["lanczos_iters"], opts["n_slq"], opts["hessian_batches"], opts["seed"])
+    summary = run_analysis(model, batches, out_dir, sections, opts)
     print_table(summary)
 
 

@@ -4,6 +4,7 @@ specgpt's test suite (CPU only): python -m pytest -q test_all.py
 Every test compares against something independent of the code under test (a token loop, an SVD, a
 dense Hessian, torch's own implementation, a closed form, a fact about the data) and can fail.
 """
+import ast
 import functools
 import hashlib
 import io
@@ -2258,14 +2259,14 @@ def test_optim_build_routing():
 
 
 def test_optim_build_spectral_lr(monkeypatch):
-    # the lr multiplier comes from init.spectral_lr_scale; a stand-in module checks the wiring alone
+    # the lr multiplier comes from optim.spectral_lr_scale; a stand-in checks the wiring alone
     calls = []
 
     def spectral_lr_scale(fan_out, fan_in, optimizer):
         calls.append((fan_out, fan_in, optimizer))
         return fan_out / fan_in
 
-    monkeypatch.setitem(sys.modules, "init", types.SimpleNamespace(spectral_lr_scale=spectral_lr_scale))
+    monkeypatch.setattr(optim, "spectral_lr_scale", spectral_lr_scale)
     model = OptimTinyGPT()
     opt = optim.build_optimizer(model, "mousse", lr=0.01, weight_decay=0.0, spectral_lr=True)
     mousse = opt.optimizers[0]
@@ -2326,7 +2327,7 @@ def test_optim_resume_is_bit_exact(name):
 
 
 def test_optim_spectral_lr_gives_muon_the_spectral_condition():
-    # with init.spectral_lr_scale, one Muon step (momentum 0) has ||dW||_2 = lr sqrt(fan_out/fan_in)
+    # with optim.spectral_lr_scale, one Muon step (momentum 0) has ||dW||_2 = lr sqrt(fan_out/fan_in)
     # for every block matrix, up to msign's band; without it the 3d -> d matrix is off by sqrt(3)
     import init
 
@@ -2343,7 +2344,7 @@ def test_optim_spectral_lr_gives_muon_the_spectral_condition():
         ratios[spectral] = {n: torch.linalg.matrix_norm(p.detach() - before[n], ord=2).item() / 0.01
                             / (p.shape[0] / p.shape[1]) ** 0.5
                             for n, p in model.named_parameters() if optim.is_block_matrix(n, p)}
-    assert init.spectral_lr_scale(16, 16, "muon") == 1.0
+    assert optim.spectral_lr_scale(16, 16, "muon") == 1.0
     assert all(0.97 <= r <= 1.15 for r in ratios[True].values()), ratios[True]
     assert ratios[False]["blocks.0.mlp.out_proj.weight"] > 1.5  # 1/sqrt(1/3) before the correction
 
@@ -2352,6 +2353,30 @@ def test_optim_spectral_lr_gives_muon_the_spectral_condition():
 # init.py
 # Tests for init.py: spectral init against SVDs and the Marchenko–Pastur edge, spectral_lr_scale against
 # one real optimizer step, and muP's coordinate check (widths 64 → 512) with AdamW and Muon.
+
+def test_project_imports_form_no_cycle():
+    """Every import of a project module, at any depth of a file (function bodies included), is an edge
+    of the import graph: the graph has no cycle, and init.py imports nothing of the project."""
+    modules = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py") and f != "test_all.py"}
+    graph = {}
+    for module in modules:
+        names = set()
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, module + ".py")).read())):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+        graph[module] = (names & modules) - {module}
+    assert {"init", "optim", "analyze", "train", "model"} <= modules
+    assert graph["init"] == set(), graph["init"]
+    assert "analyze" in graph["train"]  # the scan is a real edge case: analyze runs train.py, never imports it
+    remaining = dict(graph)
+    while remaining:  # peel off modules whose imports are all gone; a cycle leaves none to peel
+        leaves = [m for m, deps in remaining.items() if not deps & set(remaining)]
+        assert leaves, f"import cycle among {sorted(remaining)}: {remaining}"
+        for m in leaves:
+            del remaining[m]
+
 
 INIT_WIDTHS = (64, 128, 256, 512)
 INIT_RATIOS = (0.25, 1.0, 4.0)  # fan_out / fan_in; the narrow side is the width (an MLP's out_proj, a square, in_proj)
@@ -2467,7 +2492,7 @@ def test_init_tied_head_and_errors():
     with pytest.raises(ValueError, match="init="):
         GPTConfig(init="xavier")
     with pytest.raises(ValueError, match="optimizer"):
-        init.spectral_lr_scale(128, 128, "adagrad")
+        optim.spectral_lr_scale(128, 128, "adagrad")
     with pytest.raises(ValueError, match="kind"):
         init.natural_spectral_norm(torch.ones(3, 3), "conv")
 
@@ -2496,7 +2521,7 @@ def init_rank_one_gradient(fan_out, fan_in, seed):
 
 def init_step_natural_norm(make_optimizer, optimizer_name, fan_out, fan_in, lr, scaled, frobenius=False, **scale_kw):
     W = nn.Parameter(torch.zeros(fan_out, fan_in))
-    s = init.spectral_lr_scale(fan_out, fan_in, optimizer_name, **scale_kw) if scaled else 1.0
+    s = optim.spectral_lr_scale(fan_out, fan_in, optimizer_name, **scale_kw) if scaled else 1.0
     opt = make_optimizer([W], lr * s)
     W.grad = init_rank_one_gradient(fan_out, fan_in, seed=fan_out + fan_in)
     opt.step()
@@ -2516,8 +2541,8 @@ LR_CASES = {  # name for spectral_lr_scale, optimizer factory, keyword args, exp
     "sgd": ("sgd", lambda ps, lr: optim.SGD(ps, lr=lr, momentum=0.9, nesterov=True), {}, 1.9),
     "muon": ("muon", lambda ps, lr: optim.Muon(ps, lr=lr), {}, None),
     "muon-moonlight": ("muon", lambda ps, lr: optim.Muon(ps, lr=lr, scale="moonlight"),
-                       {"muon_scale": "moonlight"}, None),
-    "muon-spectral": ("muon", lambda ps, lr: optim.Muon(ps, lr=lr, scale="spectral"), {"muon_scale": "spectral"}, None),
+                       {"scale": "moonlight"}, None),
+    "muon-spectral": ("muon", lambda ps, lr: optim.Muon(ps, lr=lr, scale="spectral"), {"scale": "spectral"}, None),
     "mousse": ("mousse", lambda ps, lr: optim.Mousse(ps, lr=lr), {}, None),
 }
 
@@ -2558,11 +2583,11 @@ def test_init_build_optimizer_uses_spectral_lr_scale():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_embd=64, n_head=4, n_layer=1, block_size=16, init="spectral"))
     for name, kw, scale_kw in (("adamw", {}, {}), ("muon", {}, {}),
-                               ("muon", {"scale": "moonlight"}, {"muon_scale": "moonlight"})):
+                               ("muon", {"scale": "moonlight"}, {"scale": "moonlight"})):
         opt = optim.build_optimizer(model, name, lr=0.01, weight_decay=0.0, spectral_lr=True, **kw)
         for n, p in init_block_matrices(model):
             (group,) = [g for g in opt.param_groups if any(q is p for q in g["params"])]
-            expected = 0.01 * init.spectral_lr_scale(*p.shape, name, **scale_kw)
+            expected = 0.01 * optim.spectral_lr_scale(*p.shape, name, **scale_kw)
             assert group["base_lr"] == pytest.approx(expected), (name, kw, n)
 
 
@@ -2587,7 +2612,7 @@ def init_coord_stats(optimizer, scheme, widths=COORD_WIDTHS):
             init.init_weights(model, "spectral", embedding="exact")
         opt = optim.build_optimizer(model, optimizer, lr=lr, weight_decay=0.0, aux_lr=3e-3,
                                     spectral_lr=scheme == "spectral")
-        stats[width] = init.coordinate_check(model, opt, idx[:, :-1], idx[:, 1:], steps=10)
+        stats[width] = analyze.coordinate_check(model, opt, idx[:, :-1], idx[:, 1:], steps=10)
     return stats
 
 
@@ -2906,6 +2931,32 @@ def test_gdn2_gates_rho_and_clip():
         assert abs(layer["rho_max"] - 1) < 1e-6 and layer["frac_clipped"] == 0
 
 
+
+def test_sections_table_runs_in_order_and_takes_a_new_row(tmp_path, monkeypatch):
+    """Every section's needs come earlier in SECTIONS; run_analysis runs the asked sections in table
+    order, hands each the earlier results, saves its arrays and plot, and a new row is all a new
+    section takes."""
+    names = list(analyze.SECTIONS)
+    for i, section in enumerate(analyze.SECTIONS.values()):
+        assert set(section.needs) <= set(names[:i]) and callable(section.run) and callable(section.show)
+    plotted = []
+    probe = analyze.Section(lambda model, inputs: ({"batches": len(inputs["batches"]), "saw_gradients": "gradients" in inputs},
+                                                   {"x": np.arange(3)}),
+                            lambda summary, arrays, path: plotted.append(path), lambda summary: None, needs=("gradients",))
+    monkeypatch.setitem(analyze.SECTIONS, "probe", probe)
+    model = analyze.analysis_model(analyze_tiny_gpt())
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 8, (2, 8), generator=gen), torch.randint(0, 8, (2, 8), generator=gen)) for _ in range(2)]
+    summary = analyze.run_analysis(model, batches, str(tmp_path), ["probe", "ns", "gradients"], verbose=False)
+    assert list(summary) == ["gradients", "ns", "probe"]
+    assert summary["probe"] == {"batches": 2, "saw_gradients": True}
+    assert "gradient_frac_below_half" in summary["ns"]["jordan"]  # ns read the gradients section's results
+    assert plotted == [os.path.join(str(tmp_path), "probe.png")]
+    assert np.load(os.path.join(tmp_path, "probe.npz"))["x"].tolist() == [0, 1, 2]
+    assert json.load(open(os.path.join(tmp_path, "summary.json")))["probe"]["batches"] == 2
+    with pytest.raises(ValueError, match="unknown sections"):
+        analyze.run_analysis(model, batches, str(tmp_path), ["weights", "nope"], verbose=False)
+
 def test_analyze_during_training_logs_without_side_effects(tmp_path):
     model = analyze_tiny_gpt(vocab_size=16, block_size=16, mixer="A", attention="sdpa", kernels="auto")
     batch = (torch.randint(0, 16, (8, 16)), torch.randint(0, 16, (8, 16)))
@@ -2918,6 +2969,9 @@ def test_analyze_during_training_logs_without_side_effects(tmp_path):
     W = model.blocks[1].mlp.in_proj.weight
     logged = record["weights"]["blocks.1.mlp.in_proj.weight"]["sigma_max"]
     assert abs(logged - torch.linalg.matrix_norm(W.detach(), ord=2).item()) < 1e-5
+    noise = record["noise"]  # B_noise and η_max are defined where GᵀHG > 0 (a minimum along G), nan elsewhere
+    ratios = (noise["tr_H_sigma"] / noise["GHG"], noise["G_sq"] / noise["GHG"]) if noise["GHG"] > 0 else (math.nan, math.nan)
+    assert np.allclose([noise["B_noise"], noise["eta_max"]], ratios, equal_nan=True)
     lines = open(os.path.join(tmp_path, "analysis.jsonl")).read().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 10]
     analyze.plot_training_analysis(os.path.join(tmp_path, "analysis.jsonl"), os.path.join(tmp_path, "a.png"))
