@@ -933,7 +933,8 @@ class Section:
     """run(model, inputs) -> (summary, arrays), summary None where the model lacks the part; inputs holds
     "batches" (micro-batches [(x, y), ...]), "idx" (the first batch's tokens), "opts" (the command-line
     options) and the (summary, arrays) of every earlier section that ran. needs: the earlier sections
-    run reads when present. plot(summary, arrays, path) draws <section>.png; show(summary) prints.
+    run reads when present. plot(summary, arrays, path) draws <section>.png (None: no plot); show(summary)
+    prints.
     default: run when --sections is not given."""
     run: object
     plot: object
@@ -1006,8 +1007,9 @@ def analyze_during_training(model, batch, step, out_dir, micro_batches=4, hessia
     """The cheap sections on one training batch (x, y), appended as one JSON line to
     out_dir/analysis.jsonl: per matrix σ_max, natural spectral norm and stable rank; the top Hessian
     eigenvalue (power_iters block power iterations on the first hessian_sequences sequences); the noise
-    scale from micro_batches equal slices of the batch (|G_small|², |G_big|² logged too, so they can be
-    averaged over steps before dividing); and the HC / GDN2 summaries when the model has them.
+    scales B_simple and B_noise with η_max and ΔL_max (curvature_noise_scale, a third of the call's
+    time) from micro_batches equal slices of the batch (|G_small|², |G_big|², tr(HΣ), GᵀHG logged too,
+    so they can be averaged over steps before dividing); and the HC / GDN2 summaries when the model has them.
     Works on an fp32 copy (analysis_model) with autocast off, and leaves the model, its gradients and the
     global RNG untouched. Returns the record."""
     twin = analysis_model(model)
@@ -1065,7 +1067,9 @@ def plot_training_analysis(jsonl_path, png_path):
     axes[1, 0].set_title("top Hessian eigenvalue (largest |λ|)", fontsize=9)
     noisy = [r for r in records if "noise" in r]
     if noisy:
-        axes[1, 1].plot([r["step"] for r in noisy], [r["noise"]["B_simple"] for r in noisy], ".", alpha=0.5, label="per call")
+        axes[1, 1].plot([r["step"] for r in noisy], [r["noise"]["B_simple"] for r in noisy], ".", alpha=0.5, label="B_simple per call")
+        if "B_noise" in noisy[0]["noise"]:
+            axes[1, 1].plot([r["step"] for r in noisy], [r["noise"]["B_noise"] for r in noisy], "x", label="B_noise = tr(HΣ)/GᵀHG per call")
         # average the two unbiased estimates before dividing (McCandlish et al.), over the last 3 calls:
         # |G|² falls by orders of magnitude early on, so a long average would be ruled by the first calls
         ratio = []
@@ -1076,7 +1080,7 @@ def plot_training_analysis(jsonl_path, png_path):
         axes[1, 1].plot([r["step"] for r in noisy], ratio, "-", label="Σ tr Σ / Σ |G|² over the last 3 calls")
         axes[1, 1].set_yscale("symlog")
         axes[1, 1].legend(fontsize=7)
-    axes[1, 1].set_title("gradient noise scale B_simple (sequences)", fontsize=9)
+    axes[1, 1].set_title("gradient noise scales (sequences)", fontsize=9)
     for ax in axes.flat:
         ax.set_xlabel("step")
     _save(plt, fig, png_path)
@@ -1122,18 +1126,21 @@ def batch_scan(batch_sizes, target, out_dir, max_iters=4000, analyze_batch=0, an
                 "--log_interval=1000000", "--num_samples=0", *train_args]
         if B == analyze_batch:
             args.append(f"--analyze_every={analyze_every}")
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        steps = None
-        while steps is None and proc.poll() is None:
-            steps = steps_to_target(_read_log(os.path.join(run_dir, "log.jsonl")), target)
-            if steps is None:
-                time.sleep(1.0)
-        proc.terminate()
-        err = proc.communicate()[1]
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "stderr.txt"), "w") as err_file:  # a file, not a pipe: it never fills up
+            proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err_file)
+            steps = None
+            while steps is None and proc.poll() is None:
+                steps = steps_to_target(_read_log(os.path.join(run_dir, "log.jsonl")), target)
+                if steps is None:
+                    time.sleep(1.0)
+            proc.terminate()
+            proc.wait()
         steps = steps or steps_to_target(_read_log(os.path.join(run_dir, "log.jsonl")), target)
         if steps is None:
+            err = open(os.path.join(run_dir, "stderr.txt")).read().strip()
             raise ValueError(f"batch size {B} did not reach val loss {target} in {max_iters} steps "
-                             f"({err.strip().splitlines()[-1] if err.strip() else 'no error'}): raise max_iters or the target")
+                             f"({err.splitlines()[-1] if err else 'no error'}): raise max_iters or the target")
         runs.append({"batch_size": B, "steps": steps, "examples": steps * B})
         if B == analyze_batch:
             noise = _read_log(os.path.join(run_dir, "analysis.jsonl"))
@@ -1213,11 +1220,11 @@ def fit_mpl(curves, iters=500):
     """Least-squares fit of mpl_loss to curves [(lrs, steps, losses), ...], using the points at or after
     each schedule's peak. A, α, B, C, β are fitted through their logs (kept positive). Returns
     (params, rms error)."""
-    data_ = []
+    fitted = []
     for lrs, steps, losses in curves:
         keep = np.asarray(steps) >= int(np.argmax(lrs)) + 1
-        data_.append((lrs, np.asarray(steps)[keep], torch.as_tensor(np.asarray(losses, dtype=np.float64)[keep])))
-    low = min(float(l.min()) for _, _, l in data_)
+        fitted.append((lrs, np.asarray(steps)[keep], torch.as_tensor(np.asarray(losses, dtype=np.float64)[keep])))
+    low = min(float(l.min()) for _, _, l in fitted)
     raw = {"L0": torch.tensor(0.8 * low, dtype=torch.float64), "A": torch.tensor(0.0, dtype=torch.float64),
            "alpha": torch.tensor(math.log(0.5), dtype=torch.float64), "B": torch.tensor(math.log(0.5), dtype=torch.float64),
            "C": torch.tensor(0.0, dtype=torch.float64), "beta": torch.tensor(math.log(0.5), dtype=torch.float64),
@@ -1229,7 +1236,7 @@ def fit_mpl(curves, iters=500):
         return {n: v if n in ("L0", "gamma") else v.exp() for n, v in raw.items()}
 
     def loss():
-        residuals = torch.cat([mpl_loss(params(), lrs, steps) - losses for lrs, steps, losses in data_])
+        residuals = torch.cat([mpl_loss(params(), lrs, steps) - losses for lrs, steps, losses in fitted])
         return residuals.pow(2).mean()
 
     opt = torch.optim.Adam(raw.values(), lr=0.02)
@@ -1417,8 +1424,10 @@ def main_mpl(opts):
     for d, r in result["runs"].items():
         print(f"  {d}: predicted val loss rms error {r['rms']:.4f}, max {r['max']:.4f}, at the last eval "
               f"{r['final_error']:+.4f} (without the decay term: rms {r['rms_no_decay_term']:.4f})")
-    with open(os.path.join(out_dir, "mpl.json"), "w") as f:
+    tmp = os.path.join(out_dir, "mpl.json.tmp")
+    with open(tmp, "w") as f:
         json.dump(_jsonable(result), f, indent=1)
+    os.replace(tmp, os.path.join(out_dir, "mpl.json"))
 
 
 def main(argv):

@@ -2832,6 +2832,24 @@ def test_fit_critical_batch_recovers_known_minimums():
     assert analyze.steps_to_target(rows, 1.9) is None
 
 
+
+def test_batch_scan_stops_each_run_at_the_target(tmp_path):
+    """Two tiny train.py runs: each is stopped soon after its first eval at or below the target (long
+    before max_iters), its S is the interpolated crossing of its own log, E = B·S, and scan.json holds them."""
+    out = str(tmp_path / "scan")
+    scan = analyze.batch_scan([2, 4], 3.6, out, max_iters=2000, verbose=False,
+                              train_args=["--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=16",
+                                          "--warmup_iters=5", "--learning_rate=0.05", "--device=cpu"])
+    for run in scan["runs"]:
+        rows = log_rows(os.path.join(out, f"B{run['batch_size']}"))
+        evals = [r for r in rows if "val" in r]
+        first = next(i for i, r in enumerate(evals) if r["val"] <= 3.6)
+        assert evals[-1]["step"] < 1000  # stopped, not run to max_iters
+        assert run["steps"] == pytest.approx(analyze.steps_to_target(rows, 3.6))
+        assert evals[first - 1]["step"] < run["steps"] <= evals[first]["step"]
+        assert run["examples"] == pytest.approx(run["batch_size"] * run["steps"])
+    assert json.load(open(os.path.join(out, "scan.json")))["runs"] == scan["runs"]
+
 def _mpl_schedule(kind, T=300, warmup=30, floor=0.015, frac=0.5):
     """train.py's schedules, relative to the peak: linear warmup, then constant, cosine or WSD."""
     it = np.arange(T)
