@@ -1261,6 +1261,8 @@ def fit_mpl(curves, iters=500):
 
 def read_schedule_run(run_dir):
     """(lrs relative to the peak, eval steps, val losses) from a train.py run logged with --log_interval=1."""
+    if not os.path.isfile(os.path.join(run_dir, "log.jsonl")):
+        raise ValueError(f"no {run_dir}/log.jsonl: give train.py run folders (train with --out_dir=... --log_interval=1)")
     rows = _read_log(os.path.join(run_dir, "log.jsonl"))
     lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
     if not lr or sorted(lr) != list(range(1, max(lr) + 1)):

@@ -2351,8 +2351,9 @@ def test_optim_spectral_lr_gives_muon_the_spectral_condition():
 
 # ==================================================================================================
 # init.py
-# Tests for init.py: spectral init against SVDs and the Marchenko–Pastur edge, spectral_lr_scale against
-# one real optimizer step, and muP's coordinate check (widths 64 → 512) with AdamW and Muon.
+# Tests for init.py: spectral init against SVDs and the Marchenko–Pastur edge, optim.spectral_lr_scale
+# against one real optimizer step, and muP's coordinate check (analyze.coordinate_check, widths 64 → 512)
+# with AdamW and Muon; and that the project's imports form no cycle.
 
 def test_project_imports_form_no_cycle():
     """Every import of a project module, at any depth of a file (function bodies included), is an edge
