@@ -1,14 +1,19 @@
 """
-Spectra that explain what training did: weights, Hessian, gradients, Newton–Schulz, hyper-connection
-mixing matrices, GDN2 gates, layer-input isotropy.
+Spectra that explain what training did: weights, Hessian, gradients, noise scales, Newton–Schulz,
+hyper-connection mixing matrices, GDN2 gates, layer-input isotropy, width transfer; and two lab tools
+that drive train.py: the critical batch size and the multi-power law of the loss against the lr schedule.
 
     python analyze.py --ckpt=out/ckpt.pt                      # a trained model (its data and batch shape)
     python analyze.py --n_layer=4 --n_embd=128                # a fresh init: any GPTConfig key, no training
     python analyze.py --config=my_config.py --mixer=GGGA     # a fresh init from a train.py config file
     python analyze.py --ckpt=out/ckpt.pt --sections=weights,hessian
+    python analyze.py --sections=coord                        # muP's coordinate check, widths 64 → 512
+    python analyze.py --scan_batch_sizes=4,8,16,32,64 --scan_target=2.2   # steps and examples to a loss
+    python analyze.py --mpl_fit=out/constant,out/wsd50 --mpl_predict=out/cosine   # loss from the schedule
 
 writes <out_dir>/summary.json (default out_dir: the checkpoint's folder + /analysis), <section>.npz with
-the arrays and <section>.png, and prints a short table. Sections, each also a function of a model:
+the arrays and <section>.png, and prints a short table. Sections (the SECTIONS table), each also a
+function:
 
     weights    weight_spectra(model)             singular values, σ_max, natural spectral norm, stable rank,
                                                  Marchenko–Pastur fit and the spikes above its edge, tail α
@@ -16,10 +21,13 @@ the arrays and <section>.png, and prints a short table. Sections, each also a fu
                                                  products), Hutchinson trace, stochastic Lanczos density
     gradients  gradient_stats(model, batches)    gradient stable rank per matrix, noise scale
                                                  B_simple = tr(Σ)/|G|² from two batch sizes
+    noise      curvature_noise_scale(model, batches)  B_noise = tr(HΣ)/GᵀHG, η_max, ΔL_max
     ns         ns_response(coeffs, steps, xs)    what msign's Newton–Schulz does to each singular value
     hc         hc_spectra(model, idx)            H_res spectra per layer and ‖Π H_res‖₂ down the depth
     gates      gdn2_gates(model, idx)            ρ = ‖I − k(b⊙k)ᵀ‖₂, fraction of decays clipped, max ‖(I − a cᵀ)D‖₂
     isotropy   isotropy(model, idx)              eigenvalues of each linear layer's input second moment
+    coord      coordinate_transfer()             (not default) layer output RMS and ‖ΔW‖_nat over widths
+    lr_transfer lr_transfer(dataset)             (not default) best lr per width, ~10 min per optimizer
 
 The model runs in fp32 with kernels="torch" and the explicit-softmax attention (analysis_model): fused
 SDPA and the Triton kernels have no second derivative, which Hessian-vector products need.
@@ -30,7 +38,9 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
 import sys
+import time
 
 import numpy as np
 import torch
@@ -40,10 +50,9 @@ import data
 import kernels
 import optim
 import train
-from init import natural_spectral_norm
+from init import init_weights, natural_spectral_norm
 from model import GPT, GPTConfig, HyperConnection, GatedDelta
 
-SECTIONS = ("weights", "hessian", "gradients", "ns", "hc", "gates", "isotropy")
 TW1_QUANTILE_99 = 2.02  # 99% quantile of the Tracy–Widom (β = 1) law of the largest noise eigenvalue
 
 
@@ -335,6 +344,36 @@ def gradient_stats(model, batches):
     return summary, arrays
 
 
+def curvature_noise_scale(model, batches):
+    """The noise scale that predicts the best step (McCandlish et al. 2018, eqs. 2.6-2.8), from k ≥ 2
+    micro-batches of b sequences: B_noise = tr(HΣ) / GᵀHG, η_opt(B) = η_max / (1 + B_noise/B) with
+    η_max = |G|² / GᵀHG, and the best one-step loss drop ΔL_max = ½ |G|⁴ / GᵀHG. The two-batch-size
+    estimator of noise_scale in the H-norm: E gᵀHg = GᵀHG + tr(HΣ)/B, with gᵢᵀHgᵢ (B = b) and ḡᵀHḡ
+    (B = kb) from k + 1 Hessian-vector products; H is the Hessian of the mean loss over the same batches.
+    B_simple = tr Σ / |G|² from the same gradients. In sequences. B_noise, η_max and ΔL_max are nan where
+    GᵀHG ≤ 0: the loss has no minimum along G there (early training, see the Hessian section). Returns a dict."""
+    sizes = {x.shape[0] for x, _ in batches}
+    if len(batches) < 2 or len(sizes) != 1:
+        raise ValueError(f"curvature_noise_scale needs >= 2 micro-batches of one size, got sizes "
+                         f"{[x.shape[0] for x, _ in batches]}: split the batch evenly")
+    b, k = sizes.pop(), len(batches)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = []
+    for x, y in batches:
+        g = torch.autograd.grad(model(x, y)[1], params, allow_unused=True)
+        grads.append(torch.cat([(gi if gi is not None else torch.zeros_like(p)).reshape(-1).float() for gi, p in zip(g, params)]))
+    mean = torch.stack(grads).mean(0)
+    hvp = hessian_vector_product(model, batches)[0]
+    plain = noise_scale(sum(g.pow(2).sum().item() for g in grads) / k, mean.pow(2).sum().item(), b, k * b)
+    curved = noise_scale(sum(torch.dot(g, hvp(g)).item() for g in grads) / k, torch.dot(mean, hvp(mean)).item(), b, k * b)
+    G_sq, GHG = plain["G_sq"], curved["G_sq"]
+    return {"b_small": b, "b_big": k * b, "G_sq": G_sq, "tr_sigma": plain["tr_sigma"], "B_simple": plain["B_simple"],
+            "GHG": GHG, "tr_H_sigma": curved["tr_sigma"],
+            "B_noise": curved["tr_sigma"] / GHG if GHG > 0 else float("nan"),
+            "eta_max": G_sq / GHG if GHG > 0 else float("nan"),
+            "delta_L_max": 0.5 * G_sq ** 2 / GHG if GHG > 0 else float("nan")}
+
+
 # ----------------------------------------------------------------------------------------------------
 # ns: the Newton–Schulz polynomial of optim.msign, acting on one singular value of G/‖G‖_F
 
@@ -418,12 +457,12 @@ def hc_spectra(model, idx):
 
 
 # ----------------------------------------------------------------------------------------------------
-# gates: the spectral clip of Gated DeltaNet-2 (seed gdn2-stability.md)
+# gates: the spectral clip of Gated DeltaNet-2
 
 @torch.no_grad()
 def gdn2_gates(model, idx):
     """For each GatedDelta mixer on one forward pass of idx, per token and head, with a = k, c = b⊙k:
-    ρ = ‖I − a cᵀ‖₂ = (η + sqrt(η² − 4 a·c + 4)) / 2, η = ‖a‖‖c‖; the fraction of decay entries the
+    ρ = ‖I − a cᵀ‖₂ = (η + sqrt(η² − 4 a·c + 4)) / 2, η = ‖a‖‖c‖ (kernels.gdn2_log_rho); the fraction of decay entries the
     clip g ← min(g, −log ρ) (kernels.gdn2_decay_clip) changes, whether or not the model applies it
     (gdn_clip); and the largest ‖(I − a cᵀ) Diag(exp g)‖₂ (by SVD) before and after the clip. Returns (summary, arrays); (None, {}) for a model without G mixers."""
     captured = _capture_inputs(model, GatedDelta, idx)
@@ -435,8 +474,7 @@ def gdn2_gates(model, idx):
         g = mixer.log_decay(x).expand_as(k).float()
         clipped = kernels.gdn2_decay_clip(g, k, b, kernels="torch")
         a, c = k.double(), (b * k).double()
-        eta = a.norm(dim=-1) * c.norm(dim=-1)
-        rho = (eta + torch.sqrt((eta ** 2 - 4 * (a * c).sum(-1) + 4).clamp(min=0))) / 2
+        rho = kernels.gdn2_log_rho(k, b).squeeze(-1).double().exp()
         transition = torch.eye(a.size(-1), dtype=torch.float64) - a.unsqueeze(-1) * c.unsqueeze(-2)
         before = torch.linalg.matrix_norm(transition * g.double().exp().unsqueeze(-2), ord=2)
         after = torch.linalg.matrix_norm(transition * clipped.double().exp().unsqueeze(-2), ord=2)
@@ -449,7 +487,7 @@ def gdn2_gates(model, idx):
 
 
 # ----------------------------------------------------------------------------------------------------
-# isotropy: the second moment of each linear layer's input (seed isotropy-steepest-descent.md)
+# isotropy: the second moment of each linear layer's input
 
 @torch.no_grad()
 def isotropy(model, idx):
@@ -472,6 +510,165 @@ def isotropy(model, idx):
                          "condition": float(lam[0] / max(lam[-1], 1e-12 * lam[0]))}
         arrays[name] = lam
     return summary, arrays
+
+
+# ----------------------------------------------------------------------------------------------------
+# width transfer: muP's coordinate check and a learning-rate sweep over widths (Yang, Simon & Bernstein
+# 2023): spectral init with optim.spectral_lr_scale against GPT-2 init, AdamW and Muon
+
+TRANSFER_WIDTHS = (64, 128, 256, 512)
+TRANSFER_LRS = {"adamw": (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2), "muon": (5e-3, 1e-2, 2e-2, 4e-2, 8e-2)}
+
+
+def coordinate_check(model, optimizer, idx, targets, steps=10):
+    """muP's coordinate check for one model: train `steps` steps on the batch (idx, targets), then
+    return {"out <name>": RMS of the output of every Linear, Embedding and block on that batch,
+    "dW <name>": natural spectral norm of W_after − W_before for every 2-D weight (hyper-connection
+    maps excepted; kind "embedding" for wte)}. Run it at several widths: under a width-consistent
+    parametrization every entry stays of the same size."""
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.ndim == 2 and ".hc_" not in n}
+    model.train()
+    for _ in range(steps):
+        _, loss = model(idx, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    stats = {}
+
+    def record(key):
+        return lambda module, inputs, output: stats.__setitem__(key, output.float().pow(2).mean().sqrt().item())
+
+    blocks = {id(b) for b in model.blocks}
+    watched = [(n, m) for n, m in model.named_modules()
+               if ".hc_" not in f".{n}" and (isinstance(m, (nn.Linear, nn.Embedding)) or id(m) in blocks)]
+    hooks = [m.register_forward_hook(record("out " + n)) for n, m in watched]
+    with torch.no_grad():
+        model(idx)
+    for h in hooks:
+        h.remove()
+    params = dict(model.named_parameters())
+    for n, W0 in before.items():
+        stats["dW " + n] = natural_spectral_norm(params[n].detach() - W0, "embedding" if n == "wte.weight" else "dense")
+    return stats
+
+
+def width_model(width, scheme, vocab_size, block_size):
+    """2 layers, head size 16 (the head count grows with the width), untied lm_head; spectral uses the
+    "exact" embedding, whose output has RMS 1 at every width ("stable" is n_embd^-½ by design)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=width // 16,
+                          n_embd=width, tie_embeddings=False, init=scheme))
+    if scheme == "spectral":
+        init_weights(model, "spectral", embedding="exact")
+    return model
+
+
+def coordinate_transfer(widths=TRANSFER_WIDTHS, steps=10):
+    """coordinate_check at each width (one batch of 4 × 32 random characters, vocabulary 84), gpt2 vs
+    spectral + spectral_lr, AdamW (lr 1e-3) and Muon (lr 0.02). Returns (summary {"<optimizer> <scheme>":
+    {"values": {key: [per width]}, "spread": {key: largest / smallest}, "max_spread_out",
+    "max_spread_dW" (lm_head left out)}}, {})."""
+    idx = torch.randint(0, 84, (4, 33), generator=torch.Generator().manual_seed(0))
+    summary = {"widths": list(widths), "steps": steps}
+    for optimizer, lr in (("adamw", 1e-3), ("muon", 0.02)):
+        for scheme in ("gpt2", "spectral"):
+            stats = []
+            for width in widths:
+                model = width_model(width, scheme, 84, 32)
+                opt = optim.build_optimizer(model, optimizer, lr=lr, weight_decay=0.0, aux_lr=3e-3,
+                                            spectral_lr=scheme == "spectral")
+                stats.append(coordinate_check(model, opt, idx[:, :-1], idx[:, 1:], steps=steps))
+            values = {key: [s[key] for s in stats] for key in stats[0]}
+            spread = {key: max(v) / min(v) for key, v in values.items()}
+            summary[f"{optimizer} {scheme}"] = {
+                "values": values, "spread": spread,
+                **{f"max_spread_{kind}": max(s for k, s in spread.items() if k.startswith(kind + " ") and "lm_head" not in k)
+                   for kind in ("out", "dW")}}
+    return summary, {}
+
+
+def plot_coordinate_transfer(summary, arrays, path):
+    plt = _pyplot()
+    widths = summary["widths"]
+    fig, axes = plt.subplots(2, 4, figsize=(18, 8))
+    for row, optimizer in enumerate(("adamw", "muon")):
+        for col, (scheme, prefix, what) in enumerate((("gpt2", "out ", "RMS of layer outputs"),
+                                                      ("spectral", "out ", "RMS of layer outputs"),
+                                                      ("gpt2", "dW ", "‖ΔW‖_nat"), ("spectral", "dW ", "‖ΔW‖_nat"))):
+            ax, run = axes[row, col], summary[f"{optimizer} {scheme}"]
+            if col % 2:
+                ax.sharey(axes[row, col - 1])
+            for key, values in run["values"].items():
+                if key.startswith(prefix):
+                    color = "tab:red" if "lm_head" in key else "tab:green" if "wte" in key else "tab:blue"
+                    ax.plot(widths, values, marker="o", lw=1, color=color, alpha=0.7)
+            label = "gpt2" if scheme == "gpt2" else "spectral + spectral_lr"
+            ax.set(xscale="log", yscale="log", xlabel="n_embd",
+                   title=f"{optimizer}, {label}\n{what}: max spread {run['max_spread_' + prefix.strip()]:.1f}x")
+            ax.set_xticks(widths, [str(w) for w in widths])
+            ax.minorticks_off()
+    fig.suptitle(f"Coordinate check after {summary['steps']} steps, one line per layer (blue: blocks, green: embedding, "
+                 "red: lm_head, left out of the spreads)")
+    _save(plt, fig, path)
+
+
+def show_coordinate_transfer(summary):
+    print(f"coord: largest / smallest over widths {summary['widths']} after {summary['steps']} steps (lm_head left out)")
+    for optimizer in ("adamw", "muon"):
+        for scheme in ("gpt2", "spectral"):
+            run = summary[f"{optimizer} {scheme}"]
+            print(f"  {optimizer:5s} {scheme:8s}: layer output RMS spread {run['max_spread_out']:.2f}x, "
+                  f"‖ΔW‖_nat spread {run['max_spread_dW']:.2f}x")
+
+
+def lr_transfer(dataset="shakespeare_char", tokenizer="char", widths=(64, 256), steps=200, batch_size=8, block_size=64):
+    """Val loss after `steps` steps for each lr of TRANSFER_LRS at each width, gpt2 vs spectral +
+    spectral_lr. Warmup 20 steps, then a cosine to 0.1 of the peak; Muon's AdamW part at lr 3e-3.
+    About 10 minutes per optimizer on one CPU core. Returns (summary, {})."""
+    train_tokens, val_tokens, meta = data.load_dataset(dataset, tokenizer)
+    val_sampler = data.BatchSampler(val_tokens, batch_size, block_size, seed=123)
+    val_batches = [val_sampler.next_batch() for _ in range(8)]
+    summary = {}
+    for optimizer, lrs in TRANSFER_LRS.items():
+        for scheme in ("spectral", "gpt2"):
+            for width in widths:
+                losses = []
+                for lr in lrs:
+                    model = width_model(width, scheme, meta["vocab_size"], block_size)
+                    opt = optim.build_optimizer(model, optimizer, lr=lr, weight_decay=0.0, aux_lr=3e-3,
+                                                spectral_lr=scheme == "spectral")
+                    sampler = data.BatchSampler(train_tokens, batch_size, block_size, seed=1)
+                    for it in range(steps):
+                        mult = min(1.0, (it + 1) / 20) * (0.1 + 0.45 * (1 + math.cos(math.pi * it / steps)))
+                        for group in opt.param_groups:
+                            group["lr"] = group["base_lr"] * mult
+                        _, loss = model(*sampler.next_batch())
+                        loss.backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                    with torch.no_grad():
+                        losses.append(sum(model(x, y)[1].item() for x, y in val_batches) / len(val_batches))
+                summary[f"{optimizer} {scheme} {width}"] = {"lrs": list(lrs), "losses": losses,
+                                                            "best_lr": lrs[losses.index(min(losses))]}
+    return summary, {}
+
+
+def plot_lr_transfer(summary, arrays, path):
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, optimizer in zip(axes, TRANSFER_LRS):
+        for key, run in summary.items():
+            if key.startswith(optimizer + " "):
+                ax.semilogx(run["lrs"], run["losses"], "o-" if " spectral " in key else "s--", label=key[len(optimizer) + 1:])
+        ax.set(xlabel="lr", ylabel="val loss", title=optimizer)
+        ax.legend(fontsize=7)
+    _save(plt, fig, path)
+
+
+def show_lr_transfer(summary):
+    for key, run in summary.items():
+        print(f"lr_transfer {key}: " + "  ".join(f"lr {lr:g}: {v:.4f}" for lr, v in zip(run["lrs"], run["losses"]))
+              + f"   best {run['best_lr']:g}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -572,24 +769,26 @@ def plot_gradients(summary, arrays, path):
     _save(plt, fig, path)
 
 
-def plot_ns(results, path, model_ratios=None):
-    """results: {coeffs: (summary, arrays)} from ns_response; model_ratios: σ_i/‖G‖_F of real gradients."""
+def plot_ns(summary, arrays, path):
+    """summary {coeffs: ns_response summary}, arrays "<coeffs>.xs"/"<coeffs>.ys" and, when the
+    gradients section ran, "gradient_ratios" (σ_i/‖G‖_F of the real gradients)."""
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     x = np.linspace(0, 1.05, 500)
     ax1.plot(x, x, color="gray", lw=0.8, ls=":")
     ax1.axhline(1.0, color="gray", lw=0.8, ls="--")
-    for coeffs, (summary, arrays) in results.items():
+    for coeffs, s in summary.items():
         a, b, c = optim.ns_schedule(1, coeffs)[0]
-        ax1.plot(x, a * x + b * x ** 3 + c * x ** 5, label=f"{coeffs}: peak {summary['one_step_peak']:.4f} "
-                                                           f"at {summary['one_step_argmax']:.4f}")
-        ax2.semilogx(arrays["xs"], arrays["ys"][-1], label=f"{coeffs}, {summary['steps']} steps "
-                                                          f"(slope at 0: {summary['slope_at_zero']:.0f})")
+        ax1.plot(x, a * x + b * x ** 3 + c * x ** 5, label=f"{coeffs}: peak {s['one_step_peak']:.4f} "
+                                                           f"at {s['one_step_argmax']:.4f}")
+        ax2.semilogx(arrays[f"{coeffs}.xs"], arrays[f"{coeffs}.ys"][-1], label=f"{coeffs}, {s['steps']} steps "
+                                                                            f"(slope at 0: {s['slope_at_zero']:.0f})")
     ax1.set_title("one Newton–Schulz step on a singular value", fontsize=9)
     ax1.legend(fontsize=7)
     ax2.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax2.set_title("after all steps: input σ/‖G‖_F → output singular value", fontsize=9)
     ax2.legend(fontsize=7, loc="upper left")
+    model_ratios = arrays.get("gradient_ratios")
     if model_ratios is not None and len(model_ratios):
         twin = ax2.twinx()
         twin.hist(model_ratios, bins=np.logspace(-6, 0, 80), color="k", alpha=0.2)
@@ -650,106 +849,154 @@ def plot_isotropy(summary, arrays, path):
 
 
 # ----------------------------------------------------------------------------------------------------
-# run sections, save, print
+# the sections: one row each in SECTIONS (a new section is its function and its row)
 
 def _jsonable(x):
     return json.loads(json.dumps(x, default=float, allow_nan=True))
 
 
-def run_analysis(model, batches, out_dir, sections=SECTIONS, top_k=3, power_iters=100, n_probes=100,
-                 lanczos_iters=60, n_slq=2, hessian_batches=1, seed=0, verbose=True):
-    """Run the chosen sections on an analysis_model and write summary.json, <section>.npz and
-    <section>.png into out_dir. batches: micro-batches [(x, y), ...] (≥ 2 for the noise scale); the
-    Hessian uses the first hessian_batches of them, hc/gates/isotropy the first one. Returns the summary."""
-    os.makedirs(out_dir, exist_ok=True)
-    summary, gradient_ratios = {}, None
-
-    def save(section, section_summary, arrays, plot, *extra):
-        summary[section] = section_summary
-        if arrays:
-            np.savez(os.path.join(out_dir, f"{section}.npz"), **{k.replace(".", "/"): v for k, v in arrays.items()})
-        plot(section_summary, arrays, os.path.join(out_dir, f"{section}.png"), *extra)
-
-    idx = batches[0][0]
-    for section in sections:
-        if verbose:
-            print(f"[{section}]", file=sys.stderr)
-        if section == "weights":
-            save(section, *weight_spectra(model), plot_weights)
-        elif section == "hessian":
-            s, a = hessian_spectrum(model, batches[:hessian_batches], top_k, power_iters, n_probes=n_probes,
-                                    lanczos_iters=lanczos_iters, n_slq=n_slq, seed=seed, verbose=verbose)
-            save(section, s, a, plot_hessian)
-        elif section == "gradients":
-            s, a = gradient_stats(model, batches)
-            gradient_ratios = np.concatenate([sv / max(np.sqrt((sv ** 2).sum()), 1e-300)
-                                              for nm, sv in a.items() if optim.is_block_matrix(nm, model.get_parameter(nm))])
-            save(section, s, a, plot_gradients)
-        elif section == "ns":
-            results = {coeffs: ns_response(coeffs) for coeffs in optim.NS_COEFFS}
-            ns_summary = {coeffs: s for coeffs, (s, _) in results.items()}
-            if gradient_ratios is not None:
-                for coeffs in results:
-                    out = ns_response(coeffs, xs=gradient_ratios)[1]["ys"][-1]
-                    ns_summary[coeffs]["gradient_frac_below_half"] = float((out < 0.5).mean())
-            arrays = {f"{coeffs}.{k}": v for coeffs, (_, a) in results.items() for k, v in a.items()}
-            summary[section] = ns_summary
-            np.savez(os.path.join(out_dir, "ns.npz"), **{k.replace(".", "/"): v for k, v in arrays.items()})
-            plot_ns(results, os.path.join(out_dir, "ns.png"), gradient_ratios)
-        elif section in ("hc", "gates"):
-            s, a = (hc_spectra if section == "hc" else gdn2_gates)(model, idx)
-            if s is None:
-                summary[section] = None
-                continue
-            save(section, s, a, plot_hc if section == "hc" else plot_gates)
-        elif section == "isotropy":
-            save(section, *isotropy(model, idx), plot_isotropy)
-        else:
-            raise ValueError(f"unknown section {section!r}: use any of {', '.join(SECTIONS)}")
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(_jsonable(summary), f, indent=1)
-    return summary
+def ns_section(model, inputs):
+    """ns_response for every coefficient set; with the gradients section's results, also the share of
+    the real gradients' directions that msign leaves below 0.5."""
+    summary, arrays = {}, {}
+    ratios = None
+    if "gradients" in inputs:
+        grads = inputs["gradients"][1]
+        ratios = np.concatenate([sv / max(np.sqrt((sv ** 2).sum()), 1e-300) for nm, sv in grads.items()
+                                 if optim.is_block_matrix(nm, model.get_parameter(nm))])
+        arrays["gradient_ratios"] = ratios
+    for coeffs in optim.NS_COEFFS:
+        summary[coeffs], a = ns_response(coeffs)
+        arrays.update({f"{coeffs}.xs": a["xs"], f"{coeffs}.ys": a["ys"]})
+        if ratios is not None:
+            out = ns_response(coeffs, xs=ratios)[1]["ys"][-1]
+            summary[coeffs]["gradient_frac_below_half"] = float((out < 0.5).mean())
+    return summary, arrays
 
 
-def print_table(summary):
-    if summary.get("weights"):
-        print(f"{'matrix':34s} {'shape':>11s} {'σ_max':>7s} {'nat‖W‖':>7s} {'s.rank':>7s} {'spikes':>6s} {'α':>6s}")
-        for name, s in summary["weights"].items():
-            print(f"{name:34s} {'x'.join(map(str, s['shape'])):>11s} {s['sigma_max']:7.3f} "
-                  f"{s['natural_spectral_norm']:7.3f} {s['stable_rank']:7.2f} {s['n_spikes']:6d} {s['alpha']:6.2f}")
-    if summary.get("hessian"):
-        h = summary["hessian"]
-        line = f"hessian: top eigenvalues {', '.join(f'{v:.4g}' for v in h['top_eigenvalues'])}"
-        if "trace" in h:
-            line += f"; trace {h['trace']:.4g} ± {h['trace_stderr']:.2g}"
-        if "slq_lambda_min" in h:
-            line += (f"; SLQ range [{h['slq_lambda_min']:.3g}, {h['slq_lambda_max']:.3g}], trace {h['slq_trace']:.4g}, "
-                     f"mass below −1% of the radius {h['slq_mass_negative']:.3f}")
-        print(line)
-    if summary.get("gradients"):
-        g = summary["gradients"]
-        ranks = [m["stable_rank"] for m in g["matrices"].values()]
-        print(f"gradients: B_simple {g['B_simple']:.4g} sequences (tr Σ {g['tr_sigma']:.3g}, |G|² {g['G_sq']:.3g}; "
-              f"B {g['b_small']} vs {g['b_big']}); gradient stable rank median {np.median(ranks):.2f}")
-    for coeffs, s in (summary.get("ns") or {}).items():
+def show_weights(summary):
+    print(f"{'matrix':34s} {'shape':>11s} {'σ_max':>7s} {'nat‖W‖':>7s} {'s.rank':>7s} {'spikes':>6s} {'α':>6s}")
+    for name, s in summary.items():
+        print(f"{name:34s} {'x'.join(map(str, s['shape'])):>11s} {s['sigma_max']:7.3f} "
+              f"{s['natural_spectral_norm']:7.3f} {s['stable_rank']:7.2f} {s['n_spikes']:6d} {s['alpha']:6.2f}")
+
+
+def show_hessian(h):
+    line = f"hessian: top eigenvalues {', '.join(f'{v:.4g}' for v in h['top_eigenvalues'])}"
+    if "trace" in h:
+        line += f"; trace {h['trace']:.4g} ± {h['trace_stderr']:.2g}"
+    if "slq_lambda_min" in h:
+        line += (f"; SLQ range [{h['slq_lambda_min']:.3g}, {h['slq_lambda_max']:.3g}], trace {h['slq_trace']:.4g}, "
+                 f"mass below −1% of the radius {h['slq_mass_negative']:.3f}")
+    print(line)
+
+
+def show_gradients(g):
+    ranks = [m["stable_rank"] for m in g["matrices"].values()]
+    print(f"gradients: B_simple {g['B_simple']:.4g} sequences (tr Σ {g['tr_sigma']:.3g}, |G|² {g['G_sq']:.3g}; "
+          f"B {g['b_small']} vs {g['b_big']}); gradient stable rank median {np.median(ranks):.2f}")
+
+
+def show_noise(n):
+    print(f"noise: B_noise = tr(HΣ)/GᵀHG {n['B_noise']:.4g} sequences (tr HΣ {n['tr_H_sigma']:.3g}, GᵀHG {n['GHG']:.3g}), "
+          f"B_simple {n['B_simple']:.4g}; η_max = |G|²/GᵀHG {n['eta_max']:.3g}, ΔL_max {n['delta_L_max']:.3g}")
+
+
+def show_ns(summary):
+    for coeffs, s in summary.items():
         extra = f"; gradient directions left below 0.5: {s['gradient_frac_below_half']:.3f}" if "gradient_frac_below_half" in s else ""
         print(f"ns {coeffs}: one-step peak {s['one_step_peak']:.4f} at {s['one_step_argmax']:.4f}, slope at 0 after "
               f"{s['steps']} steps {s['slope_at_zero']:.1f}, output range for x ≥ 1e-3 "
               f"[{s['range_above_1e-3'][0]:.3f}, {s['range_above_1e-3'][1]:.3f}]{extra}")
-    if summary.get("hc"):
-        h = summary["hc"]
-        print(f"hc ({h['kind']}): ‖Π H_res‖₂ down the depth " +
-              " ".join(f"{layer['prod_norm_max']:.3f}" for layer in h["layers"]))
-    if summary.get("gates"):
-        for layer in summary["gates"]["layers"]:
-            print(f"gates {layer['name']}: ρ mean {layer['rho_mean']:.4f} max {layer['rho_max']:.4f}, clipped "
-                  f"{layer['frac_clipped']:.4f}, max ‖(I−acᵀ)D‖₂ {layer['max_transition_norm']:.4f} → "
-                  f"{layer['max_transition_norm_clipped']:.4f}")
-    if summary.get("isotropy"):
-        iso = summary["isotropy"]
-        print("isotropy (participation ratio, 1 = isotropic): " +
-              " ".join(f"{name.replace('blocks.', '').replace('.weight', '')} {s['participation_ratio']:.2f}"
-                       for name, s in iso.items()))
+
+
+def show_hc(h):
+    print(f"hc ({h['kind']}): ‖Π H_res‖₂ down the depth " + " ".join(f"{layer['prod_norm_max']:.3f}" for layer in h["layers"]))
+
+
+def show_gates(summary):
+    for layer in summary["layers"]:
+        print(f"gates {layer['name']}: ρ mean {layer['rho_mean']:.4f} max {layer['rho_max']:.4f}, clipped "
+              f"{layer['frac_clipped']:.4f}, max ‖(I−acᵀ)D‖₂ {layer['max_transition_norm']:.4f} → "
+              f"{layer['max_transition_norm_clipped']:.4f}")
+
+
+def show_isotropy(summary):
+    print("isotropy (participation ratio, 1 = isotropic): " +
+          " ".join(f"{name.replace('blocks.', '').replace('.weight', '')} {s['participation_ratio']:.2f}"
+                   for name, s in summary.items()))
+
+
+@dataclasses.dataclass
+class Section:
+    """run(model, inputs) -> (summary, arrays), summary None where the model lacks the part; inputs holds
+    "batches" (micro-batches [(x, y), ...]), "idx" (the first batch's tokens), "opts" (the command-line
+    options) and the (summary, arrays) of every earlier section that ran. needs: the earlier sections
+    run reads when present. plot(summary, arrays, path) draws <section>.png (None: no plot); show(summary)
+    prints.
+    default: run when --sections is not given."""
+    run: object
+    plot: object
+    show: object
+    needs: tuple = ()
+    default: bool = True
+
+
+SECTIONS = {  # in run order: a section's needs come before it
+    "weights": Section(lambda model, inputs: weight_spectra(model), plot_weights, show_weights),
+    "hessian": Section(lambda model, inputs: hessian_spectrum(
+        model, inputs["batches"][:inputs["opts"]["hessian_batches"]], inputs["opts"]["top_k"], inputs["opts"]["power_iters"],
+        n_probes=inputs["opts"]["n_probes"], lanczos_iters=inputs["opts"]["lanczos_iters"], n_slq=inputs["opts"]["n_slq"],
+        seed=inputs["opts"]["seed"], verbose=True), plot_hessian, show_hessian),
+    "gradients": Section(lambda model, inputs: gradient_stats(model, inputs["batches"]), plot_gradients, show_gradients),
+    "noise": Section(lambda model, inputs: (curvature_noise_scale(model, inputs["batches"]), {}), None, show_noise),
+    "ns": Section(ns_section, plot_ns, show_ns, needs=("gradients",)),
+    "hc": Section(lambda model, inputs: hc_spectra(model, inputs["idx"]), plot_hc, show_hc),
+    "gates": Section(lambda model, inputs: gdn2_gates(model, inputs["idx"]), plot_gates, show_gates),
+    "isotropy": Section(lambda model, inputs: isotropy(model, inputs["idx"]), plot_isotropy, show_isotropy),
+    "coord": Section(lambda model, inputs: coordinate_transfer(), plot_coordinate_transfer, show_coordinate_transfer,
+                     default=False),
+    "lr_transfer": Section(lambda model, inputs: lr_transfer(inputs["opts"]["dataset"], inputs["opts"]["tokenizer"]),
+                           plot_lr_transfer, show_lr_transfer, default=False),
+}
+DEFAULT_SECTIONS = [name for name, s in SECTIONS.items() if s.default]
+
+
+def run_analysis(model, batches, out_dir, sections=DEFAULT_SECTIONS, opts=None, verbose=True):
+    """Run the chosen sections (in SECTIONS order) on an analysis_model and write summary.json,
+    <section>.npz and <section>.png into out_dir. batches: micro-batches [(x, y), ...] (≥ 2 for the noise
+    scales); opts: the command-line options (OPTIONS' keys; the Hessian uses the first hessian_batches
+    micro-batches). Returns the summary."""
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown sections {unknown}: choose from {','.join(SECTIONS)}")
+    os.makedirs(out_dir, exist_ok=True)
+    inputs = {"batches": batches, "idx": batches[0][0], "opts": {**OPTIONS, **(opts or {})}}
+    summary = {}
+    for name in [s for s in SECTIONS if s in sections]:
+        section = SECTIONS[name]
+        if verbose:
+            print(f"[{name}]", file=sys.stderr)
+        section_summary, arrays = section.run(model, inputs)
+        summary[name] = section_summary
+        if section_summary is None:
+            continue
+        inputs[name] = (section_summary, arrays)
+        if arrays:
+            np.savez(os.path.join(out_dir, f"{name}.npz"), **{k.replace(".", "/"): v for k, v in arrays.items()})
+        if section.plot:
+            section.plot(section_summary, arrays, os.path.join(out_dir, f"{name}.png"))
+    tmp = os.path.join(out_dir, "summary.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(_jsonable(summary), f, indent=1)
+    os.replace(tmp, os.path.join(out_dir, "summary.json"))
+    return summary
+
+
+def print_table(summary):
+    for name, section_summary in summary.items():
+        if section_summary:
+            SECTIONS[name].show(section_summary)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -759,8 +1006,9 @@ def analyze_during_training(model, batch, step, out_dir, micro_batches=4, hessia
     """The cheap sections on one training batch (x, y), appended as one JSON line to
     out_dir/analysis.jsonl: per matrix σ_max, natural spectral norm and stable rank; the top Hessian
     eigenvalue (power_iters block power iterations on the first hessian_sequences sequences); the noise
-    scale from micro_batches equal slices of the batch (|G_small|², |G_big|² logged too, so they can be
-    averaged over steps before dividing); and the HC / GDN2 summaries when the model has them.
+    scales B_simple and B_noise with η_max and ΔL_max (curvature_noise_scale, a third of the call's
+    time) from micro_batches equal slices of the batch (|G_small|², |G_big|², tr(HΣ), GᵀHG logged too,
+    so they can be averaged over steps before dividing); and the HC / GDN2 summaries when the model has them.
     Works on an fp32 copy (analysis_model) with autocast off, and leaves the model, its gradients and the
     global RNG untouched. Returns the record."""
     twin = analysis_model(model)
@@ -778,6 +1026,8 @@ def analyze_during_training(model, batch, step, out_dir, micro_batches=4, hessia
             grads, _ = gradient_stats(twin, [(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]) for i in range(micro_batches)])
             record["noise"] = {k: grads[k] for k in ("b_small", "b_big", "sq_norm_small", "sq_norm_big", "G_sq", "tr_sigma", "B_simple")}
             record["gradient_stable_rank"] = {name: m["stable_rank"] for name, m in grads["matrices"].items()}
+            curvature = curvature_noise_scale(twin, [(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]) for i in range(micro_batches)])
+            record["noise"].update({k: curvature[k] for k in ("GHG", "tr_H_sigma", "B_noise", "eta_max", "delta_L_max")})
         hc, _ = hc_spectra(twin, x)
         if hc is not None:
             record["hc_prod_norm"] = [layer["prod_norm_max"] for layer in hc["layers"]]
@@ -816,7 +1066,9 @@ def plot_training_analysis(jsonl_path, png_path):
     axes[1, 0].set_title("top Hessian eigenvalue (largest |λ|)", fontsize=9)
     noisy = [r for r in records if "noise" in r]
     if noisy:
-        axes[1, 1].plot([r["step"] for r in noisy], [r["noise"]["B_simple"] for r in noisy], ".", alpha=0.5, label="per call")
+        axes[1, 1].plot([r["step"] for r in noisy], [r["noise"]["B_simple"] for r in noisy], ".", alpha=0.5, label="B_simple per call")
+        if "B_noise" in noisy[0]["noise"]:
+            axes[1, 1].plot([r["step"] for r in noisy], [r["noise"]["B_noise"] for r in noisy], "x", label="B_noise = tr(HΣ)/GᵀHG per call")
         # average the two unbiased estimates before dividing (McCandlish et al.), over the last 3 calls:
         # |G|² falls by orders of magnitude early on, so a long average would be ruled by the first calls
         ratio = []
@@ -827,10 +1079,236 @@ def plot_training_analysis(jsonl_path, png_path):
         axes[1, 1].plot([r["step"] for r in noisy], ratio, "-", label="Σ tr Σ / Σ |G|² over the last 3 calls")
         axes[1, 1].set_yscale("symlog")
         axes[1, 1].legend(fontsize=7)
-    axes[1, 1].set_title("gradient noise scale B_simple (sequences)", fontsize=9)
+    axes[1, 1].set_title("gradient noise scales (sequences)", fontsize=9)
     for ax in axes.flat:
         ax.set_xlabel("step")
     _save(plt, fig, png_path)
+
+
+# ----------------------------------------------------------------------------------------------------
+# critical batch size: train.py at several batch sizes to one target loss (McCandlish et al. 2018)
+
+def steps_to_target(log_rows, target):
+    """The step at which the val loss first reaches target, linearly interpolated between the two evals
+    around the crossing; None if it never does."""
+    evals = [(r["step"], r["val"]) for r in log_rows if "val" in r]
+    for (s0, v0), (s1, v1) in zip(evals, evals[1:]):
+        if v1 <= target:
+            return float(s1) if v0 <= v1 else s0 + (v0 - target) / (v0 - v1) * (s1 - s0)
+    return None
+
+
+def _read_log(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip().endswith("}")]
+
+
+def batch_scan(batch_sizes, target, out_dir, max_iters=4000, analyze_batch=0, analyze_every=25,
+               train_args=(), verbose=True):
+    """Train train.py's model at each batch size B (sequences) with a constant lr (wsd without decay)
+    until the val loss reaches target, as a subprocess, stopping it at the crossing. Evals use about 256
+    validation sequences whatever B is, every ~320/B steps. The run at B = analyze_batch also logs the
+    cheap analysis sections (B_simple and B_noise) every analyze_every steps. Writes and returns
+    out_dir/scan.json: {"target", "analyze_batch", "runs": [{"batch_size", "steps", "examples"}], "noise":
+    [analyze_during_training records]}."""
+    runs, noise = [], []
+    for B in batch_sizes:
+        run_dir = os.path.join(out_dir, f"B{B}")
+        for name in ("log.jsonl", "analysis.jsonl"):
+            if os.path.exists(os.path.join(run_dir, name)):
+                os.remove(os.path.join(run_dir, name))
+        args = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"),
+                f"--out_dir={run_dir}", f"--batch_size={B}", f"--max_iters={max_iters}", "--schedule=wsd",
+                "--wsd_decay_frac=0.0", f"--eval_interval={max(5, round(320 / B))}", f"--eval_iters={max(2, 256 // B)}",
+                "--log_interval=1000000", "--num_samples=0", *train_args]
+        if B == analyze_batch:
+            args.append(f"--analyze_every={analyze_every}")
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "stderr.txt"), "w") as err_file:  # a file, not a pipe: it never fills up
+            proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err_file)
+            steps = None
+            while steps is None and proc.poll() is None:
+                steps = steps_to_target(_read_log(os.path.join(run_dir, "log.jsonl")), target)
+                if steps is None:
+                    time.sleep(1.0)
+            proc.terminate()
+            proc.wait()
+        steps = steps or steps_to_target(_read_log(os.path.join(run_dir, "log.jsonl")), target)
+        if steps is None:
+            err = open(os.path.join(run_dir, "stderr.txt")).read().strip()
+            raise ValueError(f"batch size {B} did not reach val loss {target} in {max_iters} steps "
+                             f"({err.splitlines()[-1] if err else 'no error'}): raise max_iters or the target")
+        runs.append({"batch_size": B, "steps": steps, "examples": steps * B})
+        if B == analyze_batch:
+            noise = _read_log(os.path.join(run_dir, "analysis.jsonl"))
+        if verbose:
+            print(f"B = {B}: val loss {target} after {steps:.1f} steps, {steps * B:.0f} sequences", flush=True)
+        result = {"target": target, "analyze_batch": analyze_batch, "runs": runs, "noise": noise}
+        tmp = os.path.join(out_dir, "scan.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(_jsonable(result), f, indent=1)
+        os.replace(tmp, os.path.join(out_dir, "scan.json"))
+    return result
+
+
+def fit_critical_batch(steps, examples):
+    """Fit (S/S_min − 1)(E/E_min − 1) = 1 (Kaplan et al. 2020, McCandlish et al. 2018) to runs that reach
+    one loss in S steps and E = B·S examples. With E = B·S the relation is S = S_min + E_min/B, linear in
+    (S_min, E_min): least squares on the relative residuals (S_min + E_min/B)/S − 1. B_crit = E_min/S_min
+    is the batch at which a run needs 2 S_min steps and 2 E_min examples."""
+    S, E = np.asarray(steps, dtype=np.float64), np.asarray(examples, dtype=np.float64)
+    if len(S) < 2 or (S <= 0).any() or (E <= 0).any():
+        raise ValueError(f"fit_critical_batch needs >= 2 runs with positive steps and examples, got {len(S)}")
+    B = E / S
+    (S_min, E_min), *_ = np.linalg.lstsq(np.stack([1 / S, 1 / (B * S)], axis=1), np.ones_like(S), rcond=None)
+    rel = (S_min + E_min / B) / S - 1
+    return {"S_min": float(S_min), "E_min": float(E_min), "B_crit": float(E_min / S_min),
+            "rms_rel_error": float(np.sqrt((rel ** 2).mean()))}
+
+
+def plot_batch_scan(scan, fit, path):
+    """Steps against examples per batch size, with the fitted hyperbola S = S_min(1 + B_crit/B),
+    E = E_min(1 + B/B_crit)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    S = np.array([r["steps"] for r in scan["runs"]])
+    E = np.array([r["examples"] for r in scan["runs"]])
+    B = np.logspace(np.log10(E.min() / S.max()) - 1, np.log10(E.max() / S.min()) + 1, 200)
+    ax.loglog(fit["E_min"] * (1 + B / fit["B_crit"]), fit["S_min"] * (1 + fit["B_crit"] / B), "-", color="gray",
+              label=f"fit: S_min {fit['S_min']:.0f}, E_min {fit['E_min']:.0f}, B_crit {fit['B_crit']:.1f}")
+    ax.loglog(E, S, "o")
+    for r in scan["runs"]:
+        ax.annotate(f"B={r['batch_size']}", (r["examples"], r["steps"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    ax.axhline(fit["S_min"], color="gray", ls=":", lw=1)
+    ax.axvline(fit["E_min"], color="gray", ls=":", lw=1)
+    ax.set_xlabel("examples E (sequences)")
+    ax.set_ylabel("steps S")
+    ax.set_title(f"steps and examples to val loss {scan['target']}", fontsize=9)
+    ax.legend(fontsize=7)
+    _save(plt, fig, path)
+
+
+# ----------------------------------------------------------------------------------------------------
+# multi-power law: the loss curve as a function of the learning-rate schedule (Luo et al. 2025)
+
+MPL_PARAMS = ("L0", "A", "alpha", "B", "C", "beta", "gamma")
+
+
+def mpl_loss(params, lrs, steps):
+    """L(t) = L0 + A (S₁(t) + S_W)^−α − LD(t) at the given steps t ≥ 1, for lrs[t − 1] = η_t, the lr of
+    step t relative to the peak: S₁(t) + S_W = Σ_{τ≤t} η_τ is the lr area (warmup included), and
+        LD(t) = B Σ_{k=p+1}^{t} (η_{k−1} − η_k) (1 − (C η_k^−γ S_k(t) + 1)^−β),  S_k(t) = Σ_{τ=k}^{t} η_τ,
+    the extra drop each lr decrease after the peak step p brings. params: {name: float or 0-d tensor}
+    of MPL_PARAMS. Returns a float64 tensor."""
+    eta = torch.as_tensor(np.asarray(lrs, dtype=np.float64))
+    t = torch.as_tensor(np.asarray(steps, dtype=np.int64))
+    area = torch.cat([torch.zeros(1, dtype=eta.dtype), eta.cumsum(0)])  # area[t] = Σ_{τ≤t} η_τ
+    peak = int(eta.argmax())  # 0-based: step peak + 1 is the first at the peak
+    k = torch.arange(peak + 2, len(eta) + 1)  # steps after the peak
+    eta_k, drop = eta[k - 1], eta[k - 2] - eta[k - 1]
+    S_k = (area[t][:, None] - area[k - 1][None, :]).clamp(min=0)  # Σ_{τ=k}^{t} η_τ, 0 where k > t
+    p = {name: torch.as_tensor(params[name], dtype=torch.float64) for name in MPL_PARAMS}
+    decay = drop * (1 - (p["C"] * eta_k.clamp(min=1e-12) ** -p["gamma"] * S_k + 1) ** -p["beta"])
+    LD = p["B"] * (decay * (k[None, :] <= t[:, None])).sum(1)
+    return p["L0"] + p["A"] * area[t] ** -p["alpha"] - LD
+
+
+def fit_mpl(curves, iters=500):
+    """Least-squares fit of mpl_loss to curves [(lrs, steps, losses), ...], using the points at or after
+    each schedule's peak. A, α, B, C, β are fitted through their logs (kept positive). Returns
+    (params, rms error)."""
+    fitted = []
+    for lrs, steps, losses in curves:
+        keep = np.asarray(steps) >= int(np.argmax(lrs)) + 1
+        fitted.append((lrs, np.asarray(steps)[keep], torch.as_tensor(np.asarray(losses, dtype=np.float64)[keep])))
+    low = min(float(l.min()) for _, _, l in fitted)
+    raw = {"L0": torch.tensor(0.8 * low, dtype=torch.float64), "A": torch.tensor(0.0, dtype=torch.float64),
+           "alpha": torch.tensor(math.log(0.5), dtype=torch.float64), "B": torch.tensor(math.log(0.5), dtype=torch.float64),
+           "C": torch.tensor(0.0, dtype=torch.float64), "beta": torch.tensor(math.log(0.5), dtype=torch.float64),
+           "gamma": torch.tensor(0.5, dtype=torch.float64)}
+    for v in raw.values():
+        v.requires_grad_(True)
+
+    def params():
+        return {n: v if n in ("L0", "gamma") else v.exp() for n, v in raw.items()}
+
+    def loss():
+        residuals = torch.cat([mpl_loss(params(), lrs, steps) - losses for lrs, steps, losses in fitted])
+        return residuals.pow(2).mean()
+
+    opt = torch.optim.Adam(raw.values(), lr=0.02)
+    for _ in range(iters):
+        opt.zero_grad()
+        value = loss()
+        value.backward()
+        opt.step()
+    lbfgs = torch.optim.LBFGS(raw.values(), max_iter=1000, line_search_fn="strong_wolfe", tolerance_grad=1e-12,
+                              tolerance_change=1e-15)
+
+    def closure():
+        lbfgs.zero_grad()
+        value = loss()
+        value.backward()
+        return value
+
+    lbfgs.step(closure)
+    with torch.no_grad():
+        return {n: float(v) for n, v in params().items()}, math.sqrt(loss().item())
+
+
+def read_schedule_run(run_dir):
+    """(lrs relative to the peak, eval steps, val losses) from a train.py run logged with --log_interval=1."""
+    if not os.path.isfile(os.path.join(run_dir, "log.jsonl")):
+        raise ValueError(f"no {run_dir}/log.jsonl: give train.py run folders (train with --out_dir=... --log_interval=1)")
+    rows = _read_log(os.path.join(run_dir, "log.jsonl"))
+    lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
+    if not lr or sorted(lr) != list(range(1, max(lr) + 1)):
+        raise ValueError(f"{run_dir}/log.jsonl lacks the lr of every step: train with --log_interval=1")
+    lrs = np.array([lr[s] for s in range(1, max(lr) + 1)])
+    evals = [(r["step"], r["val"]) for r in rows if "val" in r and 1 <= r["step"] <= len(lrs)]
+    return lrs / lrs.max(), np.array([s for s, _ in evals]), np.array([v for _, v in evals])
+
+
+def mpl_predict(fit_dirs, predict_dirs, png_path=None):
+    """Fit the multi-power law to the runs in fit_dirs and predict the val loss of the runs in
+    predict_dirs from their schedules alone. Returns {"params", "fit_rms", "runs": {dir: {"rms", "max",
+    "rms_no_decay_term"}}}; the last is the same fit's L0 + A·area^−α without LD, for comparison."""
+    fit_curves = [read_schedule_run(d) for d in fit_dirs]
+    params, fit_rms = fit_mpl(fit_curves)
+    result = {"params": params, "fit_rms": fit_rms, "runs": {}}
+    shown = []
+    for d in list(fit_dirs) + list(predict_dirs):
+        lrs, steps, losses = read_schedule_run(d)
+        keep = steps >= int(np.argmax(lrs)) + 1
+        predicted = mpl_loss(params, lrs, steps).numpy()
+        no_decay = mpl_loss({**params, "B": 0.0}, lrs, steps).numpy()
+        if d in predict_dirs:
+            err = predicted[keep] - losses[keep]
+            result["runs"][d] = {"rms": float(np.sqrt((err ** 2).mean())), "max": float(np.abs(err).max()),
+                                 "final_error": float(err[-1]),
+                                 "rms_no_decay_term": float(np.sqrt(((no_decay - losses)[keep] ** 2).mean()))}
+        shown.append((d, lrs, steps, losses, predicted, d in predict_dirs))
+    if png_path:
+        plt = _pyplot()
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for i, (d, lrs, steps, losses, predicted, held_out) in enumerate(shown):
+            color = f"C{i}"
+            name = os.path.basename(os.path.normpath(d)) + (" (predicted)" if held_out else " (fitted)")
+            ax1.plot(steps, losses, "o", color=color, ms=3)
+            ax1.plot(steps, predicted, "-" if held_out else "--", color=color, label=name)
+            ax2.plot(np.arange(1, len(lrs) + 1), lrs, color=color, label=name)
+        low = min(run[3].min() for run in shown)
+        ax1.set_ylim(low - 0.05, low + 0.6)
+        ax1.set_xlabel("step")
+        ax1.set_ylabel("val loss (dots measured, lines MPL)")
+        ax1.legend(fontsize=7)
+        ax2.set_xlabel("step")
+        ax2.set_ylabel("lr / peak lr")
+        ax2.legend(fontsize=7)
+        _save(plt, fig, png_path)
+    return result
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -839,7 +1317,7 @@ def plot_training_analysis(jsonl_path, png_path):
 OPTIONS = {  # analysis options; every GPTConfig key is also accepted (fresh init only)
     "ckpt": "",                        # a train.py checkpoint to analyse (empty: a fresh init)
     "out_dir": "",                     # where the outputs go (empty: the checkpoint's folder + /analysis)
-    "sections": ",".join(SECTIONS),    # comma-separated, any of weights,hessian,gradients,ns,hc,gates,isotropy
+    "sections": ",".join(DEFAULT_SECTIONS),  # comma-separated names from SECTIONS (coord, lr_transfer: opt-in)
     "device": "auto",                  # auto (cuda if available, else cpu) | cpu | cuda
     "seed": 0,                         # seeds a fresh init, the batches and the probes
     "dataset": "shakespeare_char",     # as train.py's --dataset (a checkpoint names its own)
@@ -853,6 +1331,13 @@ OPTIONS = {  # analysis options; every GPTConfig key is also accepted (fresh ini
     "n_probes": 100,                   # Hutchinson probes for the Hessian trace
     "lanczos_iters": 60,               # Lanczos steps per SLQ run
     "n_slq": 2,                        # SLQ runs (random start vectors)
+    "scan_batch_sizes": "",            # a batch-size scan instead of an analysis: comma-separated batch sizes
+    "scan_target": 2.2,                # the scan's target val loss
+    "scan_max_iters": 4000,            # the scan's step limit per run
+    "scan_analyze_batch": 0,           # the scan's run that logs the noise scales (0: none)
+    "scan_train_args": "",             # extra train.py arguments for every scan run, space-separated
+    "mpl_fit": "",                     # multi-power-law fit instead: train.py run folders (--log_interval=1), comma-separated
+    "mpl_predict": "",                 # run folders whose loss curves the fitted law predicts
 }
 
 
@@ -886,8 +1371,62 @@ def load_model(opts, model_overrides):
     return model, opts["dataset"], opts["tokenizer"]
 
 
+def main_scan(opts):
+    """--scan_batch_sizes=4,8,16: batch_scan, the critical-batch fit, scan.png and a table."""
+    out_dir = opts["out_dir"] or os.path.join("out", "scan")
+    batch_sizes = [int(b) for b in opts["scan_batch_sizes"].split(",")]
+    scan = batch_scan(batch_sizes, opts["scan_target"], out_dir, opts["scan_max_iters"], opts["scan_analyze_batch"],
+                      train_args=opts["scan_train_args"].split())
+    report_scan(scan, out_dir)
+
+
+def report_scan(scan, out_dir):
+    """The fit of a scan.json, its plot and a table, with the noise scales the analysed run logged (in
+    the same units, sequences, averaged over the run's calls). Returns the fit."""
+    fit = fit_critical_batch([r["steps"] for r in scan["runs"]], [r["examples"] for r in scan["runs"]])
+    plot_batch_scan(scan, fit, os.path.join(out_dir, "scan.png"))
+    print(f"{'B':>5s} {'steps S':>9s} {'examples E':>11s} {'fit S':>9s}")
+    for r in scan["runs"]:
+        print(f"{r['batch_size']:5d} {r['steps']:9.1f} {r['examples']:11.0f} {fit['S_min'] + fit['E_min'] / r['batch_size']:9.1f}")
+    print(f"S_min {fit['S_min']:.1f} steps, E_min {fit['E_min']:.0f} sequences, B_crit = E_min/S_min {fit['B_crit']:.1f} "
+          f"sequences (rms relative misfit {fit['rms_rel_error']:.3f})")
+    noise = [r["noise"] for r in scan["noise"] if "noise" in r]
+    if noise:
+        fit["noise_calls"] = len(noise)
+        for key in ("B_noise", "B_simple"):
+            fit[f"{key}_mean"] = float(np.mean([n[key] for n in noise]))
+        fit["B_noise_ratio_of_sums"] = sum(n["tr_H_sigma"] for n in noise) / sum(n["GHG"] for n in noise)
+        fit["B_simple_ratio_of_sums"] = sum(n["tr_sigma"] for n in noise) / sum(n["G_sq"] for n in noise)
+        print(f"over the {len(noise)} analysis calls of the B = {scan.get('analyze_batch')} run: "
+              f"mean B_noise {fit['B_noise_mean']:.1f}, mean B_simple {fit['B_simple_mean']:.1f}; "
+              f"Σ tr HΣ / Σ GᵀHG {fit['B_noise_ratio_of_sums']:.1f}, Σ tr Σ / Σ |G|² {fit['B_simple_ratio_of_sums']:.1f}")
+    return fit
+
+
+def main_mpl(opts):
+    """--mpl_fit=dirs --mpl_predict=dirs: mpl_predict, mpl.png and the errors."""
+    fit_dirs = [d for d in opts["mpl_fit"].split(",") if d]
+    predict_dirs = [d for d in opts["mpl_predict"].split(",") if d]
+    out_dir = opts["out_dir"] or os.path.join("out", "mpl")
+    os.makedirs(out_dir, exist_ok=True)
+    result = mpl_predict(fit_dirs, predict_dirs, os.path.join(out_dir, "mpl.png"))
+    print("multi-power law fitted to " + ", ".join(fit_dirs) + f" (rms {result['fit_rms']:.4f}): " +
+          ", ".join(f"{k} {v:.4g}" for k, v in result["params"].items()))
+    for d, r in result["runs"].items():
+        print(f"  {d}: predicted val loss rms error {r['rms']:.4f}, max {r['max']:.4f}, at the last eval "
+              f"{r['final_error']:+.4f} (without the decay term: rms {r['rms_no_decay_term']:.4f})")
+    tmp = os.path.join(out_dir, "mpl.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(_jsonable(result), f, indent=1)
+    os.replace(tmp, os.path.join(out_dir, "mpl.json"))
+
+
 def main(argv):
     opts, model_overrides = parse_args(argv)
+    if opts["scan_batch_sizes"]:
+        return main_scan(opts)
+    if opts["mpl_fit"]:
+        return main_mpl(opts)
     sections = [s for s in opts["sections"].split(",") if s]
     unknown = set(sections) - set(SECTIONS)
     if unknown:
@@ -905,8 +1444,7 @@ def main(argv):
     print(f"analysing {'checkpoint ' + opts['ckpt'] if opts['ckpt'] else 'a fresh init'}: "
           f"{model.num_params():,} parameters, {len(batches)} batches of {opts['batch_size']}x{model.config.block_size} "
           f"{opts['split']} tokens from {dataset}, sections {','.join(sections)} -> {out_dir}")
-    summary = run_analysis(model, batches, out_dir, sections, opts["top_k"], opts["power_iters"], opts["n_probes"],
-                           opts["lanczos_iters"], opts["n_slq"], opts["hessian_batches"], opts["seed"])
+    summary = run_analysis(model, batches, out_dir, sections, opts)
     print_table(summary)
 
 

@@ -2,7 +2,7 @@
 Optimizers, from SGD to Mousse, and build_optimizer (which parameter goes to which optimizer).
 
 Every optimizer is a torch.optim.Optimizer with standard param_groups and state_dict.
-Shared conventions (DESIGN.md): t counts steps from 1; weight decay is decoupled,
+Shared conventions: t counts steps from 1; weight decay is decoupled,
     p <- p * (1 - lr * wd)   then   p <- p - lr * u
 where u is the optimizer's update direction, given in each class docstring.
 
@@ -22,7 +22,7 @@ import torch
 # One (a, b, c) per step; a set shorter than `steps` repeats its last triple.
 NS_COEFFS = {
     "jordan": [(3.4445, -4.7750, 2.0315)],  # Keller Jordan's quintic, steepest slope at 0
-    "dion": [  # microsoft/dion's five-step schedule (seeds/mousse-optimizer.md)
+    "dion": [  # the five-step schedule of microsoft/dion (Ahn et al. 2025, Dion)
         (4.0848, -6.8946, 2.9270),
         (3.9505, -6.3029, 2.6377),
         (3.7418, -5.5913, 2.3037),
@@ -168,7 +168,7 @@ class AdamW(torch.optim.Optimizer):
 
 
 class NAdam(AdamW):
-    """NAdam (seeds/nesterov.md): AdamW's m and v, but the numerator looks one step ahead:
+    """NAdam (Dozat 2016, "Incorporating Nesterov Momentum into Adam"): AdamW's m and v, but the numerator looks one step ahead:
     u = ((b1 m + (1-b1) g) / (1 - b1^(t+1))) / (sqrt(v / (1 - b2^t)) + eps)."""
     lookahead = True
 
@@ -234,7 +234,8 @@ def _inverse_root(S, exponent, eps, relative):
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon: m <- beta m + (1-beta) g;  u0 = (1-beta) g + beta m (nesterov) or m;
+    """Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks", blog):
+    m <- beta m + (1-beta) g;  u0 = (1-beta) g + beta m (nesterov) or m;
     u = s * msign(u0), s from `scale`: 'jordan' max(1, rows/cols)^1/2, 'moonlight'
     0.2 max(rows, cols)^1/2, 'spectral' (fan_out/fan_in)^1/2.
     Newton-Schulz defaults to the 'dion' schedule: its singular values land in [0.97, 1.15] where
@@ -312,7 +313,7 @@ class Shampoo(torch.optim.Optimizer):
 
 
 class Mousse(torch.optim.Optimizer):
-    """Mousse (seeds/mousse-optimizer.md, arXiv 2603.09697): Muon in Shampoo-whitened coordinates.
+    """Mousse (arXiv 2603.09697): Muon in Shampoo-whitened coordinates.
     m, u0 as Muon (momentum, nesterov); L <- b2 L + (1-b2) G G^T, R <- b2 R + (1-b2) G^T G from raw g.
     On steps 1, 1 + precond_every, ...: L~ = rows * Lhat / tr(Lhat), Lhat = L / (1 - b2^t) (R~ alike),
     eigh, eigenvalues floored at eps, roots L~^-alpha, R~^-alpha cached in the state. Then
@@ -441,6 +442,68 @@ class CombinedOptimizer:
             opt.load_state_dict(sd)
 
 
+# ----------------------------------------------------------------------------------------------------
+# spectral learning-rate scaling (Yang, Simon & Bernstein 2023)
+
+BASE_WIDTH = 128  # spectral_lr_scale is 1 for a BASE_WIDTH × BASE_WIDTH matrix (the baby model's n_embd)
+
+# update direction families, by how the size of their update u depends on the matrix shape
+ADAM_LIKE = ("adamw", "nadam", "shampoo", "signsgd", "lion", "tiger")  # |u_ij| ≈ 1 (Shampoo: grafted to AdamW)
+LOW_RANK_ADAM = ("galore",)  # AdamW's ±1 entries on a fixed rank-r projection
+MSIGN_BASED = ("muon", "mousse")  # c · msign(·): singular values ≈ 1 times the optimizer's own shape factor c
+PLAIN_GRADIENT = ("sgd",)
+OPTIMIZERS = ADAM_LIKE + LOW_RANK_ADAM + MSIGN_BASED + PLAIN_GRADIENT
+
+
+def spectral_lr_scale(fan_out, fan_in, optimizer, scale="jordan", base_width=BASE_WIDTH):
+    """Learning-rate multiplier for a dense matrix W [fan_out, fan_in] (a hidden one, or the untied
+    lm_head with fan_out = V, fan_in = n_embd) so that each step's ΔW = −lr·s·u
+    has ‖ΔW‖₂ = Θ(sqrt(fan_out / fan_in)), i.e. ‖ΔW‖_nat = Θ(1), at every width. It multiplies the lr
+    the optimizer would otherwise apply (for Muon: on top of its own `scale` factor), and it is 1 for a
+    base_width × base_width matrix, so an lr tuned without it at width base_width keeps its meaning.
+
+    Gradients of a linear layer are sums of outer products δ xᵀ over tokens; the few directions the
+    batch shares dominate, so an update u is close to low rank and aligned with the layer's inputs:
+    the worst case, rank one, is what the sizes below use (the muP argument: ΔW x grows with the
+    number of coordinates of x that add up coherently).
+    - Adam-like and sign-based (adamw, nadam, signsgd, lion, tiger; shampoo, grafted to AdamW's norm):
+      entries of u are ±1-sized, a rank-one sign matrix has ‖u‖₂ = sqrt(fan_out · fan_in), so
+      lr·s·sqrt(fan_out·fan_in) = Θ(sqrt(fan_out/fan_in)) needs s ∝ 1/fan_in:   s = base_width / fan_in.
+      ‖ΔW‖_nat = lr · base_width for every shape (so a 4·width → width MLP out_proj gets s = 1/4 even
+      at the base width: its output adds up 4× more coordinates). Real updates are not exactly rank
+      one: u = aligned part + a bulk of sign noise whose ‖·‖₂ ≈ sqrt(fan_out) + sqrt(fan_in). The bulk
+      is a smaller share of ‖u‖₂ at larger widths, so measured ‖ΔW‖_nat still falls slowly with the
+      width at these sizes (about width^-0.2 over 64 → 1024 after 10 steps), toward its limit.
+    - galore (AdamW on a fixed rank-r projection, r < fan_out, fan_in): ‖u‖₂ = sqrt(r · max(fan_out, fan_in)),
+      so s ∝ sqrt(fan_out / (fan_in · max(fan_out, fan_in))):   s = sqrt(base_width · min(fan_out, fan_in)) / fan_in.
+    - msign-based (muon, mousse): u = c · msign(·) with ‖msign‖₂ ≈ 1 and c the optimizer's own shape
+      factor (Muon's `scale` option: jordan max(1, fan_out/fan_in)^½, moonlight 0.2·max(fan_out, fan_in)^½,
+      spectral (fan_out/fan_in)^½; Mousse always uses spectral), so   s = sqrt(fan_out/fan_in) / c,
+      normalised by c at base_width × base_width: jordan gives min(1, sqrt(fan_out/fan_in)), spectral
+      (and Mousse) 1, moonlight sqrt(fan_out/fan_in) · sqrt(base_width / max(fan_out, fan_in)).
+    - sgd: u = G. When every layer meets the condition, the backward signal δ = ∂L/∂h has
+      ‖δ‖₂ = Θ(1/sqrt(fan_out)) and x has ‖x‖₂ = Θ(sqrt(fan_in)), so ‖G‖₂ = Θ(sqrt(fan_in/fan_out)) and
+      s ∝ fan_out / fan_in (the paper's η_l):   s = fan_out / fan_in.
+      The backward signal is this size when the lm_head meets the condition too: its δ into the last
+      layer has norm ‖Wᵀ(p − y)‖ ≈ sqrt(V / n_embd), which shrinks like 1/sqrt(width) only while
+      n_embd > V (characters); with V ≫ n_embd (BPE) it is O(1) and plain SGD transfers less cleanly
+      than the normalised optimizers above."""
+    if fan_out < 1 or fan_in < 1:
+        raise ValueError(f"fan_out={fan_out}, fan_in={fan_in}: both must be positive")
+    name = optimizer.lower()
+    if name in ADAM_LIKE:
+        return base_width / fan_in
+    if name in LOW_RANK_ADAM:
+        return math.sqrt(base_width * min(fan_out, fan_in)) / fan_in
+    if name in MSIGN_BASED:
+        kind = scale if name == "muon" else "spectral"
+        own = muon_scale(kind, fan_out, fan_in)
+        return math.sqrt(fan_out / fan_in) / own * muon_scale(kind, base_width, base_width)
+    if name in PLAIN_GRADIENT:
+        return fan_out / fan_in
+    raise ValueError(f"unknown optimizer {optimizer!r} for spectral_lr_scale: use one of {', '.join(OPTIMIZERS)}")
+
+
 def build_optimizer(model, name, lr, weight_decay, aux_lr=3e-3, aux_betas=(0.9, 0.99), aux_eps=1e-8,
                     aux_weight_decay=None, spectral_lr=False, **kw):
     """One optimizer object for `model`. Routing:
@@ -451,7 +514,7 @@ def build_optimizer(model, name, lr, weight_decay, aux_lr=3e-3, aux_betas=(0.9, 
     - element-wise optimizers (sgd, signsgd, adamw, nadam, lion, tiger) take every parameter with lr;
     - 1-D tensors never get weight decay.
     Every param group carries base_lr (the schedule sets group['lr'] = group['base_lr'] * multiplier).
-    spectral_lr=True gives each block matrix its own group with base_lr = lr * init.spectral_lr_scale(
+    spectral_lr=True gives each block matrix its own group with base_lr = lr * spectral_lr_scale(
     fan_out, fan_in, name). **kw are `name`'s own hyper-parameters (e.g. momentum, betas, scale, alpha, rank)."""
     name = name.lower()
     table = {**ELEMENTWISE, **MATRIX}
@@ -472,8 +535,7 @@ def build_optimizer(model, name, lr, weight_decay, aux_lr=3e-3, aux_betas=(0.9, 
     head = [p for n, p in named if spectral_lr and n == "lm_head.weight"]
     rest = [p for n, p in named if not is_block_matrix(n, p) and not any(p is h for h in head)]
     if spectral_lr:
-        from init import spectral_lr_scale
-        own = {"muon_scale": kw.get("scale", "jordan")} if name == "muon" else {}  # Muon's shape factor
+        own = {"scale": kw.get("scale", "jordan")} if name == "muon" else {}  # Muon's shape factor
         block_groups = [dict(params=[p], weight_decay=weight_decay,
                              base_lr=lr * spectral_lr_scale(p.shape[0], p.shape[1], name, **own)) for p in blocks]
     else:
