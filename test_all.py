@@ -334,11 +334,6 @@ def test_resume_takes_changeable_model_keys():
 
 
 def bad_input_cases(tmp_path):
-    empty = tmp_path / "empty.txt"
-    empty.write_text("  \n")
-    shard = tmp_path / "bad_train_000.bin"
-    shard.write_bytes(np.zeros(300, dtype=np.int32).tobytes())
-    data.write_shard(str(tmp_path / "bad_val_000.bin"), np.arange(100))
     garbage = tmp_path / "garbage"
     garbage.mkdir()
     (garbage / "ckpt.pt").write_bytes(b"not a checkpoint")
@@ -349,11 +344,7 @@ def bad_input_cases(tmp_path):
     return [
         (["--n_layers=2"], "unknown config key 'n_layers'; did you mean --n_layer?"),
         (["--max_iters=lots"], "--max_iters expects an integer (default 850), got 'lots'"),
-        (["--dataset=no/such/file.txt"], "neither a built-in name"),
-        ([f"--dataset={empty}"], "holds no text"),
-        ([f"--dataset={tmp_path}/bad_train_*.bin"], "bad shard header"),
         (["--init_from=resume", f"--out_dir={garbage}"], "not a readable checkpoint"),
-        (["--block_size=-1"], "--block_size=-1 is not valid: use at least 1"),
         ([f"--dataset={binary}"], "is not a text file"),
         ([f"--out_dir={a_file}"], "is a file, not a folder"),
     ]
@@ -381,8 +372,17 @@ def test_bad_values_are_one_line_errors_before_anything_is_created(tmp_path):
     latin1.write_bytes("café crème, déjà vu\n".encode("latin-1") * 50)
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    shard = tmp_path / "bad_train_000.bin"
+    shard.write_bytes(np.zeros(300, dtype=np.int32).tobytes())
+    data.write_shard(str(tmp_path / "bad_val_000.bin"), np.arange(100))
     out = tmp_path / "never"
-    cases = [(["--n_layer=0"], "--n_layer=0 is not valid"),
+    cases = [(["--block_size=-1"], "--block_size=-1 is not valid: use at least 1"),
+             (["--n_layer=0"], "--n_layer=0 is not valid"),
+             (["--dataset=no/such/file.txt"], "neither a built-in name"),
+             ([f"--dataset={empty}"], "holds no text"),
+             ([f"--dataset={tmp_path}/bad_train_*.bin"], "bad shard header"),
              (["--eval_iters=0"], "--eval_iters=0 is not valid"),
              (["--batch_size=0"], "--batch_size=0 is not valid: use at least 1"),
              (["--sample_only=True", "--top_k=0"], "--top_k=0 is not valid"),
@@ -406,7 +406,7 @@ def test_bad_values_are_one_line_errors_before_anything_is_created(tmp_path):
         assert not out.exists() and not (a_file.parent / "a_file" / "run").exists()
 
 
-def test_train_py_defines_no_model_key_and_documents_every_key():
+def test_train_py_defines_no_model_key_and_documents_every_key(capsys):
     """train.py's module-level assignments name no GPTConfig field; its keys are its run settings plus
     every GPTConfig field (vocab_size comes from the data), and --help describes each one."""
     import ast
@@ -421,9 +421,11 @@ def test_train_py_defines_no_model_key_and_documents_every_key():
     descriptions = train.config_help()
     keys = {**train.RUN_DEFAULTS, **train.model_defaults()}
     assert [k for k in keys if not descriptions.get(k)] == []
-    proc = run_train("--help")
+    with pytest.raises(SystemExit):
+        train.parse_config(["--help"], keys, train.__doc__, descriptions)
+    shown = capsys.readouterr().out
     for key, value in keys.items():
-        assert f"--{key}={value!r}" in proc.stdout, key
+        assert f"--{key}={value!r}" in shown and descriptions[key] in shown, key
 
 
 def test_parse_config_types_and_files(tmp_path):
