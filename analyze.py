@@ -20,6 +20,8 @@ the arrays and <section>.png, and prints a short table. Sections, each also a fu
     hc         hc_spectra(model, idx)            H_res spectra per layer and ‖Π H_res‖₂ down the depth
     gates      gdn2_gates(model, idx)            ρ = ‖I − k(b⊙k)ᵀ‖₂, fraction of decays clipped, max ‖(I − a cᵀ)D‖₂
     isotropy   isotropy(model, idx)              eigenvalues of each linear layer's input second moment
+    sparsity   attention_sparsity(model, batch)  fraction of exact zeros in the attention weights per layer and
+                                                 head, over the causal entries (sparsemax attention)
 
 The model runs in fp32 with kernels="torch" and the explicit-softmax attention (analysis_model): fused
 SDPA and the Triton kernels have no second derivative, which Hessian-vector products need.
@@ -38,11 +40,12 @@ import torch.nn as nn
 
 import data
 import kernels
+import model as model_module
 import optim
 from init import natural_spectral_norm
-from model import GPT, GPTConfig, HyperConnection, GatedDelta
+from model import GPT, GPTConfig, HyperConnection, GatedDelta, Attention
 
-SECTIONS = ("weights", "hessian", "gradients", "ns", "hc", "gates", "isotropy")
+SECTIONS = ("weights", "hessian", "gradients", "ns", "hc", "gates", "isotropy", "sparsity")
 TW1_QUANTILE_99 = 2.02  # 99% quantile of the Tracy–Widom (β = 1) law of the largest noise eigenvalue
 
 
@@ -53,10 +56,12 @@ def progress(label, i, n, verbose):
 
 def analysis_model(model):
     """A copy of model (unwrapped from DDP / torch.compile) with the same weights, in fp32, eval mode,
-    kernels="torch" and math attention, so that double backward runs through it."""
+    kernels="torch" and math attention (sparsemax attention stays: its torch path has a double backward),
+    so that double backward runs through it."""
     model = getattr(model, "module", model)
     model = getattr(model, "_orig_mod", model)
-    cfg = dataclasses.replace(model.config, attention="math", kernels="torch")
+    attention = "sparsemax" if model.config.attention == "sparsemax" else "math"
+    cfg = dataclasses.replace(model.config, attention=attention, kernels="torch")
     with torch.random.fork_rng(devices=[]):  # building a GPT draws an init: leave the caller's RNG alone
         twin = GPT(cfg)
     twin.load_state_dict(model.state_dict())
@@ -474,6 +479,49 @@ def isotropy(model, idx):
 
 
 # ----------------------------------------------------------------------------------------------------
+# sparsity: exact zeros in the attention weights (sparsemax attention makes them; softmax only by underflow)
+
+@torch.no_grad()
+def attention_sparsity(model, batch):
+    """Fraction of exact zeros in each attention layer's weights, per head, over the causal entries (key s ≤
+    query t) of one forward pass of batch = (x, y) (or x alone), on analysis_model(model): softmax for sdpa and
+    math models, sparsemax for sparsemax ones. The weights are recomputed from the q, k that each layer hands
+    its explicit attention function. Returns (summary, arrays); (None, {}) for a model without attention."""
+    twin = analysis_model(model)
+    names = [name for name, module in twin.named_modules() if isinstance(module, Attention)]
+    if not names:
+        return None, {}
+    idx = batch[0] if isinstance(batch, (tuple, list)) else batch
+    kind = twin.config.attention
+    # Attention.forward looks the function up in model.py at call time: wrap it for one pass to see q, k
+    fn_name = "attention_sparsemax" if kind == "sparsemax" else "attention_math"
+    original, captured = getattr(model_module, fn_name), []
+
+    def recording(q, k, *args):
+        captured.append((q, k))
+        return original(q, k, *args)
+    setattr(model_module, fn_name, recording)
+    try:
+        twin(idx.to(next(twin.parameters()).device))
+    finally:
+        setattr(model_module, fn_name, original)
+    layers, fractions = [], []
+    for name, (q, k) in zip(names, captured):
+        T, S = q.size(2), k.size(2)
+        scores = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5
+        causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        if kind == "sparsemax":
+            weights = kernels.sparsemax(scores, causal=True, kernels="torch")
+        else:
+            weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        zeros = ((weights == 0) & causal).sum((0, 2, 3)).double() / (q.size(0) * causal.sum())
+        layers.append({"name": name, "zero_frac": zeros.mean().item(), "zero_frac_per_head": zeros.tolist()})
+        fractions.append(zeros.cpu().numpy())
+    summary = {"attention": "sparsemax" if kind == "sparsemax" else "softmax", "layers": layers, "zero_frac": float(np.mean([l["zero_frac"] for l in layers]))}
+    return summary, {"zero_frac": np.stack(fractions)}
+
+
+# ----------------------------------------------------------------------------------------------------
 # plots: one PNG per section
 
 def _pyplot():
@@ -650,6 +698,17 @@ def plot_isotropy(summary, arrays, path):
     _save(plt, fig, path)
 
 
+def plot_sparsity(summary, arrays, path):
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    image = ax.imshow(arrays["zero_frac"], vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    fig.colorbar(image, ax=ax)
+    ax.set_xlabel("head")
+    ax.set_ylabel("attention layer")
+    ax.set_title(f"fraction of exact zeros in the causal attention weights ({summary['attention']})", fontsize=9)
+    _save(plt, fig, path)
+
+
 # ----------------------------------------------------------------------------------------------------
 # run sections, save, print
 
@@ -661,7 +720,7 @@ def run_analysis(model, batches, out_dir, sections=SECTIONS, top_k=3, power_iter
                  lanczos_iters=60, n_slq=2, hessian_batches=1, seed=0, verbose=True):
     """Run the chosen sections on an analysis_model and write summary.json, <section>.npz and
     <section>.png into out_dir. batches: micro-batches [(x, y), ...] (≥ 2 for the noise scale); the
-    Hessian uses the first hessian_batches of them, hc/gates/isotropy the first one. Returns the summary."""
+    Hessian uses the first hessian_batches of them, hc/gates/isotropy/sparsity the first one. Returns the summary."""
     os.makedirs(out_dir, exist_ok=True)
     summary, gradient_ratios = {}, None
 
@@ -705,6 +764,12 @@ def run_analysis(model, batches, out_dir, sections=SECTIONS, top_k=3, power_iter
             save(section, s, a, plot_hc if section == "hc" else plot_gates)
         elif section == "isotropy":
             save(section, *isotropy(model, idx), plot_isotropy)
+        elif section == "sparsity":
+            s, a = attention_sparsity(model, batches[0])
+            if s is None:
+                summary[section] = None
+                continue
+            save(section, s, a, plot_sparsity)
         else:
             raise ValueError(f"unknown section {section!r}: use any of {', '.join(SECTIONS)}")
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
@@ -751,6 +816,10 @@ def print_table(summary):
         print("isotropy (participation ratio, 1 = isotropic): " +
               " ".join(f"{name.replace('blocks.', '').replace('.weight', '')} {s['participation_ratio']:.2f}"
                        for name, s in iso.items()))
+    if summary.get("sparsity"):
+        sp = summary["sparsity"]
+        print(f"sparsity ({sp['attention']}): exact zeros in the causal attention weights, per layer " +
+              " ".join(f"{layer['zero_frac']:.3f}" for layer in sp["layers"]) + f"; mean {sp['zero_frac']:.3f}")
 
 
 # ----------------------------------------------------------------------------------------------------
