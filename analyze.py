@@ -515,7 +515,8 @@ def attention_sparsity(model, batch):
         else:
             weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         zeros = ((weights == 0) & causal).sum((0, 2, 3)).double() / (q.size(0) * causal.sum())
-        layers.append({"name": name, "zero_frac": zeros.mean().item(), "zero_frac_per_head": zeros.tolist()})
+        layers.append({"name": name, "zero_frac": zeros.mean().item(), "zero_frac_per_head": zeros.tolist(),
+                       "mean_keys_used": (weights > 0).sum(-1).double().mean().item()})  # nonzero weights per query
         fractions.append(zeros.cpu().numpy())
     summary = {"attention": "sparsemax" if kind == "sparsemax" else "softmax", "layers": layers, "zero_frac": float(np.mean([l["zero_frac"] for l in layers]))}
     return summary, {"zero_frac": np.stack(fractions)}
@@ -703,6 +704,8 @@ def plot_sparsity(summary, arrays, path):
     fig, ax = plt.subplots(figsize=(6, 4))
     image = ax.imshow(arrays["zero_frac"], vmin=0, vmax=1, cmap="viridis", aspect="auto")
     fig.colorbar(image, ax=ax)
+    ax.set_xticks(range(arrays["zero_frac"].shape[1]))
+    ax.set_yticks(range(arrays["zero_frac"].shape[0]))
     ax.set_xlabel("head")
     ax.set_ylabel("attention layer")
     ax.set_title(f"fraction of exact zeros in the causal attention weights ({summary['attention']})", fontsize=9)
@@ -819,7 +822,8 @@ def print_table(summary):
     if summary.get("sparsity"):
         sp = summary["sparsity"]
         print(f"sparsity ({sp['attention']}): exact zeros in the causal attention weights, per layer " +
-              " ".join(f"{layer['zero_frac']:.3f}" for layer in sp["layers"]) + f"; mean {sp['zero_frac']:.3f}")
+              " ".join(f"{layer['zero_frac']:.3f}" for layer in sp["layers"]) + f"; mean {sp['zero_frac']:.3f}; keys "
+              "with nonzero weight per query " + " ".join(f"{layer['mean_keys_used']:.2f}" for layer in sp["layers"]))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ kernels.py: every op the model needs that has a fast path, one section per op.
     rms_norm          (x[..., C], weight[C], eps) -> y                             ref, torch, triton
     rope              (x[B,T,H,D], cos[T,D/2], sin[T,D/2]) -> y  (interleaved pairs) ref, torch, triton
     softmax           (x[R, N]) -> y                                               ref, torch, triton
+    sparsemax         (z[..., T, N], causal=False) -> p = [z − τ]₊ with Σ p = 1      ref, torch, triton
     sinkhorn          (logits[..., n, n], iters=20) -> P  (doubly stochastic)      ref, torch, triton
     gdn2_decay_clip   (g, k, b [B,T,H,K]) -> g' = min(g, −log ‖I − k(b⊙k)ᵀ‖₂)         ref, torch, triton
     gdn2_gates        (decay_logits, erase_logits, k [B,T,H,K], A_log [H], dt_bias [H,K], clip=True) -> (g', b)
@@ -1910,6 +1911,7 @@ def triton_report(device):
          (randn(B, T, 3 * K + 5), randn(3 * K + 5))),
         ("rope", rope_triton, rope_ref, (randn(B, T, H, K), angle.cos(), angle.sin())),
         ("softmax", softmax_triton, softmax_ref, (randn(B * T, 3 * K + 5) * 3,)),
+        ("sparsemax causal", lambda z: sparsemax_triton(z, True), lambda z: sparsemax_ref(z, True), (randn(B, H, T, T) * 3,)),
         ("sinkhorn", sinkhorn_triton, sinkhorn_ref, (randn(B, T, 4, 4) * 2,)),
         ("gdn2_decay_clip", gdn2_decay_clip_triton, gdn2_decay_clip_ref,
          (-rand(B, T, H, K), normalize(randn(B, T, H, K), dim=-1), 2 * rand(B, T, H, K))),
@@ -1944,6 +1946,7 @@ def triton_report(device):
          [x4.reshape(B * T, H * D), torch.ones(H * D, device=device)]),
         ("rope", lambda x: rope_triton(x, cos, sin), lambda x: rope_ref(x, cos, sin), [x4]),
         ("softmax", softmax_triton, softmax_torch, [x4.reshape(-1, D)]),
+        ("sparsemax", lambda z: sparsemax_triton(z, True), lambda z: sparsemax_torch(z, True), [randn(B, H, T, T).to(bf16)]),
         ("sinkhorn", sinkhorn_triton, sinkhorn_torch, [randn(B, T, 4, 4)]),
         ("gdn2_decay_clip", gdn2_decay_clip_triton, gdn2_decay_clip_torch, gdn2_args[3:4] + gdn2_args[1:2] + gdn2_args[4:5]),
         ("gdn2_gates", gdn2_gates_triton, gdn2_gates_torch,
@@ -2024,6 +2027,7 @@ if __name__ == "__main__":
         "rms_norm": lambda kernels: rms_norm(x4, x4[0, 0, 0], 1e-6, kernels=kernels),
         "rope": lambda kernels: rope(x4, theta.cos(), theta.sin(), kernels=kernels),
         "softmax": lambda kernels: softmax(x4.reshape(-1, K) * 4, kernels=kernels),
+        "sparsemax": lambda kernels: sparsemax(x4[:, :K].transpose(1, 2) * 4, causal=True, kernels=kernels),
         "sinkhorn": lambda kernels: sinkhorn(x4.reshape(-1, 4, 4) * 5, kernels=kernels),
         "gdn2_decay_clip": lambda kernels: gdn2_decay_clip(gates[3], gates[1], gates[4], kernels=kernels),
         "gdn2_gates": lambda kernels: gdn2_gates(*gate_logits, kernels=kernels),

@@ -1034,6 +1034,16 @@ def test_triton_sparsemax(shape, causal):
     assert pb.dtype == torch.bfloat16 and (pb.float() - kernels.sparsemax_ref(z.bfloat16().float(), causal)).abs().max() < 1e-2
 
 
+def test_triton_sparsemax_custom_ops_pass_opcheck():
+    """specgpt::sparsemax_fwd / _bwd: schema, fake-tensor shapes, autograd registration, AOT dispatch."""
+    z = torch.randn(2, 5, 7) * 3
+    p = kernels.sparsemax_triton(z, True)
+    for op, args in ((torch.ops.specgpt.sparsemax_fwd.default, (z.requires_grad_(), True)),
+                     (torch.ops.specgpt.sparsemax_bwd.default, (p, torch.randn_like(p)))):
+        results = torch.library.opcheck(op, args)
+        assert all(v == "SUCCESS" for v in results.values()), results
+
+
 SHARED_MEMORY_LIMIT = {80: 166912, 89: 101376, 90: 232448}  # bytes per block: sm_80, sm_89, sm_90
 
 
@@ -2972,6 +2982,7 @@ def test_attention_sparsity_counts_exact_zeros_per_layer_and_head():
         h.remove()
     assert [layer["name"] for layer in summary["layers"]] == ["blocks.0.mixer", "blocks.2.mixer"] and len(inputs) == 2
     visible = torch.ones(16, 16, dtype=torch.bool).tril()
+    layer_zeros = []
     for (m, x, (cos, sin)), row in zip(inputs, arrays["zero_frac"]):
         B, T, _ = x.shape
         q = kernels.rope_ref(m.q_proj(x).view(B, T, 2, 16), cos, sin).transpose(1, 2).double()
@@ -2981,9 +2992,13 @@ def test_attention_sparsity_counts_exact_zeros_per_layer_and_head():
         # fp64 bisection here against fp32 in the model: an entry at τ's edge may flip, one per head at most
         assert (torch.as_tensor(row) * B * visible.sum() - zeros).abs().max() <= 1 + 1e-9
         assert zeros.min() > 0.3 * B * visible.sum()
+        layer = summary["layers"][len(layer_zeros)]
+        layer_zeros.append(zeros)
+        assert abs(layer["mean_keys_used"] - (2 * B * visible.sum() - zeros.sum()) / (2 * B * T)) <= 1 / (2 * B * T) + 1e-9
     assert summary["attention"] == "sparsemax"
     softmax_summary, _ = analyze.attention_sparsity(GPT(tiny_config()), idx)
     assert softmax_summary["attention"] == "softmax" and softmax_summary["zero_frac"] == 0
+    assert all(layer["mean_keys_used"] == 8.5 for layer in softmax_summary["layers"])  # query t sees t + 1 keys
 
 
 def test_analyze_during_training_logs_without_side_effects(tmp_path):
