@@ -23,8 +23,9 @@ the arrays and <section>.png, and prints a short table. Sections, each also a fu
     sparsity   attention_sparsity(model, batch)  fraction of exact zeros in the attention weights per layer and
                                                  head, over the causal entries (sparsemax attention)
 
-The model runs in fp32 with kernels="torch" and the explicit-softmax attention (analysis_model): fused
-SDPA and the Triton kernels have no second derivative, which Hessian-vector products need.
+The model runs in fp32 with kernels="torch" and the explicit-softmax attention, or sparsemax attention for a
+sparsemax model (analysis_model): fused SDPA and the Triton kernels have no second derivative, which
+Hessian-vector products need.
 During training, `train.py --analyze_every=N` calls analyze_during_training (the cheap sections,
 one JSON line per call) and plot_training_analysis draws them against the step.
 """
