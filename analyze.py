@@ -519,7 +519,8 @@ def attention_sparsity(model, batch):
         layers.append({"name": name, "zero_frac": zeros.mean().item(), "zero_frac_per_head": zeros.tolist(),
                        "mean_keys_used": (weights > 0).sum(-1).double().mean().item()})  # nonzero weights per query
         fractions.append(zeros.cpu().numpy())
-    summary = {"attention": "sparsemax" if kind == "sparsemax" else "softmax", "layers": layers, "zero_frac": float(np.mean([l["zero_frac"] for l in layers]))}
+    summary = {"attention": "sparsemax" if kind == "sparsemax" else "softmax", "layers": layers,
+               "zero_frac": float(np.mean([layer["zero_frac"] for layer in layers]))}
     return summary, {"zero_frac": np.stack(fractions)}
 
 

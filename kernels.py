@@ -770,6 +770,7 @@ if HAS_TRITON:
             visible = visible & (cols[None, :] <= (N - T + rows % T)[:, None])
         offs = rows[:, None].to(tl.int64) * N + cols[None, :]
         z = tl.load(z_ptr + offs, mask=visible, other=-float("inf")).to(tl.float32)
+        z = tl.where(rows[:, None] < n_rows, z, 0.0)  # rows past the end stay finite: no NaN in unused lanes
         hi = tl.max(z, axis=1)
         lo = hi - 1.0
         for _ in range(HALVINGS):
