@@ -28,9 +28,12 @@ function:
     isotropy   isotropy(model, idx)              eigenvalues of each linear layer's input second moment
     coord      coordinate_transfer()             (not default) layer output RMS and ‖ΔW‖_nat over widths
     lr_transfer lr_transfer(dataset)             (not default) best lr per width, ~10 min per optimizer
+    sparsity   attention_sparsity(model, batch)  fraction of exact zeros in the attention weights per layer and
+                                                 head, over the causal entries (sparsemax attention)
 
-The model runs in fp32 with kernels="torch" and the explicit-softmax attention (analysis_model): fused
-SDPA and the Triton kernels have no second derivative, which Hessian-vector products need.
+The model runs in fp32 with kernels="torch" and the explicit-softmax attention, or sparsemax attention for a
+sparsemax model (analysis_model): fused SDPA and the Triton kernels have no second derivative, which
+Hessian-vector products need.
 During training, `train.py --analyze_every=N` calls analyze_during_training (the cheap sections,
 one JSON line per call) and plot_training_analysis draws them against the step.
 """
@@ -48,10 +51,11 @@ import torch.nn as nn
 
 import data
 import kernels
+import model as model_module
 import optim
 import train
 from init import init_weights, natural_spectral_norm
-from model import GPT, GPTConfig, HyperConnection, GatedDelta
+from model import GPT, GPTConfig, HyperConnection, GatedDelta, Attention
 
 TW1_QUANTILE_99 = 2.02  # 99% quantile of the Tracy–Widom (β = 1) law of the largest noise eigenvalue
 
@@ -63,10 +67,12 @@ def progress(label, i, n, verbose):
 
 def analysis_model(model):
     """A copy of model (unwrapped from DDP / torch.compile) with the same weights, in fp32, eval mode,
-    kernels="torch" and math attention, so that double backward runs through it."""
+    kernels="torch" and math attention (sparsemax attention stays: its torch path has a double backward),
+    so that double backward runs through it."""
     model = getattr(model, "module", model)
     model = getattr(model, "_orig_mod", model)
-    cfg = dataclasses.replace(model.config, attention="math", kernels="torch")
+    attention = "sparsemax" if model.config.attention == "sparsemax" else "math"
+    cfg = dataclasses.replace(model.config, attention=attention, kernels="torch")
     with torch.random.fork_rng(devices=[]):  # building a GPT draws an init: leave the caller's RNG alone
         twin = GPT(cfg)
     twin.load_state_dict(model.state_dict())
@@ -672,6 +678,51 @@ def show_lr_transfer(summary):
 
 
 # ----------------------------------------------------------------------------------------------------
+# sparsity: exact zeros in the attention weights (sparsemax attention makes them; softmax only by underflow)
+
+@torch.no_grad()
+def attention_sparsity(model, batch):
+    """Fraction of exact zeros in each attention layer's weights, per head, over the causal entries (key s ≤
+    query t) of one forward pass of batch = (x, y) (or x alone), on analysis_model(model): softmax for sdpa and
+    math models, sparsemax for sparsemax ones. The weights are recomputed from the q, k that each layer hands
+    its explicit attention function. Returns (summary, arrays); (None, {}) for a model without attention."""
+    twin = analysis_model(model)
+    names = [name for name, module in twin.named_modules() if isinstance(module, Attention)]
+    if not names:
+        return None, {}
+    idx = batch[0] if isinstance(batch, (tuple, list)) else batch
+    kind = twin.config.attention
+    # Attention.forward looks the function up in model.py at call time: wrap it for one pass to see q, k
+    fn_name = "attention_sparsemax" if kind == "sparsemax" else "attention_math"
+    original, captured = getattr(model_module, fn_name), []
+
+    def recording(q, k, *args):
+        captured.append((q, k))
+        return original(q, k, *args)
+    setattr(model_module, fn_name, recording)
+    try:
+        twin(idx.to(next(twin.parameters()).device))
+    finally:
+        setattr(model_module, fn_name, original)
+    layers, fractions = [], []
+    for name, (q, k) in zip(names, captured):
+        T, S = q.size(2), k.size(2)
+        scores = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5
+        causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        if kind == "sparsemax":
+            weights = kernels.sparsemax(scores, causal=True, kernels="torch")
+        else:
+            weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        zeros = ((weights == 0) & causal).sum((0, 2, 3)).double() / (q.size(0) * causal.sum())
+        layers.append({"name": name, "zero_frac": zeros.mean().item(), "zero_frac_per_head": zeros.tolist(),
+                       "mean_keys_used": (weights > 0).sum(-1).double().mean().item()})  # nonzero weights per query
+        fractions.append(zeros.cpu().numpy())
+    summary = {"attention": "sparsemax" if kind == "sparsemax" else "softmax", "layers": layers,
+               "zero_frac": float(np.mean([layer["zero_frac"] for layer in layers]))}
+    return summary, {"zero_frac": np.stack(fractions)}
+
+
+# ----------------------------------------------------------------------------------------------------
 # plots: one PNG per section
 
 def _pyplot():
@@ -848,6 +899,19 @@ def plot_isotropy(summary, arrays, path):
     _save(plt, fig, path)
 
 
+def plot_sparsity(summary, arrays, path):
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    image = ax.imshow(arrays["zero_frac"], vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    fig.colorbar(image, ax=ax)
+    ax.set_xticks(range(arrays["zero_frac"].shape[1]))
+    ax.set_yticks(range(arrays["zero_frac"].shape[0]))
+    ax.set_xlabel("head")
+    ax.set_ylabel("attention layer")
+    ax.set_title(f"fraction of exact zeros in the causal attention weights ({summary['attention']})", fontsize=9)
+    _save(plt, fig, path)
+
+
 # ----------------------------------------------------------------------------------------------------
 # the sections: one row each in SECTIONS (a new section is its function and its row)
 
@@ -927,6 +991,12 @@ def show_isotropy(summary):
                    for name, s in summary.items()))
 
 
+def show_sparsity(sp):
+    print(f"sparsity ({sp['attention']}): exact zeros in the causal attention weights, per layer " +
+          " ".join(f"{layer['zero_frac']:.3f}" for layer in sp["layers"]) + f"; mean {sp['zero_frac']:.3f}; keys "
+          "with nonzero weight per query " + " ".join(f"{layer['mean_keys_used']:.2f}" for layer in sp["layers"]))
+
+
 @dataclasses.dataclass
 class Section:
     """run(model, inputs) -> (summary, arrays), summary None where the model lacks the part; inputs holds
@@ -958,6 +1028,8 @@ SECTIONS = {  # in run order: a section's needs come before it
                      default=False),
     "lr_transfer": Section(lambda model, inputs: lr_transfer(inputs["opts"]["dataset"], inputs["opts"]["tokenizer"]),
                            plot_lr_transfer, show_lr_transfer, default=False),
+    "sparsity": Section(lambda model, inputs: attention_sparsity(model, inputs["batches"][0]), plot_sparsity,
+                        show_sparsity),
 }
 DEFAULT_SECTIONS = [name for name, s in SECTIONS.items() if s.default]
 

@@ -5,6 +5,7 @@ kernels.py: every op the model needs that has a fast path, one section per op.
     rms_norm          (x[..., C], weight[C], eps) -> y                             ref, torch, triton
     rope              (x[B,T,H,D], cos[T,D/2], sin[T,D/2]) -> y  (interleaved pairs) ref, torch, triton
     softmax           (x[R, N]) -> y                                               ref, torch, triton
+    sparsemax         (z[..., T, N], causal=False) -> p = [z − τ]₊ with Σ p = 1      ref, torch, triton
     sinkhorn          (logits[..., n, n], iters=20) -> P  (doubly stochastic)      ref, torch, triton
     gdn2_decay_clip   (g, k, b [B,T,H,K]) -> g' = min(g, −log ‖I − k(b⊙k)ᵀ‖₂)         ref, torch, triton
     gdn2_gates        (decay_logits, erase_logits, k [B,T,H,K], A_log [H], dt_bias [H,K], clip=True) -> (g', b)
@@ -144,6 +145,59 @@ def softmax(x, kernels="auto"):
     if path == "ref":
         return softmax_ref(x)
     return softmax_torch(x)
+
+
+# -----------------------------------------------------------------------------
+# sparsemax over the last dim of z[..., T, N] (Martins & Astudillo 2016): the Euclidean projection of each row
+# onto the probability simplex, p = [z − τ]₊ with τ chosen so that Σ_j p_j = 1: every score at or below τ gets
+# weight exactly 0. causal=True: row t of the last two dims sees only columns s ≤ N − T + t (the
+# T queries are the last T of N positions, as in attention with a key cache); the other columns get p = 0.
+# Jacobian: on the support S = {j : p_j > 0}, dz = g − mean_S(g); off it dz = 0.
+
+def _sparsemax_visible(z, causal):
+    """The [T, N] mask of the columns each row may use (None when all of them)."""
+    if not causal:
+        return None
+    if z.ndim < 2 or z.shape[-2] > z.shape[-1]:
+        raise ValueError(f"causal sparsemax needs z[..., T, N] with T <= N (queries are the last T of N positions); "
+                         f"got shape {tuple(z.shape)}")
+    T, N = z.shape[-2], z.shape[-1]
+    return torch.ones(T, N, dtype=torch.bool, device=z.device).tril(N - T)
+
+
+def sparsemax_ref(z, causal=False):
+    # sorted z_(1) ≥ z_(2) ≥ …: the support is the first k entries, k = max{j : 1 + j·z_(j) > Σ_{i≤j} z_(i)},
+    # and τ = (Σ_{i≤k} z_(i) − 1) / k. Hidden columns are −inf: they sort last and never join the support.
+    zf = z.to(torch.promote_types(z.dtype, torch.float32))
+    visible = _sparsemax_visible(z, causal)
+    if visible is not None:
+        zf = zf.masked_fill(~visible, float("-inf"))
+    z_sorted = zf.sort(dim=-1, descending=True).values
+    j = torch.arange(1, z.shape[-1] + 1, device=z.device, dtype=zf.dtype)
+    cumsum = z_sorted.cumsum(-1)
+    k = (1 + j * z_sorted > cumsum).sum(-1, keepdim=True)
+    tau = (cumsum.gather(-1, k - 1) - 1) / k
+    return (zf - tau).clamp_min(0).to(z.dtype)
+
+
+def sparsemax_torch(z, causal=False):
+    # The support from the sort (no autograd), then τ = (Σ_S z − 1)/|S| and p = z − τ on S in plain elementwise
+    # ops: autograd sees exactly the Jacobian above (and double backward works, which analyze.py needs),
+    # instead of differentiating through sort and cumsum.
+    zf = z.to(torch.promote_types(z.dtype, torch.float32))
+    with torch.no_grad():
+        support = sparsemax_ref(zf, causal) > 0
+    tau = (torch.where(support, zf, 0).sum(-1, keepdim=True) - 1) / support.sum(-1, keepdim=True)
+    return torch.where(support, zf - tau, 0).to(z.dtype)
+
+
+def sparsemax(z, causal=False, kernels="auto"):
+    path = _path("sparsemax", kernels, z)
+    if path == "triton":
+        return sparsemax_triton(z, causal)
+    if path == "ref":
+        return sparsemax_ref(z, causal)
+    return sparsemax_torch(z, causal)
 
 
 # -----------------------------------------------------------------------------
@@ -684,6 +738,107 @@ def softmax_triton(x):
     if x.ndim != 2:
         raise ValueError(f"softmax_triton takes a 2-D x[R, N]; got shape {tuple(x.shape)}; reshape to rows first")
     return _SoftmaxTriton.apply(x)
+
+
+# -----------------------------------------------------------------------------
+# sparsemax in Triton
+
+# τ without a sort: f(τ) = Σ_j [z_j − τ]₊ − 1 falls monotonically in τ, f(max z − 1) ≥ 0 (the largest
+# entry alone gives 1) and f(max z) = −1, so τ lies in [max z − 1, max z]. Each program holds BLOCK_R rows
+# in registers and halves that bracket _SPARSEMAX_HALVINGS times (one pass over the row each, 2^-24 of
+# the unit bracket is below fp32 resolution of the scores), keeping f(lo) ≥ 0. Then S = {z_j > lo}
+# contains the support and τ = (Σ_S z − 1)/|S| exactly; an entry wrongly in S lies within the final bracket
+# width of τ, so it moves τ by less than that width. The backward needs only p: S = {p > 0}.
+_SPARSEMAX_HALVINGS = 24
+
+
+def _sparsemax_blocks(n):
+    """(BLOCK_R, BLOCK_N, num_warps): whole rows in one tile of about 4096 entries, more warps for long rows."""
+    block_n = triton.next_power_of_2(n)
+    return max(1, min(64, 4096 // block_n)), block_n, min(16, max(4, block_n // 512))
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _sparsemax_fwd_kernel(z_ptr, p_ptr, n_rows, T, N, CAUSAL: tl.constexpr, HALVINGS: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_N)
+        in_rows = (rows[:, None] < n_rows) & (cols[None, :] < N)
+        visible = in_rows
+        if CAUSAL:  # row t sees columns s ≤ N − T + t
+            visible = visible & (cols[None, :] <= (N - T + rows % T)[:, None])
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        z = tl.load(z_ptr + offs, mask=visible, other=-float("inf")).to(tl.float32)
+        z = tl.where(rows[:, None] < n_rows, z, 0.0)  # rows past the end stay finite: no NaN in unused lanes
+        hi = tl.max(z, axis=1)
+        lo = hi - 1.0
+        for _ in range(HALVINGS):
+            mid = 0.5 * (lo + hi)
+            above = tl.sum(tl.maximum(z - mid[:, None], 0.0), axis=1) >= 1.0  # f(mid) ≥ 0: τ ≥ mid
+            lo = tl.where(above, mid, lo)
+            hi = tl.where(above, hi, mid)
+        support = z > lo[:, None]
+        tau = (tl.sum(tl.where(support, z, 0.0), axis=1) - 1.0) / tl.sum(support.to(tl.float32), axis=1)
+        p = tl.maximum(z - tau[:, None], 0.0)  # hidden columns: −inf − τ → 0
+        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=in_rows)
+
+    @triton.jit
+    def _sparsemax_bwd_kernel(p_ptr, g_ptr, dz_ptr, n_rows, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+        # dz = g − mean_S(g) on S = {p > 0}, 0 elsewhere
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        on = tl.load(p_ptr + offs, mask=mask, other=0.0) > 0
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mean_g = tl.sum(tl.where(on, g, 0.0), axis=1) / tl.maximum(tl.sum(on.to(tl.float32), axis=1), 1.0)
+        dz = tl.where(on, g - mean_g[:, None], 0.0)
+        tl.store(dz_ptr + offs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+
+    # forward and backward are each one opaque op to autograd and torch.compile
+    @torch.library.custom_op("specgpt::sparsemax_fwd", mutates_args=())
+    def _sparsemax_fwd(z: torch.Tensor, causal: bool) -> torch.Tensor:
+        N = z.shape[-1]
+        z2 = z.reshape(-1, N).contiguous()
+        p = torch.empty_like(z2)
+        block_r, block_n, warps = _sparsemax_blocks(N)
+        _sparsemax_fwd_kernel[(triton.cdiv(z2.shape[0], block_r),)](
+            z2, p, z2.shape[0], z.shape[-2] if causal else 1, N, CAUSAL=causal, HALVINGS=_SPARSEMAX_HALVINGS,
+            BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
+        return p.view(z.shape)
+
+    @_sparsemax_fwd.register_fake
+    def _(z, causal):
+        return z.new_empty(z.shape)
+
+    @torch.library.custom_op("specgpt::sparsemax_bwd", mutates_args=())
+    def _sparsemax_bwd(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        N = p.shape[-1]
+        p2, g2 = p.reshape(-1, N).contiguous(), g.reshape(-1, N).contiguous()
+        dz = torch.empty_like(p2)
+        block_r, block_n, warps = _sparsemax_blocks(N)
+        _sparsemax_bwd_kernel[(triton.cdiv(p2.shape[0], block_r),)](p2, g2, dz, p2.shape[0], N,
+                                                                    BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
+        return dz.view(p.shape)
+
+    @_sparsemax_bwd.register_fake
+    def _(p, g):
+        return p.new_empty(p.shape)
+
+    def _sparsemax_setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    def _sparsemax_backward(ctx, g):
+        (p,) = ctx.saved_tensors
+        return _sparsemax_bwd(p, g), None
+
+    _sparsemax_fwd.register_autograd(_sparsemax_backward, setup_context=_sparsemax_setup_context)
+
+
+def sparsemax_triton(z, causal=False):
+    _sparsemax_visible(z, causal)  # the shape check
+    return _sparsemax_fwd(z, causal)
 
 
 # -----------------------------------------------------------------------------
@@ -1757,6 +1912,7 @@ def triton_report(device):
          (randn(B, T, 3 * K + 5), randn(3 * K + 5))),
         ("rope", rope_triton, rope_ref, (randn(B, T, H, K), angle.cos(), angle.sin())),
         ("softmax", softmax_triton, softmax_ref, (randn(B * T, 3 * K + 5) * 3,)),
+        ("sparsemax causal", lambda z: sparsemax_triton(z, True), lambda z: sparsemax_ref(z, True), (randn(B, H, T, T) * 3,)),
         ("sinkhorn", sinkhorn_triton, sinkhorn_ref, (randn(B, T, 4, 4) * 2,)),
         ("gdn2_decay_clip", gdn2_decay_clip_triton, gdn2_decay_clip_ref,
          (-rand(B, T, H, K), normalize(randn(B, T, H, K), dim=-1), 2 * rand(B, T, H, K))),
@@ -1791,6 +1947,7 @@ def triton_report(device):
          [x4.reshape(B * T, H * D), torch.ones(H * D, device=device)]),
         ("rope", lambda x: rope_triton(x, cos, sin), lambda x: rope_ref(x, cos, sin), [x4]),
         ("softmax", softmax_triton, softmax_torch, [x4.reshape(-1, D)]),
+        ("sparsemax", lambda z: sparsemax_triton(z, True), lambda z: sparsemax_torch(z, True), [randn(B, H, T, T).to(bf16)]),
         ("sinkhorn", sinkhorn_triton, sinkhorn_torch, [randn(B, T, 4, 4)]),
         ("gdn2_decay_clip", gdn2_decay_clip_triton, gdn2_decay_clip_torch, gdn2_args[3:4] + gdn2_args[1:2] + gdn2_args[4:5]),
         ("gdn2_gates", gdn2_gates_triton, gdn2_gates_torch,
@@ -1871,6 +2028,7 @@ if __name__ == "__main__":
         "rms_norm": lambda kernels: rms_norm(x4, x4[0, 0, 0], 1e-6, kernels=kernels),
         "rope": lambda kernels: rope(x4, theta.cos(), theta.sin(), kernels=kernels),
         "softmax": lambda kernels: softmax(x4.reshape(-1, K) * 4, kernels=kernels),
+        "sparsemax": lambda kernels: sparsemax(x4[:, :K].transpose(1, 2) * 4, causal=True, kernels=kernels),
         "sinkhorn": lambda kernels: sinkhorn(x4.reshape(-1, 4, 4) * 5, kernels=kernels),
         "gdn2_decay_clip": lambda kernels: gdn2_decay_clip(gates[3], gates[1], gates[4], kernels=kernels),
         "gdn2_gates": lambda kernels: gdn2_gates(*gate_logits, kernels=kernels),

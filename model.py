@@ -38,7 +38,7 @@ class GPTConfig:
     tie_embeddings: bool = True      # lm_head shares the token embedding's weight
     bias: bool = False               # biases in the linear layers
     dropout: float = 0.0             # dropout probability (embeddings, attention, residual branches)
-    attention: str = "sdpa"        # sdpa (fused) | math (explicit softmax: supports double backward)
+    attention: str = "sdpa"        # sdpa (fused) | math (explicit softmax: supports double backward) | sparsemax
     gdn_variant: str = "gdn2"      # deltanet | gdn | kda | gdn2
     gdn_clip: bool = True            # gdn2: the spectral clip that keeps each transition contractive
     gdn_expand_v: int = 1            # G mixer: value width = gdn_expand_v x head size
@@ -52,7 +52,7 @@ class GPTConfig:
     init: str = "gpt2"             # gpt2 | spectral
 
     def __post_init__(self):
-        choices = {"mlp": ("relu2", "gelu", "swiglu"), "attention": ("sdpa", "math"),
+        choices = {"mlp": ("relu2", "gelu", "swiglu"), "attention": ("sdpa", "math", "sparsemax"),
                    "residual": ("res", "hc", "mhc", "mhc-lite", "kromhc", "shc", "markov"),
                    "gdn_variant": ("deltanet", "gdn", "kda", "gdn2"),
                    "mamba_discretization": ("euler", "zoh"), "kernels": ("auto", "torch", "triton", "ref"),
@@ -114,6 +114,14 @@ def attention_math(q, k, v, dropout=0.0):
     return torch.bmm(att, v.reshape(B * nh, S, d)).view(B, nh, T, d)
 
 
+def attention_sparsemax(q, k, v, dropout=0.0, kernels_path="auto"):
+    """sparsemax(q kᵀ / sqrt(d)) v (Martins & Astudillo 2016), shapes as in attention_math: each query's weights
+    are the projection of its scores onto the simplex, so low-scoring keys get exactly 0. The causal mask is
+    applied inside kernels.sparsemax (future keys get weight 0)."""
+    att = kernels.sparsemax((q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5, causal=True, kernels=kernels_path)
+    return F.dropout(att, dropout) @ v
+
+
 class Attention(nn.Module):
     """Causal self-attention with RoPE on q, k: o_t = Σ_{s≤t} softmax_s(q_t·k_s / sqrt(d)) v_s."""
 
@@ -147,6 +155,8 @@ class Attention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         if self.attention == "math":
             y = attention_math(q, k, v, dropout)
+        elif self.attention == "sparsemax":
+            y = attention_sparsemax(q, k, v, dropout, self.kernels_path)
         elif S == T:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         else:  # query i sits at position S - T + i and sees keys 0 .. S - T + i

@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from model import GPT, GPTConfig, GatedDelta, HyperConnection, Mamba2, hc_res_init, rope_cache
+from model import GPT, Attention, GPTConfig, GatedDelta, HyperConnection, Mamba2, hc_res_init, rope_cache
 import analyze
 import data
 import init
@@ -217,6 +217,29 @@ def greedy_by_recomputation(model, prompt, steps, window=None):
         logits, _ = model(seq if window is None else seq[:, -window:])
         seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     return seq
+
+
+def test_sparsemax_attention_model_is_causal_sparse_and_generates():
+    """attention="sparsemax": the output at t ignores tokens after t, every query's weights are the simplex
+    projection of its visible scores (exact zeros included), and cached decoding (T < S) matches recomputation."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(attention="sparsemax")).eval()
+    idx = torch.randint(0, 50, (2, 20))
+    changed = idx.clone()
+    changed[:, 12:] = (changed[:, 12:] + 7) % 50
+    a, _ = model(idx)
+    b, _ = model(changed)
+    assert torch.equal(a[:, :12], b[:, :12]) and not torch.allclose(a[:, 12:], b[:, 12:])
+    prompt = torch.randint(0, 50, (1, 5))
+    assert torch.equal(model.generate(prompt, 20, temperature=1e-8), greedy_by_recomputation(model, prompt, 20, window=32))
+    # attention_sparsemax against a per-query loop over the projection of the visible scores
+    from model import attention_sparsemax
+    q, k, v = (torch.randn(2, 3, 9, 8, dtype=torch.float64) * 3 for _ in range(3))
+    y = attention_sparsemax(q, k, v)
+    for t in range(9):
+        w = _kernels_simplex_projection(q[:, :, t:t + 1] @ k[:, :, :t + 1].transpose(-2, -1) / math.sqrt(8))
+        assert (y[:, :, t:t + 1] - w @ v[:, :, :t + 1]).abs().max() < 1e-10
+    assert (kernels.sparsemax(q @ k.transpose(-2, -1) / math.sqrt(8), causal=True) == 0).float().mean() > 0.6
 
 
 def test_flops_per_token_counts_matmuls():
@@ -627,6 +650,76 @@ def test_kernels_sinkhorn_torch_matches_ref_and_has_gradients():
     # saturated logits: the log-domain torch path stays finite where rows would underflow
     huge = torch.randn(2, 4, 4) * 200
     assert torch.isfinite(kernels.sinkhorn(huge, kernels="torch")).all()
+
+
+# -----------------------------------------------------------------------------
+# sparsemax: the Euclidean projection onto the simplex
+
+def _kernels_simplex_projection(z, iters=200):
+    """argmin_{p ∈ simplex} ‖p − z‖² row by row in float64, by bisection on the dual threshold τ (the
+    root of Σ_j max(z_j − τ, 0) = 1), written here from the KKT conditions and independent of kernels.py."""
+    z = z.double()
+    lo, hi = z.min(-1, keepdim=True).values - 1, z.max(-1, keepdim=True).values
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        too_low = (z - mid).clamp_min(0).sum(-1, keepdim=True) > 1
+        lo, hi = torch.where(too_low, mid, lo), torch.where(too_low, hi, mid)
+    return (z - (lo + hi) / 2).clamp_min(0)
+
+
+@pytest.mark.parametrize("path", ["torch", "ref"])
+def test_kernels_sparsemax_is_the_simplex_projection(path):
+    # the worked example of Martins & Astudillo's construction: τ = (2 + 1.5 − 1)/2 = 1.25
+    p = kernels.sparsemax(torch.tensor([1.5, 2.0, 0.5]), kernels=path)
+    assert torch.allclose(p, torch.tensor([0.25, 0.75, 0.0]), atol=1e-7) and p[2] == 0
+    torch.manual_seed(0)
+    for scale in (0.05, 1.0, 30.0):
+        z = torch.randn(4, 9, 37, dtype=torch.float64) * scale
+        p = kernels.sparsemax(z, kernels=path)
+        assert (p >= 0).all() and torch.allclose(p.sum(-1), torch.ones(4, 9, dtype=torch.float64), atol=1e-12)
+        assert (p - _kernels_simplex_projection(z)).abs().max() < 1e-10
+        # the projection's optimality condition: ⟨z − p, e_j − p⟩ ≤ 0 for every vertex e_j of the simplex
+        r = z - p
+        assert (r - (r * p).sum(-1, keepdim=True)).max() < 1e-10
+    assert (kernels.sparsemax(z, kernels=path) == 0).float().mean() > 0.5  # large scores: mostly exact zeros
+    p32 = kernels.sparsemax(z.float() / 30, kernels=path)
+    assert p32.dtype == torch.float32 and (p32.double() - _kernels_simplex_projection(z / 30)).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("path", ["torch", "ref"])
+def test_kernels_sparsemax_causal_rows_project_their_visible_prefix(path):
+    """causal=True: row t of z[..., T, N] is the projection of its first N − T + t + 1 entries, zeros after."""
+    torch.manual_seed(0)
+    for T, N in ((6, 6), (4, 11)):
+        z = torch.randn(3, T, N, dtype=torch.float64) * 3
+        p = kernels.sparsemax(z, causal=True, kernels=path)
+        for t in range(T):
+            n_visible = N - T + t + 1
+            assert (p[:, t, :n_visible] - _kernels_simplex_projection(z[:, t, :n_visible])).abs().max() < 1e-10
+            assert (p[:, t, n_visible:] == 0).all()
+    with pytest.raises(ValueError, match="T <= N"):
+        kernels.sparsemax(torch.randn(5, 3), causal=True, kernels=path)
+
+
+def test_kernels_sparsemax_gradients_by_finite_differences():
+    """The torch path's Jacobian (g − mean_S g on the support) and its second derivative against finite
+    differences in float64; the reference differentiates through the sort and must agree."""
+    torch.manual_seed(0)
+    z = (torch.randn(4, 6, 6, dtype=torch.float64) * 2).requires_grad_()
+    for causal in (False, True):
+        fn = lambda x: kernels.sparsemax_torch(x, causal)
+        p = fn(z).detach()
+        tau = ((z.detach() - p) * (p > 0)).sum(-1, keepdim=True) / (p > 0).sum(-1, keepdim=True)
+        visible = torch.ones(6, 6, dtype=torch.bool).tril() if causal else torch.ones(6, 6, dtype=torch.bool)
+        assert (z.detach() - tau).abs()[:, visible].min() > 1e-4  # no entry on the support edge (step 1e-6)
+        assert torch.autograd.gradcheck(fn, (z,)) and torch.autograd.gradgradcheck(fn, (z,))
+        g = torch.randn(4, 6, 6, dtype=torch.float64)
+        grads = [torch.autograd.grad((f(z, causal) * g).sum(), z)[0] for f in (kernels.sparsemax_torch, kernels.sparsemax_ref)]
+        assert (grads[0] - grads[1]).abs().max() < 1e-12
+        support = fn(z) > 0
+        mean_g = (g * support).sum(-1, keepdim=True) / support.sum(-1, keepdim=True)
+        assert (grads[0] - torch.where(support, g - mean_g, 0)).abs().max() < 1e-12
+    assert kernels._path("sparsemax", "auto", z) == "torch"
 
 
 # -----------------------------------------------------------------------------
@@ -1086,6 +1179,67 @@ def test_triton_sinkhorn(n):
     triton_assert_close(errs)
     P = kernels.sinkhorn_triton(logits)
     assert torch.allclose(P.sum(-2), torch.ones(2, 13, n), atol=1e-5)  # columns are normalised last
+
+
+@pytest.mark.parametrize("shape, causal", [((2, 3, 5, 37), False), ((2, 3, 19, 19), True), ((1, 2, 6, 300), True)])
+def test_triton_sparsemax(shape, causal):
+    """Bisection for τ in the kernel against the sort in the reference: outputs and gradients, and exact zeros."""
+    torch.manual_seed(0)
+    z = torch.randn(*shape) * 3
+    errs = triton_compare(lambda z: kernels.sparsemax_triton(z, causal), lambda z: kernels.sparsemax_ref(z, causal),
+                          dict(z=z))
+    assert set(errs) == {"out0", "dz"}
+    triton_assert_close(errs, tol=1e-5)
+    p, p_ref = kernels.sparsemax(z, causal, kernels="triton"), kernels.sparsemax_ref(z, causal)
+    assert torch.equal(p == 0, p_ref == 0) and (p == 0).float().mean() > 0.5
+    pb = kernels.sparsemax_triton(z.bfloat16(), causal)
+    assert pb.dtype == torch.bfloat16 and (pb.float() - kernels.sparsemax_ref(z.bfloat16().float(), causal)).abs().max() < 1e-2
+
+
+def test_triton_sparsemax_custom_ops_pass_opcheck():
+    """specgpt::sparsemax_fwd / _bwd: schema, fake-tensor shapes, autograd registration, AOT dispatch."""
+    z = torch.randn(2, 5, 7) * 3
+    p = kernels.sparsemax_triton(z, True)
+    for op, args in ((torch.ops.specgpt.sparsemax_fwd.default, (z.requires_grad_(), True)),
+                     (torch.ops.specgpt.sparsemax_bwd.default, (p, torch.randn_like(p)))):
+        results = torch.library.opcheck(op, args)
+        assert all(v == "SUCCESS" for v in results.values()), results
+
+
+SHARED_MEMORY_LIMIT = {80: 166912, 89: 101376, 90: 232448}  # bytes per block: sm_80, sm_89, sm_90
+
+
+def test_triton_sparsemax_compiles_for_gpus_within_shared_memory():
+    """Ahead-of-time compiles of the sparsemax kernels for sm_80/89/90 at the launch parameters the wrapper
+    picks for rows of N = 64 ... 2048 (bf16, the training dtype) each fit the arch's shared memory per block.
+    Runs in a subprocess without TRITON_INTERPRET, which must not be set when triton compiles for a GPU."""
+    script = """
+import json, torch, triton
+from triton.backends.compiler import GPUTarget
+torch.cuda.is_available = lambda: True  # kernels.py defines its Triton kernels only where it can launch them
+import kernels
+shared = []
+for N in (64, 256, 1024, 2048):
+    block_r, block_n, warps = kernels._sparsemax_blocks(N)
+    blocks = {"BLOCK_R": block_r, "BLOCK_N": block_n}
+    launches = [(kernels._sparsemax_fwd_kernel, ["z_ptr", "p_ptr"], ["n_rows", "T", "N"],
+                 {"CAUSAL": True, "HALVINGS": kernels._SPARSEMAX_HALVINGS, **blocks}),
+                (kernels._sparsemax_bwd_kernel, ["p_ptr", "g_ptr", "dz_ptr"], ["n_rows", "N"], blocks)]
+    for fn, pointers, ints, constexprs in launches:
+        signature = {**{p: "*bf16" for p in pointers}, **{i: "i32" for i in ints}, **{c: "constexpr" for c in constexprs}}
+        for cc in (80, 89, 90):
+            compiled = triton.compile(triton.compiler.ASTSource(fn, signature, constexprs),
+                                      target=GPUTarget("cuda", cc, 32), options={"num_warps": warps})
+            shared.append([fn.__name__, N, cc, compiled.metadata.shared])
+print(json.dumps(shared))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shared = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(shared) == 4 * 2 * 3
+    too_big = [(name, N, cc, nbytes) for name, N, cc, nbytes in shared if nbytes > SHARED_MEMORY_LIMIT[cc]]
+    assert not too_big, f"over the shared-memory limit: {too_big}"
 
 
 @pytest.mark.parametrize("gate_scale", [1.0, 3.0])
@@ -3152,6 +3306,46 @@ def test_sections_table_runs_in_order_and_takes_a_new_row(tmp_path, monkeypatch)
     assert json.load(open(os.path.join(tmp_path, "summary.json")))["probe"]["batches"] == 2
     with pytest.raises(ValueError, match="unknown sections"):
         analyze.run_analysis(model, batches, str(tmp_path), ["weights", "nope"], verbose=False)
+
+
+def test_attention_sparsity_counts_exact_zeros_per_layer_and_head():
+    """attention_sparsity against zeros counted here from each layer's q, k rebuilt from its input (a forward
+    pre-hook), over the causal entries only; softmax attention has none at init."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(attention="sparsemax", mixer="AG", n_layer=3))
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, Attention):
+                m.q_proj.weight.mul_(20)  # sharper scores: many zeros
+    idx = torch.randint(0, 50, (2, 16))
+    summary, arrays = analyze.attention_sparsity(model, (idx, idx))
+    inputs = []
+    handles = [m.register_forward_pre_hook(lambda m, args: inputs.append((m, args[0], args[1])))
+               for m in model.modules() if isinstance(m, Attention)]
+    with torch.no_grad():
+        model(idx)
+    for h in handles:
+        h.remove()
+    assert [layer["name"] for layer in summary["layers"]] == ["blocks.0.mixer", "blocks.2.mixer"] and len(inputs) == 2
+    visible = torch.ones(16, 16, dtype=torch.bool).tril()
+    layer_zeros = []
+    for (m, x, (cos, sin)), row in zip(inputs, arrays["zero_frac"]):
+        B, T, _ = x.shape
+        q = kernels.rope_ref(m.q_proj(x).view(B, T, 2, 16), cos, sin).transpose(1, 2).double()
+        k = kernels.rope_ref(m.k_proj(x).view(B, T, 2, 16), cos, sin).transpose(1, 2).double()
+        zeros = sum((_kernels_simplex_projection(q[:, :, t:t + 1] @ k[:, :, :t + 1].transpose(-2, -1) / 4) == 0)
+                    .sum((0, 2, 3)) for t in range(T))  # per head, over key s ≤ query t
+        # fp64 bisection here against fp32 in the model: an entry at τ's edge may flip, one per head at most
+        assert (torch.as_tensor(row) * B * visible.sum() - zeros).abs().max() <= 1 + 1e-9
+        assert zeros.min() > 0.3 * B * visible.sum()
+        layer = summary["layers"][len(layer_zeros)]
+        layer_zeros.append(zeros)
+        assert abs(layer["mean_keys_used"] - (2 * B * visible.sum() - zeros.sum()) / (2 * B * T)) <= 1 / (2 * B * T) + 1e-9
+    assert summary["attention"] == "sparsemax"
+    softmax_summary, _ = analyze.attention_sparsity(GPT(tiny_config()), idx)
+    assert softmax_summary["attention"] == "softmax" and softmax_summary["zero_frac"] == 0
+    assert all(layer["mean_keys_used"] == 8.5 for layer in softmax_summary["layers"])  # query t sees t + 1 keys
+
 
 def test_analyze_during_training_logs_without_side_effects(tmp_path):
     model = analyze_tiny_gpt(vocab_size=16, block_size=16, mixer="A", attention="sdpa", kernels="auto")
