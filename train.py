@@ -271,7 +271,8 @@ def main():
 
     if sample_only:
         ckpt = load_checkpoint(ckpt_path)
-        model = GPT(GPTConfig.from_dict(ckpt["config"])).to(dev)
+        # the architecture comes from the checkpoint; the context may be extended (--rope_factor, --rope_scaling)
+        model = GPT(GPTConfig.from_dict({**ckpt["config"], "rope_scaling": rope_scaling, "rope_factor": rope_factor})).to(dev)
         model.load_state_dict(ckpt["model"])
         print_samples(model, ckpt["meta"], dev, num_samples, max_new_tokens)
         return
