@@ -1070,6 +1070,23 @@ def test_triton_rope():
         kernels.rope_triton(x, angle.cos()[:6], angle.sin()[:6])
 
 
+@pytest.mark.parametrize("rope", ["learned", "lie"])
+def test_triton_rope_trainable_frequencies_match_torch(rope):
+    """Per-head angles ride through kernels.rope with the heads folded into its time axis: the Triton path
+    gives the torch path's logits and gradients, the frequencies' and basis' included."""
+    losses, grads = [], []
+    for path in ("torch", "triton"):
+        model = rope_variant_model(rope, n_layer=1, kernels=path)
+        idx = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+        _, loss = model(idx, idx)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad for n, p in model.named_parameters() if n.endswith(("log_freq", "basis"))})
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    for name, g in grads[0].items():
+        assert triton_rel_rms(grads[1][name], g) < TRITON_TOL, name
+
+
 def test_triton_softmax():
     x = torch.randn(11, 37) * 3
     errs = triton_compare(kernels.softmax_triton, kernels.softmax_ref, dict(x=x))
