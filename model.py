@@ -110,7 +110,7 @@ def rope_frequencies(head_dim, base, scaling="none", factor=1.0, train_length=No
     ntk   base → base·s^(d/(d−2)): θ_0 is kept and θ_{d/2−1} is divided by s (NTK-aware scaling);
     yarn  (1 − γ_i) θ_i / s + γ_i θ_i with γ_i = clamp((r_i − 1) / (32 − 1), 0, 1) and r_i = L θ_i / 2π
           the turns of pair i within L = train_length (YaRN's NTK-by-parts, Peng et al. 2023)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim  # fp32: "none" is RoPE's cache as ever
     if scaling == "ntk":
         base = base * factor ** (head_dim / (head_dim - 2))
     theta = base ** -exponents
@@ -121,8 +121,8 @@ def rope_frequencies(head_dim, base, scaling="none", factor=1.0, train_length=No
             raise ValueError("rope_scaling='yarn' needs train_length, the context the model was trained on")
         turns = train_length * theta / (2 * math.pi)
         gamma = ((turns - 1) / (32 - 1)).clamp(0, 1)
-        theta = (1 - gamma) * theta / factor + gamma * theta
-    return theta.float()
+        theta = theta * (1 / factor + gamma * (1 - 1 / factor))  # = (1 − γ) θ / s + γ θ, exactly θ at s = 1
+    return theta
 
 
 def rope_cache(length, head_dim, base, device=None, scaling="none", factor=1.0, train_length=None):
