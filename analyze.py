@@ -10,6 +10,7 @@ that drive train.py: the critical batch size and the multi-power law of the loss
     python analyze.py --sections=coord                        # muP's coordinate check, widths 64 → 512
     python analyze.py --scan_batch_sizes=4,8,16,32,64 --scan_target=2.2   # steps and examples to a loss
     python analyze.py --mpl_fit=out/constant,out/wsd50 --mpl_predict=out/cosine   # loss from the schedule
+    python analyze.py --ckpt=out/ckpt.pt --lengths=1,2,4,8    # length_extrapolation: val loss at 1x..8x block_size
 
 writes <out_dir>/summary.json (default out_dir: the checkpoint's folder + /analysis), <section>.npz with
 the arrays and <section>.png, and prints a short table. Sections (the SECTIONS table), each also a
@@ -77,6 +78,44 @@ def analysis_model(model):
         twin = GPT(cfg)
     twin.load_state_dict(model.state_dict())
     return twin.to(device=next(model.parameters()).device, dtype=torch.float32).eval()
+
+
+# ----------------------------------------------------------------------------------------------------
+# length extrapolation: validation loss at multiples of the training length
+
+ROPE_SCALINGS = ("none", "pi", "ntk", "yarn")
+
+
+@torch.no_grad()
+def length_extrapolation(model, tokens, factors=(1, 2, 4, 8), n_tokens=16384, batch_size=8):
+    """Mean cross-entropy of the first n_tokens targets of `tokens`, cut into windows of factor × block_size
+    tokens: every length predicts the same tokens, only the context differs. Attention with fixed RoPE
+    frequencies runs under each rope_scaling with rope_factor = factor (none: the trained frequencies, used
+    past the training length); learned/lie frequencies only as trained; G and M layers have no length limit
+    and run as they are. Returns rows {"scaling", "factor", "length", "val_loss"}."""
+    cfg = model.config
+    scalings = ROPE_SCALINGS if "A" in cfg.mixer and cfg.rope == "fixed" else ("none",)
+    device = next(model.parameters()).device
+    rows = []
+    for factor in factors:
+        length = int(cfg.block_size * factor)
+        n_windows = n_tokens // length
+        if n_windows < 1 or len(tokens) < n_windows * length + 1:
+            raise ValueError(f"{len(tokens)} tokens are too few for n_tokens={n_tokens} in windows of {length}: "
+                             f"use a larger split or smaller factors")
+        stretch = torch.as_tensor(np.asarray(tokens[:n_windows * length + 1], dtype=np.int64))
+        x, y = stretch[:-1].view(n_windows, length), stretch[1:].view(n_windows, length)
+        for scaling in scalings if factor > 1 else ("none",):  # at factor 1 every scaling is "none"
+            twin = model
+            if "A" in cfg.mixer:  # rebuilt so that its cos/sin cache covers `length` positions
+                with torch.random.fork_rng(devices=[]):
+                    twin = GPT(dataclasses.replace(cfg, rope_scaling=scaling, rope_factor=factor))
+                twin.load_state_dict(model.state_dict())
+                twin = twin.to(device).eval()
+            losses = [twin(x[i:i + batch_size].to(device), y[i:i + batch_size].to(device))[1].item() * len(x[i:i + batch_size])
+                      for i in range(0, n_windows, batch_size)]
+            rows.append({"scaling": scaling, "factor": factor, "length": length, "val_loss": sum(losses) / n_windows})
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1410,6 +1449,7 @@ OPTIONS = {  # analysis options; every GPTConfig key is also accepted (fresh ini
     "scan_train_args": "",             # extra train.py arguments for every scan run, space-separated
     "mpl_fit": "",                     # multi-power-law fit instead: train.py run folders (--log_interval=1), comma-separated
     "mpl_predict": "",                 # run folders whose loss curves the fitted law predicts
+    "lengths": "",                     # e.g. 1,2,4,8: instead of the sections, length_extrapolation at these multiples of block_size
 }
 
 
@@ -1509,10 +1549,23 @@ def main(argv):
     model, dataset, tokenizer = load_model(opts, model_overrides)
     model = analysis_model(model.to(device))
     train_tokens, val_tokens, _ = data.load_dataset(dataset, tokenizer)
+    out_dir = opts["out_dir"] or os.path.join(os.path.dirname(opts["ckpt"]) if opts["ckpt"] else "out", "analysis")
+    if opts["lengths"]:
+        factors = [float(f) for f in opts["lengths"].split(",")]
+        rows = length_extrapolation(model, val_tokens if opts["split"] == "val" else train_tokens, factors,
+                                    batch_size=opts["batch_size"])
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, "length_extrapolation.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(rows, f, indent=1)
+        os.replace(path + ".tmp", path)
+        print(f"{'scaling':8s} {'factor':>6s} {'length':>6s} {'val loss':>8s}")
+        for r in rows:
+            print(f"{r['scaling']:8s} {r['factor']:6g} {r['length']:6d} {r['val_loss']:8.4f}")
+        return
     sampler = data.BatchSampler(val_tokens if opts["split"] == "val" else train_tokens, opts["batch_size"],
                                 model.config.block_size, opts["seed"])
     batches = [tuple(t.to(device) for t in sampler.next_batch()) for _ in range(max(opts["micro_batches"], opts["hessian_batches"]))]
-    out_dir = opts["out_dir"] or os.path.join(os.path.dirname(opts["ckpt"]) if opts["ckpt"] else "out", "analysis")
     print(f"analysing {'checkpoint ' + opts['ckpt'] if opts['ckpt'] else 'a fresh init'}: "
           f"{model.num_params():,} parameters, {len(batches)} batches of {opts['batch_size']}x{model.config.block_size} "
           f"{opts['split']} tokens from {dataset}, sections {','.join(sections)} -> {out_dir}")

@@ -34,6 +34,9 @@ class GPTConfig:
     residual: str = "res"          # res | hc | mhc | mhc-lite | kromhc | shc | markov
     hc_streams: int = 4              # parallel residual streams of the hyper-connection residuals
     rope_base: float = 10000.0       # RoPE's base: the slowest pair turns once per ~2π·rope_base tokens
+    rope: str = "fixed"            # fixed (RoPE's θ_i) | learned (trainable θ per head) | lie (and a trainable basis U)
+    rope_scaling: str = "none"     # none | pi | ntk | yarn: how fixed θ_i adapt to a context rope_factor× longer
+    rope_factor: float = 1.0       # attention accepts block_size·rope_factor tokens (eval/generate past training)
     qk_norm: bool = False            # RMSNorm on queries and keys before RoPE
     tie_embeddings: bool = True      # lm_head shares the token embedding's weight
     bias: bool = False               # biases in the linear layers
@@ -56,7 +59,8 @@ class GPTConfig:
                    "residual": ("res", "hc", "mhc", "mhc-lite", "kromhc", "shc", "markov"),
                    "gdn_variant": ("deltanet", "gdn", "kda", "gdn2"),
                    "mamba_discretization": ("euler", "zoh"), "kernels": ("auto", "torch", "triton", "ref"),
-                   "init": ("gpt2", "spectral")}
+                   "init": ("gpt2", "spectral"), "rope": ("fixed", "learned", "lie"),
+                   "rope_scaling": ("none", "pi", "ntk", "yarn")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key}={getattr(self, key)!r} is not valid: use one of {', '.join(allowed)}")
@@ -71,6 +75,12 @@ class GPTConfig:
                              f"divisible by mamba_headdim={self.mamba_headdim}: pick a headdim that divides it")
         if self.conv_size < 1 or self.gdn_expand_v < 1 or self.mamba_expand < 1 or self.mamba_d_state < 1:
             raise ValueError("conv_size, gdn_expand_v, mamba_expand and mamba_d_state must each be at least 1")
+        if not self.rope_factor >= 1:
+            raise ValueError(f"rope_factor={self.rope_factor} is below 1: use 1 (no extension) or the ratio "
+                             f"of the evaluation length to block_size")
+        if self.rope_scaling != "none" and self.rope != "fixed":
+            raise ValueError(f"rope_scaling={self.rope_scaling!r} adapts RoPE's fixed frequencies: use rope='fixed' "
+                             f"or rope_scaling='none' with rope={self.rope!r}")
         if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
             raise ValueError(f"chunk_size={self.chunk_size} is not a power of two: use e.g. 16, 32 or 64")
 
@@ -94,10 +104,35 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps, kernels=self.kernels_path)
 
 
-def rope_cache(length, head_dim, base, device=None):
-    """cos, sin of the angles t·θ_i with θ_i = base^(−2i/head_dim), each [length, head_dim/2]."""
-    theta = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+def rope_frequencies(head_dim, base, scaling="none", factor=1.0, train_length=None):
+    """RoPE's θ_i = base^(−2i/d), i < d/2, adapted to a context `factor` = s times longer than train_length:
+    pi    θ_i / s (position interpolation, Chen et al. 2023);
+    ntk   base → base·s^(d/(d−2)): θ_0 is kept and θ_{d/2−1} is divided by s (NTK-aware scaling);
+    yarn  (1 − γ_i) θ_i / s + γ_i θ_i with γ_i = clamp((r_i − 1) / (32 − 1), 0, 1) and r_i = L θ_i / 2π
+          the turns of pair i within L = train_length (YaRN's NTK-by-parts, Peng et al. 2023)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim  # fp32: "none" is RoPE's cache as ever
+    if scaling == "ntk":
+        base = base * factor ** (head_dim / (head_dim - 2))
+    theta = base ** -exponents
+    if scaling == "pi":
+        theta = theta / factor
+    elif scaling == "yarn":
+        if train_length is None:
+            raise ValueError("rope_scaling='yarn' needs train_length, the context the model was trained on")
+        turns = train_length * theta / (2 * math.pi)
+        gamma = ((turns - 1) / (32 - 1)).clamp(0, 1)
+        theta = theta * (1 / factor + gamma * (1 - 1 / factor))  # = (1 − γ) θ / s + γ θ, exactly θ at s = 1
+    return theta
+
+
+def rope_cache(length, head_dim, base, device=None, scaling="none", factor=1.0, train_length=None):
+    """cos, sin of the angles t·θ_i (rope_frequencies), each [length, head_dim/2]. YaRN also multiplies both
+    by 0.1·ln(s) + 1, so that q·k, rotated on both sides, is scaled by its attention temperature."""
+    theta = rope_frequencies(head_dim, base, scaling, factor, train_length).to(device)
     angles = torch.outer(torch.arange(length, dtype=torch.float32, device=device), theta)
+    if scaling == "yarn":
+        scale = 0.1 * math.log(factor) + 1
+        return angles.cos() * scale, angles.sin() * scale
     return angles.cos(), angles.sin()
 
 
@@ -123,7 +158,13 @@ def attention_sparsemax(q, k, v, dropout=0.0, kernels_path="auto"):
 
 
 class Attention(nn.Module):
-    """Causal self-attention with RoPE on q, k: o_t = Σ_{s≤t} softmax_s(q_t·k_s / sqrt(d)) v_s."""
+    """Causal self-attention with rotary positions: o_t = Σ_{s≤t} softmax_s((R_t q_t)·(R_s k_s) / sqrt(d)) v_s,
+    R_t = exp(t X) for one skew-symmetric generator X per head, so R_tᵀ R_s = R_{s−t}: scores see only s − t.
+    rope="fixed": X = Λ, 2×2 blocks turning pair i at RoPE's θ_i (Su et al. 2021);
+    "learned": the same Λ with trainable θ_{h,i} = exp(log_freq) per head, initialised at RoPE's;
+    "lie": X = U Λ Uᵀ with a trainable orthogonal U = exp(B − Bᵀ) per head (B = 0: RoPE at init). Since
+    R_t = U exp(tΛ) Uᵀ and (U a)·(U b) = a·b, scores need only exp(tΛ) Uᵀ q: the outer U cancels, and Uᵀ is
+    what W_q, W_k could learn themselves; the frequencies Λ are what RoPE really fixes."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -135,6 +176,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, kernels_path=cfg.kernels) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, kernels_path=cfg.kernels) if cfg.qk_norm else None
         self.dropout, self.attention, self.kernels_path = cfg.dropout, cfg.attention, cfg.kernels
+        self.rope = cfg.rope
+        if cfg.rope != "fixed":  # 1-D, so the optimizers treat it like a gain: AdamW, no weight decay, no Muon
+            self.log_freq = nn.Parameter(rope_frequencies(self.head_dim, cfg.rope_base).log().repeat(cfg.n_head))
+        if cfg.rope == "lie":
+            self.basis = nn.Parameter(torch.zeros(cfg.n_head, self.head_dim, self.head_dim))
 
     def forward(self, x, rope, cache=None):
         B, T, C = x.shape
@@ -143,9 +189,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_head, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q = kernels.rope(q, cos, sin, kernels=self.kernels_path)
-        k = kernels.rope(k, cos, sin, kernels=self.kernels_path)
+        q, k = self.rotate(q, k, rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
         if cache is not None:  # generation: append to the keys and values of earlier positions
             if "k" in cache:
@@ -163,6 +207,23 @@ class Attention(nn.Module):
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def rotate(self, q, k, rope):
+        """R_t q, R_t k for q, k (B, T, nh, hs). rope: (cos, sin) of the T positions' angles for rope="fixed"
+        (the model's cache), else the positions t (T,) themselves, turned into angles t·θ_{h,i} here."""
+        if self.rope == "fixed":
+            cos, sin = rope
+            return (kernels.rope(q, cos, sin, kernels=self.kernels_path),
+                    kernels.rope(k, cos, sin, kernels=self.kernels_path))
+        B, T, nh, hs = q.shape
+        if self.rope == "lie":
+            U = torch.matrix_exp(self.basis - self.basis.transpose(1, 2))  # (nh, hs, hs), orthogonal
+            q, k = torch.einsum("bthi,hij->bthj", q, U), torch.einsum("bthi,hij->bthj", k, U)  # Uᵀ q, Uᵀ k
+        angles = (rope[:, None, None] * self.log_freq.exp().view(nh, hs // 2)).view(T * nh, hs // 2)
+        cos, sin = angles.cos(), angles.sin()
+        # each (t, h) its own angles: fold the heads into the time axis of kernels.rope's x[B, T, H, D]
+        turn = lambda x: kernels.rope(x.reshape(B, T * nh, 1, hs), cos, sin, kernels=self.kernels_path).view(B, T, nh, hs)
+        return turn(q), turn(k)
 
     def extra_flops_per_token(self, T):
         """q·k and att·v: 2·T·C multiply-adds each, forward + backward = 3× forward (PaLM's count)."""
@@ -592,7 +653,9 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        cos, sin = rope_cache(cfg.block_size, cfg.n_embd // cfg.n_head, cfg.rope_base)
+        self.max_len = int(cfg.block_size * cfg.rope_factor)  # attention's limit; G and M have none
+        cos, sin = rope_cache(self.max_len, cfg.n_embd // cfg.n_head, cfg.rope_base, scaling=cfg.rope_scaling,
+                              factor=cfg.rope_factor, train_length=cfg.block_size)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         init_weights(self, cfg.init)
@@ -603,10 +666,10 @@ class GPT(nn.Module):
         that each mixer reads and extends in place (keys/values for A, recurrent state for G and M)."""
         B, T = idx.shape
         pos = 0 if cache is None else cache["pos"]
-        if pos + T > self.config.block_size and "A" in self.config.mixer:  # G and M have no length limit
-            raise ValueError(f"sequence of {pos + T} tokens exceeds block_size={self.config.block_size}: "
-                             f"crop the input or train with a larger --block_size")
-        rope = (self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T])
+        if pos + T > self.max_len and "A" in self.config.mixer:  # G and M have no length limit
+            raise ValueError(f"sequence of {pos + T} tokens exceeds block_size·rope_factor={self.max_len}: crop the "
+                             f"input, train with a larger --block_size or extend it with --rope_factor")
+        rope = self.rope_inputs(pos, T)
         x = self.drop(self.wte(idx))
         if self.config.residual != "res":  # n identical copies of the stream
             x = x.unsqueeze(2).expand(B, T, self.config.hc_streams, x.size(-1)).contiguous()
@@ -622,16 +685,23 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return logits, loss
 
+    def rope_inputs(self, pos, T):
+        """What the attention layers get for positions pos .. pos+T−1: the cached (cos, sin) rows for fixed
+        frequencies, else the positions themselves (each layer turns them into angles with its own θ)."""
+        if self.config.rope == "fixed":
+            return self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
+        return torch.arange(pos, pos + T, dtype=torch.float32, device=self.rope_cos.device)
+
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
         """Sample max_new_tokens continuations of idx (B, T). Each step feeds only the newest token:
         attention keeps its keys/values, G and M keep their recurrent state. When an attention model
-        reaches block_size, the cache is rebuilt from the last block_size // 2 tokens."""
+        reaches block_size·rope_factor, the cache is rebuilt from the last half of that many tokens."""
         has_attention = "A" in self.config.mixer
         cache, next_input = None, idx
         for _ in range(max_new_tokens):
-            if cache is None or (has_attention and cache["pos"] + 1 > self.config.block_size):
-                window = self.config.block_size if cache is None else self.config.block_size // 2
+            if cache is None or (has_attention and cache["pos"] + 1 > self.max_len):
+                window = self.max_len if cache is None else self.max_len // 2
                 cache = {"pos": 0, "layers": [{} for _ in self.blocks]}
                 next_input = idx[:, -window:] if has_attention else idx
             logits, _ = self(next_input, cache=cache)

@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from model import GPT, Attention, GPTConfig, GatedDelta, HyperConnection, Mamba2, hc_res_init, rope_cache
+from model import GPT, Attention, GPTConfig, GatedDelta, HyperConnection, Mamba2, hc_res_init, rope_cache, rope_frequencies
 import analyze
 import data
 import init
@@ -184,6 +184,159 @@ def test_rope_scores_depend_only_on_relative_position():
     assert not torch.allclose(torch.diagonal(scores, 0)[0], torch.diagonal(scores, 3)[0])
 
 
+def rope_variant_model(rope, seed=0, **kw):
+    """A tiny model whose trainable frequencies and basis are moved away from their RoPE init."""
+    torch.manual_seed(seed)
+    model = GPT(tiny_config(rope=rope, **kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("log_freq") or name.endswith("basis"):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def rope_head_scores(q, k):
+    """scores[b, h, m, n] = q_m · k_n per head, for q, k (B, T, nh, hs)."""
+    return torch.einsum("bmhd,bnhd->bhmn", q, k)
+
+
+@pytest.mark.parametrize("rope", ["fixed", "learned", "lie"])
+def test_rope_variants_scores_depend_only_on_relative_position(rope):
+    """Shifting every position by the same amount leaves all scores (R_m q)·(R_n k) unchanged."""
+    model = rope_variant_model(rope)
+    attn, T = model.blocks[0].mixer, 12
+    q, k = torch.randn(2, T, 2, 16), torch.randn(2, T, 2, 16)
+    scores = rope_head_scores(*attn.rotate(q, k, model.rope_inputs(0, T)))
+    for shift in (1, 7, 20):
+        shifted = rope_head_scores(*attn.rotate(q, k, model.rope_inputs(shift, T)))
+        assert torch.allclose(shifted, scores, atol=1e-5), shift
+    assert not torch.allclose(scores, rope_head_scores(q, k), atol=1e-2)
+
+
+def test_rope_lie_is_exp_of_generator():
+    """rope="lie" turns q_t by R_t = exp(t·U Λ Uᵀ), Λ the 2x2 blocks [[0, −θ_i], [θ_i, 0]] on pairs (2i, 2i+1):
+    its scores equal those of the dense matrix exponential."""
+    model = rope_variant_model("lie")
+    attn, T, hs = model.blocks[0].mixer, 10, 16
+    q, k = torch.randn(1, T, 2, hs), torch.randn(1, T, 2, hs)
+    got = rope_head_scores(*attn.rotate(q, k, model.rope_inputs(3, T)))
+    theta = attn.log_freq.detach().exp().view(2, hs // 2)
+    for h in range(2):
+        B = attn.basis.detach()[h].double()
+        U = torch.linalg.matrix_exp(B - B.T)
+        Lam = torch.zeros(hs, hs, dtype=torch.float64)
+        for i in range(hs // 2):
+            Lam[2 * i + 1, 2 * i], Lam[2 * i, 2 * i + 1] = theta[h, i], -theta[h, i]
+        X = U @ Lam @ U.T
+        R = torch.stack([torch.linalg.matrix_exp((3 + t) * X) for t in range(T)])  # positions 3 .. 3+T−1
+        rq = torch.einsum("tij,tj->ti", R, q[0, :, h].double())
+        rk = torch.einsum("tij,tj->ti", R, k[0, :, h].double())
+        assert torch.allclose(got[0, h].double(), rq @ rk.T, atol=1e-4)
+
+
+def test_rope_lie_equals_fixed_with_rotated_projections():
+    """With Λ at RoPE's frequencies, lie's basis U is absorbed by W_q, W_k: a fixed-RoPE model whose per-head
+    q and k projections are Uᵀ W_q, Uᵀ W_k gives the same logits."""
+    torch.manual_seed(0)
+    lie = GPT(tiny_config(rope="lie"))
+    with torch.no_grad():
+        for block in lie.blocks:
+            block.mixer.basis.normal_(0, 0.5)
+    fixed = GPT(tiny_config(rope="fixed"))
+    state = {n: p for n, p in lie.state_dict().items() if not n.endswith(("log_freq", "basis"))}
+    fixed.load_state_dict(state)
+    with torch.no_grad():
+        for bl, bf in zip(lie.blocks, fixed.blocks):
+            U = torch.matrix_exp(bl.mixer.basis - bl.mixer.basis.transpose(1, 2))  # (nh, hs, hs)
+            for proj in ("q_proj", "k_proj"):
+                W = getattr(bl.mixer, proj).weight.view(2, 16, 32)
+                getattr(bf.mixer, proj).weight.copy_(torch.einsum("hij,hik->hjk", U, W).reshape(32, 32))
+    idx = torch.randint(0, 50, (2, 24))
+    assert torch.allclose(lie(idx)[0], fixed(idx)[0], atol=1e-5)
+    plain = GPT(tiny_config(rope="fixed"))
+    plain.load_state_dict(state)
+    assert not torch.allclose(lie(idx)[0], plain(idx)[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("rope", ["learned", "lie"])
+def test_rope_trainable_hessian_vector_product_matches_finite_differences(rope):
+    """Math attention's double backward runs through the trainable frequencies and basis: H v equals the
+    central difference of gradients, float64 throughout (the loss taken from the logits in float64)."""
+    model = rope_variant_model(rope, attention="math", n_layer=1).double()
+    idx = torch.randint(0, 50, (1, 12))
+    params = list(model.parameters())
+    loss_of = lambda: F.cross_entropy(model(idx)[0].flatten(0, 1), idx.flatten())
+    v = torch.randn(sum(p.numel() for p in params), dtype=torch.float64)
+    v /= v.norm()
+    g = torch.cat([gi.reshape(-1) for gi in torch.autograd.grad(loss_of(), params, create_graph=True)])
+    Hv = torch.cat([h.reshape(-1) for h in torch.autograd.grad(g, params, grad_outputs=v)])
+    base = torch.nn.utils.parameters_to_vector(params).detach().clone()
+
+    def grad_at(step):
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(base + step * v, params)
+        return torch.cat([gi.reshape(-1) for gi in torch.autograd.grad(loss_of(), params)])
+
+    eps = 1e-4
+    fd = (grad_at(eps) - grad_at(-eps)) / (2 * eps)
+    names = [name for name, p in model.named_parameters() for _ in range(p.numel())]
+    rope_part = torch.tensor([name.endswith(("log_freq", "basis")) for name in names])
+    assert (Hv - fd).norm() / fd.norm() < 1e-6
+    assert (Hv - fd)[rope_part].norm() / fd[rope_part].norm() < 1e-6
+
+
+@pytest.mark.parametrize("factor", [2.0, 4.0])
+def test_rope_pi_at_s_times_position_equals_none(factor):
+    """Position interpolation: the angles at position s·m with θ_i / s are the unscaled angles at m."""
+    cos, sin = rope_cache(16, 16, 10000.0)
+    cos_pi, sin_pi = rope_cache(int(16 * factor), 16, 10000.0, scaling="pi", factor=factor)
+    rows = (torch.arange(16) * factor).long()
+    assert torch.allclose(cos_pi[rows], cos, atol=1e-6) and torch.allclose(sin_pi[rows], sin, atol=1e-6)
+
+
+def test_rope_ntk_scales_the_base():
+    """NTK-aware scaling: θ_i = (base·s^(d/(d−2)))^(−2i/d), so θ_0 = 1 stays and the lowest θ is divided by s."""
+    d, base, s = 16, 10000.0, 4.0
+    theta = rope_frequencies(d, base, "ntk", s).double()
+    want = torch.tensor([(base * s ** (d / (d - 2))) ** (-2 * i / d) for i in range(d // 2)], dtype=torch.float64)
+    assert torch.allclose(theta, want, rtol=1e-6)
+    plain = rope_frequencies(d, base).double()
+    assert theta[0] == 1 and torch.isclose(theta[-1], plain[-1] / s, rtol=1e-6)
+
+
+def test_rope_yarn_keeps_fast_pairs_and_interpolates_slow_ones():
+    """YaRN with train length L: pairs turning more than 32 times within L keep θ_i, pairs turning less than
+    once get θ_i / s, those between lie in [θ_i / s, θ_i]; cos and sin carry the factor 0.1·ln(s) + 1."""
+    d, base, L, s = 32, 10000.0, 1024, 4.0
+    plain = torch.tensor([base ** (-2 * i / d) for i in range(d // 2)], dtype=torch.float64)
+    theta = rope_frequencies(d, base, "yarn", s, train_length=L).double()
+    turns = L * plain / (2 * math.pi)
+    fast, slow = turns > 32, turns < 1
+    assert fast.any() and slow.any() and (~fast & ~slow).any()
+    assert torch.allclose(theta[fast], plain[fast], rtol=1e-6)
+    assert torch.allclose(theta[slow], plain[slow] / s, rtol=1e-6)
+    mid = ~fast & ~slow
+    assert (theta[mid] >= plain[mid] / s * (1 - 1e-6)).all() and (theta[mid] <= plain[mid] * (1 + 1e-6)).all()
+    cos, sin = rope_cache(8, d, base, scaling="yarn", factor=s, train_length=L)
+    assert torch.allclose(cos ** 2 + sin ** 2, torch.full_like(cos, (0.1 * math.log(s) + 1) ** 2), rtol=1e-5)
+
+
+@pytest.mark.parametrize("scaling", ["none", "pi", "ntk", "yarn"])
+def test_rope_scaling_changes_nothing_at_factor_one(scaling):
+    cos, sin = rope_cache(20, 16, 10000.0)
+    cos_s, sin_s = rope_cache(20, 16, 10000.0, scaling=scaling, factor=1.0, train_length=20)
+    assert torch.equal(cos_s, cos) and torch.equal(sin_s, sin)
+    cos_long, _ = rope_cache(80, 16, 10000.0, scaling="none", factor=4.0)
+    assert torch.equal(cos_long[:20], cos)
+
+
+def test_rope_factor_extends_the_attention_length_limit():
+    model = GPT(tiny_config(rope_factor=2.0, rope_scaling="yarn")).eval()
+    model(torch.randint(0, 50, (1, 64)))
+    with pytest.raises(ValueError, match="rope_factor"):
+        model(torch.randint(0, 50, (1, 65)))
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_sdpa_and_math_attention_agree(qk_norm):
     torch.manual_seed(0)
@@ -200,13 +353,16 @@ def test_sdpa_and_math_attention_agree(qk_norm):
         assert torch.allclose(pa.grad, pb.grad, atol=1e-6, rtol=1e-4), name
 
 
-def test_generate_with_cache_matches_full_forward():
-    """Greedy decoding with the KV cache gives the tokens that full recomputation gives."""
-    torch.manual_seed(0)
-    model = GPT(tiny_config()).eval()
+@pytest.mark.parametrize("rope,scaling,factor", [("fixed", "none", 1.0), ("learned", "none", 1.0),
+                                                  ("lie", "none", 1.0), ("fixed", "yarn", 2.0)])
+def test_generate_with_cache_matches_full_forward(rope, scaling, factor):
+    """Greedy decoding with the KV cache (positions offset by the cached length) gives the tokens that full
+    recomputation gives, past block_size when rope_factor extends it."""
+    model = rope_variant_model(rope, rope_scaling=scaling, rope_factor=factor).eval()
     prompt = torch.randint(0, 50, (1, 5))
-    out = model.generate(prompt, 20, temperature=1e-8)
-    assert torch.equal(out, greedy_by_recomputation(model, prompt, 20, window=32))
+    steps = int(32 * factor) + 10  # through one rebuild of the cache at the length limit
+    out = model.generate(prompt, steps, temperature=1e-8)
+    assert torch.equal(out, greedy_by_recomputation(model, prompt, steps, window=model.max_len))
 
 
 @torch.no_grad()
@@ -255,6 +411,12 @@ def test_bad_model_config_is_one_line_error():
         GPTConfig(mixer="AX")
     with pytest.raises(ValueError, match="divisible"):
         GPTConfig(n_embd=130, n_head=4)
+    with pytest.raises(ValueError, match="rope="):
+        GPTConfig(rope="alibi")
+    with pytest.raises(ValueError, match="rope_factor"):
+        GPTConfig(rope_factor=0.5)
+    with pytest.raises(ValueError, match="rope_scaling"):
+        GPTConfig(rope="learned", rope_scaling="yarn", rope_factor=2.0)
 
 
 # ====================================================================================================
@@ -1161,6 +1323,23 @@ def test_triton_rope():
     triton_assert_close(errs)
     with pytest.raises(ValueError):
         kernels.rope_triton(x, angle.cos()[:6], angle.sin()[:6])
+
+
+@pytest.mark.parametrize("rope", ["learned", "lie"])
+def test_triton_rope_trainable_frequencies_match_torch(rope):
+    """Per-head angles ride through kernels.rope with the heads folded into its time axis: the Triton path
+    gives the torch path's logits and gradients, the frequencies' and basis' included."""
+    losses, grads = [], []
+    for path in ("torch", "triton"):
+        model = rope_variant_model(rope, n_layer=1, kernels=path)
+        idx = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+        _, loss = model(idx, idx)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad for n, p in model.named_parameters() if n.endswith(("log_freq", "basis"))})
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    for name, g in grads[0].items():
+        assert triton_rel_rms(grads[1][name], g) < TRITON_TOL, name
 
 
 def test_triton_softmax():
@@ -3366,3 +3545,32 @@ def test_analyze_during_training_logs_without_side_effects(tmp_path):
     assert [json.loads(line)["step"] for line in lines] == [0, 10]
     analyze.plot_training_analysis(os.path.join(tmp_path, "analysis.jsonl"), os.path.join(tmp_path, "a.png"))
     assert os.path.getsize(os.path.join(tmp_path, "a.png")) > 0
+
+
+@pytest.mark.parametrize("mixer", ["A", "G"])
+def test_analyze_length_extrapolation_against_direct_losses(mixer):
+    """Every row is the mean loss over the same target tokens cut into windows of its length, computed here
+    with a model built for that length (block_size = length for A, which "none" must match exactly)."""
+    model = analyze_tiny_gpt(mixer=mixer).eval()
+    with torch.no_grad():  # scores far from zero, so that positions matter
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(50)
+    tokens = np.random.default_rng(0).integers(0, 8, 200)
+    rows = analyze.length_extrapolation(model, tokens, factors=(1, 2, 4), n_tokens=64, batch_size=3)
+    for row in rows:
+        L = row["length"]
+        stretch = torch.as_tensor(tokens[:64 + 1])
+        x, y = stretch[:-1].view(-1, L), stretch[1:].view(-1, L)
+        reference = analyze_tiny_gpt(mixer=mixer, block_size=L)
+        reference.load_state_dict(model.state_dict())
+        if row["scaling"] == "none":
+            assert row["val_loss"] == pytest.approx(reference.eval()(x, y)[1].item(), rel=1e-5)
+    got = {(r["scaling"], r["factor"]) for r in rows}
+    if mixer == "A":
+        assert got == {("none", 1)} | {(s, f) for s in ("none", "pi", "ntk", "yarn") for f in (2, 4)}
+        pi = next(r for r in rows if r["scaling"] == "pi" and r["factor"] == 4)
+        none = next(r for r in rows if r["scaling"] == "none" and r["factor"] == 4)
+        assert abs(pi["val_loss"] - none["val_loss"]) > 1e-4  # fp32 rounding is ~1e-7: the scaling acts
+    else:
+        assert got == {("none", 1), ("none", 2), ("none", 4)}

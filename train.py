@@ -87,7 +87,7 @@ RUN_DEFAULTS = {k: v for k, v in globals().items()
 # the model's keys are GPTConfig's fields (vocab_size comes from the data); the run's own defaults:
 MODEL_DEFAULTS = {"block_size": 64}  # the CPU baby model's context (nanoGPT's shakespeare_char recipe)
 # model keys that may change on resume: they change how the same weights compute or train, not the weights
-RESUME_CHANGEABLE = ("kernels", "attention", "chunk_size", "dropout")
+RESUME_CHANGEABLE = ("kernels", "attention", "chunk_size", "dropout", "rope_scaling", "rope_factor")
 MODEL_SIZES = ("block_size", "n_layer", "n_head", "n_embd", "hc_streams", "mamba_headdim")  # each >= 1
 
 
