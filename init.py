@@ -19,7 +19,8 @@ The spectral condition asks ‖W‖_nat = Θ(1) at init and ‖ΔW‖_nat = Θ(1
 
 What "spectral" sets, and what it leaves alone:
 - every nn.Linear inside the blocks, by its shape: this includes the gate and decay projections of the
-  G and M mixers (erase/write/beta/decay/gate_proj, Mamba2's fused in_proj). They are dense maps of the
+  G and M mixers (Mamba2's fused in_proj as one matrix; GatedDelta's fused in_proj slice by slice, as the
+  separate q, k, v, gate, erase, write and decay maps it holds). They are dense maps of the
   normalised stream like any other. Their output has RMS ≈ min(1, sqrt(fan_out / fan_in)) at init:
   about 1 for the per-channel ones (fan_out ∝ width), and shrinking with the width for one β per head,
   which then starts near σ(0) = ½, the neutral gate. The decay timescales are carried by A_log and
@@ -105,11 +106,14 @@ def init_weights(model, scheme="gpt2", exact=False, embedding="stable"):
         if isinstance(module, nn.Linear):
             if module is lm_head and tied:  # the shared matrix is set once, as the embedding
                 continue
-            fan_out, fan_in = module.weight.shape
-            std = 0.02 if scheme == "gpt2" else spectral_std(fan_out, fan_in, exact)
-            if name.endswith("out_proj"):
-                std *= depth_scale
-            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            fan_in = module.weight.shape[1]
+            # a fused projection (GatedDelta's in_proj) lists its maps' row counts: each slice is initialised
+            # as the separate matrix it stands for
+            for rows in module.weight.split(getattr(module, "row_splits", module.weight.shape[:1]), dim=0):
+                std = 0.02 if scheme == "gpt2" else spectral_std(rows.shape[0], fan_in, exact)
+                if name.endswith("out_proj"):
+                    std *= depth_scale
+                torch.nn.init.normal_(rows, mean=0.0, std=std)
             if module.bias is not None:
                 torch.nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):

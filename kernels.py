@@ -15,7 +15,8 @@ kernels.py: every op the model needs that has a fast path, one section per op.
                       q,k,g,b [B,T,H,K]; v,w [B,T,H,V]; S [B,H,K,V]                ref, torch, triton
     ssd               (x, dt, A, B, C, D=None, chunk_size=64, initial_state=None) -> (y, h_T)
                       x [b,l,h,p]; dt [b,l,h]; A, D [h]; B, C [b,l,1,n]; h [b,h,p,n]  ref, torch, triton
-Helpers: gdn2_log_rho(k, b) = log ‖I − k(b⊙k)ᵀ‖₂ (what the clip uses), zoh_input_scale(dt, A) (ZOH for ssd).
+Helpers: gdn2_log_rho(k, b) = log ‖I − k(b⊙k)ᵀ‖₂ (what the clip uses), gdn_log_decay(decay_logits, A_log, dt_bias)
+(the gated variants' g), zoh_input_scale(dt, A) (ZOH for ssd).
 
 Each section holds `<op>_ref` (the spec, written plainly), `<op>_torch` (vectorised or chunked
 PyTorch, the CPU path) where it differs, `<op>_triton` where it exists, and the dispatcher
@@ -203,8 +204,10 @@ def sparsemax(z, causal=False, kernels="auto"):
 # -----------------------------------------------------------------------------
 # sinkhorn: P = exp(logits), then `iters` rounds of (row normalisation, column normalisation), fp32.
 # The last step normalises columns, so columns sum to 1 exactly and rows to within the convergence error.
-# The max is subtracted before exp so large logits cannot overflow; the torch path works in the
-# log domain (logsumexp), so a row whose entries all underflow cannot become 0/0.
+# The max is subtracted before exp so large logits cannot overflow. The torch path normalises the rows
+# first in the log domain (logsumexp), so every row keeps an entry ≥ 1/n and no row sum can reach 0, and
+# floors the column sums at 1e-30, so a column whose entries all underflow stays 0 instead of 0/0; after
+# that it iterates on P itself (2 ops a step instead of the log domain's ~6, which is what the CPU pays for).
 
 def sinkhorn_ref(logits, iters=20):
     lf = logits.float()
@@ -216,11 +219,15 @@ def sinkhorn_ref(logits, iters=20):
 
 
 def sinkhorn_torch(logits, iters=20):
+    if iters < 1:
+        return sinkhorn_ref(logits, iters)
     L = logits.float()
-    for _ in range(iters):
-        L = L - torch.logsumexp(L, dim=-1, keepdim=True)
-        L = L - torch.logsumexp(L, dim=-2, keepdim=True)
-    return torch.exp(L)
+    P = torch.exp(L - torch.logsumexp(L, dim=-1, keepdim=True))
+    P = P / P.sum(-2, keepdim=True).clamp_min(1e-30)
+    for _ in range(iters - 1):
+        P = P / P.sum(-1, keepdim=True)
+        P = P / P.sum(-2, keepdim=True).clamp_min(1e-30)
+    return P
 
 
 def sinkhorn(logits, iters=20, kernels="auto"):
@@ -294,10 +301,16 @@ def _gdn2_gates_check(decay_logits, erase_logits, k, A_log, dt_bias):
                          f"{tuple(A_log.shape)}, {tuple(dt_bias.shape)}")
 
 
+def gdn_log_decay(decay_logits, A_log, dt_bias):
+    """g = −exp(A_log[h])·softplus(decay_logits + dt_bias) in fp32 for decay_logits [..., H, K] (K = 1: one decay per
+    head) and dt_bias [H·K]: the log-decay of every gated variant (gdn, kda, gdn2; gdn2_gates' first half)."""
+    H, K = decay_logits.shape[-2:]
+    return -A_log.float().exp()[:, None] * F.softplus(decay_logits.float() + dt_bias.float().view(H, K))
+
+
 def gdn2_gates_ref(decay_logits, erase_logits, k, A_log, dt_bias, clip=True):
-    H, K = k.shape[-2:]
     erase_gate = torch.sigmoid(erase_logits)
-    log_decay = -A_log.float().exp()[:, None] * F.softplus(decay_logits.float() + dt_bias.float().reshape(H, K))
+    log_decay = gdn_log_decay(decay_logits, A_log, dt_bias)
     return (gdn2_decay_clip_ref(log_decay, k, erase_gate) if clip else log_decay), erase_gate
 
 

@@ -246,23 +246,32 @@ def init_dt_bias(n, dt_min=1e-3, dt_max=0.1):
 
 
 def causal_conv(conv, x, cache=None, key="conv"):
-    """Depthwise causal convolution over time, y_t = Σ_i w_i ⊙ x_{t−K+1+i}, of x (B, T, C) with
-    conv = Conv1d(C, C, K, groups=C). The K−1 inputs before x are zeros, or in generation the last K−1
-    inputs of the previous call, kept in cache[key]."""
+    """Depthwise causal convolution over time, y_t = Σ_i w_i ⊙ x_{t−K+1+i} (+ bias), of x (B, T, C) with the
+    weights of conv = Conv1d(C, C, K, groups=C). The K−1 inputs before x are zeros, or in generation the last
+    K−1 inputs of the previous call, kept in cache[key]. Written as K shifted multiply-adds in x's layout:
+    on the CPU its backward is several times faster than the depthwise Conv1d's."""
     B, T, C = x.shape
     K = conv.kernel_size[0]
-    past = cache[key] if cache is not None and key in cache else x.new_zeros(B, K - 1, C)
-    x = torch.cat([past, x], dim=1)
+    if cache is not None and key in cache:
+        x = torch.cat([cache[key], x], dim=1)
+    else:
+        x = F.pad(x, (0, 0, K - 1, 0))
     if cache is not None:
         cache[key] = x[:, x.size(1) - (K - 1):]
-    return conv(x.transpose(1, 2)).transpose(1, 2)
+    w = conv.weight[:, 0, :]  # (C, K)
+    y = x[:, K - 1:] * w[:, K - 1] if conv.bias is None else torch.addcmul(conv.bias, x[:, K - 1:], w[:, K - 1])
+    for i in range(K - 1):
+        y = torch.addcmul(y, x[:, i:i + T], w[:, i])
+    return y
 
 
 class GatedDelta(nn.Module):
     """Gated delta rule; per head a state S ∈ R^{dk×dv}, read o_t = S_tᵀ q_t / sqrt(dk):
         S_t = (I − k_t (b_t⊙k_t)ᵀ) Diag(exp g_t) S_{t−1} + k_t (w_t⊙v_t)ᵀ,   y = W_o (RMSNorm(o) ⊙ SiLU(W_gate x))
     gdn2: g, b per key channel, w per value channel; kda: g per key channel, b = w = β per head;
-    gdn: g and b = w = β per head; deltanet: g = 0, b = w = β. g = −exp(A_log)·softplus(W_f x + dt_bias)."""
+    gdn: g and b = w = β per head; deltanet: g = 0, b = w = β. g = −exp(A_log)·softplus(W_f x + dt_bias).
+    One matmul in_proj computes W_q x, W_k x, W_v x, W_gate x, W_b x (or W_β x), W_w x, W_f x (in that order;
+    the absent ones have 0 rows) and one depthwise convolution runs over the q, k, v channels."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -272,23 +281,27 @@ class GatedDelta(nn.Module):
         self.variant = cfg.gdn_variant
         self.clip = cfg.gdn_clip and cfg.gdn_variant == "gdn2"  # for the others the clip is the identity
         self.chunk_size, self.kernels_path = cfg.chunk_size, cfg.kernels
-        self.q_proj = nn.Linear(cfg.n_embd, H * dk, bias=cfg.bias)
-        self.k_proj = nn.Linear(cfg.n_embd, H * dk, bias=cfg.bias)
-        self.v_proj = nn.Linear(cfg.n_embd, H * dv, bias=cfg.bias)
-        self.q_conv = nn.Conv1d(H * dk, H * dk, cfg.conv_size, groups=H * dk, bias=False)
-        self.k_conv = nn.Conv1d(H * dk, H * dk, cfg.conv_size, groups=H * dk, bias=False)
-        self.v_conv = nn.Conv1d(H * dv, H * dv, cfg.conv_size, groups=H * dv, bias=False)
-        if self.variant != "deltanet":
-            decay_channels = H if self.variant == "gdn" else H * dk
-            self.decay_proj = nn.Linear(cfg.n_embd, decay_channels, bias=False)  # a plain Linear; dt_bias is its bias
-            self.A_log = nn.Parameter(init_A_log(H))
-            self.dt_bias = nn.Parameter(init_dt_bias(decay_channels))
         if self.variant == "gdn2":
-            self.erase_proj = nn.Linear(cfg.n_embd, H * dk, bias=cfg.bias)
-            self.write_proj = nn.Linear(cfg.n_embd, H * dv, bias=cfg.bias)
+            erase, write, decay = H * dk, H * dv, H * dk
+        elif self.variant == "kda":
+            erase, write, decay = H, 0, H * dk
+        elif self.variant == "gdn":
+            erase, write, decay = H, 0, H
+        elif self.variant == "deltanet":
+            erase, write, decay = H, 0, 0
         else:
-            self.beta_proj = nn.Linear(cfg.n_embd, H, bias=cfg.bias)
-        self.gate_proj = nn.Linear(cfg.n_embd, H * dv, bias=cfg.bias)
+            raise ValueError(f"gdn_variant={self.variant!r} has no projection layout: add it in GatedDelta.__init__")
+        self.conv_channels = H * (2 * dk + dv)
+        # rows of in_proj, in order: q, k, v (through the convolution), gate, erase (β), write, decay logits
+        self.in_splits = [self.conv_channels, H * dv, erase, write, decay]
+        self.in_proj = nn.Linear(cfg.n_embd, sum(self.in_splits), bias=cfg.bias)
+        # init.py initialises each map's rows (q, k, v, gate, erase, write, decay) as its own matrix
+        self.in_proj.row_splits = [H * dk, H * dk, H * dv] + self.in_splits[1:]
+        self.conv = nn.Conv1d(self.conv_channels, self.conv_channels, cfg.conv_size, groups=self.conv_channels,
+                              bias=False)
+        if decay:
+            self.A_log = nn.Parameter(init_A_log(H))
+            self.dt_bias = nn.Parameter(init_dt_bias(decay))
         self.o_norm = RMSNorm(dv, kernels_path=cfg.kernels)
         self.out_proj = nn.Linear(H * dv, cfg.n_embd, bias=cfg.bias)
 
@@ -298,46 +311,58 @@ class GatedDelta(nn.Module):
         B, T, _ = x.shape
         if self.variant == "deltanet":
             return x.new_zeros(B, T, self.n_head, 1, dtype=torch.float32)
-        rate = F.softplus(self.decay_proj(x).float() + self.dt_bias).view(B, T, self.n_head, -1)
-        return -self.A_log.float().exp()[:, None] * rate
+        W, bias = self.in_proj.weight[-self.in_splits[-1]:], None
+        if self.in_proj.bias is not None:
+            bias = self.in_proj.bias[-self.in_splits[-1]:]
+        decay_logits = F.linear(x, W, bias).view(B, T, self.n_head, -1)
+        return kernels.gdn_log_decay(decay_logits, self.A_log, self.dt_bias)
 
-    def recurrence_inputs(self, x, cache=None):
+    def recurrence_inputs(self, x):
         """q, k, v, g, b, w exactly as the recurrence gets them (g after the clip), broadcast to
         [B,T,H,dk] (q, k, g, b) and [B,T,H,dv] (v, w)."""
+        return self.project(x)[0]
+
+    def project(self, x, cache=None):
+        """(q, k, v, g, b, w) as recurrence_inputs returns them, and the output gate's logits W_gate x."""
         B, T, _ = x.shape
         H, dk, dv = self.n_head, self.head_k, self.head_v
-        q = F.silu(causal_conv(self.q_conv, self.q_proj(x), cache, "q_conv")).view(B, T, H, dk)
-        k = F.silu(causal_conv(self.k_conv, self.k_proj(x), cache, "k_conv")).view(B, T, H, dk)
-        v = F.silu(causal_conv(self.v_conv, self.v_proj(x), cache, "v_conv")).view(B, T, H, dv)
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        if self.variant == "gdn2":  # g as log_decay(x) and b = σ(W_b x) in one fused op, with the clip
-            decay_logits = self.decay_proj(x).float().view(B, T, H, dk)
-            log_decay, erase_gate = kernels.gdn2_gates(decay_logits, self.erase_proj(x).view(B, T, H, dk), k, self.A_log,
-                                                       self.dt_bias, clip=self.clip, kernels=self.kernels_path)
-            write_gate = torch.sigmoid(self.write_proj(x)).view(B, T, H, dv)
+        qkv, gate, erase, write, decay = self.in_proj(x).split(self.in_splits, dim=-1)
+        qkv = F.silu(causal_conv(self.conv, qkv, cache))
+        qk, v = qkv.split([2 * H * dk, H * dv], dim=-1)
+        q, k = F.normalize(qk.view(B, T, 2 * H, dk), dim=-1).split(H, dim=2)
+        v = v.view(B, T, H, dv)
+        if self.variant == "gdn2":  # g and b = σ(W_b x) in one fused op, with the clip
+            log_decay, erase_gate = kernels.gdn2_gates(decay.view(B, T, H, dk), erase.view(B, T, H, dk), k,
+                                                       self.A_log, self.dt_bias, clip=self.clip,
+                                                       kernels=self.kernels_path)
+            write_gate = torch.sigmoid(write).view(B, T, H, dv)
         else:
-            log_decay = self.log_decay(x).expand(B, T, H, dk)
-            beta = torch.sigmoid(self.beta_proj(x)).view(B, T, H, 1)
+            if self.variant == "deltanet":
+                log_decay = x.new_zeros(B, T, H, 1, dtype=torch.float32)
+            else:
+                log_decay = kernels.gdn_log_decay(decay.view(B, T, H, -1), self.A_log, self.dt_bias)
+            beta = torch.sigmoid(erase).view(B, T, H, 1)
+            log_decay = log_decay.expand(B, T, H, dk)
             erase_gate, write_gate = beta.expand(B, T, H, dk), beta.expand(B, T, H, dv)
-        return q, k, v, log_decay, erase_gate, write_gate
+        return (q, k, v, log_decay, erase_gate, write_gate), gate
 
     def forward(self, x, rope, cache=None):
         B, T, _ = x.shape
-        q, k, v, log_decay, erase_gate, write_gate = self.recurrence_inputs(x, cache)
+        (q, k, v, log_decay, erase_gate, write_gate), gate = self.project(x, cache)
         o, state = kernels.gdn2(q, k, v, log_decay, erase_gate, write_gate, scale=self.head_k ** -0.5,
                                 initial_state=None if cache is None else cache.get("state"),
                                 chunk_size=self.chunk_size, kernels=self.kernels_path)
         if cache is not None:
             cache["state"] = state
-        o = self.o_norm(o) * F.silu(self.gate_proj(x)).view(B, T, self.n_head, self.head_v)
+        o = self.o_norm(o) * F.silu(gate).view(B, T, self.n_head, self.head_v)
         return self.out_proj(o.reshape(B, T, self.n_head * self.head_v))
 
     def extra_flops_per_token(self, T):
         """The chunked algorithm (chunk c) per head and token, forward: the in-chunk pair weights of
         (b⊙k, k) and (q, k) 4·c·dk, the triangular solve ≈ c²/3, the solved right-hand sides 2·c·(dk+dv),
         the pair-weighted sum 2·c·dv, the three state products (Y S, Kᵀ U, Q S) 6·dk·dv; plus the short
-        convolutions, 2·K per channel of q, k, v. × 3 for backward."""
-        c, dk, dv, K = min(self.chunk_size, T), self.head_k, self.head_v, self.q_conv.kernel_size[0]
+        convolution, 2·K per channel of q, k, v. × 3 for backward."""
+        c, dk, dv, K = min(self.chunk_size, T), self.head_k, self.head_v, self.conv.kernel_size[0]
         forward = self.n_head * (6 * c * dk + 4 * c * dv + c * c // 3 + 6 * dk * dv + 2 * K * (2 * dk + dv))
         return 3 * forward
 
@@ -412,8 +437,10 @@ class MLP(nn.Module):
             h = h * h  # a plain product backpropagates faster on the CPU than .square()
         elif self.kind == "gelu":
             h = F.gelu(h)
-        else:
+        elif self.kind == "swiglu":
             h = F.silu(self.gate_proj(x)) * h
+        else:
+            raise ValueError(f"mlp={self.kind!r} has no forward: add its branch in MLP.forward")
         return self.out_proj(h)
 
 
@@ -423,7 +450,9 @@ def make_mixer(cfg, layer):
         return Attention(cfg)
     if letter == "G":
         return GatedDelta(cfg)
-    return Mamba2(cfg)
+    if letter == "M":
+        return Mamba2(cfg)
+    raise ValueError(f"mixer letter {letter!r} has no module: add it in make_mixer")
 
 
 # -----------------------------------------------------------------------------
@@ -505,13 +534,14 @@ def hc_res_init(kind, n):
     if kind == "shc":  # U_c = V_c = I (zero skew maps), tanh(s) = t on every singular value
         k = n - 1
         return torch.cat([torch.zeros(k * (k - 1)), torch.full((k,), math.atanh(t))])
-    # markov: Σ_c (P_c − I) = −c_n (I − J), so equal rates r give H_res = J + exp(−r c_n)(I − J)
-    generators = hc_cycle_generators(n)
-    if len(generators) == 0:
-        return torch.zeros(0)
-    c_n = -generators.sum(0)[0, 0].item() * n / (n - 1)
-    rate = -math.log(t) / c_n
-    return torch.full((len(generators),), math.log(math.expm1(rate)))  # softplus⁻¹(rate)
+    if kind == "markov":  # Σ_c (P_c − I) = −c_n (I − J), so equal rates r give H_res = J + exp(−r c_n)(I − J)
+        generators = hc_cycle_generators(n)
+        if len(generators) == 0:
+            return torch.zeros(0)
+        c_n = -generators.sum(0)[0, 0].item() * n / (n - 1)
+        rate = -math.log(t) / c_n
+        return torch.full((len(generators),), math.log(math.expm1(rate)))  # softplus⁻¹(rate)
+    raise ValueError(f"residual={kind!r} has no H_res init: add it in hc_res_init")
 
 
 class HyperConnection(nn.Module):
@@ -596,8 +626,10 @@ class HyperConnection(nn.Module):
             U_c, V_c = rotations[..., 0, :, :], rotations[..., 1, :, :]
             core = (U_c * torch.tanh(s).unsqueeze(-2)) @ V_c.transpose(-1, -2)  # U_c diag(tanh s) V_cᵀ
             return (1.0 / n + self.U_Z.double() @ core @ self.U_Z.T.double()).float()
-        Q = (F.softplus(res).double() @ self.generators.double()).unflatten(-1, (n, n))  # markov, fp64: exact sums
-        return torch.linalg.matrix_exp(Q).float()
+        if self.kind == "markov":
+            Q = (F.softplus(res).double() @ self.generators.double()).unflatten(-1, (n, n))  # fp64: exact sums
+            return torch.linalg.matrix_exp(Q).float()
+        raise ValueError(f"residual={self.kind!r} has no H_res: add it in HyperConnection.res_matrix")
 
     def mixing_matrices(self, X):
         """(H_pre (…, n), H_post (…, n), H_res (…, n, n)) in fp32 for stream state X (…, n, C)."""
@@ -731,7 +763,8 @@ if __name__ == "__main__":
     # block 64, batch 12, char vocabulary) for each mixer kind, against a baseline timed in the same rounds:
     # a GPT-2-style model (learned positions, LayerNorm, fused qkv, GELU, no biases: nanoGPT's architecture
     # under its train.py defaults), written here only as a yardstick. Rounds alternate; the median of the
-    # per-round ratios is robust to this machine's drift.
+    # per-round ratios is robust to this machine's drift. `python model.py recipe` instead trains the yardstick
+    # with nanoGPT's CPU recipe, to time against `python train.py` run alongside.
     import statistics
     import sys
     import time
@@ -778,6 +811,56 @@ if __name__ == "__main__":
             step()
         return step
 
+    def nanogpt_recipe():
+        """nanoGPT's shakespeare_char CPU recipe, lr-tuned, on the yardstick: nanoGPT's init (std 0.02, residual
+        projections 0.02/sqrt(2·n_layer)), batch 12 x 64, 2000 iterations, AdamW (lr 3e-3, betas (0.9, 0.99),
+        weight decay 0.1 on matrices), 100 warmup steps then a cosine to 3e-4, gradient clip 1, an eval of 20
+        train and 20 val batches every 250 iterations. Prints its wall time and, untimed, the val loss on
+        train.py's fixed validation batches (20 of 24 x 64, seed 0), so the two runs' losses compare."""
+        import data
+        train_tokens, val_tokens, _ = data.load_dataset("shakespeare_char")
+        torch.manual_seed(1337)
+        model = GPT2(84, 64, 4, 4, 128)
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * 4) if name.endswith(("proj.weight", "fc_out.weight")) else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=3e-3, betas=(0.9, 0.99))
+        samplers = {"train": data.BatchSampler(train_tokens, 12, 64, seed=1337),
+                    "val": data.BatchSampler(val_tokens, 12, 64, seed=1)}
+
+        @torch.no_grad()
+        def mean_loss(sampler, batches):
+            model.eval()
+            loss = sum(model(*sampler.next_batch())[1].item() for _ in range(batches)) / batches
+            model.train()
+            return loss
+        t0 = time.perf_counter()
+        for it in range(2001):
+            if it % 250 == 0:
+                print(f"iter {it}: train {mean_loss(samplers['train'], 20):.4f}, val {mean_loss(samplers['val'], 20):.4f}, "
+                      f"{time.perf_counter() - t0:.1f}s")
+            if it == 2000:
+                break
+            lr = 3e-3 * (it + 1) / 101 if it < 100 else 3e-4 + 0.5 * (1 + math.cos(math.pi * (it - 100) / 1900)) * (3e-3 - 3e-4)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss = model(*samplers["train"].next_batch())[1]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - t0
+        val = mean_loss(data.BatchSampler(val_tokens, 24, 64, seed=0), 20)
+        print(f"nanoGPT recipe: {seconds:.1f}s wall for 2000 iterations and evals, "
+              f"val loss {val:.4f} on train.py's validation batches")
+
+    if sys.argv[1:] == ["recipe"]:
+        nanogpt_recipe()
+        sys.exit()
     torch.manual_seed(0)
     B, T, V, rounds, steps = 12, 64, 84, 20, 5
     mixers = sys.argv[1:] or ["A"]

@@ -1681,21 +1681,27 @@ def mixers_gated_delta_reference(layer, x):
     x = x.double()
     B, T, _ = x.shape
     H, dk, dv, variant = layer.n_head, layer.head_k, layer.head_v, layer.variant
-    proj = lambda name: x @ P[f"{name}.weight"].T
-    q = F.silu(mixers_conv_reference(proj("q_proj"), P["q_conv.weight"])).view(B, T, H, dk)
-    k = F.silu(mixers_conv_reference(proj("k_proj"), P["k_conv.weight"])).view(B, T, H, dk)
-    v = F.silu(mixers_conv_reference(proj("v_proj"), P["v_conv.weight"])).view(B, T, H, dv)
+    # in_proj's rows: q, k, v, gate, erase (β: one per head), write (gdn2), decay logits (none for deltanet)
+    rows = {"q": H * dk, "k": H * dk, "v": H * dv, "gate": H * dv, "erase": H * dk if variant == "gdn2" else H,
+            "write": H * dv if variant == "gdn2" else 0,
+            "decay": {"gdn2": H * dk, "kda": H * dk, "gdn": H, "deltanet": 0}[variant]}
+    projected = dict(zip(rows, (x @ P["in_proj.weight"].T).split(list(rows.values()), dim=-1)))
+    proj = lambda name: projected[name]
+    conv_rows = P["conv.weight"].split([H * dk, H * dk, H * dv])
+    q = F.silu(mixers_conv_reference(proj("q"), conv_rows[0])).view(B, T, H, dk)
+    k = F.silu(mixers_conv_reference(proj("k"), conv_rows[1])).view(B, T, H, dk)
+    v = F.silu(mixers_conv_reference(proj("v"), conv_rows[2])).view(B, T, H, dv)
     q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
     if variant == "deltanet":
         g = torch.zeros(B, T, H, dk, dtype=x.dtype)
     else:
-        rate = torch.log1p(torch.exp(proj("decay_proj") + P["dt_bias"])).view(B, T, H, -1)
+        rate = torch.log1p(torch.exp(proj("decay") + P["dt_bias"])).view(B, T, H, -1)
         g = (-torch.exp(P["A_log"])[:, None] * rate).expand(B, T, H, dk)
     if variant == "gdn2":
-        b = torch.sigmoid(proj("erase_proj")).view(B, T, H, dk)
-        w = torch.sigmoid(proj("write_proj")).view(B, T, H, dv)
+        b = torch.sigmoid(proj("erase")).view(B, T, H, dk)
+        w = torch.sigmoid(proj("write")).view(B, T, H, dv)
     else:
-        beta = torch.sigmoid(proj("beta_proj")).view(B, T, H, 1)
+        beta = torch.sigmoid(proj("erase")).view(B, T, H, 1)
         b, w = beta.expand(B, T, H, dk), beta.expand(B, T, H, dv)
     eye = torch.eye(dk, dtype=x.dtype)
     S = torch.zeros(B, H, dk, dv, dtype=x.dtype)
@@ -1710,7 +1716,7 @@ def mixers_gated_delta_reference(layer, x):
         S = transition @ S + k[:, t, :, :, None] * (w[:, t] * v[:, t])[:, :, None, :]
         outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]) / math.sqrt(dk))
     o = mixers_rms_norm_reference(torch.stack(outs, dim=1), P["o_norm.weight"])
-    o = o * F.silu(proj("gate_proj")).view(B, T, H, dv)
+    o = o * F.silu(proj("gate")).view(B, T, H, dv)
     return o.reshape(B, T, H * dv) @ P["out_proj.weight"].T
 
 
@@ -1783,17 +1789,15 @@ def test_mixers_parameter_names_and_shapes():
     H, dk, C = 2, 16, 32
     shapes = lambda m: {n: tuple(p.shape) for n, p in m.named_parameters()}
     gdn2 = shapes(GatedDelta(mixers_config(mixer="G", gdn_variant="gdn2", gdn_expand_v=2)))
-    assert gdn2 == {"q_proj.weight": (H * dk, C), "k_proj.weight": (H * dk, C), "v_proj.weight": (2 * H * dk, C),
-                    "q_conv.weight": (H * dk, 1, 4), "k_conv.weight": (H * dk, 1, 4), "v_conv.weight": (2 * H * dk, 1, 4),
-                    "decay_proj.weight": (H * dk, C), "A_log": (H,), "dt_bias": (H * dk,),
-                    "erase_proj.weight": (H * dk, C), "write_proj.weight": (2 * H * dk, C),
-                    "gate_proj.weight": (2 * H * dk, C), "o_norm.weight": (2 * dk,), "out_proj.weight": (C, 2 * H * dk)}
-    kda = shapes(GatedDelta(mixers_config(mixer="G", gdn_variant="kda")))
-    assert kda["dt_bias"] == (H * dk,) and kda["beta_proj.weight"] == (H, C) and "erase_proj.weight" not in kda
-    gdn = shapes(GatedDelta(mixers_config(mixer="G", gdn_variant="gdn")))
-    assert gdn["decay_proj.weight"] == (H, C) and gdn["dt_bias"] == (H,) and gdn["A_log"] == (H,)
+    # in_proj rows: q, k, v (2·dk per head), gate (2·dk), erase (dk), write (2·dk), decay (dk)
+    assert gdn2 == {"in_proj.weight": (H * dk * (1 + 1 + 2 + 2 + 1 + 2 + 1), C), "conv.weight": (4 * H * dk, 1, 4),
+                    "A_log": (H,), "dt_bias": (H * dk,), "o_norm.weight": (2 * dk,), "out_proj.weight": (C, 2 * H * dk)}
+    kda = shapes(GatedDelta(mixers_config(mixer="G", gdn_variant="kda")))  # q, k, v, gate, β (1 per head), decay
+    assert kda["dt_bias"] == (H * dk,) and kda["in_proj.weight"] == (5 * H * dk + H, C)
+    gdn = shapes(GatedDelta(mixers_config(mixer="G", gdn_variant="gdn")))  # q, k, v, gate, β, decay (1 per head)
+    assert gdn["in_proj.weight"] == (4 * H * dk + 2 * H, C) and gdn["dt_bias"] == (H,) and gdn["A_log"] == (H,)
     deltanet = shapes(GatedDelta(mixers_config(mixer="G", gdn_variant="deltanet")))
-    assert not {"decay_proj.weight", "A_log", "dt_bias"} & set(deltanet)
+    assert deltanet["in_proj.weight"] == (4 * H * dk + H, C) and not {"A_log", "dt_bias"} & set(deltanet)
     m = shapes(Mamba2(mixers_config(mixer="M", mamba_d_state=8, mamba_headdim=16)))
     d_inner, N, nh = 2 * C, 8, 4
     assert m == {"in_proj.weight": (2 * d_inner + 2 * N + nh, C), "conv.weight": (d_inner + 2 * N, 1, 4),
@@ -2963,14 +2967,16 @@ def test_init_model_hidden_matrices_at_init(exact):
 
 def test_init_gated_mixers_and_own_init_parameters():
     """G and M mixers with hyper-connections: every Linear (gates and decay projections included) gets
-    spectral_std by shape; everything else (HC maps, A_log, dt_bias, D, convolutions, norms) is the same
-    as under gpt2 with the same seed, i.e. keeps its module's init."""
-    for mixer, residual, gate in (("G", "mhc", "mixer.erase_proj"), ("M", "hc", "mixer.in_proj")):
+    spectral_std by shape, GatedDelta's fused in_proj map by map (kda: the β map has one row per head, so
+    its std differs from the rest); everything else (HC maps, A_log, dt_bias, D, convolutions, norms) is
+    the same as under gpt2 with the same seed, i.e. keeps its module's init."""
+    kda_rows = [128, 128, 128, 128, 4, 128]  # q, k, v, gate, β (one per head), decay (per key channel)
+    for mixer, residual, gate in (("G", "mhc", "mixer.in_proj"), ("M", "hc", "mixer.in_proj")):
         models = {}
         for scheme in ("gpt2", "spectral"):
             torch.manual_seed(0)
             models[scheme] = GPT(GPTConfig(n_embd=128, n_head=4, n_layer=2, block_size=16, mixer=mixer,
-                                           residual=residual, tie_embeddings=False, init=scheme))
+                                           gdn_variant="kda", residual=residual, tie_embeddings=False, init=scheme))
         gpt2, spectral = (dict(models[s].named_parameters()) for s in ("gpt2", "spectral"))
         linear_weights = {f"{n}.weight" for n, m in models["spectral"].named_modules()
                           if isinstance(m, nn.Linear) and ".hc_" not in n}
@@ -2978,8 +2984,10 @@ def test_init_gated_mixers_and_own_init_parameters():
         for name, p in spectral.items():
             if name in linear_weights:
                 fan_out, fan_in = p.shape
-                std = init.spectral_std(fan_out, fan_in) / (2 if name.endswith("out_proj.weight") else 1)
-                assert p.std().item() == pytest.approx(std, rel=0.1), name
+                maps = kda_rows if mixer == "G" and name.endswith("mixer.in_proj.weight") else [fan_out]
+                for rows in p.split(maps):
+                    std = init.spectral_std(rows.shape[0], fan_in) / (2 if name.endswith("out_proj.weight") else 1)
+                    assert rows.std().item() == pytest.approx(std, rel=0.1), name
             elif name == "wte.weight":
                 assert p.std().item() == pytest.approx(128 ** -0.5, rel=0.05)
             else:
@@ -3443,7 +3451,8 @@ def test_gdn2_gates_rho_and_clip():
     model = analyze_tiny_gpt(vocab_size=16, block_size=16, n_layer=2, n_embd=16, mixer="G")
     with torch.no_grad():  # spread the erase gates b over (0, 1) so that ρ > 1 and the clip has work
         for block in model.blocks:
-            block.mixer.erase_proj.weight.normal_(0, 2.0)
+            erase_rows = slice(4 * 16, 5 * 16)  # in_proj rows q, k, v, gate, erase: 16 each (1 head of 16)
+            block.mixer.in_proj.weight[erase_rows].normal_(0, 2.0)
     idx = torch.randint(0, 16, (2, 16))
     summary, arrays = analyze.gdn2_gates(model, idx)
     x = model.blocks[0].norm1(model.wte(idx))
