@@ -958,6 +958,10 @@ def _jsonable(x):
     return json.loads(json.dumps(x, default=float, allow_nan=True))
 
 
+def _write_json(path, obj):
+    data.atomic_write_bytes(path, json.dumps(_jsonable(obj), indent=1).encode())
+
+
 def ns_section(model, inputs):
     """ns_response for every coefficient set; with the gradients section's results, also the share of
     the real gradients' directions that msign leaves below 0.5."""
@@ -1094,13 +1098,11 @@ def run_analysis(model, batches, out_dir, sections=DEFAULT_SECTIONS, opts=None, 
             continue
         inputs[name] = (section_summary, arrays)
         if arrays:
-            np.savez(os.path.join(out_dir, f"{name}.npz"), **{k.replace(".", "/"): v for k, v in arrays.items()})
+            data.atomic_write(os.path.join(out_dir, f"{name}.npz"),
+                              lambda tmp: np.savez(tmp, **{k.replace(".", "/"): v for k, v in arrays.items()}))
         if section.plot:
             section.plot(section_summary, arrays, os.path.join(out_dir, f"{name}.png"))
-    tmp = os.path.join(out_dir, "summary.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(_jsonable(summary), f, indent=1)
-    os.replace(tmp, os.path.join(out_dir, "summary.json"))
+    _write_json(os.path.join(out_dir, "summary.json"), summary)
     return summary
 
 
@@ -1257,10 +1259,7 @@ def batch_scan(batch_sizes, target, out_dir, max_iters=4000, analyze_batch=0, an
         if verbose:
             print(f"B = {B}: val loss {target} after {steps:.1f} steps, {steps * B:.0f} sequences", flush=True)
         result = {"target": target, "analyze_batch": analyze_batch, "runs": runs, "noise": noise}
-        tmp = os.path.join(out_dir, "scan.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(_jsonable(result), f, indent=1)
-        os.replace(tmp, os.path.join(out_dir, "scan.json"))
+        _write_json(os.path.join(out_dir, "scan.json"), result)
     return result
 
 
@@ -1527,10 +1526,7 @@ def main_mpl(opts):
     for d, r in result["runs"].items():
         print(f"  {d}: predicted val loss rms error {r['rms']:.4f}, max {r['max']:.4f}, at the last eval "
               f"{r['final_error']:+.4f} (without the decay term: rms {r['rms_no_decay_term']:.4f})")
-    tmp = os.path.join(out_dir, "mpl.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(_jsonable(result), f, indent=1)
-    os.replace(tmp, os.path.join(out_dir, "mpl.json"))
+    _write_json(os.path.join(out_dir, "mpl.json"), result)
 
 
 def main(argv):
@@ -1555,10 +1551,7 @@ def main(argv):
         rows = length_extrapolation(model, val_tokens if opts["split"] == "val" else train_tokens, factors,
                                     batch_size=opts["batch_size"])
         os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, "length_extrapolation.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(rows, f, indent=1)
-        os.replace(path + ".tmp", path)
+        _write_json(os.path.join(out_dir, "length_extrapolation.json"), rows)
         print(f"{'scaling':8s} {'factor':>6s} {'length':>6s} {'val loss':>8s}")
         for r in rows:
             print(f"{r['scaling']:8s} {r['factor']:6g} {r['length']:6d} {r['val_loss']:8.4f}")

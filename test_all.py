@@ -423,7 +423,7 @@ def test_bad_model_config_is_one_line_error():
 # optimizer
 
 def test_adamw_matches_torch_adamw():
-    """Our AdamW (DESIGN.md's rule) against torch.optim.AdamW on the same gradient sequence."""
+    """Our AdamW (decoupled decay, bias-corrected moments) against torch.optim.AdamW on the same gradient sequence."""
     from optim import AdamW
     torch.manual_seed(0)
     p1 = torch.nn.Parameter(torch.randn(7, 5))
@@ -1722,7 +1722,7 @@ def mixers_gated_delta_reference(layer, x):
 
 def mixers_mamba2_reference(layer, x, zoh):
     """Mamba2's output in float64 with a per-token loop: h ← exp(dt A) h + β x Bᵀ, y = h C + D x, where
-    β = dt (Euler) or (exp(dt A) − 1)/A (zero-order hold, seeds/s4d-zoh.md)."""
+    β = dt (Euler) or (exp(dt A) − 1)/A (zero-order hold, Gu et al. 2022, S4D)."""
     P = {n: p.detach().double() for n, p in layer.named_parameters()}
     x = x.double()
     B, T, _ = x.shape
@@ -1983,7 +1983,7 @@ def test_mixers_triton_path_matches_torch_path():
 # ==================================================================================================
 # model.py: hyper-connection residual streams
 # Tests for the hyper-connection residual streams (model.HyperConnection): constraints, closure under
-# products, n = 1, init, gradients, fp32 under autocast, training. Run: pytest -q test_hc.py
+# products, n = 1, init, gradients, fp32 under autocast, training.
 
 HC_KINDS = ["hc", "mhc", "mhc-lite", "kromhc", "shc", "markov"]
 HC_CONSTRAINED = ["mhc", "mhc-lite", "kromhc", "shc", "markov"]
