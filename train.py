@@ -70,7 +70,7 @@ max_iters = 850                # optimizer steps
 lr_decay_iters = 0             # length of the schedule; 0 means max_iters
 warmup_iters = 100             # linear warmup steps
 schedule = "cosine"            # cosine | wsd (warmup, constant, then linear decay over the last wsd_decay_frac)
-wsd_decay_frac = 0.2           # wsd: fraction of the steps spent decaying, in (0, 1]
+wsd_decay_frac = 0.2           # wsd: fraction of the steps spent decaying, in [0, 1] (0: a constant lr after warmup)
 # system
 device = "auto"                # auto (cuda > mps > cpu) | cpu | cuda | cuda:1 | mps
 dtype = "auto"                 # auto (bfloat16 autocast on CUDA, float32 elsewhere) | float32 | bfloat16
@@ -191,7 +191,7 @@ def check_settings(c):
              ("lr_decay_iters", c["lr_decay_iters"] >= 0, "0 (= max_iters) or more"),
              ("warmup_iters", c["warmup_iters"] >= 0, "0 or more"),
              ("schedule", c["schedule"] in ("cosine", "wsd"), "cosine or wsd"),
-             ("wsd_decay_frac", 0 < c["wsd_decay_frac"] <= 1, "in (0, 1]"),
+             ("wsd_decay_frac", 0 <= c["wsd_decay_frac"] <= 1, "in [0, 1]"),
              ("precond_every", c["precond_every"] >= 1, "at least 1"),
              ("galore_rank", c["galore_rank"] >= 1, "at least 1"),
              ("galore_gap", c["galore_gap"] >= 1, "at least 1"),
@@ -270,7 +270,9 @@ def lr_multiplier(it, total):
     floor = min_lr / learning_rate
     if schedule == "wsd":
         decay_start = total * (1 - wsd_decay_frac)
-        return 1.0 if it < decay_start else floor + (1 - floor) * max(0.0, (total - it) / (total - decay_start))
+        if it < decay_start or wsd_decay_frac == 0:  # 0: no decay, a constant lr after warmup
+            return 1.0
+        return floor + (1 - floor) * max(0.0, (total - it) / (total - decay_start))
     if it >= total:
         return floor
     ratio = (it - warmup_iters) / max(1, total - warmup_iters)
