@@ -1870,14 +1870,11 @@ def test_mixers_clip_is_identity_for_scalar_beta(variant):
 # ----------------------------------------------------------------------------------------------------
 # training
 
-TRAINING_CASES = ["A", "G-gdn2", "G-kda", "G-gdn", "G-deltanet", "M", "GGGA", "MA"]
-
-
-@pytest.mark.parametrize("case", TRAINING_CASES)
+@pytest.mark.parametrize("case", list(MIXERS_CASES))
 def test_mixers_training_reduces_loss(case):
     """AdamW on a fixed batch of a periodic token sequence: every parameter (A_log, dt_bias, D, the convs,
     the gates included) gets a finite nonzero gradient, and the loss falls from ≈ ln(vocab) to under half."""
-    model = mixers_model(case, n_layer=2 if case != "GGGA" else 4).train()
+    model = mixers_model(case, n_layer=max(2, len(MIXERS_CASES[case]["mixer"]))).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     period = torch.randint(0, 37, (7,), generator=torch.Generator().manual_seed(4))
     seq = period.repeat(5)[:33]
@@ -1896,64 +1893,36 @@ def test_mixers_training_reduces_loss(case):
     assert math.isfinite(losses[-1]) and losses[-1] < 0.5 * losses[0]
 
 
-TRAIN_PY_CASES = {
-    "A": ["--mixer=A"],
-    "G-gdn2": ["--mixer=G", "--gdn_variant=gdn2"],
-    "G-kda": ["--mixer=G", "--gdn_variant=kda"],
-    "G-gdn": ["--mixer=G", "--gdn_variant=gdn"],
-    "G-deltanet": ["--mixer=G", "--gdn_variant=deltanet"],
-    "M": ["--mixer=M"],
-    "GGGA": ["--mixer=GGGA"],
-    "MA": ["--mixer=MA"],
-}
-
-
-# Each case is `python train.py <args>` run by runpy in one subprocess (a fresh module namespace per run,
-# as on the command line), so torch is imported once rather than eight times.
-MIXERS_TRAIN_PY_DRIVER = r"""
-import runpy, sys
-out_dir, common, cases = sys.argv[1], sys.argv[2].split(), [c.split() for c in sys.argv[3:]]
-for case in cases:
-    sys.argv = ["train.py", *common, f"--out_dir={out_dir}/{case[0]}", *case[1:]]
-    runpy.run_path("train.py", run_name="__main__")
-"""
-
-
 def test_mixers_train_py_val_loss_falls(tmp_path):
-    """python train.py with each mixer on shakespeare_char (CPU, 40 steps of a tiny model): the val loss
+    """train.main with each mixer case on shakespeare_char (CPU, 40 steps of a tiny model): the val loss
     falls by more than 0.5 nats from its value at step 0, and the samples at the end go through generate()."""
-    data.load_dataset("shakespeare_char")  # prepared once, outside the subprocess
-    common = ("--device=cpu --n_layer=2 --n_head=2 --n_embd=32 --block_size=32 --batch_size=8 --max_iters=40 "
-              "--eval_interval=40 --eval_iters=4 --log_interval=20 --warmup_iters=5 --learning_rate=1e-2 "
-              "--mamba_d_state=16 --mamba_headdim=16 --chunk_size=16 --num_samples=1 --max_new_tokens=20")
-    cases = [" ".join([name, *args]) for name, args in TRAIN_PY_CASES.items()]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-c", MIXERS_TRAIN_PY_DRIVER, str(tmp_path), common, *cases], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    for name in TRAIN_PY_CASES:
-        vals = [r["val"] for r in map(json.loads, open(tmp_path / name / "log.jsonl")) if "val" in r]
-        assert len(vals) == 2 and math.isfinite(vals[-1]), (name, vals)
-        assert vals[-1] < vals[0] - 0.5, (name, vals)
+    common = ["--device=cpu", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=8",
+              "--max_iters=40", "--eval_interval=40", "--eval_iters=4", "--log_interval=20", "--warmup_iters=5",
+              "--learning_rate=1e-2", "--mamba_d_state=16", "--mamba_headdim=16", "--chunk_size=16",
+              "--num_samples=1", "--max_new_tokens=20"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, case in MIXERS_CASES.items():
+            train.main([*common, f"--out_dir={tmp_path / name}", *(f"--{k}={v}" for k, v in case.items())])
+            vals = [r["val"] for r in map(json.loads, open(tmp_path / name / "log.jsonl")) if "val" in r]
+            assert len(vals) == 2 and math.isfinite(vals[-1]), (name, vals)
+            assert vals[-1] < vals[0] - 0.5, (name, vals)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------------------------
-# the Triton path, through the Triton interpreter on the CPU (in a subprocess: TRITON_INTERPRET must be
-# set before triton is imported)
+# the Triton path (under the interpreter on the CPU)
 
-MIXERS_TRITON_SCRIPT = r"""
-import json, os, sys
-os.environ["TRITON_INTERPRET"] = "1"
-import torch
-from model import GPT, GPTConfig
-cases = [dict(mixer="G", gdn_variant="gdn2"), dict(mixer="G", gdn_variant="kda"), dict(mixer="M", mamba_discretization="zoh")]
-report = []
-for case in cases:
+@pytest.mark.parametrize("case", ["G-gdn2", "G-kda", "M-zoh"])
+def test_mixers_triton_path_matches_torch_path(case):
+    """G (gdn2 with the clip, kda with broadcast gates) and M (zoh) with kernels="triton": logits and every
+    parameter gradient match kernels="torch", and cached generation on the Triton path (prompt, one token,
+    two tokens) matches its full forward."""
     runs = {}
     for path in ("torch", "triton"):
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=37, block_size=32, n_layer=1, n_head=2, n_embd=32, mamba_d_state=16,
-                              mamba_headdim=16, chunk_size=16, kernels=path, **case))
+        model = mixers_model(case, n_layer=1, mamba_d_state=16, chunk_size=16, kernels=path)
         idx = torch.randint(0, 37, (1, 20), generator=torch.Generator().manual_seed(1))
         logits, loss = model(idx, idx)
         loss.backward()
@@ -1962,22 +1931,8 @@ for case in cases:
             steps = torch.cat([model(idx[:, s:e], cache=cache)[0] for s, e in ((0, 17), (17, 18), (18, 20))], 1)
         runs[path] = (logits.detach(), [p.grad for p in model.parameters()], steps)
     (lt, gt, _), (lx, gx, sx) = runs["torch"], runs["triton"]
-    report.append({"case": case, "logits": (lt - lx).abs().max().item(), "steps": (sx - lx).abs().max().item(),
-                   "grads": max(((a - b).norm() / b.norm()).item() for a, b in zip(gt, gx))})
-print(json.dumps(report))
-"""
-
-
-def test_mixers_triton_path_matches_torch_path():
-    """G (gdn2 with the clip, kda with broadcast gates) and M (zoh) with kernels="triton" under the
-    interpreter: logits and every parameter gradient match kernels="torch", and cached generation on the
-    Triton path (prompt, one token, two tokens) matches its full forward."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-c", MIXERS_TRITON_SCRIPT], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    for row in json.loads(run.stdout.strip().splitlines()[-1]):
-        assert row["logits"] < 1e-5 and row["steps"] < 1e-5 and row["grads"] < 5e-3, row
+    assert (lt - lx).abs().max() < 1e-5 and (sx - lx).abs().max() < 1e-5
+    assert max(((a - b).norm() / b.norm()).item() for a, b in zip(gt, gx)) < 5e-3
 
 
 # ==================================================================================================
