@@ -151,9 +151,14 @@ def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
 # ====================================================================================================
 # model
 
-def tiny_config(**kw):
-    base = dict(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=32)
-    return GPTConfig(**{**base, **kw})
+def tiny_config(**overrides):
+    """The tiny model every section starts from; each section overrides only what it tests."""
+    return GPTConfig(**{**dict(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=32), **overrides})
+
+
+def tiny_gpt(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return GPT(tiny_config(**overrides))
 
 
 @pytest.mark.parametrize("mlp", ["relu2", "gelu", "swiglu"])
@@ -1592,17 +1597,12 @@ MIXERS_CASES = {
 }
 
 
-def mixers_config(**overrides):
-    """A tiny model; chunk_size 8 so 21-token sequences span several chunks and end in a partial one."""
-    base = dict(vocab_size=37, block_size=32, n_layer=4, n_head=2, n_embd=32, mamba_d_state=8,
-                mamba_headdim=16, chunk_size=8, kernels="torch")
-    base.update(overrides)
-    return GPTConfig(**base)
+# chunk_size 8, so 21-token sequences span several chunks and end in a partial one
+MIXERS_BASE = dict(vocab_size=37, n_layer=4, mamba_d_state=8, mamba_headdim=16, chunk_size=8, kernels="torch")
 
 
 def mixers_model(case, seed=0, **overrides):
-    torch.manual_seed(seed)
-    return GPT(mixers_config(**MIXERS_CASES[case], **overrides)).eval()
+    return tiny_gpt(seed, **{**MIXERS_BASE, **MIXERS_CASES[case], **overrides}).eval()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1761,7 +1761,7 @@ def mixers_spread_weights(layer, std=0.3):
                                           ("deltanet", False)])
 def test_mixers_gated_delta_matches_token_loop(variant, clip):
     torch.manual_seed(0)
-    layer = GatedDelta(mixers_config(mixer="G", gdn_variant=variant, gdn_clip=clip, gdn_expand_v=2))
+    layer = GatedDelta(tiny_config(**MIXERS_BASE, mixer="G", gdn_variant=variant, gdn_clip=clip, gdn_expand_v=2))
     mixers_spread_weights(layer)
     x = torch.randn(2, 21, 32)
     with torch.no_grad():
@@ -1772,7 +1772,7 @@ def test_mixers_gated_delta_matches_token_loop(variant, clip):
 @pytest.mark.parametrize("discretization", ["euler", "zoh"])
 def test_mixers_mamba2_matches_token_loop(discretization):
     torch.manual_seed(0)
-    layer = Mamba2(mixers_config(mixer="M", mamba_discretization=discretization))
+    layer = Mamba2(tiny_config(**MIXERS_BASE, mixer="M", mamba_discretization=discretization))
     mixers_spread_weights(layer)
     with torch.no_grad():  # larger steps dt·|A| than at init, where Euler and ZOH would nearly agree
         layer.dt_bias.add_(2.0)
@@ -1788,17 +1788,17 @@ def test_mixers_mamba2_matches_token_loop(discretization):
 def test_mixers_parameter_names_and_shapes():
     H, dk, C = 2, 16, 32
     shapes = lambda m: {n: tuple(p.shape) for n, p in m.named_parameters()}
-    gdn2 = shapes(GatedDelta(mixers_config(mixer="G", gdn_variant="gdn2", gdn_expand_v=2)))
+    gdn2 = shapes(GatedDelta(tiny_config(**MIXERS_BASE, mixer="G", gdn_variant="gdn2", gdn_expand_v=2)))
     # in_proj rows: q, k, v (2·dk per head), gate (2·dk), erase (dk), write (2·dk), decay (dk)
     assert gdn2 == {"in_proj.weight": (H * dk * (1 + 1 + 2 + 2 + 1 + 2 + 1), C), "conv.weight": (4 * H * dk, 1, 4),
                     "A_log": (H,), "dt_bias": (H * dk,), "o_norm.weight": (2 * dk,), "out_proj.weight": (C, 2 * H * dk)}
-    kda = shapes(GatedDelta(mixers_config(mixer="G", gdn_variant="kda")))  # q, k, v, gate, β (1 per head), decay
+    kda = shapes(GatedDelta(tiny_config(**MIXERS_BASE, mixer="G", gdn_variant="kda")))  # q, k, v, gate, β (1 per head), decay
     assert kda["dt_bias"] == (H * dk,) and kda["in_proj.weight"] == (5 * H * dk + H, C)
-    gdn = shapes(GatedDelta(mixers_config(mixer="G", gdn_variant="gdn")))  # q, k, v, gate, β, decay (1 per head)
+    gdn = shapes(GatedDelta(tiny_config(**MIXERS_BASE, mixer="G", gdn_variant="gdn")))  # q, k, v, gate, β, decay (1 per head)
     assert gdn["in_proj.weight"] == (4 * H * dk + 2 * H, C) and gdn["dt_bias"] == (H,) and gdn["A_log"] == (H,)
-    deltanet = shapes(GatedDelta(mixers_config(mixer="G", gdn_variant="deltanet")))
+    deltanet = shapes(GatedDelta(tiny_config(**MIXERS_BASE, mixer="G", gdn_variant="deltanet")))
     assert deltanet["in_proj.weight"] == (4 * H * dk + H, C) and not {"A_log", "dt_bias"} & set(deltanet)
-    m = shapes(Mamba2(mixers_config(mixer="M", mamba_d_state=8, mamba_headdim=16)))
+    m = shapes(Mamba2(tiny_config(**MIXERS_BASE, mixer="M")))
     d_inner, N, nh = 2 * C, 8, 4
     assert m == {"in_proj.weight": (2 * d_inner + 2 * N + nh, C), "conv.weight": (d_inner + 2 * N, 1, 4),
                  "conv.bias": (d_inner + 2 * N,), "A_log": (nh,), "dt_bias": (nh,), "D": (nh,),
@@ -1808,13 +1808,13 @@ def test_mixers_parameter_names_and_shapes():
 def test_mixers_decay_and_step_init():
     """A_log = log U(1,16) and softplus(dt_bias) = dt ∈ [1e-3, 0.1] (log-uniform), D = 1."""
     torch.manual_seed(0)
-    layer = GatedDelta(mixers_config(mixer="G", n_embd=256, n_head=2))
+    layer = GatedDelta(tiny_config(**MIXERS_BASE, mixer="G", n_embd=256, n_head=2))
     dt = F.softplus(layer.dt_bias.detach())
     assert dt.min() >= 1e-3 * (1 - 1e-5) and dt.max() <= 0.1 * (1 + 1e-5)
     assert abs(dt.log().mean().item() - (math.log(1e-3) + math.log(0.1)) / 2) < 0.3  # 256 samples of logU
     A = layer.A_log.detach().exp()
     assert A.min() >= 1 and A.max() <= 16
-    mamba = Mamba2(mixers_config(mixer="M"))
+    mamba = Mamba2(tiny_config(**MIXERS_BASE, mixer="M"))
     assert torch.equal(mamba.D.detach(), torch.ones_like(mamba.D))
 
 
@@ -1840,7 +1840,7 @@ def mixers_transition_norms(k, g, b):
 
 def test_mixers_gdn2_clip_bounds_the_applied_transitions():
     torch.manual_seed(0)
-    layer = GatedDelta(mixers_config(mixer="G", gdn_variant="gdn2", gdn_clip=True))
+    layer = GatedDelta(tiny_config(**MIXERS_BASE, mixer="G", gdn_variant="gdn2", gdn_clip=True))
     mixers_spread_weights(layer)
     x = torch.randn(2, 16, 32)
     with torch.no_grad():
@@ -1859,7 +1859,7 @@ def test_mixers_gdn2_clip_bounds_the_applied_transitions():
 def test_mixers_clip_is_identity_for_scalar_beta(variant):
     """With b = β ≤ 1 and ‖k‖ = 1 the transition already has norm ≤ 1, and the clip changes nothing."""
     torch.manual_seed(0)
-    layer = GatedDelta(mixers_config(mixer="G", gdn_variant=variant))
+    layer = GatedDelta(tiny_config(**MIXERS_BASE, mixer="G", gdn_variant=variant))
     mixers_spread_weights(layer)
     with torch.no_grad():
         q, k, v, g, b, w = layer.recurrence_inputs(torch.randn(2, 16, 32))
@@ -3135,9 +3135,7 @@ def test_init_coord_check_gpt2_drifts(optimizer):
 # Tests for analyze.py: every spectrum against a dense computation, a closed form or a known construction.
 
 def analyze_tiny_gpt(seed=0, **overrides):
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=8, block_size=8, n_layer=2, n_head=2, n_embd=8, attention="math", kernels="torch")
-    return GPT(GPTConfig(**{**cfg, **overrides}))
+    return tiny_gpt(seed, **{**dict(vocab_size=8, block_size=8, n_embd=8, attention="math", kernels="torch"), **overrides})
 
 
 @pytest.fixture(scope="module")
