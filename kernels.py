@@ -4,9 +4,9 @@ kernels.py: every op the model needs that has a fast path, one section per op.
     op                signature (shapes)                                           paths
     rms_norm          (x[..., C], weight[C], eps) -> y                             ref, torch, triton
     rope              (x[B,T,H,D], cos[T,D/2], sin[T,D/2]) -> y  (interleaved pairs) ref, torch, triton
-    softmax           (x[R, N]) -> y                                               ref, torch, triton
+    softmax           (x[R, N]) -> y                                               ref, torch, triton*
     sinkhorn          (logits[..., n, n], iters=20) -> P  (doubly stochastic)      ref, torch, triton
-    gdn2_decay_clip   (g, k, b [B,T,H,K]) -> g' = min(g, −log ‖I − k(b⊙k)ᵀ‖₂)         ref, torch, triton
+    gdn2_decay_clip   (g, k, b [B,T,H,K]) -> g' = min(g, −log ‖I − k(b⊙k)ᵀ‖₂)         ref, torch, triton*
     gdn2_gates        (decay_logits, erase_logits, k [B,T,H,K], A_log [H], dt_bias [H,K], clip=True) -> (g', b)
                       g = −exp(A_log)·softplus(decay_logits + dt_bias), b = σ(erase_logits),
                       g' = gdn2_decay_clip(g, k, b), or g without the clip         ref, torch, triton
@@ -15,6 +15,8 @@ kernels.py: every op the model needs that has a fast path, one section per op.
     ssd               (x, dt, A, B, C, D=None, chunk_size=64, initial_state=None) -> (y, h_T)
                       x [b,l,h,p]; dt [b,l,h]; A, D [h]; B, C [b,l,1,n]; h [b,h,p,n]  ref, torch, triton
 Helpers: gdn2_log_rho(k, b) = log ‖I − k(b⊙k)ᵀ‖₂ (what the clip uses), zoh_input_scale(dt, A) (ZOH for ssd).
+* teaching kernels, never called by the model (both tested): softmax's Triton path is the fused-softmax walkthrough
+of `python kernels.py`; gdn2_decay_clip's standalone Triton kernel is the clip alone, which gdn2_gates' kernel fuses.
 
 Each section holds `<op>_ref` (the spec, written plainly), `<op>_torch` (vectorised or chunked
 PyTorch, the CPU path) where it differs, `<op>_triton` where it exists, and the dispatcher
@@ -29,6 +31,7 @@ states S_T, h_T come back in fp32. Any sequence length works (chunked paths pad 
 
 import functools
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +48,7 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         pass
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "ref")
+TRITON_OPS = frozenset({"rms_norm", "rope", "softmax", "sinkhorn", "gdn2_decay_clip", "gdn2_gates", "gdn2", "ssd"})  # have <op>_triton
 
 
 def _path(op, kernels, x):
@@ -53,7 +57,7 @@ def _path(op, kernels, x):
         return "torch"
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels={kernels!r} is not one of {KERNEL_CHOICES}; pick one of those")
-    has_triton = HAS_TRITON and (op + "_triton") in globals()
+    has_triton = HAS_TRITON and op in TRITON_OPS
     if kernels == "auto":
         return "triton" if (has_triton and x.is_cuda) else "torch"
     if kernels == "triton" and not has_triton:
@@ -487,6 +491,9 @@ def ssd(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None, kernels="auto
 
 # =============================================================================
 # Triton: the fast paths, one subsection per op, in the order of the spec sections above.
+# Each op's forward and backward launches are torch.library custom ops ("specgpt::<op>_fwd", "specgpt::<op>_bwd";
+# rope's backward is its forward turned back), with fake functions for shapes and the backward registered as the
+# forward's autograd: torch.compile sees every Triton op as one opaque node and the model traces as one graph.
 
 # -----------------------------------------------------------------------------
 # rms_norm in Triton
@@ -542,35 +549,59 @@ def _rms_norm_blocks(n_cols):
     return max(1, min(64, 4096 // block_c)), block_c
 
 
-class _RMSNormTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        n_rows, n_cols = x2.shape
-        y = torch.empty_like(x2)
-        rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
-        block_r, block_c = _rms_norm_blocks(n_cols)
-        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-            x2, weight.contiguous(), y, rstd, n_rows, n_cols, eps, BLOCK_R=block_r, BLOCK_C=block_c)
-        ctx.save_for_backward(x2, weight, rstd)
-        return y.reshape(x.shape)
+@torch.library.custom_op("specgpt::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): the normalised x and each row's 1/rms, which the backward reuses."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    n_rows, n_cols = x2.shape
+    y = torch.empty_like(x2)
+    rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
+    block_r, block_c = _rms_norm_blocks(n_cols)
+    _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+        x2, weight.contiguous(), y, rstd, n_rows, n_cols, eps, BLOCK_R=block_r, BLOCK_C=block_c)
+    return y.reshape(x.shape), rstd
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight, rstd = ctx.saved_tensors
-        n_rows, n_cols = x2.shape
-        dy2 = dy.reshape(n_rows, n_cols).contiguous()
-        dx = torch.empty_like(x2)
-        block_r, block_c = _rms_norm_blocks(n_cols)
-        n_prog = _programs_for(x2, triton.cdiv(n_rows, block_r))
-        dw_partial = torch.empty(n_prog, n_cols, device=x2.device, dtype=torch.float32)
-        _rms_norm_bwd_kernel[(n_prog,)](x2, weight.contiguous(), rstd, dy2, dx, dw_partial, n_rows, n_cols,
-                                        BLOCK_R=block_r, BLOCK_C=block_c)
-        return dx.reshape(dy.shape), dw_partial.sum(0).to(weight.dtype), None
+
+@_rms_norm_fwd.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("specgpt::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                  rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    n_rows, n_cols = x2.shape
+    dy2 = dy.reshape(n_rows, n_cols).contiguous()
+    dx = torch.empty_like(x2)
+    block_r, block_c = _rms_norm_blocks(n_cols)
+    n_prog = _programs_for(x2, triton.cdiv(n_rows, block_r))
+    dw_partial = torch.empty(n_prog, n_cols, device=x2.device, dtype=torch.float32)
+    _rms_norm_bwd_kernel[(n_prog,)](x2, weight.contiguous(), rstd, dy2, dx, dw_partial, n_rows, n_cols,
+                                    BLOCK_R=block_r, BLOCK_C=block_c)
+    return dx.reshape(x.shape), dw_partial.sum(0).to(weight.dtype)
+
+
+@_rms_norm_bwd.register_fake
+def _(dy, x, weight, rstd):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _rms_norm_backward(ctx, dy, d_rstd):
+    return *_rms_norm_bwd(dy, *ctx.saved_tensors), None
+
+
+_rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 
 
 def rms_norm_triton(x, weight, eps=1e-6):
-    return _RMSNormTriton.apply(x, weight, eps)
+    return _rms_norm_fwd(x, weight, eps)[0]
 
 
 # -----------------------------------------------------------------------------
@@ -596,31 +627,40 @@ if HAS_TRITON:
         tl.store(y_ptr + offs + 1, (x_odd * cos + x_even * sin).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _rope_launch(x, cos, sin, sin_sign):
+@torch.library.custom_op("specgpt::rope", mutates_args=())
+def _rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sin_sign: float) -> torch.Tensor:
+    """x's pairs turned by +θ (sin_sign = 1), or back by −θ (sin_sign = −1: the backward pass)."""
     B, T, H, D = x.shape
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
     y = torch.empty_like(x)
     _rope_kernel[(B * T,)](x, cos, sin, y, T, H, D // 2, SIN_SIGN=sin_sign,
                            BLOCK_H=triton.next_power_of_2(H), BLOCK_HALF=triton.next_power_of_2(D // 2))
     return y
 
 
-class _RoPETriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-        ctx.save_for_backward(x, cos, sin)
-        return _rope_launch(x, cos, sin, 1.0)
+@_rope_rotate.register_fake
+def _(x, cos, sin, sin_sign):
+    return x.new_empty(x.shape)
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, cos, sin = ctx.saved_tensors
-        dx = _rope_launch(dy.contiguous(), cos, sin, -1.0)
-        dcos = dsin = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # cos/sin are usually buffers; cheap in torch
-            x_even, x_odd, dy_even, dy_odd = x[..., 0::2].float(), x[..., 1::2].float(), dy[..., 0::2].float(), dy[..., 1::2].float()
-            dcos = (dy_even * x_even + dy_odd * x_odd).sum((0, 2)).to(cos.dtype)
-            dsin = (dy_odd * x_even - dy_even * x_odd).sum((0, 2)).to(sin.dtype)
-        return dx, dcos, dsin
+
+def _rope_setup(ctx, inputs, output):
+    x, cos, sin, sin_sign = inputs
+    ctx.save_for_backward(x, cos, sin)
+    ctx.sin_sign = sin_sign
+
+
+def _rope_backward(ctx, dy):
+    x, cos, sin = ctx.saved_tensors
+    dx = _rope_rotate(dy, cos, sin, -ctx.sin_sign)
+    dcos = dsin = None
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # cos/sin are usually buffers; cheap in torch
+        x_even, x_odd, dy_even, dy_odd = x[..., 0::2].float(), x[..., 1::2].float(), dy[..., 0::2].float(), dy[..., 1::2].float()
+        dcos = (dy_even * x_even + dy_odd * x_odd).sum((0, 2)).to(cos.dtype)
+        dsin = (dy_odd * x_even - dy_even * x_odd).sum((0, 2)).to(sin.dtype)
+    return dx, dcos, dsin, None
+
+
+_rope_rotate.register_autograd(_rope_backward, setup_context=_rope_setup)
 
 
 def rope_triton(x, cos, sin):
@@ -628,7 +668,7 @@ def rope_triton(x, cos, sin):
     if D % 2 or cos.shape != (T, D // 2) or sin.shape != (T, D // 2):
         raise ValueError(f"rope needs x[B,T,H,D] with even D and cos, sin of shape [T, D/2]; got x {tuple(x.shape)}, "
                          f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
-    return _RoPETriton.apply(x, cos, sin)
+    return _rope_rotate(x, cos, sin, 1.0)
 
 
 # -----------------------------------------------------------------------------
@@ -661,29 +701,49 @@ if HAS_TRITON:
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
-class _SoftmaxTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        x = x.contiguous()
-        y = torch.empty_like(x)
-        _softmax_fwd_kernel[(_programs_for(x, x.shape[0]),)](x, y, x.shape[0], x.shape[1],
-                                                              BLOCK_N=triton.next_power_of_2(x.shape[1]))
-        ctx.save_for_backward(y)
-        return y
+@torch.library.custom_op("specgpt::softmax_fwd", mutates_args=())
+def _softmax_fwd(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    _softmax_fwd_kernel[(_programs_for(x, x.shape[0]),)](x, y, x.shape[0], x.shape[1],
+                                                          BLOCK_N=triton.next_power_of_2(x.shape[1]))
+    return y
 
-    @staticmethod
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        dx = torch.empty_like(y)
-        _softmax_bwd_kernel[(_programs_for(y, y.shape[0]),)](y, dy.contiguous(), dx, y.shape[0], y.shape[1],
-                                                              BLOCK_N=triton.next_power_of_2(y.shape[1]))
-        return dx
+
+@_softmax_fwd.register_fake
+def _(x):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("specgpt::softmax_bwd", mutates_args=())
+def _softmax_bwd(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    y = y.contiguous()
+    dx = torch.empty_like(y)
+    _softmax_bwd_kernel[(_programs_for(y, y.shape[0]),)](y, dy.contiguous(), dx, y.shape[0], y.shape[1],
+                                                          BLOCK_N=triton.next_power_of_2(y.shape[1]))
+    return dx
+
+
+@_softmax_bwd.register_fake
+def _(dy, y):
+    return y.new_empty(y.shape)
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _softmax_backward(ctx, dy):
+    return _softmax_bwd(dy, *ctx.saved_tensors)
+
+
+_softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
 
 
 def softmax_triton(x):
     if x.ndim != 2:
         raise ValueError(f"softmax_triton takes a 2-D x[R, N]; got shape {tuple(x.shape)}; reshape to rows first")
-    return _SoftmaxTriton.apply(x)
+    return _softmax_fwd(x)
 
 
 # -----------------------------------------------------------------------------
@@ -744,36 +804,58 @@ def _sinkhorn_blocks(n):
     return max(1, min(128, 2048 // (bn * bn))), bn
 
 
-class _SinkhornTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, iters):
-        n = logits.shape[-1]
-        L = logits.reshape(-1, n, n).contiguous()
-        P = torch.empty(L.shape, device=L.device, dtype=torch.float32)
-        block_m, bn = _sinkhorn_blocks(n)
-        _sinkhorn_fwd_kernel[(triton.cdiv(L.shape[0], block_m),)](L, P, L.shape[0], n, ITERS=iters,
-                                                                  BLOCK_M=block_m, BN=bn)
-        ctx.save_for_backward(L)
-        ctx.iters, ctx.shape = iters, logits.shape
-        return P.reshape(logits.shape)
+@torch.library.custom_op("specgpt::sinkhorn_fwd", mutates_args=())
+def _sinkhorn_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    n = logits.shape[-1]
+    L = logits.reshape(-1, n, n).contiguous()
+    P = torch.empty(L.shape, device=L.device, dtype=torch.float32)
+    block_m, bn = _sinkhorn_blocks(n)
+    _sinkhorn_fwd_kernel[(triton.cdiv(L.shape[0], block_m),)](L, P, L.shape[0], n, ITERS=iters,
+                                                              BLOCK_M=block_m, BN=bn)
+    return P.reshape(logits.shape)
 
-    @staticmethod
-    def backward(ctx, dP):
-        (L,) = ctx.saved_tensors
-        M, n, _ = L.shape
-        block_m, bn = _sinkhorn_blocks(n)
-        grid = triton.cdiv(M, block_m)
-        sums = torch.empty(grid * block_m, 2 * ctx.iters, bn, device=L.device, dtype=torch.float32)
-        dL = torch.empty_like(L)
-        _sinkhorn_bwd_kernel[(grid,)](L, dP.reshape(M, n, n).contiguous(), dL, sums, M, n, ITERS=ctx.iters,
-                                      BLOCK_M=block_m, BN=bn)
-        return dL.reshape(ctx.shape), None
+
+@_sinkhorn_fwd.register_fake
+def _(logits, iters):
+    return logits.new_empty(logits.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("specgpt::sinkhorn_bwd", mutates_args=())
+def _sinkhorn_bwd(dP: torch.Tensor, logits: torch.Tensor, iters: int) -> torch.Tensor:
+    n = logits.shape[-1]
+    L = logits.reshape(-1, n, n).contiguous()
+    M = L.shape[0]
+    block_m, bn = _sinkhorn_blocks(n)
+    grid = triton.cdiv(M, block_m)
+    sums = torch.empty(grid * block_m, 2 * iters, bn, device=L.device, dtype=torch.float32)
+    dL = torch.empty_like(L)
+    _sinkhorn_bwd_kernel[(grid,)](L, dP.reshape(M, n, n).contiguous(), dL, sums, M, n, ITERS=iters,
+                                  BLOCK_M=block_m, BN=bn)
+    return dL.reshape(logits.shape)
+
+
+@_sinkhorn_bwd.register_fake
+def _(dP, logits, iters):
+    return logits.new_empty(logits.shape)
+
+
+def _sinkhorn_setup(ctx, inputs, output):
+    logits, iters = inputs
+    ctx.save_for_backward(logits)
+    ctx.iters = iters
+
+
+def _sinkhorn_backward(ctx, dP):
+    return _sinkhorn_bwd(dP, *ctx.saved_tensors, ctx.iters), None
+
+
+_sinkhorn_fwd.register_autograd(_sinkhorn_backward, setup_context=_sinkhorn_setup)
 
 
 def sinkhorn_triton(logits, iters=20):
     if logits.ndim < 2 or logits.shape[-1] != logits.shape[-2]:
         raise ValueError(f"sinkhorn needs logits[..., n, n]; got shape {tuple(logits.shape)}")
-    return _SinkhornTriton.apply(logits, iters)
+    return _sinkhorn_fwd(logits, iters)
 
 
 # -----------------------------------------------------------------------------
@@ -846,35 +928,56 @@ def _gdn2_clip_blocks(K):
     return max(1, min(16, 1024 // block_k)), block_k  # larger tiles spill registers in the backward kernel
 
 
-class _GDN2DecayClipTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, g, k, b):
-        g, k, b = g.contiguous(), k.contiguous(), b.contiguous()
-        K = g.shape[-1]
-        n_rows = g.numel() // K
-        out = torch.empty_like(g)
-        block_r, block_k = _gdn2_clip_blocks(K)
-        _gdn2_clip_fwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, out, n_rows, K, BLOCK_R=block_r, BLOCK_K=block_k)
-        ctx.save_for_backward(g, k, b)
-        return out
+@torch.library.custom_op("specgpt::gdn2_decay_clip_fwd", mutates_args=())
+def _gdn2_decay_clip_fwd(g: torch.Tensor, k: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    g, k, b = g.contiguous(), k.contiguous(), b.contiguous()
+    K = g.shape[-1]
+    n_rows = g.numel() // K
+    out = torch.empty_like(g)
+    block_r, block_k = _gdn2_clip_blocks(K)
+    _gdn2_clip_fwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, out, n_rows, K, BLOCK_R=block_r, BLOCK_K=block_k)
+    return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        g, k, b = ctx.saved_tensors
-        K = g.shape[-1]
-        n_rows = g.numel() // K
-        dg, dk, db = torch.empty_like(g), torch.empty_like(k), torch.empty_like(b)
-        block_r, block_k = _gdn2_clip_blocks(K)
-        _gdn2_clip_bwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, dout.contiguous(), dg, dk, db, n_rows, K,
-                                                               BLOCK_R=block_r, BLOCK_K=block_k)
-        return dg, dk, db
+
+@_gdn2_decay_clip_fwd.register_fake
+def _(g, k, b):
+    return g.new_empty(g.shape)
+
+
+@torch.library.custom_op("specgpt::gdn2_decay_clip_bwd", mutates_args=())
+def _gdn2_decay_clip_bwd(dout: torch.Tensor, g: torch.Tensor, k: torch.Tensor,
+                         b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, k, b = g.contiguous(), k.contiguous(), b.contiguous()
+    K = g.shape[-1]
+    n_rows = g.numel() // K
+    dg, dk, db = torch.empty_like(g), torch.empty_like(k), torch.empty_like(b)
+    block_r, block_k = _gdn2_clip_blocks(K)
+    _gdn2_clip_bwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, dout.contiguous(), dg, dk, db, n_rows, K,
+                                                           BLOCK_R=block_r, BLOCK_K=block_k)
+    return dg, dk, db
+
+
+@_gdn2_decay_clip_bwd.register_fake
+def _(dout, g, k, b):
+    return g.new_empty(g.shape), k.new_empty(k.shape), b.new_empty(b.shape)
+
+
+def _gdn2_decay_clip_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _gdn2_decay_clip_backward(ctx, dout):
+    return _gdn2_decay_clip_bwd(dout, *ctx.saved_tensors)
+
+
+_gdn2_decay_clip_fwd.register_autograd(_gdn2_decay_clip_backward, setup_context=_gdn2_decay_clip_setup)
 
 
 def gdn2_decay_clip_triton(g, k, b):
     if k.shape != g.shape or b.shape != g.shape:
         raise ValueError(f"gdn2_decay_clip needs g, k, b of one shape [B,T,H,K]; got {tuple(g.shape)}, {tuple(k.shape)}, "
                          f"{tuple(b.shape)}; broadcast scalar gates with .expand_as(k)")
-    return _GDN2DecayClipTriton.apply(g, k, b)
+    return _gdn2_decay_clip_fwd(g, k, b)
 
 
 # -----------------------------------------------------------------------------
@@ -946,46 +1049,75 @@ if HAS_TRITON:
         tl.store(dA_log_rows_ptr + rows, tl.sum(dg * g, axis=1), mask=rows < n_rows)
 
 
-class _GDN2GatesTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, decay_logits, erase_logits, k, A_log, dt_bias, clip):
-        H, K = k.shape[-2:]
-        decay_logits, erase_logits, k = decay_logits.contiguous(), erase_logits.contiguous(), k.contiguous()
-        A_log, dt_bias_hk = A_log.contiguous(), dt_bias.reshape(H, K).contiguous()
-        n_rows = k.numel() // K
-        log_decay = torch.empty(k.shape, device=k.device, dtype=torch.float32)
-        erase_gate = torch.empty_like(erase_logits)
-        block_r, block_k = _gdn2_clip_blocks(K)
-        _gdn2_gates_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-            decay_logits, erase_logits, k, A_log, dt_bias_hk, log_decay, erase_gate, n_rows, H, K,
-            CLIP=clip, BLOCK_R=block_r, BLOCK_K=block_k)
-        ctx.save_for_backward(decay_logits, erase_logits, k, A_log, dt_bias_hk)
-        ctx.clip, ctx.dt_bias_shape = clip, dt_bias.shape
-        return log_decay, erase_gate
+@torch.library.custom_op("specgpt::gdn2_gates_fwd", mutates_args=())
+def _gdn2_gates_fwd(decay_logits: torch.Tensor, erase_logits: torch.Tensor, k: torch.Tensor, A_log: torch.Tensor,
+                    dt_bias: torch.Tensor, clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    H, K = k.shape[-2:]
+    decay_logits, erase_logits, k = decay_logits.contiguous(), erase_logits.contiguous(), k.contiguous()
+    A_log, dt_bias_hk = A_log.contiguous(), dt_bias.reshape(H, K).contiguous()
+    n_rows = k.numel() // K
+    log_decay = torch.empty(k.shape, device=k.device, dtype=torch.float32)
+    erase_gate = torch.empty_like(erase_logits)
+    block_r, block_k = _gdn2_clip_blocks(K)
+    _gdn2_gates_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+        decay_logits, erase_logits, k, A_log, dt_bias_hk, log_decay, erase_gate, n_rows, H, K,
+        CLIP=clip, BLOCK_R=block_r, BLOCK_K=block_k)
+    return log_decay, erase_gate
 
-    @staticmethod
-    def backward(ctx, d_log_decay, d_erase_gate):
-        decay_logits, erase_logits, k, A_log, dt_bias = ctx.saved_tensors
-        H, K = k.shape[-2:]
-        n_rows = k.numel() // K
-        # fp32 whatever decay_logits' dtype: summed over B, T it is dt_bias's gradient
-        d_decay_logits = torch.empty(k.shape, device=k.device, dtype=torch.float32)
-        d_erase_logits = torch.empty_like(erase_logits)
-        dk = torch.empty_like(k) if ctx.clip else None
-        dA_log_rows = torch.empty(n_rows, device=k.device, dtype=torch.float32)
-        block_r, block_k = _gdn2_clip_blocks(K)
-        _gdn2_gates_bwd_kernel[(triton.cdiv(n_rows, block_r),)](
-            decay_logits, erase_logits, k, A_log, dt_bias, d_log_decay.contiguous(), d_erase_gate.contiguous(),
-            d_decay_logits, d_erase_logits, dk, dA_log_rows, n_rows, H, K,
-            CLIP=ctx.clip, BLOCK_R=block_r, BLOCK_K=block_k)
-        dA_log = dA_log_rows.view(-1, H).sum(0)
-        d_dt_bias = d_decay_logits.view(-1, H * K).sum(0).reshape(ctx.dt_bias_shape)
-        return d_decay_logits.to(decay_logits.dtype), d_erase_logits, dk, dA_log.to(A_log.dtype), d_dt_bias.to(dt_bias.dtype), None
+
+@_gdn2_gates_fwd.register_fake
+def _(decay_logits, erase_logits, k, A_log, dt_bias, clip):
+    return k.new_empty(k.shape, dtype=torch.float32), erase_logits.new_empty(erase_logits.shape)
+
+
+@torch.library.custom_op("specgpt::gdn2_gates_bwd", mutates_args=())
+def _gdn2_gates_bwd(d_log_decay: torch.Tensor, d_erase_gate: torch.Tensor, decay_logits: torch.Tensor,
+                    erase_logits: torch.Tensor, k: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                    clip: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of decay_logits, erase_logits, k, A_log, dt_bias; k's is empty without the clip (none flows)."""
+    H, K = k.shape[-2:]
+    decay_logits, erase_logits, k = decay_logits.contiguous(), erase_logits.contiguous(), k.contiguous()
+    A_log, dt_bias_hk = A_log.contiguous(), dt_bias.reshape(H, K).contiguous()
+    n_rows = k.numel() // K
+    # fp32 whatever decay_logits' dtype: summed over B, T it is dt_bias's gradient
+    d_decay_logits = torch.empty(k.shape, device=k.device, dtype=torch.float32)
+    d_erase_logits = torch.empty_like(erase_logits)
+    dk = torch.empty_like(k) if clip else None
+    dA_log_rows = torch.empty(n_rows, device=k.device, dtype=torch.float32)
+    block_r, block_k = _gdn2_clip_blocks(K)
+    _gdn2_gates_bwd_kernel[(triton.cdiv(n_rows, block_r),)](
+        decay_logits, erase_logits, k, A_log, dt_bias_hk, d_log_decay.contiguous(), d_erase_gate.contiguous(),
+        d_decay_logits, d_erase_logits, dk, dA_log_rows, n_rows, H, K,
+        CLIP=clip, BLOCK_R=block_r, BLOCK_K=block_k)
+    dA_log = dA_log_rows.view(-1, H).sum(0)
+    d_dt_bias = d_decay_logits.view(-1, H * K).sum(0).reshape(dt_bias.shape)
+    return (d_decay_logits.to(decay_logits.dtype), d_erase_logits, dk if clip else k.new_empty(0),
+            dA_log.to(A_log.dtype), d_dt_bias.to(dt_bias.dtype))
+
+
+@_gdn2_gates_bwd.register_fake
+def _(d_log_decay, d_erase_gate, decay_logits, erase_logits, k, A_log, dt_bias, clip):
+    return (decay_logits.new_empty(decay_logits.shape), erase_logits.new_empty(erase_logits.shape),
+            k.new_empty(k.shape if clip else 0), A_log.new_empty(A_log.shape), dt_bias.new_empty(dt_bias.shape))
+
+
+def _gdn2_gates_setup(ctx, inputs, output):
+    *tensors, ctx.clip = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _gdn2_gates_backward(ctx, d_log_decay, d_erase_gate):
+    d_decay_logits, d_erase_logits, dk, dA_log, d_dt_bias = _gdn2_gates_bwd(d_log_decay, d_erase_gate,
+                                                                            *ctx.saved_tensors, ctx.clip)
+    return d_decay_logits, d_erase_logits, dk if ctx.clip else None, dA_log, d_dt_bias, None
+
+
+_gdn2_gates_fwd.register_autograd(_gdn2_gates_backward, setup_context=_gdn2_gates_setup)
 
 
 def gdn2_gates_triton(decay_logits, erase_logits, k, A_log, dt_bias, clip=True):
     _gdn2_gates_check(decay_logits, erase_logits, k, A_log, dt_bias)
-    return _GDN2GatesTriton.apply(decay_logits, erase_logits, k, A_log, dt_bias, clip)
+    return _gdn2_gates_fwd(decay_logits, erase_logits, k, A_log, dt_bias, clip)
 
 
 # -----------------------------------------------------------------------------
@@ -1086,48 +1218,81 @@ def _gdn2_rec_blocks(K, V):
     return triton.next_power_of_2(K), min(32, triton.next_power_of_2(V))
 
 
-class _GDN2RecurrentTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, b, w, scale, initial_state):
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
-        block_k, block_v = _gdn2_rec_blocks(K, V)
-        o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
-        S_T = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
-        u = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)
-        s0 = initial_state.contiguous() if initial_state is not None else S_T
-        _gdn2_rec_fwd_kernel[(triton.cdiv(V, block_v), B * H)](
-            q, k, v, g, b, w, s0, o, S_T, u, scale, T, H, K, V, HAS_INITIAL=initial_state is not None,
-            BLOCK_K=block_k, BLOCK_V=block_v)
-        ctx.save_for_backward(q, k, v, g, b, w, u, initial_state)
-        ctx.scale = scale
-        return o, S_T
+@torch.library.custom_op("specgpt::gdn2_recurrent_fwd", mutates_args=())
+def _gdn2_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
+                        w: torch.Tensor, scale: float,
+                        initial_state: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, S_T, u): u, the corrected writes, is kept for the backward."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
+    block_k, block_v = _gdn2_rec_blocks(K, V)
+    o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
+    S_T = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
+    u = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)
+    s0 = initial_state.contiguous() if initial_state is not None else S_T
+    _gdn2_rec_fwd_kernel[(triton.cdiv(V, block_v), B * H)](
+        q, k, v, g, b, w, s0, o, S_T, u, scale, T, H, K, V, HAS_INITIAL=initial_state is not None,
+        BLOCK_K=block_k, BLOCK_V=block_v)
+    return o, S_T, u
 
-    @staticmethod
-    def backward(ctx, do, dS_T):
-        q, k, v, g, b, w, u, initial_state = ctx.saved_tensors
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        block_k, block_v = _gdn2_rec_blocks(K, V)
-        nv = triton.cdiv(V, block_v)
-        f32 = dict(device=q.device, dtype=torch.float32)
-        dq_p, dk_p, de_p = (torch.empty(nv, B, T, H, K, **f32) for _ in range(3))
-        dv, dw, du = (torch.empty(B, T, H, V, **f32) for _ in range(3))
-        ds0 = torch.empty(B, H, K, V, **f32)
-        dgT = torch.empty(nv, B, H, K, **f32)
-        do = do.contiguous()
-        s0 = initial_state if initial_state is not None else ds0
-        _gdn2_rec_bwd_kernel[(nv, B * H)](
-            q, k, v, g, b, w, s0, u, do, dS_T.contiguous(), dq_p, dk_p, de_p, dv, dw, ds0, dgT, du, ctx.scale,
-            B, T, H, K, V, HAS_INITIAL=initial_state is not None, BLOCK_K=block_k, BLOCK_V=block_v)
-        dq, dk_write, de = dq_p.sum(0), dk_p.sum(0), de_p.sum(0)
-        qf, kf, bf = q.float(), k.float(), b.float()
-        dG = qf * dq + bf * kf * de - kf * dk_write                # ∂L/∂G_t by the gauge identity
-        dG[:, -1] += dgT.sum(0)
-        dg = dG.flip(1).cumsum(1).flip(1)
-        return (dq.to(q.dtype), (dk_write + bf * de).to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), (kf * de).to(b.dtype),
-                dw.to(w.dtype), None, ds0 if initial_state is not None else None)
+
+@_gdn2_recurrent_fwd.register_fake
+def _(q, k, v, g, b, w, scale, initial_state):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    return q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=torch.float32), q.new_empty(B, T, H, V, dtype=torch.float32)
+
+
+@torch.library.custom_op("specgpt::gdn2_recurrent_bwd", mutates_args=())
+def _gdn2_recurrent_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        g: torch.Tensor, b: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
+                        initial_state: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor]:
+    """(dq, dk, dv, dg, db, dw, d initial_state)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
+    block_k, block_v = _gdn2_rec_blocks(K, V)
+    nv = triton.cdiv(V, block_v)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    dq_p, dk_p, de_p = (torch.empty(nv, B, T, H, K, **f32) for _ in range(3))
+    dv, dw, du = (torch.empty(B, T, H, V, **f32) for _ in range(3))
+    ds0 = torch.empty(B, H, K, V, **f32)
+    dgT = torch.empty(nv, B, H, K, **f32)
+    do = do.contiguous()
+    s0 = initial_state.contiguous() if initial_state is not None else ds0
+    _gdn2_rec_bwd_kernel[(nv, B * H)](
+        q, k, v, g, b, w, s0, u, do, dS_T.contiguous(), dq_p, dk_p, de_p, dv, dw, ds0, dgT, du, scale,
+        B, T, H, K, V, HAS_INITIAL=initial_state is not None, BLOCK_K=block_k, BLOCK_V=block_v)
+    dq, dk_write, de = dq_p.sum(0), dk_p.sum(0), de_p.sum(0)
+    qf, kf, bf = q.float(), k.float(), b.float()
+    dG = qf * dq + bf * kf * de - kf * dk_write                # ∂L/∂G_t by the gauge identity
+    dG[:, -1] += dgT.sum(0)
+    dg = dG.flip(1).cumsum(1).flip(1)
+    return (dq.to(q.dtype), (dk_write + bf * de).to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), (kf * de).to(b.dtype),
+            dw.to(w.dtype), ds0)
+
+
+@_gdn2_recurrent_bwd.register_fake
+def _(do, dS_T, q, k, v, g, b, w, u, scale, initial_state):
+    return (*(t.new_empty(t.shape) for t in (q, k, v, g, b, w)), dS_T.new_empty(dS_T.shape, dtype=torch.float32))
+
+
+def _gdn2_recurrent_setup(ctx, inputs, output):
+    q, k, v, g, b, w, ctx.scale, initial_state = inputs
+    ctx.save_for_backward(q, k, v, g, b, w, output[2], initial_state)
+    ctx.mark_non_differentiable(output[2])
+
+
+def _gdn2_recurrent_backward(ctx, do, dS_T, du):
+    q, k, v, g, b, w, u, initial_state = ctx.saved_tensors
+    *grads, ds0 = _gdn2_recurrent_bwd(do, dS_T, q, k, v, g, b, w, u, ctx.scale, initial_state)
+    return *grads, None, ds0 if initial_state is not None else None
+
+
+_gdn2_recurrent_fwd.register_autograd(_gdn2_recurrent_backward, setup_context=_gdn2_recurrent_setup)
 
 
 # Chunked gdn2 (chunks of 16 tokens; G = within-chunk cumsum of g, q̃ = scale·q, e = b⊙k, as gdn2_torch):
@@ -1313,69 +1478,105 @@ if HAS_TRITON:
 _GDN2_CHUNK = 16
 
 
-class _GDN2ChunkedTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, b, w, scale, initial_state):
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
-        N = triton.cdiv(T, _GDN2_CHUNK)
-        block_k, block_v = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-        f32 = dict(device=q.device, dtype=torch.float32)
-        Ainv = torch.empty(B, N, H, _GDN2_CHUNK, _GDN2_CHUNK, **f32)
-        Aqk = torch.empty(B, N, H, _GDN2_CHUNK, _GDN2_CHUNK, **f32)
-        Y, U0 = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, V, **f32)
-        _gdn2_chunk_intra_kernel[(B * N, H)](q, k, g, b, v, w, Ainv, Aqk, Y, U0, scale, T, H, K, V, N,
-                                             CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8)
-        o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
-        S_in = torch.empty(B, N, H, K, V, **f32)
-        S_T = torch.empty(B, H, K, V, **f32)
-        bv = min(32, block_v)
-        s0 = initial_state.contiguous() if initial_state is not None else S_T
-        _gdn2_chunk_fwd_state_kernel[(triton.cdiv(V, bv), B * H)](
-            q, k, g, b, Aqk, Y, U0, s0, o, S_in, S_T, scale, T, H, K, V, N, HAS_INITIAL=initial_state is not None,
-            CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=bv)
-        ctx.save_for_backward(q, k, v, g, b, w, Ainv, Aqk, Y, U0, S_in, S_T)
-        ctx.scale, ctx.has_initial = scale, initial_state is not None
-        return o, S_T
+@torch.library.custom_op("specgpt::gdn2_chunked_fwd", mutates_args=())
+def _gdn2_chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
+                      w: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor]) -> tuple[
+                          torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, S_T, Ainv, Aqk, Y, U0, S_in): the chunk quantities after o and S_T are kept for the backward."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
+    N = triton.cdiv(T, _GDN2_CHUNK)
+    block_k, block_v = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    f32 = dict(device=q.device, dtype=torch.float32)
+    Ainv = torch.empty(B, N, H, _GDN2_CHUNK, _GDN2_CHUNK, **f32)
+    Aqk = torch.empty(B, N, H, _GDN2_CHUNK, _GDN2_CHUNK, **f32)
+    Y, U0 = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, V, **f32)
+    _gdn2_chunk_intra_kernel[(B * N, H)](q, k, g, b, v, w, Ainv, Aqk, Y, U0, scale, T, H, K, V, N,
+                                         CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8)
+    o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
+    S_in = torch.empty(B, N, H, K, V, **f32)
+    S_T = torch.empty(B, H, K, V, **f32)
+    bv = min(32, block_v)
+    s0 = initial_state.contiguous() if initial_state is not None else S_T
+    _gdn2_chunk_fwd_state_kernel[(triton.cdiv(V, bv), B * H)](
+        q, k, g, b, Aqk, Y, U0, s0, o, S_in, S_T, scale, T, H, K, V, N, HAS_INITIAL=initial_state is not None,
+        CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=bv)
+    return o, S_T, Ainv, Aqk, Y, U0, S_in
 
-    @staticmethod
-    def backward(ctx, do, dS_T):
-        q, k, v, g, b, w, Ainv, Aqk, Y, U0, S_in, S_T = ctx.saved_tensors
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        N = triton.cdiv(T, _GDN2_CHUNK)
-        block_k, block_v = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-        bv = min(32, block_v)
-        f32 = dict(device=q.device, dtype=torch.float32)
-        do = do.contiguous()
-        dS_T = dS_T.contiguous()
-        dS_next = torch.empty(B, N, H, K, V, **f32)
-        ds0 = torch.empty(B, H, K, V, **f32)
-        _gdn2_chunk_bwd_state_kernel[(triton.cdiv(V, bv), B * H)](
-            q, k, g, b, Aqk, Y, U0, S_in, do, dS_T, dS_next, ds0, ctx.scale, T, H, K, V, N,
-            CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=bv)
-        dq, dk, db, dG = (torch.empty(B, T, H, K, **f32) for _ in range(4))
-        dv, dw = torch.empty(B, T, H, V, **f32), torch.empty(B, T, H, V, **f32)
-        _gdn2_chunk_bwd_intra_kernel[(B * N, H)](
-            q, k, g, b, v, w, Ainv, Aqk, S_in, dS_next, do, dq, dk, dv, db, dw, dG, ctx.scale, T, H, K, V, N,
-            CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8)
-        dG[:, -1] += (dS_T * S_T).sum(-1)
-        dg = dG.flip(1).cumsum(1).flip(1)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(b.dtype), dw.to(w.dtype), None,
-                ds0 if ctx.has_initial else None)
+
+@_gdn2_chunked_fwd.register_fake
+def _(q, k, v, g, b, w, scale, initial_state):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = -(-T // _GDN2_CHUNK)
+    f32 = dict(dtype=torch.float32)
+    return (q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, **f32), q.new_empty(B, N, H, _GDN2_CHUNK, _GDN2_CHUNK, **f32),
+            q.new_empty(B, N, H, _GDN2_CHUNK, _GDN2_CHUNK, **f32), q.new_empty(B, T, H, K, **f32),
+            q.new_empty(B, T, H, V, **f32), q.new_empty(B, N, H, K, V, **f32))
+
+
+@torch.library.custom_op("specgpt::gdn2_chunked_bwd", mutates_args=())
+def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      g: torch.Tensor, b: torch.Tensor, w: torch.Tensor, Ainv: torch.Tensor, Aqk: torch.Tensor,
+                      Y: torch.Tensor, U0: torch.Tensor, S_in: torch.Tensor, S_T: torch.Tensor, scale: float) -> tuple[
+                          torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dg, db, dw, d initial_state)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
+    N = triton.cdiv(T, _GDN2_CHUNK)
+    block_k, block_v = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    bv = min(32, block_v)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    do = do.contiguous()
+    dS_T = dS_T.contiguous()
+    dS_next = torch.empty(B, N, H, K, V, **f32)
+    ds0 = torch.empty(B, H, K, V, **f32)
+    _gdn2_chunk_bwd_state_kernel[(triton.cdiv(V, bv), B * H)](
+        q, k, g, b, Aqk, Y, U0, S_in, do, dS_T, dS_next, ds0, scale, T, H, K, V, N,
+        CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=bv)
+    dq, dk, db, dG = (torch.empty(B, T, H, K, **f32) for _ in range(4))
+    dv, dw = torch.empty(B, T, H, V, **f32), torch.empty(B, T, H, V, **f32)
+    _gdn2_chunk_bwd_intra_kernel[(B * N, H)](
+        q, k, g, b, v, w, Ainv, Aqk, S_in, dS_next, do, dq, dk, dv, db, dw, dG, scale, T, H, K, V, N,
+        CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8)
+    dG[:, -1] += (dS_T * S_T).sum(-1)
+    dg = dG.flip(1).cumsum(1).flip(1)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(b.dtype), dw.to(w.dtype), ds0
+
+
+@_gdn2_chunked_bwd.register_fake
+def _(do, dS_T, q, k, v, g, b, w, Ainv, Aqk, Y, U0, S_in, S_T, scale):
+    return (*(t.new_empty(t.shape) for t in (q, k, v, g, b, w)), S_T.new_empty(S_T.shape))
+
+
+def _gdn2_chunked_setup(ctx, inputs, output):
+    q, k, v, g, b, w, ctx.scale, initial_state = inputs
+    o, S_T, *kept = output
+    ctx.save_for_backward(q, k, v, g, b, w, *kept, S_T)
+    ctx.mark_non_differentiable(*kept)
+    ctx.has_initial = initial_state is not None
+
+
+def _gdn2_chunked_backward(ctx, do, dS_T, *d_kept):
+    *grads, ds0 = _gdn2_chunked_bwd(do, dS_T, *ctx.saved_tensors, ctx.scale)
+    return *grads, None, ds0 if ctx.has_initial else None
+
+
+_gdn2_chunked_fwd.register_autograd(_gdn2_chunked_backward, setup_context=_gdn2_chunked_setup)
 
 
 def gdn2_recurrent_triton(q, k, v, g, b, w, scale=None, initial_state=None):
     _gdn2_check(q, k, v, g, b, w, initial_state)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _GDN2RecurrentTriton.apply(q, k, v, g, b, w, scale, initial_state)
+    return _gdn2_recurrent_fwd(q, k, v, g, b, w, scale, initial_state)[:2]
 
 
 def gdn2_chunked_triton(q, k, v, g, b, w, scale=None, initial_state=None):
     _gdn2_check(q, k, v, g, b, w, initial_state)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _GDN2ChunkedTriton.apply(q, k, v, g, b, w, scale, initial_state)
+    return _gdn2_chunked_fwd(q, k, v, g, b, w, scale, initial_state)[:2]
 
 
 def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None):
@@ -1616,76 +1817,114 @@ def _ssd_blocks(p, n, Cs):
     return max(16, triton.next_power_of_2(p)), max(16, triton.next_power_of_2(n)), max(16, triton.next_power_of_2(Cs))
 
 
-class _SSDTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dt, A, B, C, D, chunk_size, initial_state):
-        b, l, h, p = x.shape
-        n = B.shape[-1]
-        Cs = chunk_size
-        N = triton.cdiv(l, Cs)
-        x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
-        BP, BN, BC = _ssd_blocks(p, n, Cs)
-        dot = _dot_precision(x)
-        f32 = dict(device=x.device, dtype=torch.float32)
-        a = torch.empty(b, h, N, Cs, **f32)
-        _ssd_chunk_cumsum_kernel[(b, N, triton.cdiv(h, 8))](dt, A, a, l, h, N, Cs, BLOCK_H=8, BLOCK_C=BC)
-        states = torch.empty(b, N, h, p, n, **f32)
-        _ssd_chunk_outer_kernel[(triton.cdiv(p, BP) * triton.cdiv(n, min(BN, 32)), b * N, h)](
-            x, B, dt, a, states, l, h, p, n, N, Cs, FROM_START=False, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
-            DOT=dot, num_warps=8)
-        entering = torch.empty(b, N, h, p, n, **f32)
-        h_T = torch.empty(b, h, p, n, **f32)
-        block = min(1024, triton.next_power_of_2(p * n))
-        h0 = initial_state.contiguous() if initial_state is not None else h_T
-        _ssd_state_passing_kernel[(triton.cdiv(p * n, block), b, h)](
-            states, a, h0, entering, h_T, h, p * n, N, Cs, HAS_INITIAL=initial_state is not None, BLOCK=block)
-        CB = torch.empty(b, N, Cs, Cs, **f32)
-        _ssd_bmm_kernel[(b * N,)](C, B, CB, l, n, N, Cs, BLOCK_C=BC, BLOCK_N=min(BN, 32), DOT=dot)
-        y = torch.empty_like(x)
-        _ssd_chunk_scan_kernel[(triton.cdiv(p, BP), b * N, h)](
-            x, dt, a, CB, C, entering, D if D is not None else A, y, l, h, p, n, N, Cs, HAS_D=D is not None,
-            BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC, DOT=dot, num_warps=8)
-        ctx.save_for_backward(x, dt, A, B, C, CB, D, a, entering)
-        ctx.chunk_size, ctx.has_initial = Cs, initial_state is not None
-        return y, h_T
+@torch.library.custom_op("specgpt::ssd_fwd", mutates_args=())
+def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             D: Optional[torch.Tensor], chunk_size: int, initial_state: Optional[torch.Tensor]) -> tuple[
+                 torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h_T, CB, a, entering): the chunk quantities after y and h_T are kept for the backward."""
+    b, l, h, p = x.shape
+    n = B.shape[-1]
+    Cs = chunk_size
+    N = triton.cdiv(l, Cs)
+    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
+    BP, BN, BC = _ssd_blocks(p, n, Cs)
+    dot = _dot_precision(x)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    a = torch.empty(b, h, N, Cs, **f32)
+    _ssd_chunk_cumsum_kernel[(b, N, triton.cdiv(h, 8))](dt, A, a, l, h, N, Cs, BLOCK_H=8, BLOCK_C=BC)
+    states = torch.empty(b, N, h, p, n, **f32)
+    _ssd_chunk_outer_kernel[(triton.cdiv(p, BP) * triton.cdiv(n, min(BN, 32)), b * N, h)](
+        x, B, dt, a, states, l, h, p, n, N, Cs, FROM_START=False, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
+        DOT=dot, num_warps=8)
+    entering = torch.empty(b, N, h, p, n, **f32)
+    h_T = torch.empty(b, h, p, n, **f32)
+    block = min(1024, triton.next_power_of_2(p * n))
+    h0 = initial_state.contiguous() if initial_state is not None else h_T
+    _ssd_state_passing_kernel[(triton.cdiv(p * n, block), b, h)](
+        states, a, h0, entering, h_T, h, p * n, N, Cs, HAS_INITIAL=initial_state is not None, BLOCK=block)
+    CB = torch.empty(b, N, Cs, Cs, **f32)
+    _ssd_bmm_kernel[(b * N,)](C, B, CB, l, n, N, Cs, BLOCK_C=BC, BLOCK_N=min(BN, 32), DOT=dot)
+    y = torch.empty_like(x)
+    _ssd_chunk_scan_kernel[(triton.cdiv(p, BP), b * N, h)](
+        x, dt, a, CB, C, entering, D if D is not None else A, y, l, h, p, n, N, Cs, HAS_D=D is not None,
+        BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC, DOT=dot, num_warps=8)
+    return y, h_T, CB, a, entering
 
-    @staticmethod
-    def backward(ctx, dy, dh_T):
-        x, dt, A, B, C, CB, D, a, entering = ctx.saved_tensors
-        b, l, h, p = x.shape
-        n = B.shape[-1]
-        Cs = ctx.chunk_size
-        N = triton.cdiv(l, Cs)
-        BP, BN, BC = _ssd_blocks(p, n, Cs)
-        f32 = dict(device=x.device, dtype=torch.float32)
-        dy = dy.contiguous()
-        dh_out = torch.empty(b, N, h, p, n, **f32)
-        _ssd_chunk_outer_kernel[(triton.cdiv(p, BP) * triton.cdiv(n, min(BN, 32)), b * N, h)](
-            dy, C, dt, a, dh_out, l, h, p, n, N, Cs, FROM_START=True, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
-            DOT=_dot_precision(x), num_warps=8)
-        block = min(1024, triton.next_power_of_2(p * n))
-        n_mb = triton.cdiv(p * n, block)
-        dS_next = torch.empty(b, N, h, p, n, **f32)
-        dh0 = torch.empty(b, h, p, n, **f32)
-        da_last = torch.empty(b, h, N, n_mb, **f32)
-        _ssd_state_passing_bwd_kernel[(n_mb, b, h)](dh_out, entering, a, dh_T.contiguous(), dS_next, dh0, da_last, h,
-                                                    p * n, N, Cs, BLOCK=block)
-        dx = torch.empty(b, l, h, p, **f32)
-        ddt = torch.empty(b, l, h, **f32)
-        dB_h, dC_h = torch.empty(b, l, h, n, **f32), torch.empty(b, l, h, n, **f32)
-        dA_p, dD_p = torch.empty(b, N, h, **f32), torch.zeros(b, N, h, **f32)
-        _ssd_chunk_bwd_kernel[(b * N, h)](
-            x, dt, A, B, C, CB, D if D is not None else A, a, entering, dS_next, da_last.sum(-1).contiguous(), dy,
-            dx, ddt, dB_h, dC_h, dA_p, dD_p, l, h, p, n, N, Cs, HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=min(BN, 32),
-            BLOCK_C=BC, DOT=_dot_precision(x), num_warps=8)
-        dD = dD_p.sum((0, 1)).to(D.dtype) if D is not None else None
-        return (dx.to(x.dtype), ddt.to(dt.dtype), dA_p.sum((0, 1)).to(A.dtype), dB_h.sum(2, keepdim=True).to(B.dtype),
-                dC_h.sum(2, keepdim=True).to(C.dtype), dD, None, dh0 if ctx.has_initial else None)
+
+@_ssd_fwd.register_fake
+def _(x, dt, A, B, C, D, chunk_size, initial_state):
+    b, l, h, p = x.shape
+    n = B.shape[-1]
+    N = -(-l // chunk_size)
+    f32 = dict(dtype=torch.float32)
+    return (x.new_empty(x.shape), x.new_empty(b, h, p, n, **f32), x.new_empty(b, N, chunk_size, chunk_size, **f32),
+            x.new_empty(b, h, N, chunk_size, **f32), x.new_empty(b, N, h, p, n, **f32))
+
+
+@torch.library.custom_op("specgpt::ssd_bwd", mutates_args=())
+def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+             B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], CB: torch.Tensor, a: torch.Tensor,
+             entering: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                               torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, ddt, dA, dB, dC, dD, d initial_state); dD comes back in fp32 (zeros without D)."""
+    b, l, h, p = x.shape
+    n = B.shape[-1]
+    Cs = chunk_size
+    N = triton.cdiv(l, Cs)
+    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
+    BP, BN, BC = _ssd_blocks(p, n, Cs)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    dy = dy.contiguous()
+    dh_out = torch.empty(b, N, h, p, n, **f32)
+    _ssd_chunk_outer_kernel[(triton.cdiv(p, BP) * triton.cdiv(n, min(BN, 32)), b * N, h)](
+        dy, C, dt, a, dh_out, l, h, p, n, N, Cs, FROM_START=True, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
+        DOT=_dot_precision(x), num_warps=8)
+    block = min(1024, triton.next_power_of_2(p * n))
+    n_mb = triton.cdiv(p * n, block)
+    dS_next = torch.empty(b, N, h, p, n, **f32)
+    dh0 = torch.empty(b, h, p, n, **f32)
+    da_last = torch.empty(b, h, N, n_mb, **f32)
+    _ssd_state_passing_bwd_kernel[(n_mb, b, h)](dh_out, entering, a, dh_T.contiguous(), dS_next, dh0, da_last, h,
+                                                p * n, N, Cs, BLOCK=block)
+    dx = torch.empty(b, l, h, p, **f32)
+    ddt = torch.empty(b, l, h, **f32)
+    dB_h, dC_h = torch.empty(b, l, h, n, **f32), torch.empty(b, l, h, n, **f32)
+    dA_p, dD_p = torch.empty(b, N, h, **f32), torch.zeros(b, N, h, **f32)
+    _ssd_chunk_bwd_kernel[(b * N, h)](
+        x, dt, A, B, C, CB, D if D is not None else A, a, entering, dS_next, da_last.sum(-1).contiguous(), dy,
+        dx, ddt, dB_h, dC_h, dA_p, dD_p, l, h, p, n, N, Cs, HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=min(BN, 32),
+        BLOCK_C=BC, DOT=_dot_precision(x), num_warps=8)
+    return (dx.to(x.dtype), ddt.to(dt.dtype), dA_p.sum((0, 1)).to(A.dtype), dB_h.sum(2, keepdim=True).to(B.dtype),
+            dC_h.sum(2, keepdim=True).to(C.dtype), dD_p.sum((0, 1)), dh0)
+
+
+@_ssd_bwd.register_fake
+def _(dy, dh_T, x, dt, A, B, C, D, CB, a, entering, chunk_size):
+    return (*(t.new_empty(t.shape) for t in (x, dt, A, B, C)), A.new_empty(A.shape, dtype=torch.float32),
+            dh_T.new_empty(dh_T.shape, dtype=torch.float32))
+
+
+def _ssd_setup(ctx, inputs, output):
+    x, dt, A, B, C, D, ctx.chunk_size, initial_state = inputs
+    y, h_T, *kept = output
+    ctx.save_for_backward(x, dt, A, B, C, D, *kept)
+    ctx.mark_non_differentiable(*kept)
+    ctx.has_initial = initial_state is not None
+
+
+def _ssd_backward(ctx, dy, dh_T, *d_kept):
+    x, dt, A, B, C, D, CB, a, entering = ctx.saved_tensors
+    dx, ddt, dA, dB, dC, dD, dh0 = _ssd_bwd(dy, dh_T, x, dt, A, B, C, D, CB, a, entering, ctx.chunk_size)
+    return (dx, ddt, dA, dB, dC, dD.to(D.dtype) if D is not None else None, None,
+            dh0 if ctx.has_initial else None)
+
+
+_ssd_fwd.register_autograd(_ssd_backward, setup_context=_ssd_setup)
 
 
 def ssd_triton(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
     _ssd_check(x, dt, A, B, C, D, initial_state)
-    return _SSDTriton.apply(x, dt, A, B, C, D, chunk_size, initial_state)
+    return _ssd_fwd(x, dt, A, B, C, D, chunk_size, initial_state)[:2]
 
 
 # -----------------------------------------------------------------------------
@@ -1882,7 +2121,7 @@ if __name__ == "__main__":
         want = run("ref")
         want = want if isinstance(want, tuple) else (want,)
         for path in paths:
-            if path == "triton" and (name + "_triton") not in globals():
+            if path == "triton" and name not in TRITON_OPS:
                 continue
             got = run(path)
             got = got if isinstance(got, tuple) else (got,)
@@ -1901,9 +2140,7 @@ if __name__ == "__main__":
             ("gdn2", gdn2_ref, gdn2_torch, small_gates, f"B={b1} H={h1} K=V={d1}"), ("gdn2", gdn2_ref, gdn2_torch, gates, f"B={B} H={H} K=V={K}"),
             ("ssd", ssd_ref, ssd_torch, small_ssd, f"b={b1} h={h1} p={d1} n=32"), ("ssd", ssd_ref, ssd_torch, ssd_in, f"b={B} h={H} p={V} n=32")):
         for path in paths:
-            fn = fast_fn if path == "torch" else globals().get(name + "_triton")
-            if fn is None:
-                continue
+            fn = fast_fn if path == "torch" else {"gdn2": gdn2_triton, "ssd": ssd_triton}[name]
             with torch.no_grad():
                 t_ref, t_fast = best_time(lambda: ref_fn(*inputs), 1), best_time(lambda: fn(*inputs))
             print(f"  {name:5s} {path:6s} {shape:19s} forward:          {t_ref * 1e3:8.1f} ms vs {t_fast * 1e3:7.2f} ms = {t_ref / t_fast:6.1f}x")
