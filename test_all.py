@@ -1,5 +1,5 @@
 """
-specgpt's test suite (CPU only): python -m pytest -q test_all.py
+specgpt's test suite: python -m pytest -q test_all.py (on a CPU; with a GPU the Triton tests run there, compiled)
 
 Every test compares against something independent of the code under test (a token loop, an SVD, a
 dense Hessian, torch's own implementation, a closed form, a fact about the data) and can fail.
@@ -16,14 +16,16 @@ import sys
 import time
 import types
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on the CPU; must precede importing triton
-
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call
+
+if not torch.cuda.is_available():  # Triton kernels run on the CPU in Triton's interpreter; must precede importing triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+TRITON_DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]   # where the Triton tests run: compiled on a GPU
 
 from model import GPT, GPTConfig, GatedDelta, HyperConnection, Mamba2, hc_res_init, rope_cache
 import analyze
@@ -315,7 +317,8 @@ def test_kernels_dispatch_auto_on_cpu_is_torch_and_triton_needs_an_op():
     assert torch.equal(kernels.softmax(x), kernels.softmax(x, kernels="torch"))
     q = torch.randn(1, 5, 2, 4)
     for op in ("rms_norm", "rope", "softmax", "sinkhorn", "gdn2_decay_clip", "gdn2_gates", "gdn2", "ssd"):
-        has_path = kernels.HAS_TRITON and hasattr(kernels, op + "_triton")
+        assert (op in kernels.TRITON_OPS) == hasattr(kernels, op + "_triton")   # the dispatcher's list is complete
+        has_path = kernels.HAS_TRITON and op in kernels.TRITON_OPS
         assert kernels._path(op, "auto", q) == "torch"          # CPU tensors never go to Triton under auto
         if not has_path:
             with pytest.raises(ValueError, match="Triton path"):
@@ -838,12 +841,14 @@ def test_kernels_chunked_faster_than_token_loop():
 
 
 # ==================================================================================================
-# kernels.py: Triton kernels under the interpreter
-# Triton kernels vs their token-loop references, run on the CPU under the Triton interpreter.
+# kernels.py: Triton kernels (interpreter on a CPU, compiled on a GPU)
+# Triton kernels vs their token-loop references: on the CPU under the Triton interpreter, on a GPU compiled.
 #
 # Every op is compared with `<op>_ref` in fp32 (outputs, final states and the gradient of every input,
 # against autograd through the reference) by fla's criterion: relative RMS error ≤ 5e-3. Shapes are
-# small and deliberately not multiples of the block or chunk sizes.
+# small and deliberately not multiples of the block or chunk sizes. On a GPU the kernels' fp32 dots are IEEE
+# (kernels._dot_precision) and torch's fp32 matmuls stay full precision (its default), so the bound holds there too.
+# Then each Triton op as a torch.library custom op (opcheck), and the whole GPT under torch.compile.
 
 
 TRITON_TOL = 5e-3
@@ -857,21 +862,21 @@ def triton_rel_rms(got, want):
     return 0.0 if num == 0 else (num / den).item()
 
 
-def triton_compare(fn_triton, fn_ref, inputs, seed=0):
-    """Run both paths on copies of `inputs` (floating ones require grad), backprop the same random
-    cotangents through every output, and return {name: relative RMS error} for outputs and grads."""
+def triton_compare(fn_triton, fn_ref, inputs, device, seed=0):
+    """Run both paths on copies of `inputs` moved to `device` (floating ones require grad), backprop the same
+    random cotangents through every output, and return {name: relative RMS error} for outputs and grads."""
     torch.manual_seed(seed)
     leaves = {}
     results = {}
     for path, fn in (("tri", fn_triton), ("ref", fn_ref)):
-        args = {k: (v.detach().clone().requires_grad_(True) if torch.is_tensor(v) and v.is_floating_point() else v)
+        args = {k: (v.detach().to(device).clone().requires_grad_(True) if torch.is_tensor(v) and v.is_floating_point() else v)
                 for k, v in inputs.items()}
         outs = fn(**args)
         outs = outs if isinstance(outs, tuple) else (outs,)
         leaves[path] = args
         results[path] = outs
     gen = torch.Generator().manual_seed(seed + 1)
-    cotangents = [torch.randn(o.shape, generator=gen, dtype=torch.float32) for o in results["ref"]]
+    cotangents = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(device) for o in results["ref"]]
     for path in ("tri", "ref"):
         loss = sum((o.float() * c).sum() for o, c in zip(results[path], cotangents))
         loss.backward()
@@ -887,47 +892,53 @@ def triton_assert_close(errs, tol=TRITON_TOL):
     assert not bad, f"relative RMS error above {tol}: {bad} (all: {errs})"
 
 
-def test_triton_rms_norm():
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_rms_norm(device):
     x = torch.randn(3, 5, 37) * 2 + 0.5
     w = torch.randn(37)
     errs = triton_compare(lambda x, w: kernels.rms_norm_triton(x, w, 1e-6), lambda x, w: kernels.rms_norm_ref(x, w, 1e-6),
-                          dict(x=x, w=w))
+                          dict(x=x, w=w), device)
     assert set(errs) == {"out0", "dx", "dw"}
     triton_assert_close(errs)
     # the dispatcher finds the Triton path
+    x, w = x.to(device), w.to(device)
     assert torch.equal(kernels.rms_norm(x, w, 1e-6, kernels="triton"), kernels.rms_norm_triton(x, w, 1e-6))
 
 
-def test_triton_rope():
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_rope(device):
     x = torch.randn(2, 7, 3, 10)
     angle = torch.randn(7, 5)
-    errs = triton_compare(kernels.rope_triton, kernels.rope_ref, dict(x=x, cos=angle.cos(), sin=angle.sin()))
+    errs = triton_compare(kernels.rope_triton, kernels.rope_ref, dict(x=x, cos=angle.cos(), sin=angle.sin()), device)
     assert set(errs) == {"out0", "dx", "dcos", "dsin"}
     triton_assert_close(errs)
     with pytest.raises(ValueError):
-        kernels.rope_triton(x, angle.cos()[:6], angle.sin()[:6])
+        kernels.rope_triton(x.to(device), angle.cos()[:6].to(device), angle.sin()[:6].to(device))
 
 
-def test_triton_softmax():
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_softmax(device):
     x = torch.randn(11, 37) * 3
-    errs = triton_compare(kernels.softmax_triton, kernels.softmax_ref, dict(x=x))
+    errs = triton_compare(kernels.softmax_triton, kernels.softmax_ref, dict(x=x), device)
     triton_assert_close(errs)
-    y = kernels.softmax_triton(x)
-    assert torch.allclose(y.sum(-1), torch.ones(11), atol=1e-6)
+    y = kernels.softmax_triton(x.to(device))
+    assert torch.allclose(y.sum(-1), torch.ones(11, device=device), atol=1e-6)
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("n", [3, 4])
-def test_triton_sinkhorn(n):
+def test_triton_sinkhorn(n, device):
     logits = torch.randn(2, 13, n, n) * 2
-    errs = triton_compare(kernels.sinkhorn_triton, kernels.sinkhorn_ref, dict(logits=logits))
+    errs = triton_compare(kernels.sinkhorn_triton, kernels.sinkhorn_ref, dict(logits=logits), device)
     assert set(errs) == {"out0", "dlogits"}
     triton_assert_close(errs)
-    P = kernels.sinkhorn_triton(logits)
-    assert torch.allclose(P.sum(-2), torch.ones(2, 13, n), atol=1e-5)  # columns are normalised last
+    P = kernels.sinkhorn_triton(logits.to(device))
+    assert torch.allclose(P.sum(-2), torch.ones(2, 13, n, device=device), atol=1e-5)  # columns are normalised last
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("gate_scale", [1.0, 3.0])
-def test_triton_gdn2_decay_clip(gate_scale):
+def test_triton_gdn2_decay_clip(gate_scale, device):
     # gate_scale 3 pushes b up to 3 so ρ is large and most decays are clipped; 1 leaves a mix
     torch.manual_seed(0)
     B, T, H, K = 2, 9, 3, 19
@@ -936,25 +947,27 @@ def test_triton_gdn2_decay_clip(gate_scale):
     g = -torch.rand(B, T, H, K) * 0.5
     clipped = (kernels.gdn2_decay_clip_ref(g, k, b) < g).float().mean().item()
     assert 0.05 < clipped < 1.0  # both branches of the min are exercised
-    errs = triton_compare(kernels.gdn2_decay_clip_triton, kernels.gdn2_decay_clip_ref, dict(g=g, k=k, b=b))
+    errs = triton_compare(kernels.gdn2_decay_clip_triton, kernels.gdn2_decay_clip_ref, dict(g=g, k=k, b=b), device)
     assert set(errs) == {"out0", "dg", "dk", "db"}
     triton_assert_close(errs)
-    torch_errs = triton_compare(kernels.gdn2_decay_clip_triton, kernels.gdn2_decay_clip_torch, dict(g=g, k=k, b=b))
+    torch_errs = triton_compare(kernels.gdn2_decay_clip_triton, kernels.gdn2_decay_clip_torch, dict(g=g, k=k, b=b), device)
     triton_assert_close(torch_errs)
 
 
-def test_triton_gdn2_decay_clip_noop_for_kda():
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_gdn2_decay_clip_noop_for_kda(device):
     # b = β ≤ 2 shared over channels with ‖k‖ = 1: ρ = 1, the clip leaves g unchanged
-    k = torch.nn.functional.normalize(torch.randn(2, 7, 3, 19), dim=-1)
-    b = (torch.rand(2, 7, 3, 1) * 2).expand_as(k)
-    g = -torch.rand(2, 7, 3, 19)
+    k = torch.nn.functional.normalize(torch.randn(2, 7, 3, 19), dim=-1).to(device)
+    b = (torch.rand(2, 7, 3, 1) * 2).to(device).expand_as(k)
+    g = -torch.rand(2, 7, 3, 19).to(device)
     assert torch.equal(kernels.gdn2_decay_clip_triton(g, k, b), g)
     g0 = torch.zeros_like(g)  # DeltaNet: g = 0 must stay exactly 0 (no rounding-size clip)
     assert torch.equal(kernels.gdn2_decay_clip_triton(g0, k, b), g0)
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("clip", [True, False])
-def test_triton_gdn2_gates(clip):
+def test_triton_gdn2_gates(clip, device):
     # K = 12 fills 12 of 16 lanes and the 30 rows two row blocks of 16, the second ragged. decay_logits + dt_bias
     # ≈ N(−4, 2) gives weak decays and erase logits ~ N(0, 4) spread b over channels, so ρ > 1 clips about half
     torch.manual_seed(0)
@@ -966,13 +979,14 @@ def test_triton_gdn2_gates(clip):
     clipped = (kernels.gdn2_gates_ref(**inputs)[0] < unclipped).float().mean().item()
     assert 0.2 < clipped < 0.8  # both branches of the min are exercised
     errs = triton_compare(lambda **kw: kernels.gdn2_gates_triton(**kw, clip=clip),
-                          lambda **kw: kernels.gdn2_gates_ref(**kw, clip=clip), inputs)
+                          lambda **kw: kernels.gdn2_gates_ref(**kw, clip=clip), inputs, device)
     assert set(errs) == {"out0", "out1", "ddecay_logits", "derase_logits", "dA_log", "ddt_bias"} | ({"dk"} if clip else set())
     triton_assert_close(errs)
     torch_errs = triton_compare(lambda **kw: kernels.gdn2_gates_torch(**kw, clip=clip),
-                                lambda **kw: kernels.gdn2_gates_ref(**kw, clip=clip), inputs)
+                                lambda **kw: kernels.gdn2_gates_ref(**kw, clip=clip), inputs, device)
     triton_assert_close(torch_errs)
     # the dispatcher finds the Triton path and takes dt_bias as [H, K] too
+    inputs = {name: t.to(device) for name, t in inputs.items()}
     inputs["dt_bias"] = inputs["dt_bias"].view(H, K)
     for got, want in zip(kernels.gdn2_gates(**inputs, clip=clip, kernels="triton"), kernels.gdn2_gates_triton(**inputs, clip=clip)):
         assert torch.equal(got, want)
@@ -990,13 +1004,14 @@ def triton_gdn2_inputs(B=2, T=37, H=2, K=16, V=37, decay=0.5, seed=0):
                 w=torch.rand(B, T, H, V, generator=gen))
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("with_initial", [False, True])
-def test_triton_gdn2_recurrent(with_initial):
+def test_triton_gdn2_recurrent(with_initial, device):
     # V = 37 spans two value blocks of 32 (the second one ragged); T = 37
     inputs = triton_gdn2_inputs(B=1)
     if with_initial:
         inputs["initial_state"] = torch.randn(1, 2, 16, 37)
-    errs = triton_compare(kernels.gdn2_recurrent_triton, kernels.gdn2_ref, inputs)
+    errs = triton_compare(kernels.gdn2_recurrent_triton, kernels.gdn2_ref, inputs, device)
     assert {"out0", "out1", "dq", "dk", "dv", "dg", "db", "dw"} <= set(errs)
     assert ("dinitial_state" in errs) == with_initial
     triton_assert_close(errs)
@@ -1011,66 +1026,168 @@ def triton_ssd_inputs(b=2, l=37, h=3, p=10, n=40, seed=0):
                 C=torch.randn(b, l, 1, n, generator=gen))
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("with_initial,with_D", [(False, False), (True, True)])
-def test_triton_ssd(with_initial, with_D):
+def test_triton_ssd(with_initial, with_D, device):
     # l = 37 with chunk 16: three chunks, the last one ragged; p = 10 is below the 16-wide block, n = 40 is
     # walked in two blocks of 32, the second one ragged
     inputs = triton_ssd_inputs()
     inputs["D"] = torch.randn(3) if with_D else None
     inputs["initial_state"] = torch.randn(2, 3, 10, 40) if with_initial else None
-    errs = triton_compare(lambda **kw: kernels.ssd_triton(chunk_size=16, **kw), kernels.ssd_ref, inputs)
+    errs = triton_compare(lambda **kw: kernels.ssd_triton(chunk_size=16, **kw), kernels.ssd_ref, inputs, device)
     expected = {"out0", "out1", "dx", "ddt", "dA", "dB", "dC"} | ({"dD"} if with_D else set()) \
         | ({"dinitial_state"} if with_initial else set())
     assert set(errs) == expected
     triton_assert_close(errs)
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("with_initial,decay,scale", [(False, 0.5, None), (True, 30.0, 0.3)])
-def test_triton_gdn2_chunked(with_initial, decay, scale):
+def test_triton_gdn2_chunked(with_initial, decay, scale, device):
     # T = 37 is two full chunks of 16 and a ragged one; decay 30 makes within-chunk exp(G) span e^-400,
     # which a factored exp(G)·exp(−G) form would overflow; V = 37 spans two value blocks in the state pass
     inputs = triton_gdn2_inputs(K=20, decay=decay)
     inputs["scale"] = scale
     if with_initial:
         inputs["initial_state"] = torch.randn(2, 2, 20, 37)
-    errs = triton_compare(kernels.gdn2_chunked_triton, kernels.gdn2_ref, inputs)
+    errs = triton_compare(kernels.gdn2_chunked_triton, kernels.gdn2_ref, inputs, device)
     assert {"out0", "out1", "dq", "dk", "dv", "dg", "db", "dw"} <= set(errs)
     assert ("dinitial_state" in errs) == with_initial
     triton_assert_close(errs)
 
 
-def test_triton_gdn2_dispatch_by_length():
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_gdn2_dispatch_by_length(device):
     # gdn2_triton: recurrent up to 64 tokens, chunked beyond; both agree with the chunked torch path
     for T in (20, 70):
-        inputs = triton_gdn2_inputs(B=1, T=T, H=1, V=16)
+        inputs = {name: t.to(device) for name, t in triton_gdn2_inputs(B=1, T=T, H=1, V=16).items()}
         o_tri, s_tri = kernels.gdn2(**inputs, kernels="triton")
         o_torch, s_torch = kernels.gdn2(**inputs, kernels="torch")
         assert triton_rel_rms(o_tri, o_torch) < 1e-5 and triton_rel_rms(s_tri, s_torch) < 1e-5
 
 
+def triton_gpt(mixer, residual, T, path, device):
+    import model
+    torch.manual_seed(0)
+    cfg = model.GPTConfig(vocab_size=50, block_size=T, n_layer=max(2, len(mixer)), n_head=2, n_embd=32, mixer=mixer,
+                          residual=residual, mamba_d_state=16, mamba_headdim=16, chunk_size=16, kernels=path)
+    return model.GPT(cfg).to(device)
+
+
+def triton_loss_and_grads(gpt, T, device, run=None):
+    """The loss and every parameter's gradient on one fixed batch, the forward run by `run` (gpt compiled) or gpt."""
+    gen = torch.Generator().manual_seed(0)
+    idx, targets = (torch.randint(0, 50, (2, T), generator=gen).to(device) for _ in range(2))
+    gpt.zero_grad(set_to_none=True)
+    _, loss = (gpt if run is None else run)(idx, targets)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in gpt.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("mixer,residual,T", [("A", "res", 37), ("G", "res", 37), ("G", "res", 70), ("M", "res", 37),
                                               ("A", "mhc", 37)])
-def test_triton_model_matches_torch(mixer, residual, T):
+def test_triton_model_matches_torch(mixer, residual, T, device):
     # the whole GPT with kernels="triton" vs "torch": same loss and the same gradient for every parameter.
     # G at T = 70 runs gdn2's chunked Triton kernels, at T = 37 the fused recurrent one.
-    import model
-    grads, losses = {}, {}
-    torch.manual_seed(0)
-    idx = torch.randint(0, 50, (2, T))
-    targets = torch.randint(0, 50, (2, T))
+    losses, grads = {}, {}
     for path in ("torch", "triton"):
-        torch.manual_seed(0)
-        cfg = model.GPTConfig(vocab_size=50, block_size=T, n_layer=2, n_head=2, n_embd=32, mixer=mixer,
-                              residual=residual, mamba_d_state=16, mamba_headdim=16, chunk_size=16, kernels=path)
-        gpt = model.GPT(cfg)
-        _, loss = gpt(idx, targets)
-        loss.backward()
-        losses[path] = loss.item()
-        grads[path] = {n: p.grad for n, p in gpt.named_parameters() if p.grad is not None}
+        losses[path], grads[path] = triton_loss_and_grads(triton_gpt(mixer, residual, T, path, device), T, device)
     assert abs(losses["triton"] - losses["torch"]) <= 1e-4 * abs(losses["torch"])
     assert grads["triton"].keys() == grads["torch"].keys() and len(grads["torch"]) > 0
     bad = {n: e for n in grads["torch"] if (e := triton_rel_rms(grads["triton"][n], grads["torch"][n])) > 1e-4}
     assert not bad, f"gradients differ by more than 1e-4 relative RMS: {bad}"
+
+
+OPCHECK_ALL = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+OPCHECK_LIGHT = ("test_schema", "test_faketensor")
+
+
+def triton_op_cases(device):
+    """(name, custom op, args, opcheck's test_utils) for every Triton op's forward and backward custom op, tiny fp32
+    shapes. Forward ops get inputs that require grad, and the whole opcheck (its autograd run through AOTAutograd
+    with dynamic shapes) on the variant with every optional input given; the other variant and the backward ops
+    (which that run already calls) get the schema and fake-tensor checks."""
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    def leaf(t):
+        return None if t is None else t.detach().requires_grad_(True)
+
+    x, w = randn(2, 3, 5), randn(5)
+    angle = randn(3, 2)
+    y, rstd = kernels._rms_norm_fwd(x, w, 1e-6)
+    cases = [("rms_norm", kernels._rms_norm_fwd, (leaf(x), leaf(w), 1e-6), OPCHECK_ALL),
+             ("rms_norm_bwd", kernels._rms_norm_bwd, (randn(2, 3, 5), x, w, rstd), OPCHECK_LIGHT),
+             ("rope", kernels._rope_rotate, (leaf(randn(1, 3, 2, 4)), angle.cos(), angle.sin(), 1.0), OPCHECK_ALL),
+             ("softmax", kernels._softmax_fwd, (leaf(randn(3, 5)),), OPCHECK_ALL),
+             ("softmax_bwd", kernels._softmax_bwd, (randn(3, 5), kernels._softmax_fwd(randn(3, 5))), OPCHECK_LIGHT),
+             ("sinkhorn", kernels._sinkhorn_fwd, (leaf(randn(2, 3, 3)), 3), OPCHECK_ALL),
+             ("sinkhorn_bwd", kernels._sinkhorn_bwd, (randn(2, 3, 3), randn(2, 3, 3), 3), OPCHECK_LIGHT)]
+    k = F.normalize(randn(1, 3, 2, 4), dim=-1)
+    g, b = -randn(1, 3, 2, 4).abs(), randn(1, 3, 2, 4).abs() * 2
+    cases += [("gdn2_decay_clip", kernels._gdn2_decay_clip_fwd, (leaf(g), leaf(k), leaf(b)), OPCHECK_ALL),
+              ("gdn2_decay_clip_bwd", kernels._gdn2_decay_clip_bwd, (randn(1, 3, 2, 4), g, k, b), OPCHECK_LIGHT)]
+    gates = (randn(1, 3, 2, 4), randn(1, 3, 2, 4), k, randn(2), randn(8))
+    for clip in (True, False):
+        cases += [(f"gdn2_gates clip={clip}", kernels._gdn2_gates_fwd, (*map(leaf, gates), clip),
+                   OPCHECK_ALL if clip else OPCHECK_LIGHT),
+                  (f"gdn2_gates_bwd clip={clip}", kernels._gdn2_gates_bwd, (randn(1, 3, 2, 4), randn(1, 3, 2, 4), *gates, clip),
+                   OPCHECK_LIGHT)]
+    B, T, H, K, V = 1, 17, 1, 4, 5   # 17 tokens: two chunks of 16 in the chunked kernels, the second ragged
+    q, k = F.normalize(randn(B, T, H, K), dim=-1), F.normalize(randn(B, T, H, K), dim=-1)
+    gdn2_in = (q, k, randn(B, T, H, V), -randn(B, T, H, K).abs() / 2, randn(B, T, H, K).sigmoid(), randn(B, T, H, V).sigmoid())
+    for s0 in (None, randn(B, H, K, V)):
+        named, utils = ("", OPCHECK_LIGHT) if s0 is None else (" initial_state", OPCHECK_ALL)
+        rec = kernels._gdn2_recurrent_fwd(*gdn2_in, 0.5, s0)
+        chunked = kernels._gdn2_chunked_fwd(*gdn2_in, 0.5, s0)
+        d_out = (randn(B, T, H, V), randn(B, H, K, V))
+        cases += [("gdn2_recurrent" + named, kernels._gdn2_recurrent_fwd, (*map(leaf, gdn2_in), 0.5, leaf(s0)), utils),
+                  ("gdn2_recurrent_bwd" + named, kernels._gdn2_recurrent_bwd, (*d_out, *gdn2_in, rec[2], 0.5, s0), OPCHECK_LIGHT),
+                  ("gdn2_chunked" + named, kernels._gdn2_chunked_fwd, (*map(leaf, gdn2_in), 0.5, leaf(s0)), utils),
+                  ("gdn2_chunked_bwd" + named, kernels._gdn2_chunked_bwd, (*d_out, *gdn2_in, *chunked[2:], chunked[1], 0.5),
+                   OPCHECK_LIGHT)]
+    b_, l, h, p, n, Cs = 1, 9, 2, 3, 4, 8   # 9 tokens: two chunks of 8, the second ragged
+    ssd_in = (randn(b_, l, h, p), F.softplus(randn(b_, l, h)), -randn(h).abs() - 0.5, randn(b_, l, 1, n), randn(b_, l, 1, n))
+    for D, s0 in ((None, None), (randn(h), randn(b_, h, p, n))):
+        named, utils = ("", OPCHECK_LIGHT) if D is None else (" D initial_state", OPCHECK_ALL)
+        fwd = kernels._ssd_fwd(*ssd_in, D, Cs, s0)
+        cases += [("ssd" + named, kernels._ssd_fwd, (*map(leaf, ssd_in), leaf(D), Cs, leaf(s0)), utils),
+                  ("ssd_bwd" + named, kernels._ssd_bwd, (randn(b_, l, h, p), randn(b_, h, p, n), *ssd_in, D, *fwd[2:], Cs),
+                   OPCHECK_LIGHT)]
+    return cases
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_ops_pass_opcheck(device):
+    # every forward and backward custom op: its schema, its fake (meta) function against the real outputs, and
+    # its registered autograd, run through AOTAutograd with dynamic shapes, against eager
+    cases = triton_op_cases(device)
+    every_op = {getattr(kernels, f"_{name}_{part}") for name in ("rms_norm", "softmax", "sinkhorn", "gdn2_decay_clip",
+                                                                 "gdn2_gates", "gdn2_recurrent", "gdn2_chunked", "ssd")
+                for part in ("fwd", "bwd")} | {kernels._rope_rotate}
+    assert {op for _, op, _, _ in cases} == every_op
+    for name, op, args, test_utils in cases:
+        result = torch.library.opcheck(op, args, test_utils=test_utils)
+        assert set(result.values()) == {"SUCCESS"}, (name, result)
+
+
+@pytest.mark.parametrize("path,mixer,residual,device",
+                         [("triton", "GMA", "mhc", d) for d in TRITON_DEVICES] + [("torch", "MA", "res", "cpu")])
+def test_triton_gpt_compiles_fullgraph(path, mixer, residual, device):
+    # every Triton op is opaque to torch.compile: the whole GPT (attention, gated delta, Mamba2, mHC's Sinkhorn)
+    # traces as one graph, and its loss and gradients equal eager's. The torch path of A and M does too (gated
+    # delta's torch path has a data-dependent branch, a graph break; compiled on a GPU, the model takes Triton's)
+    T = 20
+    gpt = triton_gpt(mixer, residual, T, path, device)
+    loss, grads = triton_loss_and_grads(gpt, T, device)
+    compiled_loss, compiled_grads = triton_loss_and_grads(gpt, T, device, torch.compile(gpt, backend="aot_eager", fullgraph=True))
+    assert abs(compiled_loss - loss) <= 1e-6 * abs(loss)
+    assert compiled_grads.keys() == grads.keys() and len(grads) > 0
+    bad = {n: e for n in grads if (e := triton_rel_rms(compiled_grads[n], grads[n])) > 1e-6}
+    assert not bad, f"compiled gradients differ from eager: {bad}"
 
 
 # ==================================================================================================
