@@ -1180,7 +1180,7 @@ def test_triton_gpt_compiles_fullgraph(path, mixer, residual, device):
     # every Triton op is opaque to torch.compile: the whole GPT (attention, gated delta, Mamba2, mHC's Sinkhorn)
     # traces as one graph, and its loss and gradients equal eager's. The torch path of A and M does too (gated
     # delta's torch path has a data-dependent branch, a graph break; compiled on a GPU, the model takes Triton's)
-    T = 20
+    T = 9
     gpt = triton_gpt(mixer, residual, T, path, device)
     loss, grads = triton_loss_and_grads(gpt, T, device)
     compiled_loss, compiled_grads = triton_loss_and_grads(gpt, T, device, torch.compile(gpt, backend="aot_eager", fullgraph=True))
