@@ -729,6 +729,37 @@ def test_kernels_ssd_torch_matches_ref(T, chunk, init, decay):
     _kernels_check_chunked_vs_ref(kernels.ssd, (x, dt, A, B, C, D), h0, chunk, "x dt A B C D h0")
 
 
+def _kernels_grads_vs_fp64(fn, ref, inputs, names):
+    """{name: relative error} of fn's fp32 gradients (for the leading len(names) inputs) against ref's in float64,
+    with the same random cotangents on both outputs."""
+    grads = {}
+    for f, dtype in ((ref, torch.float64), (fn, torch.float32)):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in inputs]
+        outs = f(*leaves)
+        gen = torch.Generator().manual_seed(1)
+        loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum() for o in outs)
+        grads[dtype] = torch.autograd.grad(loss, leaves[:len(names)])
+    return {n: _kernels_rel(got, want) for n, got, want in zip(names, grads[torch.float32], grads[torch.float64])}
+
+
+def _kernels_ssd_steep_inputs(l=150, seed=0):
+    """dt·A = −1000 on 10% of the tokens, O(0.1) elsewhere: within a chunk the cumulative log-decay reaches the
+    thousands, where a difference of two cumulative sums keeps only ~1e-4 of a small segment's exponent."""
+    gen = torch.Generator().manual_seed(seed)
+    dt = 0.5 * torch.rand(1, l, 2, generator=gen, dtype=torch.float64)
+    dt[torch.rand(1, l, 2, generator=gen) < 0.1] = 1000.0
+    return (torch.randn(1, l, 2, 4, generator=gen, dtype=torch.float64), dt, -torch.ones(2, dtype=torch.float64),
+            torch.randn(1, l, 1, 8, generator=gen, dtype=torch.float64), torch.randn(1, l, 1, 8, generator=gen, dtype=torch.float64))
+
+
+def test_kernels_ssd_torch_steep_decays_match_fp64():
+    # chunk 64: the within-chunk decays are segment sums, so dA, dx, ddt keep fp32 accuracy (differences of
+    # cumulative sums gave ~1e-4 here)
+    errs = _kernels_grads_vs_fp64(lambda *a: kernels.ssd_torch(*a, chunk_size=64), kernels.ssd_ref,
+                                  _kernels_ssd_steep_inputs(), ("dx", "ddt", "dA"))
+    assert max(errs.values()) < 1e-5, errs
+
+
 def test_kernels_low_precision_inputs_and_autocast():
     # bf16 inputs: fp32 inside, outputs back in bf16, states in fp32; a bf16 autocast region changes nothing
     q, k, v, g, b, w, S0 = _kernels_gdn2_inputs(1, 40, 2, 8, 8, 0.5, True)
@@ -1011,13 +1042,13 @@ def triton_ssd_inputs(b=2, l=37, h=3, p=10, n=40, seed=0):
                 C=torch.randn(b, l, 1, n, generator=gen))
 
 
-@pytest.mark.parametrize("with_initial,with_D", [(False, False), (True, True)])
-def test_triton_ssd(with_initial, with_D):
-    # l = 37 with chunk 16: three chunks, the last one ragged; p = 10 is below the 16-wide block, n = 40 is
-    # walked in two blocks of 32, the second one ragged
-    inputs = triton_ssd_inputs()
+@pytest.mark.parametrize("with_initial,with_D,p", [(False, False, 10), (True, True, 40)])
+def test_triton_ssd(with_initial, with_D, p):
+    # l = 37 with chunk 16: three chunks, the last one ragged; p = 10 is below the 16-wide block, p = 40 spans two
+    # of the backward's p blocks of 32 (the second one ragged); n = 40 is walked in two blocks of 32, one ragged
+    inputs = triton_ssd_inputs(p=p)
     inputs["D"] = torch.randn(3) if with_D else None
-    inputs["initial_state"] = torch.randn(2, 3, 10, 40) if with_initial else None
+    inputs["initial_state"] = torch.randn(2, 3, p, 40) if with_initial else None
     errs = triton_compare(lambda **kw: kernels.ssd_triton(chunk_size=16, **kw), kernels.ssd_ref, inputs)
     expected = {"out0", "out1", "dx", "ddt", "dA", "dB", "dC"} | ({"dD"} if with_D else set()) \
         | ({"dinitial_state"} if with_initial else set())
@@ -1037,6 +1068,27 @@ def test_triton_gdn2_chunked(with_initial, decay, scale):
     assert {"out0", "out1", "dq", "dk", "dv", "dg", "db", "dw"} <= set(errs)
     assert ("dinitial_state" in errs) == with_initial
     triton_assert_close(errs)
+
+
+@pytest.mark.parametrize("log_decay", [-10.0, -20.0])
+@pytest.mark.parametrize("fn", ["gdn2_recurrent_triton", "gdn2_chunked_triton"])
+def test_triton_gdn2_strong_decay_dg_matches_fp64(fn, log_decay):
+    # g = −10 and −20 per token in every channel: dg is ~1e-4 and ~1e-8, so the O(1) terms that cancel in the gauge
+    # identity (a token's read of its own write, the last write against the end state) must never be formed
+    # (they left relative errors of 1e-2 and 1e2)
+    inputs = triton_gdn2_inputs(B=1, T=40, H=1, K=16, V=16)
+    inputs["g"] = torch.full_like(inputs["g"], log_decay)
+    order = ("g", "q", "k", "v", "b", "w")
+    errs = _kernels_grads_vs_fp64(lambda g, q, k, v, b, w: getattr(kernels, fn)(q, k, v, g, b, w),
+                                  lambda g, q, k, v, b, w: kernels.gdn2_ref(q, k, v, g, b, w),
+                                  [inputs[n] for n in order], ("dg",))
+    assert errs["dg"] < 1e-5, errs
+
+
+def test_triton_ssd_steep_decays_match_fp64():
+    errs = _kernels_grads_vs_fp64(lambda *a: kernels.ssd_triton(*a, chunk_size=64), kernels.ssd_ref,
+                                  _kernels_ssd_steep_inputs(), ("dx", "ddt", "dA"))
+    assert max(errs.values()) < 1e-5, errs
 
 
 def test_triton_gdn2_dispatch_by_length():
@@ -1071,6 +1123,66 @@ def test_triton_model_matches_torch(mixer, residual, T):
     assert grads["triton"].keys() == grads["torch"].keys() and len(grads["torch"]) > 0
     bad = {n: e for n in grads["torch"] if (e := triton_rel_rms(grads["triton"][n], grads["torch"][n])) > 1e-4}
     assert not bad, f"gradients differ by more than 1e-4 relative RMS: {bad}"
+
+
+# Ahead-of-time compile of every Triton kernel for sm_80 / sm_89 / sm_90 at the launch parameters the wrappers
+# choose for real models: a GPT with kernels="triton" runs forward+backward on the CPU with every launch recorded
+# (kernels.triton_launches), then each distinct launch is compiled with the wheel's ptxas. In a subprocess
+# without TRITON_INTERPRET, which importing triton before kernels.py makes compile real kernels.
+TRITON_AOT_SCRIPT = r"""
+import json, os, sys
+import torch, triton
+import kernels, model
+torch.set_num_threads(1)
+cases = {   # name: (GPTConfig overrides, T); each in fp32 and under bf16 autocast
+    "default": (dict(mixer="AGM", residual="mhc"), 256),
+    "768/12/T1024": (dict(mixer="AGM", n_embd=768, n_head=12, block_size=1024), 1024),
+    "head dim 128": (dict(mixer="AG", n_embd=1024, n_head=8), 128),
+    "gdn_expand_v=2": (dict(mixer="G", n_embd=1024, n_head=8, gdn_expand_v=2), 128),
+    "mamba p64 n128": (dict(mixer="M", mamba_headdim=64, mamba_d_state=128), 128),
+    "mamba p128 n128 zoh": (dict(mixer="M", mamba_headdim=128, mamba_d_state=128, mamba_discretization="zoh"), 128),
+}
+launches = {}
+for name, (overrides, T) in cases.items():
+    cfg = model.GPTConfig(vocab_size=64, n_layer=len(overrides["mixer"]), kernels="triton",
+                          **dict(dict(block_size=T), **overrides))
+    gpt = model.GPT(cfg)
+    H, K = cfg.n_head, cfg.n_embd // cfg.n_head
+    for dtype in (torch.float32, torch.bfloat16):
+        def step():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                for length in (T, 32):   # training length (chunked gdn2) and a short prompt (recurrent gdn2)
+                    idx = torch.zeros(1, length, dtype=torch.long)
+                    gpt(idx, idx)[1].backward()
+            x = torch.zeros(1, T, H, K, dtype=dtype, requires_grad=True)   # the ops the model does not call
+            kernels.gdn2_decay_clip_triton(x.float(), x, x).sum().backward()
+            kernels.softmax_triton(x.reshape(-1, K)).sum().backward()
+        for kernel, signature, constexprs, options in kernels.triton_launches(step):
+            key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
+            launches.setdefault(key, (kernel, signature, constexprs, options, name))
+rows = kernels.triton_resources([launch[:4] for launch in launches.values()], archs=(80, 89, 90))
+for row, launch in zip(rows, [l for l in launches.values() for _ in range(3)]):
+    row["case"] = launch[4]
+    row["constexprs"] = str(row["constexprs"])
+print(json.dumps(rows))
+"""
+
+
+def test_triton_kernels_fit_shared_memory_ahead_of_time():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    run = subprocess.run([sys.executable, "-c", TRITON_AOT_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    names = {row["kernel"] for row in rows}
+    # every Triton kernel in kernels.py was launched by some case (so none escapes the check)
+    assert names == {name for name in dir(kernels) if name.endswith("_kernel") and name.startswith("_")}, names
+    assert {row["arch"] for row in rows} == {80, 89, 90}
+    limits = {80: 166912, 89: 101376, 90: 232448}   # bytes of shared memory per block (CUDA programming guide)
+    over = [(r["kernel"], r["case"], r["arch"], r["constexprs"], r["shared"]) for r in rows if r["shared"] > limits[r["arch"]]]
+    assert not over, over
+
 
 
 # ==================================================================================================
