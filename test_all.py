@@ -1056,15 +1056,17 @@ def test_triton_ssd(with_initial, with_D, p):
     triton_assert_close(errs)
 
 
-@pytest.mark.parametrize("with_initial,decay,scale", [(False, 0.5, None), (True, 30.0, 0.3)])
-def test_triton_gdn2_chunked(with_initial, decay, scale):
-    # T = 37 is two full chunks of 16 and a ragged one; decay 30 makes within-chunk exp(G) span e^-400,
-    # which a factored exp(G)·exp(−G) form would overflow; V = 37 spans two value blocks in the state pass
+@pytest.mark.parametrize("with_initial,decay,scale,chunk", [(False, 0.5, None, 16), (True, 30.0, 0.3, 16), (True, 0.5, None, 32)])
+def test_triton_gdn2_chunked(with_initial, decay, scale, chunk):
+    # T = 37 is two full chunks of 16 and a ragged one (one full and a ragged one of 32); decay 30 makes
+    # within-chunk exp(G) span e^-400, which a factored exp(G)·exp(−G) form would overflow; V = 37 spans two value
+    # blocks; K = 20 at chunk 32 spans three of the pair tiles' channel blocks of 8
     inputs = triton_gdn2_inputs(K=20, decay=decay)
     inputs["scale"] = scale
+    inputs["chunk_size"] = chunk
     if with_initial:
         inputs["initial_state"] = torch.randn(2, 2, 20, 37)
-    errs = triton_compare(kernels.gdn2_chunked_triton, kernels.gdn2_ref, inputs)
+    errs = triton_compare(kernels.gdn2_chunked_triton, lambda chunk_size, **kw: kernels.gdn2_ref(**kw), inputs)
     assert {"out0", "out1", "dq", "dk", "dv", "dg", "db", "dw"} <= set(errs)
     assert ("dinitial_state" in errs) == with_initial
     triton_assert_close(errs)
@@ -1083,6 +1085,14 @@ def test_triton_gdn2_strong_decay_dg_matches_fp64(fn, log_decay):
                                   lambda g, q, k, v, b, w: kernels.gdn2_ref(q, k, v, g, b, w),
                                   [inputs[n] for n in order], ("dg",))
     assert errs["dg"] < 1e-5, errs
+
+
+def test_triton_chunk_sizes_out_of_range_are_value_errors():
+    inputs = triton_gdn2_inputs(T=8, H=1, V=16)
+    with pytest.raises(ValueError, match="chunk_size in"):
+        kernels.gdn2_chunked_triton(**inputs, chunk_size=64)
+    with pytest.raises(ValueError, match="chunk_size from 1 to 64"):
+        kernels.ssd_triton(**triton_ssd_inputs(l=8), chunk_size=128)
 
 
 def test_triton_ssd_steep_decays_match_fp64():
@@ -1137,7 +1147,7 @@ torch.set_num_threads(1)
 cases = {   # name: (GPTConfig overrides, T); each in fp32 and under bf16 autocast
     "default": (dict(mixer="AGM", residual="mhc"), 256),
     "768/12/T1024": (dict(mixer="AGM", n_embd=768, n_head=12, block_size=1024), 1024),
-    "head dim 128": (dict(mixer="AG", n_embd=1024, n_head=8), 128),
+    "head dim 128": (dict(mixer="AG", n_embd=1024, n_head=8, gdn_chunk_size=32), 128),
     "gdn_expand_v=2": (dict(mixer="G", n_embd=1024, n_head=8, gdn_expand_v=2), 128),
     "mamba p64 n128": (dict(mixer="M", mamba_headdim=64, mamba_d_state=128), 128),
     "mamba p128 n128 zoh": (dict(mixer="M", mamba_headdim=128, mamba_d_state=128, mamba_discretization="zoh"), 128),
@@ -1438,6 +1448,14 @@ def test_mixers_bad_config_values():
         GPTConfig(n_embd=32, n_head=2, mixer="G", chunk_size=48)
     with pytest.raises(ValueError, match="gdn_variant"):
         GPTConfig(n_embd=32, n_head=2, mixer="G", gdn_variant="gdn3")
+    with pytest.raises(ValueError, match="gdn_chunk_size=64"):
+        GPTConfig(n_embd=32, n_head=2, mixer="G", gdn_chunk_size=64)
+
+
+def test_mixers_chunk_sizes_reach_their_mixers():
+    # gdn_chunk_size is GatedDelta's chunk, chunk_size Mamba2's: each layer holds its own knob
+    gpt = GPT(GPTConfig(n_embd=32, n_head=2, n_layer=2, mixer="GM", gdn_chunk_size=32, chunk_size=8))
+    assert [block.mixer.chunk_size for block in gpt.blocks] == [32, 8]
 
 
 # ----------------------------------------------------------------------------------------------------
