@@ -1366,7 +1366,7 @@ def _gdn2_chunk_blocks(K, V, chunk):
     """(BLOCK_K, BLOCK_KP, BLOCK_V) of the chunked kernels: the whole head for the [C, K] tiles (tl.dot wants ≥ 16),
     the pair tiles [C, C, BLOCK_KP] held near 8K elements, and value blocks of 32 columns. The kernels that loop
     over chunks or value blocks launch with num_stages=1: software pipelining of their [K, 32] state tiles took
-    88 KB (state passes) and 104 KB (backward intra) of shared memory at K = 128, over sm_86/89's 99 KB."""
+    86 KB (state passes) and 104 KB (backward intra) of shared memory at K = 128, over sm_86/89's 99 KB."""
     block_k = max(16, triton.next_power_of_2(K))
     return block_k, min(block_k, max(1, 8192 // (chunk * chunk))), min(32, max(16, triton.next_power_of_2(V)))
 
