@@ -1897,12 +1897,12 @@ def triton_resource_table(archs=(80, 89, 90), **dims):
     steps = _example_steps(**dims)
     launches = triton_launches(lambda: [step() for step in steps.values()])
     rows = triton_resources(launches, archs)
-    print(f"{'kernel':34s} {'constexprs':44s} warps " + " ".join(f"{'sm_' + str(a) + ' smem/regs/stack':>24s}" for a in archs))
+    print(f"{'kernel':34s} {'constexprs':64s} warps " + " ".join(f"{'sm_' + str(a) + ' smem/regs/stack':>24s}" for a in archs))
     for i in range(0, len(rows), len(archs)):
         group = rows[i:i + len(archs)]
         consts = ",".join(f"{k}={v}" for k, v in group[0]["constexprs"].items() if v is not None)
         cells = [f"{r['shared'] / 1024:6.1f}K{'!' if r['shared'] > r['limit'] else ' '}/{r['regs']}/{r['stack']}" for r in group]
-        print(f"{group[0]['kernel']:34s} {consts[:44]:44s} {group[0]['num_warps']:5d} " + " ".join(f"{c:>24s}" for c in cells))
+        print(f"{group[0]['kernel']:34s} {consts[:64]:64s} {group[0]['num_warps']:5d} " + " ".join(f"{c:>24s}" for c in cells))
     return rows
 
 
