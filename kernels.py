@@ -1851,17 +1851,29 @@ def _compile_resources(kernel, signature, constexprs, options, arch):
     return compiled.metadata.shared, regs, stack
 
 
-def triton_resources(launches, archs=(80, 89, 90)):
-    """One row per (launch, arch): dict(kernel, arch, constexprs, num_warps, shared, limit, regs, stack)."""
-    rows = []
-    for kernel, signature, constexprs, options in launches:
-        for arch in archs:
-            shared, regs, stack = _compile_resources(kernel, tuple(signature.items()), tuple(constexprs.items()),
-                                                     tuple(options.items()), arch)
-            rows.append(dict(kernel=kernel.fn.__name__, arch=arch, constexprs=constexprs,
-                             num_warps=options.get("num_warps", 4), shared=shared, limit=SHARED_LIMIT[arch],
-                             regs=regs, stack=stack))
-    return rows
+_COMPILE_JOBS = []   # what the forked compile workers read (kernels do not pickle)
+
+
+def _compile_job(i):
+    kernel, signature, constexprs, options, arch = _COMPILE_JOBS[i]
+    return _compile_resources(kernel, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()), arch)
+
+
+def triton_resources(launches, archs=(80, 89, 90), workers=None):
+    """One row per (launch, arch): dict(kernel, arch, constexprs, num_warps, shared, limit, regs, stack). The
+    compiles run in `workers` forked processes (default: one per CPU core)."""
+    import concurrent.futures
+    import multiprocessing
+    _COMPILE_JOBS[:] = [(*launch, arch) for launch in launches for arch in archs]
+    workers = min(workers or os.cpu_count() or 1, len(_COMPILE_JOBS))
+    if workers > 1:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            results = list(pool.map(_compile_job, range(len(_COMPILE_JOBS))))
+    else:
+        results = [_compile_job(i) for i in range(len(_COMPILE_JOBS))]
+    return [dict(kernel=kernel.fn.__name__, arch=arch, constexprs=constexprs, num_warps=options.get("num_warps", 4),
+                 shared=shared, limit=SHARED_LIMIT[arch], regs=regs, stack=stack)
+            for (kernel, signature, constexprs, options, arch), (shared, regs, stack) in zip(_COMPILE_JOBS, results)]
 
 
 def _example_steps(B=1, T=256, H=4, K=32, V=32, heads_ssd=8, p=32, n=64, chunk=64, dtype=torch.float32):
