@@ -25,21 +25,26 @@ PyTorch, the CPU path) where it differs, `<op>_triton` where it exists, and the 
     "torch"  -> <op>_torch (or <op>_ref when the two are the same code)
     "triton" -> <op>_triton (ValueError if this op has no Triton path)
     "ref"    -> <op>_ref
+chunk_size is the chunk length of the chunked paths, honoured by torch and Triton alike (a power of two; gdn2's
+Triton kernels take 16 or 32, ssd's at most 64, what fits in a GPU block's shared memory; else a ValueError).
 Reductions and recurrences run in fp32 and results are cast back to the input dtype; the recurrent
 states S_T, h_T come back in fp32. Any sequence length works (chunked paths pad the tail internally).
 """
 
 import functools
 import os
+import sys
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 # Triton is imported only where its kernels can run: on a CUDA machine, or on the CPU in Triton's interpreter
-# when TRITON_INTERPRET=1 is set before Python imports this file (the tests do). A plain CPU import stays torch-only.
+# when TRITON_INTERPRET=1 is set before Python imports this file (the tests do), or where the caller imported
+# triton first (the ahead-of-time compile check, which builds cubins without a GPU). A plain CPU import stays
+# torch-only.
 HAS_TRITON = False
-if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" or "triton" in sys.modules:
     try:
         import triton
         import triton.language as tl
@@ -323,8 +328,8 @@ def gdn2_torch(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
     The pair weights are one matmul of x_r exp(G_r) with k_s exp(−G_s) in every chunk whose |G| stays ≤ 40;
     steeper chunks (a channel decaying by more than e^−40 within the chunk, e^−2.5 per token over 16) take the
     exact pairwise sum. All chunks are built at once; only the state hand-off loops over chunks.
-    chunk_size is an upper bound: chunks are at most 16 tokens, since per-channel decays cost K multiply-adds per
-    pair of tokens and longer chunks would more often leave the factoring's range (16 was the fastest on a CPU).
+    Inputs shorter than a chunk get a chunk of the next power of two above T. Per-channel decays cost K multiply-adds
+    per pair of tokens and longer chunks more often leave the factoring's range (16 was the fastest on a CPU).
     The tail is padded with g = 0 and zero inputs, which leaves the state unchanged. Fewer than 4 tokens (decoding
     steps) take the token loop, which is cheaper there."""
     _gdn2_check(q, k, v, g, b, w, initial_state)
@@ -335,7 +340,7 @@ def gdn2_torch(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
         return gdn2_ref(q, k, v, g, b, w, scale, initial_state)
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
-    C = min(chunk_size, 16, 1 << (T - 1).bit_length())
+    C = min(chunk_size, 1 << (T - 1).bit_length())
     N = -(-T // C)
     out_dtype = q.dtype
 
@@ -389,7 +394,7 @@ def gdn2_torch(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
 def gdn2(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16, kernels="auto"):
     path = _path("gdn2", kernels, q)
     if path == "triton":
-        return gdn2_triton(q, k, v, g, b, w, scale, initial_state)
+        return gdn2_triton(q, k, v, g, b, w, scale, initial_state, chunk_size)
     if path == "ref":
         return gdn2_ref(q, k, v, g, b, w, scale, initial_state)
     return gdn2_torch(q, k, v, g, b, w, scale, initial_state, chunk_size)
@@ -459,12 +464,16 @@ def ssd_torch(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
     dtf = F.pad(dt.float(), (0, 0, 0, pad)).reshape(b, N, Cs, h).permute(1, 0, 3, 2)
     Bf = F.pad(B.float()[:, :, 0], (0, 0, 0, pad)).reshape(b, N, 1, Cs, n).transpose(0, 1)
     Cf = F.pad(C.float()[:, :, 0], (0, 0, 0, pad)).reshape(b, N, 1, Cs, n).transpose(0, 1)
-    a = (dtf * A.float()[:, None]).cumsum(dim=-1)                        # [N,b,h,Cs]
+    dtA = dtf * A.float()[:, None]                                       # [N,b,h,Cs]
+    a = dtA.cumsum(dim=-1)
+    # a_r − a_s as the segment sum Σ_{s<i≤r} dt_i A itself, not a difference of two cumulative sums: with a decay
+    # of −1000 in one step, a is in the thousands and the difference would lose the small exponents' digits
     causal = torch.ones(Cs, Cs, dtype=torch.bool, device=x.device).tril()
-    L = (a[..., :, None] - a[..., None, :]).masked_fill(~causal, float("-inf")).exp()   # exp(a_r − a_s), s ≤ r
+    segment = torch.where(causal.tril(-1), dtA[..., :, None], 0.0).cumsum(dim=-2)   # [r, s] = Σ_{s<i≤r} dt_i A
+    L = segment.masked_fill(~causal, float("-inf")).exp()               # exp(a_r − a_s), s ≤ r
     x_dt = xf * dtf[..., None]
     y = ((Cf @ Bf.transpose(-1, -2)) * L) @ x_dt                        # [N,b,h,Cs,p]
-    to_end = (a[..., -1:] - a).exp()                                     # exp(a_C − a_s)
+    to_end = L[..., -1, :]                                               # exp(a_C − a_s)
     chunk_states = (x_dt * to_end[..., None]).transpose(-1, -2) @ Bf     # [N,b,h,p,n]
     chunk_decay = a[..., -1, None, None].exp()                           # [N,b,h,1,1]
     hs = x.new_zeros(b, h, p, n, dtype=torch.float32) if initial_state is None else initial_state.float()
@@ -1188,18 +1197,20 @@ if HAS_TRITON:
             w = tl.load(w_ptr + row * V + vs, mask=mv, other=0.0).to(tl.float32)
             u = tl.load(u_ptr + row * V + vs, mask=mv, other=0.0)
             do = tl.load(do_ptr + row * V + vs, mask=mv, other=0.0).to(tl.float32)
+            # dk and dq are stored without the read at t itself (o_t ∋ q̃_t·k_t u_t), which is added outside
+            tl.store(dk_ptr + partial + row * K + ks, tl.sum(dS * u[None, :], axis=1), mask=mk)
             dS += q[:, None] * do[None, :]
             du = tl.sum(dS * k[:, None], axis=0)
             tl.store(dv_ptr + row * V + vs, du * w, mask=mv)
             tl.store(dw_ptr + row * V + vs, du * v, mask=mv)
             tl.store(du_ptr + row * V + vs, du, mask=mv)
-            tl.store(dk_ptr + partial + row * K + ks, tl.sum(dS * u[None, :], axis=1), mask=mk)
             dS = tl.exp(g)[:, None] * (dS - (b * k)[:, None] * du[None, :])
         tl.store(ds0_ptr + state_offs, dS, mask=mk[:, None] & mv[None, :])
         tl.debug_barrier()  # du written above is read back below, possibly by other threads
         S = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
         if HAS_INITIAL:
             S = tl.load(s0_ptr + state_offs, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        dgT = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for t in range(T):
             row = (bi * T + t).to(tl.int64) * H + hi
             k = tl.load(k_ptr + row * K + ks, mask=mk, other=0.0).to(tl.float32)
@@ -1208,10 +1219,12 @@ if HAS_TRITON:
             du = tl.load(du_ptr + row * V + vs, mask=mv, other=0.0)
             do = tl.load(do_ptr + row * V + vs, mask=mv, other=0.0).to(tl.float32)
             S = S * tl.exp(g)[:, None]
+            if t == T - 1:  # the end state's gauge term, without the last write (it cancels that write's k⊙dk)
+                dgT = tl.sum(dS_T * S, axis=1)
             tl.store(de_ptr + partial + row * K + ks, -tl.sum(S * du[None, :], axis=1), mask=mk)
-            S = S + k[:, None] * u[None, :]
             tl.store(dq_ptr + partial + row * K + ks, scale * tl.sum(S * do[None, :], axis=1), mask=mk)
-        tl.store(dgT_ptr + (pid_v.to(tl.int64) * B * H + pid_bh) * K + ks, tl.sum(dS_T * S, axis=1), mask=mk)
+            S = S + k[:, None] * u[None, :]
+        tl.store(dgT_ptr + (pid_v.to(tl.int64) * B * H + pid_bh) * K + ks, dgT, mask=mk)
 
 
 def _gdn2_rec_blocks(K, V):
@@ -1266,10 +1279,18 @@ def _gdn2_recurrent_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k
     _gdn2_rec_bwd_kernel[(nv, B * H)](
         q, k, v, g, b, w, s0, u, do, dS_T.contiguous(), dq_p, dk_p, de_p, dv, dw, ds0, dgT, du, scale,
         B, T, H, K, V, HAS_INITIAL=initial_state is not None, BLOCK_K=block_k, BLOCK_V=block_v)
-    dq, dk_write, de = dq_p.sum(0), dk_p.sum(0), de_p.sum(0)
+    dq_apart, dk_apart, de = dq_p.sum(0), dk_p.sum(0), de_p.sum(0)
     qf, kf, bf = q.float(), k.float(), b.float()
-    dG = qf * dq + bf * kf * de - kf * dk_write                # ∂L/∂G_t by the gauge identity
+    # ∂L/∂G_t by the gauge identity, from dq, dk without each token's read of its own write: that adds
+    # scale·q k (do·u) to both q⊙dq and k⊙dk, which cancel, and its rounding would swamp strong decays' tiny dg.
+    # Likewise the last write k_T u_Tᵀ is in S_T: its k⊙dk is left out, and the end-state term is Σ_v dS_T⊙S_T
+    # without it (dgT from the kernel)
+    k_dk = kf * dk_apart
+    k_dk[:, -1] = 0.0
+    dG = qf * dq_apart + bf * kf * de - k_dk
     dG[:, -1] += dgT.sum(0)
+    read_own = scale * (u * do.float()).sum(-1, keepdim=True)
+    dq, dk_write = dq_apart + read_own * kf, dk_apart + read_own * qf
     dg = dG.flip(1).cumsum(1).flip(1)
     return (dq.to(q.dtype), (dk_write + bf * de).to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), (kf * de).to(b.dtype),
             dw.to(w.dtype), ds0)
@@ -1295,22 +1316,25 @@ def _gdn2_recurrent_backward(ctx, do, dS_T, du):
 _gdn2_recurrent_fwd.register_autograd(_gdn2_recurrent_backward, setup_context=_gdn2_recurrent_setup)
 
 
-# Chunked gdn2 (chunks of 16 tokens; G = within-chunk cumsum of g, q̃ = scale·q, e = b⊙k, as gdn2_torch):
+# Chunked gdn2 (chunks of CHUNK tokens; G = within-chunk cumsum of g, q̃ = scale·q, e = b⊙k, as gdn2_torch):
 #   intra (parallel over chunks):  L_rs = Σ_d e_rd k_sd exp(G_rd − G_sd) (s < r),
 #                                  Aqk_rs = Σ_d q̃_rd k_sd exp(G_rd − G_sd) (s ≤ r),
 #                                  Ainv = (I + L)^{-1} by forward substitution,  Y = Ainv (exp(G)⊙e),  U0 = Ainv (w⊙v)
 #   state pass (sequential):       U = U0 − Y S,  O = (exp(G)⊙q̃) S + Aqk U,
 #                                  S ← Diag(exp G_C) S + (exp(G_C − G)⊙k)ᵀ U
 # The pairwise exp(G_rd − G_sd) is formed per channel for s ≤ r only, so no exponent is positive however strong
-# the decay. Backward: a reverse pass over chunks for the state gradients, then one parallel kernel per chunk
-# through the solve (dL = −Ainvᵀ dAinv Ainvᵀ) and the pair weights; dg by the gauge identity as above.
-# The dots are 16 rows tall, so they stay IEEE fp32 (CUDA cores) whatever the input dtype.
+# the decay; its [C, C, BLOCK_KP] tiles walk K in blocks, so shared memory and registers stay bounded at any head
+# size. Backward: a reverse pass over chunks for the state gradients, then one parallel kernel per chunk through
+# the solve (dL = −Ainvᵀ dAinv Ainvᵀ) and the pair weights, walking V in blocks; dg by the gauge identity as above,
+# with the pair weights' diagonal (s = r, exp 0 = 1) kept out of it, as in gdn2_torch.
+# The dots are at most 64 rows tall, so they stay IEEE fp32 (CUDA cores) whatever the input dtype.
 if HAS_TRITON:
     @triton.jit
-    def _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
+    def _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K, k0,
                             CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
+        # channels k0 .. k0 + BLOCK_K of the chunk (G per channel needs no other channel)
         rs = tl.arange(0, CHUNK)
-        ks = tl.arange(0, BLOCK_K)
+        ks = k0 + tl.arange(0, BLOCK_K)
         pos = c * CHUNK + rs
         offs = ((bi * T + pos[:, None]).to(tl.int64) * H + hi) * K + ks[None, :]
         mask = (pos[:, None] < T) & (ks[None, :] < K)
@@ -1329,31 +1353,29 @@ if HAS_TRITON:
         return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32), offs, mask
 
     @triton.jit
-    def _gdn2_chunk_pair_decay(G, CHUNK: tl.constexpr, STRICT: tl.constexpr):
-        # [C, C, K] tile of exp(G_rd − G_sd) for s ≤ r (s < r when STRICT), 0 elsewhere
+    def _gdn2_chunk_pair_decay(G, CHUNK: tl.constexpr):
+        # [C, C, BLOCK_KP] tile of exp(G_rd − G_sd) for s < r, 0 elsewhere (the diagonal s = r is exp 0 = 1)
         rs = tl.arange(0, CHUNK)
-        if STRICT:
-            keep = rs[:, None] > rs[None, :]
-        else:
-            keep = rs[:, None] >= rs[None, :]
-        return tl.exp(tl.where(keep[:, :, None], G[:, None, :] - G[None, :, :], -float("inf")))
+        return tl.exp(tl.where((rs[:, None] > rs[None, :])[:, :, None], G[:, None, :] - G[None, :, :], -float("inf")))
 
     @triton.jit
     def _gdn2_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, Aqk_ptr, Y_ptr, U0_ptr,
-                                 scale, T, H, K, V, n_chunks, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 scale, T, H, K, V, n_chunks, CHUNK: tl.constexpr, BLOCK_KP: tl.constexpr,
                                  BLOCK_V: tl.constexpr):
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, CHUNK)
-        q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
-                                                                 CHUNK, BLOCK_K)
-        vs = tl.arange(0, BLOCK_V)
-        v, v_offs, v_mask = _gdn2_chunk_load_v(v_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-        w, v_offs, v_mask = _gdn2_chunk_load_v(w_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-        e = b * k
-        P = _gdn2_chunk_pair_decay(G, CHUNK, False)
-        L = tl.where(rs[:, None] > rs[None, :], tl.sum(e[:, None, :] * P * k[None, :, :], axis=2), 0.0)
-        Aqk = tl.sum(q[:, None, :] * P * k[None, :, :], axis=2)
+        L = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+        Aqk = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+        diag = tl.zeros((CHUNK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_KP):
+            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H,
+                                                                     K, k0, CHUNK, BLOCK_KP)
+            P = _gdn2_chunk_pair_decay(G, CHUNK)
+            L += tl.sum((b * k)[:, None, :] * P * k[None, :, :], axis=2)
+            Aqk += tl.sum(q[:, None, :] * P * k[None, :, :], axis=2)
+            diag += tl.sum(q * k, axis=1)
+        Aqk += tl.where(rs[:, None] == rs[None, :], diag[:, None], 0.0)
         Ainv = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
         for r in range(CHUNK):  # row r of (I + L)^{-1}: e_r − Σ_{s<r} L_rs Ainv_s
             L_r = tl.sum(tl.where(rs[:, None] == r, L, 0.0), axis=0)
@@ -1362,8 +1384,15 @@ if HAS_TRITON:
         cc_offs = (pid_bc * H + hi).to(tl.int64) * CHUNK * CHUNK + rs[:, None] * CHUNK + rs[None, :]
         tl.store(Ainv_ptr + cc_offs, Ainv)
         tl.store(Aqk_ptr + cc_offs, Aqk)
-        tl.store(Y_ptr + k_offs, tl.dot(Ainv, tl.exp(G) * e, input_precision="ieee"), mask=k_mask)
-        tl.store(U0_ptr + v_offs, tl.dot(Ainv, w * v, input_precision="ieee"), mask=v_mask)
+        for k0 in range(0, K, BLOCK_KP):
+            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H,
+                                                                     K, k0, CHUNK, BLOCK_KP)
+            tl.store(Y_ptr + k_offs, tl.dot(Ainv, tl.exp(G) * b * k, input_precision="ieee"), mask=k_mask)
+        for v0 in range(0, V, BLOCK_V):
+            vs = v0 + tl.arange(0, BLOCK_V)
+            v, v_offs, v_mask = _gdn2_chunk_load_v(v_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            w, v_offs, v_mask = _gdn2_chunk_load_v(w_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            tl.store(U0_ptr + v_offs, tl.dot(Ainv, w * v, input_precision="ieee"), mask=v_mask)
 
     @triton.jit
     def _gdn2_chunk_fwd_state_kernel(q_ptr, k_ptr, g_ptr, b_ptr, Aqk_ptr, Y_ptr, U0_ptr, s0_ptr, o_ptr, S_in_ptr, sT_ptr,
@@ -1382,7 +1411,7 @@ if HAS_TRITON:
         for c in range(n_chunks):
             tl.store(S_in_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V + st_offs, S, mask=st_mask)
             q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
-                                                                     CHUNK, BLOCK_K)
+                                                                     0, CHUNK, BLOCK_K)
             Y = tl.load(Y_ptr + k_offs, mask=k_mask, other=0.0)
             U0, v_offs, v_mask = _gdn2_chunk_load_v(U0_ptr, bi, c, hi, T, H, V, vs, CHUNK)
             Aqk = tl.load(Aqk_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * CHUNK * CHUNK
@@ -1411,9 +1440,8 @@ if HAS_TRITON:
             c = n_chunks - 1 - cc
             chunk_st = ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V + st_offs
             tl.store(dS_next_ptr + chunk_st, dS, mask=st_mask)
-            S = tl.load(S_in_ptr + chunk_st, mask=st_mask, other=0.0)
             q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
-                                                                     CHUNK, BLOCK_K)
+                                                                     0, CHUNK, BLOCK_K)
             Y = tl.load(Y_ptr + k_offs, mask=k_mask, other=0.0)
             dO, v_offs, v_mask = _gdn2_chunk_load_v(do_ptr, bi, c, hi, T, H, V, vs, CHUNK)
             Aqk = tl.load(Aqk_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * CHUNK * CHUNK
@@ -1425,109 +1453,141 @@ if HAS_TRITON:
         tl.store(ds0_ptr + pid_bh.to(tl.int64) * K * V + st_offs, dS, mask=st_mask)
 
     @triton.jit
-    def _gdn2_chunk_bwd_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, Aqk_ptr, S_in_ptr, dS_next_ptr,
-                                     do_ptr, dq_ptr, dk_ptr, dv_ptr, db_ptr, dw_ptr, dG_ptr, scale, T, H, K, V, n_chunks,
-                                     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-        # one program per (batch·chunk, head), whole K and V; dG is ∂L/∂G_t of the gauge identity (summed outside)
+    def _gdn2_chunk_bwd_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, Aqk_ptr, Y_ptr, U0_ptr, S_in_ptr,
+                                     dS_next_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, db_ptr, dw_ptr, dG_ptr, scale, T, H, K, V,
+                                     n_chunks, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KP: tl.constexpr,
+                                     BLOCK_V: tl.constexpr):
+        # one program per (batch·chunk, head). Pass 1 walks V in blocks for the matmul terms (whole K), parked in
+        # dq, dk, db; pass 2 walks K in blocks for the pair-weight terms. dG is ∂L/∂G_t of the gauge identity.
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, CHUNK)
         ks = tl.arange(0, BLOCK_K)
-        vs = tl.arange(0, BLOCK_V)
         q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
-                                                                 CHUNK, BLOCK_K)
-        v, v_offs, v_mask = _gdn2_chunk_load_v(v_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-        w, v_offs, v_mask = _gdn2_chunk_load_v(w_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-        dO, v_offs, v_mask = _gdn2_chunk_load_v(do_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-        chunk_st = ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V + ks[:, None] * V + vs[None, :]
-        st_mask = (ks[:, None] < K) & (vs[None, :] < V)
-        S = tl.load(S_in_ptr + chunk_st, mask=st_mask, other=0.0)
-        dSn = tl.load(dS_next_ptr + chunk_st, mask=st_mask, other=0.0)
+                                                                 0, CHUNK, BLOCK_K)
         cc_offs = (pid_bc * H + hi).to(tl.int64) * CHUNK * CHUNK + rs[:, None] * CHUNK + rs[None, :]
         Ainv = tl.load(Ainv_ptr + cc_offs)
         Aqk = tl.load(Aqk_ptr + cc_offs)
-        e = b * k
-        E_tilde = tl.exp(G) * e
-        Z = w * v
-        Y = tl.dot(Ainv, E_tilde, input_precision="ieee")
-        U = tl.dot(Ainv, Z, input_precision="ieee") - tl.dot(Y, S, input_precision="ieee")
+        Y = tl.load(Y_ptr + k_offs, mask=k_mask, other=0.0)
         decay_out = tl.exp(G_last[None, :] - G)
-        dU = tl.dot(tl.trans(Aqk), dO, input_precision="ieee") + tl.dot(decay_out * k, dSn, input_precision="ieee")
-        dAqk = tl.where(rs[:, None] >= rs[None, :], tl.dot(dO, tl.trans(U), input_precision="ieee"), 0.0)
-        dq = tl.exp(G) * tl.dot(dO, tl.trans(S), input_precision="ieee")
-        dk_write = decay_out * tl.dot(U, tl.trans(dSn), input_precision="ieee")
-        dY = -tl.dot(dU, tl.trans(S), input_precision="ieee")
+        k_out = decay_out * k
         AinvT = tl.trans(Ainv)
-        de = tl.exp(G) * tl.dot(AinvT, dY, input_precision="ieee")
-        dZ = tl.dot(AinvT, dU, input_precision="ieee")
-        dAinv = tl.dot(dY, tl.trans(E_tilde), input_precision="ieee") + tl.dot(dU, tl.trans(Z), input_precision="ieee")
+        dAqk = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+        dZ_Zt = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)                  # Σ_v dU Zᵀ, part of dAinv
+        dq_state = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)             # dO Sᵀ
+        dk_state = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)             # U dS_nextᵀ
+        dY = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)                   # −dU Sᵀ
+        st_base = ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V
+        for v0 in range(0, V, BLOCK_V):
+            vs = v0 + tl.arange(0, BLOCK_V)
+            st_offs = st_base + ks[:, None] * V + vs[None, :]
+            st_mask = (ks[:, None] < K) & (vs[None, :] < V)
+            S = tl.load(S_in_ptr + st_offs, mask=st_mask, other=0.0)
+            dSn = tl.load(dS_next_ptr + st_offs, mask=st_mask, other=0.0)
+            v, v_offs, v_mask = _gdn2_chunk_load_v(v_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            w, v_offs, v_mask = _gdn2_chunk_load_v(w_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            dO, v_offs, v_mask = _gdn2_chunk_load_v(do_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            U0, v_offs, v_mask = _gdn2_chunk_load_v(U0_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            U = U0 - tl.dot(Y, S, input_precision="ieee")
+            dU = tl.dot(tl.trans(Aqk), dO, input_precision="ieee") + tl.dot(k_out, dSn, input_precision="ieee")
+            dAqk += tl.dot(dO, tl.trans(U), input_precision="ieee")
+            dZ_Zt += tl.dot(dU, tl.trans(w * v), input_precision="ieee")
+            dq_state += tl.dot(dO, tl.trans(S), input_precision="ieee")
+            dk_state += tl.dot(U, tl.trans(dSn), input_precision="ieee")
+            dY -= tl.dot(dU, tl.trans(S), input_precision="ieee")
+            dZ = tl.dot(AinvT, dU, input_precision="ieee")
+            tl.store(dv_ptr + v_offs, dZ * w, mask=v_mask)
+            tl.store(dw_ptr + v_offs, dZ * v, mask=v_mask)
+        dAinv = dZ_Zt + tl.dot(dY, tl.trans(tl.exp(G) * b * k), input_precision="ieee")
         dL = -tl.dot(tl.dot(AinvT, dAinv, input_precision="ieee"), AinvT, input_precision="ieee")
         dL = tl.where(rs[:, None] > rs[None, :], dL, 0.0)
-        P = _gdn2_chunk_pair_decay(G, CHUNK, False)
-        de += tl.sum(dL[:, :, None] * k[None, :, :] * P, axis=1)
-        dq += tl.sum(dAqk[:, :, None] * k[None, :, :] * P, axis=1)
-        dk_write += tl.sum((dL[:, :, None] * e[:, None, :] + dAqk[:, :, None] * q[:, None, :]) * P, axis=0)
-        tl.store(dq_ptr + k_offs, dq * scale, mask=k_mask)
-        tl.store(dk_ptr + k_offs, dk_write + b * de, mask=k_mask)
-        tl.store(db_ptr + k_offs, k * de, mask=k_mask)
-        tl.store(dG_ptr + k_offs, q * dq + e * de - k * dk_write, mask=k_mask)
-        tl.store(dv_ptr + v_offs, dZ * w, mask=v_mask)
-        tl.store(dw_ptr + v_offs, dZ * v, mask=v_mask)
+        dAqk_diag = tl.sum(tl.where(rs[:, None] == rs[None, :], dAqk, 0.0), axis=1)
+        dAqk = tl.where(rs[:, None] > rs[None, :], dAqk, 0.0)
+        tl.store(dq_ptr + k_offs, tl.exp(G) * dq_state, mask=k_mask)
+        tl.store(dk_ptr + k_offs, decay_out * dk_state, mask=k_mask)
+        # the gauge's share of the state term, but none in the last chunk: its writes cancel the end-state term,
+        # which the wrapper adds without them
+        tl.store(dG_ptr + k_offs, tl.where(c == n_chunks - 1, 0.0, -k * decay_out * dk_state), mask=k_mask)
+        tl.store(db_ptr + k_offs, tl.exp(G) * tl.dot(AinvT, dY, input_precision="ieee"), mask=k_mask)
+        tl.debug_barrier()  # pass 2 reads the three parked tiles back, possibly in other threads
+        for k0 in range(0, K, BLOCK_KP):
+            qb, kb, bb, Gb, Gb_last, offs, mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H,
+                                                                      K, k0, CHUNK, BLOCK_KP)
+            eb = bb * kb
+            P = _gdn2_chunk_pair_decay(Gb, CHUNK)
+            dq = tl.load(dq_ptr + offs, mask=mask, other=0.0) + tl.sum(dAqk[:, :, None] * kb[None, :, :] * P, axis=1)
+            de = tl.load(db_ptr + offs, mask=mask, other=0.0) + tl.sum(dL[:, :, None] * kb[None, :, :] * P, axis=1)
+            dk_pairs = tl.sum((dL[:, :, None] * eb[:, None, :] + dAqk[:, :, None] * qb[:, None, :]) * P, axis=0)
+            # without the diagonal dAqk_rr (it adds q̃⊙k·dAqk_rr to q̃⊙dq and to k⊙dk, which cancel)
+            tl.store(dG_ptr + offs, tl.load(dG_ptr + offs, mask=mask, other=0.0) + qb * dq + eb * de - kb * dk_pairs,
+                     mask=mask)
+            dk_write = tl.load(dk_ptr + offs, mask=mask, other=0.0) + dk_pairs + dAqk_diag[:, None] * qb
+            tl.store(dq_ptr + offs, (dq + dAqk_diag[:, None] * kb) * scale, mask=mask)
+            tl.store(dk_ptr + offs, dk_write + bb * de, mask=mask)
+            tl.store(db_ptr + offs, kb * de, mask=mask)
 
 
-_GDN2_CHUNK = 16
+def _gdn2_chunk_blocks(K, V, chunk):
+    """(BLOCK_K, BLOCK_KP, BLOCK_V) of the chunked kernels: the whole head for the [C, K] tiles (tl.dot wants ≥ 16),
+    the pair tiles [C, C, BLOCK_KP] held near 8K elements, and value blocks of 32 columns. The kernels that loop
+    over chunks or value blocks launch with num_stages=1: software pipelining of their [K, 32] state tiles took
+    86 KB (state passes) and 104 KB (backward intra) of shared memory at K = 128, over sm_86/89's 99 KB."""
+    block_k = max(16, triton.next_power_of_2(K))
+    return block_k, min(block_k, max(1, 8192 // (chunk * chunk))), min(32, max(16, triton.next_power_of_2(V)))
+
+
+GDN2_TRITON_CHUNKS = (16, 32)   # the chunk sizes the Triton path compiles for (longer chunks exceed shared memory)
 
 
 @torch.library.custom_op("specgpt::gdn2_chunked_fwd", mutates_args=())
 def _gdn2_chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
-                      w: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor]) -> tuple[
+                      w: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor], chunk: int) -> tuple[
                           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o, S_T, Ainv, Aqk, Y, U0, S_in): the chunk quantities after o and S_T are kept for the backward."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
-    N = triton.cdiv(T, _GDN2_CHUNK)
-    block_k, block_v = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    N = triton.cdiv(T, chunk)
+    block_k, block_kp, bv = _gdn2_chunk_blocks(K, V, chunk)
     f32 = dict(device=q.device, dtype=torch.float32)
-    Ainv = torch.empty(B, N, H, _GDN2_CHUNK, _GDN2_CHUNK, **f32)
-    Aqk = torch.empty(B, N, H, _GDN2_CHUNK, _GDN2_CHUNK, **f32)
+    Ainv = torch.empty(B, N, H, chunk, chunk, **f32)
+    Aqk = torch.empty(B, N, H, chunk, chunk, **f32)
     Y, U0 = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, V, **f32)
     _gdn2_chunk_intra_kernel[(B * N, H)](q, k, g, b, v, w, Ainv, Aqk, Y, U0, scale, T, H, K, V, N,
-                                         CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8)
+                                         CHUNK=chunk, BLOCK_KP=block_kp, BLOCK_V=bv, num_warps=8)
     o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
     S_in = torch.empty(B, N, H, K, V, **f32)
     S_T = torch.empty(B, H, K, V, **f32)
-    bv = min(32, block_v)
     s0 = initial_state.contiguous() if initial_state is not None else S_T
     _gdn2_chunk_fwd_state_kernel[(triton.cdiv(V, bv), B * H)](
         q, k, g, b, Aqk, Y, U0, s0, o, S_in, S_T, scale, T, H, K, V, N, HAS_INITIAL=initial_state is not None,
-        CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=bv)
+        CHUNK=chunk, BLOCK_K=block_k, BLOCK_V=bv, num_stages=1)
     return o, S_T, Ainv, Aqk, Y, U0, S_in
 
 
 @_gdn2_chunked_fwd.register_fake
-def _(q, k, v, g, b, w, scale, initial_state):
+def _(q, k, v, g, b, w, scale, initial_state, chunk):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    N = -(-T // _GDN2_CHUNK)
+    N = -(-T // chunk)
     f32 = dict(dtype=torch.float32)
-    return (q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, **f32), q.new_empty(B, N, H, _GDN2_CHUNK, _GDN2_CHUNK, **f32),
-            q.new_empty(B, N, H, _GDN2_CHUNK, _GDN2_CHUNK, **f32), q.new_empty(B, T, H, K, **f32),
+    return (q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, **f32), q.new_empty(B, N, H, chunk, chunk, **f32),
+            q.new_empty(B, N, H, chunk, chunk, **f32), q.new_empty(B, T, H, K, **f32),
             q.new_empty(B, T, H, V, **f32), q.new_empty(B, N, H, K, V, **f32))
 
 
 @torch.library.custom_op("specgpt::gdn2_chunked_bwd", mutates_args=())
 def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       g: torch.Tensor, b: torch.Tensor, w: torch.Tensor, Ainv: torch.Tensor, Aqk: torch.Tensor,
-                      Y: torch.Tensor, U0: torch.Tensor, S_in: torch.Tensor, S_T: torch.Tensor, scale: float) -> tuple[
-                          torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      Y: torch.Tensor, U0: torch.Tensor, S_in: torch.Tensor, S_T: torch.Tensor, scale: float,
+                      chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dg, db, dw, d initial_state)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
-    N = triton.cdiv(T, _GDN2_CHUNK)
-    block_k, block_v = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-    bv = min(32, block_v)
+    N = triton.cdiv(T, chunk)
+    block_k, block_kp, bv = _gdn2_chunk_blocks(K, V, chunk)
     f32 = dict(device=q.device, dtype=torch.float32)
     do = do.contiguous()
     dS_T = dS_T.contiguous()
@@ -1535,24 +1595,33 @@ def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: 
     ds0 = torch.empty(B, H, K, V, **f32)
     _gdn2_chunk_bwd_state_kernel[(triton.cdiv(V, bv), B * H)](
         q, k, g, b, Aqk, Y, U0, S_in, do, dS_T, dS_next, ds0, scale, T, H, K, V, N,
-        CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=bv)
+        CHUNK=chunk, BLOCK_K=block_k, BLOCK_V=bv, num_stages=1)
     dq, dk, db, dG = (torch.empty(B, T, H, K, **f32) for _ in range(4))
     dv, dw = torch.empty(B, T, H, V, **f32), torch.empty(B, T, H, V, **f32)
     _gdn2_chunk_bwd_intra_kernel[(B * N, H)](
-        q, k, g, b, v, w, Ainv, Aqk, S_in, dS_next, do, dq, dk, dv, db, dw, dG, scale, T, H, K, V, N,
-        CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8)
-    dG[:, -1] += (dS_T * S_T).sum(-1)
+        q, k, g, b, v, w, Ainv, Aqk, Y, U0, S_in, dS_next, do, dq, dk, dv, db, dw, dG, scale, T, H, K, V, N,
+        CHUNK=chunk, BLOCK_K=block_k, BLOCK_KP=block_kp, BLOCK_V=bv, num_warps=8, num_stages=1)
+    # The end-state term Σ_v dS_T⊙S_T of the gauge identity, split as S_T = Diag(exp G_C) S_in + Σ_s k_out,s u_sᵀ
+    # over the last chunk (whose k⊙dk state shares the kernel left out): the first part reaches every token's
+    # dg, the write of token s only the dg of the tokens after it. Written out, it would cancel those writes.
+    start = (N - 1) * chunk
+    g_last = g[:, start:].float()
+    later = F.pad(g_last.flip(1).cumsum(1).flip(1)[:, 1:], (0, 0, 0, 0, 0, 1))   # G_C − G_s, from the later g
+    U = U0[:, start:] - torch.einsum("bshk,bhkv->bshv", Y[:, start:], S_in[:, -1])
+    writes = torch.einsum("bhkv,bshv->bshk", dS_T, U) * later.exp() * k[:, start:].float()
     dg = dG.flip(1).cumsum(1).flip(1)
+    dg += (dS_T * S_in[:, -1]).sum(-1)[:, None] * g_last.sum(1, keepdim=True).exp()
+    dg[:, start + 1:] += writes.cumsum(1)[:, :-1]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(b.dtype), dw.to(w.dtype), ds0
 
 
 @_gdn2_chunked_bwd.register_fake
-def _(do, dS_T, q, k, v, g, b, w, Ainv, Aqk, Y, U0, S_in, S_T, scale):
+def _(do, dS_T, q, k, v, g, b, w, Ainv, Aqk, Y, U0, S_in, S_T, scale, chunk):
     return (*(t.new_empty(t.shape) for t in (q, k, v, g, b, w)), S_T.new_empty(S_T.shape))
 
 
 def _gdn2_chunked_setup(ctx, inputs, output):
-    q, k, v, g, b, w, ctx.scale, initial_state = inputs
+    q, k, v, g, b, w, ctx.scale, initial_state, ctx.chunk = inputs
     o, S_T, *kept = output
     ctx.save_for_backward(q, k, v, g, b, w, *kept, S_T)
     ctx.mark_non_differentiable(*kept)
@@ -1560,8 +1629,8 @@ def _gdn2_chunked_setup(ctx, inputs, output):
 
 
 def _gdn2_chunked_backward(ctx, do, dS_T, *d_kept):
-    *grads, ds0 = _gdn2_chunked_bwd(do, dS_T, *ctx.saved_tensors, ctx.scale)
-    return *grads, None, ds0 if ctx.has_initial else None
+    *grads, ds0 = _gdn2_chunked_bwd(do, dS_T, *ctx.saved_tensors, ctx.scale, ctx.chunk)
+    return *grads, None, ds0 if ctx.has_initial else None, None
 
 
 _gdn2_chunked_fwd.register_autograd(_gdn2_chunked_backward, setup_context=_gdn2_chunked_setup)
@@ -1573,22 +1642,25 @@ def gdn2_recurrent_triton(q, k, v, g, b, w, scale=None, initial_state=None):
     return _gdn2_recurrent_fwd(q, k, v, g, b, w, scale, initial_state)[:2]
 
 
-def gdn2_chunked_triton(q, k, v, g, b, w, scale=None, initial_state=None):
+def gdn2_chunked_triton(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
     _gdn2_check(q, k, v, g, b, w, initial_state)
+    if chunk_size not in GDN2_TRITON_CHUNKS:
+        raise ValueError(f"gdn2: the Triton path takes chunk_size in {GDN2_TRITON_CHUNKS}, got {chunk_size}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _gdn2_chunked_fwd(q, k, v, g, b, w, scale, initial_state)[:2]
+    return _gdn2_chunked_fwd(q, k, v, g, b, w, scale, initial_state, chunk_size)[:2]
 
 
-def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None):
+def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
     """Fused recurrent kernel for short sequences (decode, T ≤ 64), chunked kernels for training lengths."""
-    fn = gdn2_recurrent_triton if q.shape[1] <= 64 else gdn2_chunked_triton
-    return fn(q, k, v, g, b, w, scale, initial_state)
+    if q.shape[1] <= 64:
+        return gdn2_recurrent_triton(q, k, v, g, b, w, scale, initial_state)
+    return gdn2_chunked_triton(q, k, v, g, b, w, scale, initial_state, chunk_size)
 
 
 # -----------------------------------------------------------------------------
 # ssd in Triton
 
-# ssd in Triton: the five forward kernels of mamba_ssm's chunked scan (seeds/mamba2-ssd-triton.md), with
+# ssd in Triton: the five forward kernels of mamba_ssm's chunked scan (Dao & Gu 2024, the Mamba-2 paper), with
 # a = within-chunk cumulative dt·A, h_in[c] = the state entering chunk c, ngroups = 1:
 #   1 chunk cumsum   a_r = Σ_{i≤r} dt_i A
 #   2 chunk state    states[c] = Σ_s exp(a_last − a_s) dt_s x_s B_sᵀ            (the chunk's own end state)
@@ -1613,7 +1685,17 @@ if HAS_TRITON:
                  mask=(hs[:, None] < h) & (rs[None, :] < Cs))
 
     @triton.jit
-    def _ssd_chunk_outer_kernel(x_ptr, y_ptr, dt_ptr, a_ptr, out_ptr, l, h, p, n, n_chunks, Cs,
+    def _ssd_segment_decays(dt, A, rs, Cs):
+        # L_rs = exp(Σ_{s<i≤r} dt_i A) for s ≤ r < Cs (0 elsewhere) and E_s = exp(Σ_{s<i} dt_i A) (to the chunk end),
+        # each a sum of the steps in between, not a difference of cumulative sums (which would lose the small
+        # exponents' digits next to a decay of −1000)
+        steps = tl.where(rs[:, None] > rs[None, :], (dt * A)[:, None], 0.0)           # [i, s]: dt_i A where i > s
+        causal = (rs[:, None] >= rs[None, :]) & (rs[:, None] < Cs)
+        L = tl.exp(tl.where(causal, tl.cumsum(steps, axis=0), -float("inf")))
+        return L, tl.exp(tl.sum(steps, axis=0))
+
+    @triton.jit
+    def _ssd_chunk_outer_kernel(x_ptr, y_ptr, dt_ptr, A_ptr, a_ptr, out_ptr, l, h, p, n, n_chunks, Cs,
                                 FROM_START: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_C: tl.constexpr, DOT: tl.constexpr):
         # out[b, c, h] = Σ_s scale_s x_sᵀ y_s  ([p, n]), x [b,l,h,p], y [b,l,1,n]. Kernel 2 (chunk state) with
@@ -1631,9 +1713,9 @@ if HAS_TRITON:
         if FROM_START:
             scale = tl.exp(a)
         else:
-            a_last = tl.load(a_base + Cs - 1)
             dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
-            scale = tl.exp(tl.minimum(a_last - a, 0.0)) * dt
+            L, E = _ssd_segment_decays(dt, tl.load(A_ptr + hi).to(tl.float32), rs, Cs)
+            scale = E * dt
         xT = tl.load(x_ptr + ((bi * l + pos[None, :]).to(tl.int64) * h + hi) * p + ps[:, None],
                      mask=valid[None, :] & (ps[:, None] < p), other=0.0).to(tl.float32)          # [BLOCK_P, BLOCK_C]
         y = tl.load(y_ptr + (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :],
@@ -1679,7 +1761,7 @@ if HAS_TRITON:
                  mask=(rs[:, None] < Cs) & (rs[None, :] < Cs))
 
     @triton.jit
-    def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, a_ptr, CB_ptr, C_ptr, entering_ptr, D_ptr, y_ptr,
+    def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, A_ptr, a_ptr, CB_ptr, C_ptr, entering_ptr, D_ptr, y_ptr,
                                l, h, p, n, n_chunks, Cs, HAS_D: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
         pid_p, pid_bc, hi = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -1693,8 +1775,7 @@ if HAS_TRITON:
         x_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
         x_mask = valid[:, None] & (ps[None, :] < p)
         x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-        causal = (rs[:, None] >= rs[None, :]) & (rs[:, None] < Cs)
-        L = tl.exp(tl.where(causal, a[:, None] - a[None, :], -float("inf")))
+        L, E = _ssd_segment_decays(dt, tl.load(A_ptr + hi).to(tl.float32), rs, Cs)
         CB = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
                      mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
         y = tl.dot(CB * L, x * dt[:, None], input_precision=DOT)
@@ -1736,30 +1817,30 @@ if HAS_TRITON:
                               da_last_ptr, dy_ptr, dx_ptr, ddt_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, l, h, p, n, n_chunks, Cs,
                               HAS_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                               DOT: tl.constexpr):
-        # one program per (batch·chunk, head), whole p, the state dimension n in blocks of BLOCK_N.
+        # one program per (batch·chunk, head, block of p), the state dimension n in blocks of BLOCK_N. Every gradient
+        # but dx is a sum over p, so dt, dA, dB, dC and dD are written as partial sums per p block (summed outside).
         # With xdt = dt⊙x, L_rs = exp(a_r − a_s) (s ≤ r), M = CB⊙L⊙(dy xdtᵀ), E_s = exp(a_last − a_s):
         #   dxdt = (CB⊙L)ᵀ dy + E⊙(B dS_nextᵀ);  dC = (L⊙dy xdtᵀ) B + exp(a)⊙(dy h_in);
         #   dB = (L⊙dy xdtᵀ)ᵀ C + E⊙(xdt dS_next);
         #   ∂L/∂a_r = Σ_s M_rs − Σ_s M_sr + exp(a_r) dy_r·h_in C_r − E_r xdt_r·dS_next B_r (+ end-state terms at a_last),
-        #   then dt·A's gradient is the reverse cumsum of ∂L/∂a over the chunk.
-        pid_bc, hi = tl.program_id(0), tl.program_id(1)
+        #   and dt·A's gradient is Σ_{r ≥ i} ∂L/∂a_r, summed below without the terms that cancel in it.
+        pid_bc, hi, pid_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, BLOCK_C)
-        ps = tl.arange(0, BLOCK_P)
+        ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
         pos = c * Cs + rs
         valid = (rs < Cs) & (pos < l)
+        part = pid_p.to(tl.int64) * (tl.num_programs(0) // n_chunks)   # partial sums: batch index offset by p block
         a_base = a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs
         a = tl.load(a_base + rs, mask=rs < Cs, other=0.0)
-        a_last = tl.load(a_base + Cs - 1)
         dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
         x_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
         x_mask = valid[:, None] & (ps[None, :] < p)
         x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
         xdt = x * dt[:, None]
-        causal = (rs[:, None] >= rs[None, :]) & (rs[:, None] < Cs)
-        L = tl.exp(tl.where(causal, a[:, None] - a[None, :], -float("inf")))
-        E = tl.exp(tl.minimum(a_last - a, 0.0))
+        A = tl.load(A_ptr + hi).to(tl.float32)
+        L, E = _ssd_segment_decays(dt, A, rs, Cs)
         CB = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
                      mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
         CBL = CB * L
@@ -1783,7 +1864,7 @@ if HAS_TRITON:
             off_term += tl.sum(dy_h * Cm, axis=1)
             dC = tl.dot(LdyX, Bm, input_precision=DOT) + tl.exp(a)[:, None] * dy_h
             dB = tl.dot(tl.trans(LdyX), Cm, input_precision=DOT) + E[:, None] * tl.dot(xdt, dSn, input_precision=DOT)
-            part_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * n + ns[None, :]
+            part_offs = (((part + bi) * l + pos[:, None]) * h + hi) * n + ns[None, :]
             tl.store(dB_ptr + part_offs, dB, mask=bc_mask)
             tl.store(dC_ptr + part_offs, dC, mask=bc_mask)
         dxdt = tl.dot(tl.trans(CBL), dy, input_precision=DOT) + E[:, None] * B_dS
@@ -1791,23 +1872,29 @@ if HAS_TRITON:
         if HAS_D:
             D = tl.load(D_ptr + hi).to(tl.float32)
             dx += D * dy
-            tl.store(dD_ptr + pid_bc.to(tl.int64) * h + hi, tl.sum(tl.sum(dy * x, axis=1), axis=0))
+            tl.store(dD_ptr + (part * n_chunks + pid_bc) * h + hi, tl.sum(tl.sum(dy * x, axis=1), axis=0))
+        # ∂L/∂(dt_i A) = Σ_{r ≥ i} ∂L/∂a_r, gathered term by term so that nothing cancels: the pair weights L_rs
+        # depend on dt_i A for s < i ≤ r (pairs spanning i); a token's share of the chunk's end state for s < i;
+        # the read of the entering state exp(a_r) for r ≥ i; the passed-on state exp(a_last) for every i
         M = CBL * dyX
         to_end = E * tl.sum(B_dS * xdt, axis=1)
-        da = tl.sum(M, axis=1) - tl.sum(M, axis=0) + tl.exp(a) * off_term - to_end
-        da_last = tl.sum(to_end, axis=0) + tl.load(da_last_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64))
-        da += tl.where(rs == Cs - 1, da_last, 0.0)
-        d_dtA = tl.sum(da, axis=0) - tl.cumsum(da, axis=0) + da                 # Σ_{r ≥ i} ∂L/∂a_r
-        A = tl.load(A_ptr + hi).to(tl.float32)
+        spanning = tl.sum(tl.where(rs[:, None] > rs[None, :], tl.cumsum(M, axis=1), 0.0), axis=0)  # [j] spans j, j+1
+        spanning = tl.sum(tl.where(rs[:, None] == rs[None, :] - 1, spanning[:, None], 0.0), axis=0)
+        reads = tl.sum(tl.where(rs[:, None] >= rs[None, :], (tl.exp(a) * off_term)[:, None], 0.0), axis=0)
+        writes = tl.sum(tl.where(rs[:, None] < rs[None, :], to_end[:, None], 0.0), axis=0)
+        d_dtA = spanning + reads + writes
+        if pid_p == 0:  # the passed-on state's term is whole, added by one p block
+            d_dtA += tl.load(da_last_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64))
         tl.store(dx_ptr + x_offs, dx, mask=x_mask)
-        tl.store(ddt_ptr + (bi * l + pos).to(tl.int64) * h + hi, tl.sum(dxdt * x, axis=1) + A * d_dtA, mask=valid)
-        tl.store(dA_ptr + pid_bc.to(tl.int64) * h + hi, tl.sum(dt * d_dtA, axis=0))
+        tl.store(ddt_ptr + ((part + bi) * l + pos) * h + hi, tl.sum(dxdt * x, axis=1) + A * d_dtA, mask=valid)
+        tl.store(dA_ptr + (part * n_chunks + pid_bc) * h + hi, tl.sum(dt * d_dtA, axis=0))
 
 
 def _dot_precision(x):
     """tl.dot precision: IEEE fp32 (as the references), unless the inputs are bf16/fp16 anyway or torch is
-    allowed TF32 for fp32 matmuls (torch.set_float32_matmul_precision("high")): then TF32 tensor cores."""
-    if x.is_cuda and (x.dtype != torch.float32 or torch.get_float32_matmul_precision() != "highest"):
+    allowed TF32 for fp32 matmuls (torch.set_float32_matmul_precision("high")): then TF32 tensor cores.
+    (Triton's interpreter computes every dot in full fp32 whatever this says.)"""
+    if x.dtype != torch.float32 or torch.get_float32_matmul_precision() != "highest":
         return "tf32"
     return "ieee"
 
@@ -1815,6 +1902,12 @@ def _dot_precision(x):
 def _ssd_blocks(p, n, Cs):
     # tl.dot wants every dimension ≥ 16; the state dimension n is walked in blocks of at most 32 where a kernel loops
     return max(16, triton.next_power_of_2(p)), max(16, triton.next_power_of_2(n)), max(16, triton.next_power_of_2(Cs))
+
+
+def _ssd_bwd_block_p(block_p):
+    # the backward chunk kernel splits p over programs in blocks of 32 and runs unpipelined (num_stages=1): whole,
+    # p = 128 took 200 KB of shared memory (144 KB unpipelined), over sm_80's 163 KB and sm_86/89's 99 KB
+    return min(block_p, 32)
 
 
 @torch.library.custom_op("specgpt::ssd_fwd", mutates_args=())
@@ -1834,7 +1927,7 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     _ssd_chunk_cumsum_kernel[(b, N, triton.cdiv(h, 8))](dt, A, a, l, h, N, Cs, BLOCK_H=8, BLOCK_C=BC)
     states = torch.empty(b, N, h, p, n, **f32)
     _ssd_chunk_outer_kernel[(triton.cdiv(p, BP) * triton.cdiv(n, min(BN, 32)), b * N, h)](
-        x, B, dt, a, states, l, h, p, n, N, Cs, FROM_START=False, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
+        x, B, dt, A, a, states, l, h, p, n, N, Cs, FROM_START=False, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
         DOT=dot, num_warps=8)
     entering = torch.empty(b, N, h, p, n, **f32)
     h_T = torch.empty(b, h, p, n, **f32)
@@ -1846,7 +1939,7 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     _ssd_bmm_kernel[(b * N,)](C, B, CB, l, n, N, Cs, BLOCK_C=BC, BLOCK_N=min(BN, 32), DOT=dot)
     y = torch.empty_like(x)
     _ssd_chunk_scan_kernel[(triton.cdiv(p, BP), b * N, h)](
-        x, dt, a, CB, C, entering, D if D is not None else A, y, l, h, p, n, N, Cs, HAS_D=D is not None,
+        x, dt, A, a, CB, C, entering, D if D is not None else A, y, l, h, p, n, N, Cs, HAS_D=D is not None,
         BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC, DOT=dot, num_warps=8)
     return y, h_T, CB, a, entering
 
@@ -1877,7 +1970,7 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
     dy = dy.contiguous()
     dh_out = torch.empty(b, N, h, p, n, **f32)
     _ssd_chunk_outer_kernel[(triton.cdiv(p, BP) * triton.cdiv(n, min(BN, 32)), b * N, h)](
-        dy, C, dt, a, dh_out, l, h, p, n, N, Cs, FROM_START=True, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
+        dy, C, dt, A, a, dh_out, l, h, p, n, N, Cs, FROM_START=True, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
         DOT=_dot_precision(x), num_warps=8)
     block = min(1024, triton.next_power_of_2(p * n))
     n_mb = triton.cdiv(p * n, block)
@@ -1886,16 +1979,19 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
     da_last = torch.empty(b, h, N, n_mb, **f32)
     _ssd_state_passing_bwd_kernel[(n_mb, b, h)](dh_out, entering, a, dh_T.contiguous(), dS_next, dh0, da_last, h,
                                                 p * n, N, Cs, BLOCK=block)
+    bp = _ssd_bwd_block_p(BP)
+    n_pb = triton.cdiv(p, bp)
     dx = torch.empty(b, l, h, p, **f32)
-    ddt = torch.empty(b, l, h, **f32)
-    dB_h, dC_h = torch.empty(b, l, h, n, **f32), torch.empty(b, l, h, n, **f32)
-    dA_p, dD_p = torch.empty(b, N, h, **f32), torch.zeros(b, N, h, **f32)
-    _ssd_chunk_bwd_kernel[(b * N, h)](
+    ddt = torch.empty(n_pb, b, l, h, **f32)
+    dB_h, dC_h = torch.empty(n_pb, b, l, h, n, **f32), torch.empty(n_pb, b, l, h, n, **f32)
+    dA_p, dD_p = torch.empty(n_pb, b, N, h, **f32), torch.zeros(n_pb, b, N, h, **f32)
+    _ssd_chunk_bwd_kernel[(b * N, h, n_pb)](
         x, dt, A, B, C, CB, D if D is not None else A, a, entering, dS_next, da_last.sum(-1).contiguous(), dy,
-        dx, ddt, dB_h, dC_h, dA_p, dD_p, l, h, p, n, N, Cs, HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=min(BN, 32),
-        BLOCK_C=BC, DOT=_dot_precision(x), num_warps=8)
-    return (dx.to(x.dtype), ddt.to(dt.dtype), dA_p.sum((0, 1)).to(A.dtype), dB_h.sum(2, keepdim=True).to(B.dtype),
-            dC_h.sum(2, keepdim=True).to(C.dtype), dD_p.sum((0, 1)), dh0)
+        dx, ddt, dB_h, dC_h, dA_p, dD_p, l, h, p, n, N, Cs, HAS_D=D is not None, BLOCK_P=bp, BLOCK_N=min(BN, 32),
+        BLOCK_C=BC, DOT=_dot_precision(x), num_warps=8, num_stages=1)
+    return (dx.to(x.dtype), ddt.sum(0).to(dt.dtype), dA_p.sum((0, 1, 2)).to(A.dtype),
+            dB_h.sum((0, 3)).unsqueeze(2).to(B.dtype), dC_h.sum((0, 3)).unsqueeze(2).to(C.dtype), dD_p.sum((0, 1, 2)),
+            dh0)
 
 
 @_ssd_bwd.register_fake
@@ -1922,9 +2018,143 @@ def _ssd_backward(ctx, dy, dh_T, *d_kept):
 _ssd_fwd.register_autograd(_ssd_backward, setup_context=_ssd_setup)
 
 
+SSD_TRITON_MAX_CHUNK = 64   # longer chunks exceed a block's shared memory in the backward kernel
+
+
 def ssd_triton(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
     _ssd_check(x, dt, A, B, C, D, initial_state)
+    if not 1 <= chunk_size <= SSD_TRITON_MAX_CHUNK:
+        raise ValueError(f"ssd: the Triton path takes chunk_size from 1 to {SSD_TRITON_MAX_CHUNK}, got {chunk_size}")
     return _ssd_fwd(x, dt, A, B, C, D, chunk_size, initial_state)[:2]
+
+
+# -----------------------------------------------------------------------------
+# Ahead-of-time resource check: what each kernel needs per block on a GPU, found without one. The wrappers run
+# on CPU tensors with every launch recorded instead of run (kernel, argument dtypes, constexprs, num_warps), so
+# the launch parameters are exactly the ones the wrappers choose; each distinct launch is then compiled by
+# triton.compile for a GPUTarget with the wheel's own ptxas. Needs a process that imported triton itself,
+# without TRITON_INTERPRET (the interpreter's kernels cannot be compiled).
+
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 120: 101376}   # bytes of shared memory per block
+_TRITON_DTYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64"}
+
+
+def triton_launches(step):
+    """Run step() (Triton ops on CPU tensors, forward and backward) with launches recorded, not run; returns
+    [(kernel, signature, constexprs, options)], one per distinct launch. Outputs are uninitialised memory."""
+    from unittest import mock
+    import inspect
+    launches = {}
+
+    def record(self, *args, grid, warmup, **kwargs):
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        bound = inspect.signature(self.fn).bind(*args, **kwargs).arguments
+        signature, constexprs = {}, {}
+        for param in self.params:
+            value = bound[param.name]
+            if param.is_constexpr or value is None:
+                signature[param.name], constexprs[param.name] = "constexpr", value
+            elif torch.is_tensor(value):
+                signature[param.name] = _TRITON_DTYPES[value.dtype]
+            elif isinstance(value, float):
+                signature[param.name] = "fp32"
+            else:
+                signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        key = (self.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
+        launches.setdefault(key, (self, signature, constexprs, options))
+
+    with mock.patch.object(triton.runtime.jit.JITFunction, "run", record):
+        step()
+    return list(launches.values())
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_resources(kernel, signature, constexprs, options, arch):
+    """(shared bytes, registers, stack bytes) of one launch compiled for sm_<arch>; registers and stack (where
+    spilled registers go) from cuobjdump, None where the wheel has none."""
+    import re
+    import subprocess
+    import tempfile
+    from triton.backends.compiler import GPUTarget
+    src = triton.compiler.ASTSource(kernel, dict(signature), dict(constexprs))
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
+    cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
+    regs = stack = None
+    if os.path.exists(cuobjdump):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+        found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+        regs, stack = (int(found[1]), int(found[2])) if found else (None, None)
+    return compiled.metadata.shared, regs, stack
+
+
+_COMPILE_JOBS = []   # what the forked compile workers read (kernels do not pickle)
+
+
+def _compile_job(i):
+    kernel, signature, constexprs, options, arch = _COMPILE_JOBS[i]
+    return _compile_resources(kernel, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()), arch)
+
+
+def triton_resources(launches, archs=(80, 89, 90), workers=None):
+    """One row per (launch, arch): dict(kernel, arch, constexprs, num_warps, shared, limit, regs, stack). The
+    compiles run in `workers` forked processes (default: one per CPU core)."""
+    import concurrent.futures
+    import multiprocessing
+    _COMPILE_JOBS[:] = [(*launch, arch) for launch in launches for arch in archs]
+    workers = min(workers or os.cpu_count() or 1, len(_COMPILE_JOBS))
+    if workers > 1:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            results = list(pool.map(_compile_job, range(len(_COMPILE_JOBS))))
+    else:
+        results = [_compile_job(i) for i in range(len(_COMPILE_JOBS))]
+    return [dict(kernel=kernel.fn.__name__, arch=arch, constexprs=constexprs, num_warps=options.get("num_warps", 4),
+                 shared=shared, limit=SHARED_LIMIT[arch], regs=regs, stack=stack)
+            for (kernel, signature, constexprs, options, arch), (shared, regs, stack) in zip(_COMPILE_JOBS, results)]
+
+
+def _example_steps(B=1, T=256, H=4, K=32, V=32, heads_ssd=8, p=32, n=64, chunk=64, dtype=torch.float32):
+    """fwd+bwd of every Triton op at one set of model dims, as thunks for triton_launches (CPU tensors)."""
+    def leaf(*shape, dt=dtype):
+        return torch.randn(*shape, dtype=dt).requires_grad_()
+
+    def backward(outs):
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        torch.autograd.backward([o for o in outs], [torch.zeros_like(o) for o in outs])
+
+    f32 = torch.float32
+    C = H * K
+    return {
+        "rms_norm": lambda: backward(rms_norm_triton(leaf(B, T, C), leaf(C, dt=f32))),
+        "rope": lambda: backward(rope_triton(leaf(B, T, H, K), torch.ones(T, K // 2), torch.zeros(T, K // 2))),
+        "softmax": lambda: backward(softmax_triton(leaf(B * H * T, T))),
+        "sinkhorn": lambda: backward(sinkhorn_triton(leaf(B, T, 4, 4, dt=f32))),
+        "gdn2_decay_clip": lambda: backward(gdn2_decay_clip_triton(leaf(B, T, H, K, dt=f32), leaf(B, T, H, K), leaf(B, T, H, K))),
+        "gdn2_gates": lambda: [backward(gdn2_gates_triton(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, K), leaf(H, dt=f32),
+                                                         leaf(H * K, dt=f32), clip)) for clip in (True, False)],
+        "gdn2": lambda: [backward(fn(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, V), leaf(B, T, H, K, dt=f32),
+                                     leaf(B, T, H, K), leaf(B, T, H, V), None, leaf(B, H, K, V, dt=f32)))
+                         for fn in (gdn2_recurrent_triton, gdn2_chunked_triton)],
+        "ssd": lambda: backward(ssd_triton(leaf(B, T, heads_ssd, p), leaf(B, T, heads_ssd, dt=f32), leaf(heads_ssd, dt=f32),
+                                           leaf(B, T, 1, n), leaf(B, T, 1, n), leaf(heads_ssd, dt=f32), chunk,
+                                           leaf(B, heads_ssd, p, n, dt=f32))),
+    }
+
+
+def triton_resource_table(archs=(80, 89, 90), **dims):
+    """Print shared memory / registers / stack per kernel and arch at the given dims (see _example_steps)."""
+    steps = _example_steps(**dims)
+    launches = triton_launches(lambda: [step() for step in steps.values()])
+    rows = triton_resources(launches, archs)
+    print(f"{'kernel':34s} {'constexprs':64s} warps " + " ".join(f"{'sm_' + str(a) + ' smem/regs/stack':>24s}" for a in archs))
+    for i in range(0, len(rows), len(archs)):
+        group = rows[i:i + len(archs)]
+        consts = ",".join(f"{k}={v}" for k, v in group[0]["constexprs"].items() if v is not None)
+        cells = [f"{r['shared'] / 1024:6.1f}K{'!' if r['shared'] > r['limit'] else ' '}/{r['regs']}/{r['stack']}" for r in group]
+        print(f"{group[0]['kernel']:34s} {consts[:64]:64s} {group[0]['num_warps']:5d} " + " ".join(f"{c:>24s}" for c in cells))
+    return rows
 
 
 # -----------------------------------------------------------------------------
@@ -2153,3 +2383,11 @@ if __name__ == "__main__":
             print(f"  {name:5s} {path:6s} {shape:19s} forward+backward: {t_ref * 1e3:8.1f} ms vs {t_fast * 1e3:7.2f} ms = {t_ref / t_fast:6.1f}x")
 
     triton_report(device)  # the Triton walkthrough, error table and GPU benchmark (defined above)
+
+    # what each kernel needs per block on sm_80 / sm_89 / sm_90 (head dim 64, Mamba p = 64, n = 128, ssd chunk 64),
+    # compiled ahead of time in a fresh process without the interpreter; a '!' marks shared memory over the limit
+    import subprocess
+    print("\n== Triton kernels compiled ahead of time: shared memory / registers / stack bytes (spills) per thread ==")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", "import triton, kernels; kernels.triton_resource_table(B=1, T=256, H=8, K=64, "
+                    "V=64, heads_ssd=8, p=64, n=128, chunk=64)"], env=env, cwd=os.path.dirname(os.path.abspath(__file__)))

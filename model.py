@@ -47,7 +47,8 @@ class GPTConfig:
     mamba_expand: int = 2
     mamba_headdim: int = 32
     mamba_discretization: str = "euler"  # euler | zoh
-    chunk_size: int = 64
+    chunk_size: int = 64           # Mamba2's SSD chunk length (torch and Triton paths; Triton: at most 64)
+    gdn_chunk_size: int = 16       # GatedDelta's chunk length (torch and Triton paths; Triton: 16 or 32)
     kernels: str = "auto"          # auto | torch | triton | ref
     init: str = "gpt2"             # gpt2 | spectral
 
@@ -73,6 +74,8 @@ class GPTConfig:
             raise ValueError("conv_size, gdn_expand_v, mamba_expand and mamba_d_state must each be at least 1")
         if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
             raise ValueError(f"chunk_size={self.chunk_size} is not a power of two: use e.g. 16, 32 or 64")
+        if self.gdn_chunk_size not in (16, 32):
+            raise ValueError(f"gdn_chunk_size={self.gdn_chunk_size} is not supported: use 16 or 32 (what the Triton kernels fit)")
 
     @classmethod
     def from_dict(cls, d):
@@ -200,7 +203,7 @@ class GatedDelta(nn.Module):
         self.n_head, self.head_k, self.head_v = H, dk, dv
         self.variant = cfg.gdn_variant
         self.clip = cfg.gdn_clip and cfg.gdn_variant == "gdn2"  # for the others the clip is the identity
-        self.chunk_size, self.kernels_path = cfg.chunk_size, cfg.kernels
+        self.chunk_size, self.kernels_path = cfg.gdn_chunk_size, cfg.kernels
         self.q_proj = nn.Linear(cfg.n_embd, H * dk, bias=cfg.bias)
         self.k_proj = nn.Linear(cfg.n_embd, H * dk, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.n_embd, H * dv, bias=cfg.bias)

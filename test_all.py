@@ -732,6 +732,37 @@ def test_kernels_ssd_torch_matches_ref(T, chunk, init, decay):
     _kernels_check_chunked_vs_ref(kernels.ssd, (x, dt, A, B, C, D), h0, chunk, "x dt A B C D h0")
 
 
+def _kernels_grads_vs_fp64(fn, ref, inputs, names):
+    """{name: relative error} of fn's fp32 gradients (for the leading len(names) inputs) against ref's in float64,
+    with the same random cotangents on both outputs."""
+    grads = {}
+    for f, dtype in ((ref, torch.float64), (fn, torch.float32)):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in inputs]
+        outs = f(*leaves)
+        gen = torch.Generator().manual_seed(1)
+        loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum() for o in outs)
+        grads[dtype] = torch.autograd.grad(loss, leaves[:len(names)])
+    return {n: _kernels_rel(got, want) for n, got, want in zip(names, grads[torch.float32], grads[torch.float64])}
+
+
+def _kernels_ssd_steep_inputs(l=150, seed=0):
+    """dt·A = −1000 on 10% of the tokens, O(0.1) elsewhere: within a chunk the cumulative log-decay reaches the
+    thousands, where a difference of two cumulative sums keeps only ~1e-4 of a small segment's exponent."""
+    gen = torch.Generator().manual_seed(seed)
+    dt = 0.5 * torch.rand(1, l, 2, generator=gen, dtype=torch.float64)
+    dt[torch.rand(1, l, 2, generator=gen) < 0.1] = 1000.0
+    return (torch.randn(1, l, 2, 4, generator=gen, dtype=torch.float64), dt, -torch.ones(2, dtype=torch.float64),
+            torch.randn(1, l, 1, 8, generator=gen, dtype=torch.float64), torch.randn(1, l, 1, 8, generator=gen, dtype=torch.float64))
+
+
+def test_kernels_ssd_torch_steep_decays_match_fp64():
+    # chunk 64: the within-chunk decays are segment sums, so dA, dx, ddt keep fp32 accuracy (differences of
+    # cumulative sums gave ~1e-4 here)
+    errs = _kernels_grads_vs_fp64(lambda *a: kernels.ssd_torch(*a, chunk_size=64), kernels.ssd_ref,
+                                  _kernels_ssd_steep_inputs(), ("dx", "ddt", "dA"))
+    assert max(errs.values()) < 1e-5, errs
+
+
 def test_kernels_low_precision_inputs_and_autocast():
     # bf16 inputs: fp32 inside, outputs back in bf16, states in fp32; a bf16 autocast region changes nothing
     q, k, v, g, b, w, S0 = _kernels_gdn2_inputs(1, 40, 2, 8, 8, 0.5, True)
@@ -1027,13 +1058,13 @@ def triton_ssd_inputs(b=2, l=37, h=3, p=10, n=40, seed=0):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-@pytest.mark.parametrize("with_initial,with_D", [(False, False), (True, True)])
-def test_triton_ssd(with_initial, with_D, device):
-    # l = 37 with chunk 16: three chunks, the last one ragged; p = 10 is below the 16-wide block, n = 40 is
-    # walked in two blocks of 32, the second one ragged
-    inputs = triton_ssd_inputs()
+@pytest.mark.parametrize("with_initial,with_D,p", [(False, False, 10), (True, True, 40)])
+def test_triton_ssd(with_initial, with_D, p, device):
+    # l = 37 with chunk 16: three chunks, the last one ragged; p = 10 is below the 16-wide block, p = 40 spans two
+    # of the backward's p blocks of 32 (the second one ragged); n = 40 is walked in two blocks of 32, one ragged
+    inputs = triton_ssd_inputs(p=p)
     inputs["D"] = torch.randn(3) if with_D else None
-    inputs["initial_state"] = torch.randn(2, 3, 10, 40) if with_initial else None
+    inputs["initial_state"] = torch.randn(2, 3, p, 40) if with_initial else None
     errs = triton_compare(lambda **kw: kernels.ssd_triton(chunk_size=16, **kw), kernels.ssd_ref, inputs, device)
     expected = {"out0", "out1", "dx", "ddt", "dA", "dB", "dC"} | ({"dD"} if with_D else set()) \
         | ({"dinitial_state"} if with_initial else set())
@@ -1042,18 +1073,58 @@ def test_triton_ssd(with_initial, with_D, device):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-@pytest.mark.parametrize("with_initial,decay,scale", [(False, 0.5, None), (True, 30.0, 0.3)])
-def test_triton_gdn2_chunked(with_initial, decay, scale, device):
-    # T = 37 is two full chunks of 16 and a ragged one; decay 30 makes within-chunk exp(G) span e^-400,
-    # which a factored exp(G)·exp(−G) form would overflow; V = 37 spans two value blocks in the state pass
+@pytest.mark.parametrize("with_initial,decay,scale,chunk", [(False, 0.5, None, 16), (True, 30.0, 0.3, 16), (True, 0.5, None, 32)])
+def test_triton_gdn2_chunked(with_initial, decay, scale, chunk, device):
+    # T = 37 is two full chunks of 16 and a ragged one (one full and a ragged one of 32); decay 30 makes
+    # within-chunk exp(G) span e^-400, which a factored exp(G)·exp(−G) form would overflow; V = 37 spans two value
+    # blocks; K = 20 at chunk 32 spans three of the pair tiles' channel blocks of 8
     inputs = triton_gdn2_inputs(K=20, decay=decay)
     inputs["scale"] = scale
+    inputs["chunk_size"] = chunk
     if with_initial:
         inputs["initial_state"] = torch.randn(2, 2, 20, 37)
-    errs = triton_compare(kernels.gdn2_chunked_triton, kernels.gdn2_ref, inputs, device)
+    errs = triton_compare(kernels.gdn2_chunked_triton, lambda chunk_size, **kw: kernels.gdn2_ref(**kw), inputs, device)
     assert {"out0", "out1", "dq", "dk", "dv", "dg", "db", "dw"} <= set(errs)
     assert ("dinitial_state" in errs) == with_initial
     triton_assert_close(errs)
+
+
+def triton_on(device, fn):
+    """fn run on `device`: tensor arguments moved there, outputs moved back to the CPU (differentiably)."""
+    def run(*args):
+        return tuple(o.cpu() for o in fn(*(a.to(device) if torch.is_tensor(a) else a for a in args)))
+    return run
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("log_decay", [-10.0, -20.0])
+@pytest.mark.parametrize("fn", ["gdn2_recurrent_triton", "gdn2_chunked_triton"])
+def test_triton_gdn2_strong_decay_dg_matches_fp64(fn, log_decay, device):
+    # g = −10 and −20 per token in every channel: dg is ~1e-4 and ~1e-8, so the O(1) terms that cancel in the gauge
+    # identity (a token's read of its own write, the last write against the end state) must never be formed
+    # (they left relative errors of 1e-2 and 1e2)
+    inputs = triton_gdn2_inputs(B=1, T=40, H=1, K=16, V=16)
+    inputs["g"] = torch.full_like(inputs["g"], log_decay)
+    order = ("g", "q", "k", "v", "b", "w")
+    errs = _kernels_grads_vs_fp64(triton_on(device, lambda g, q, k, v, b, w: getattr(kernels, fn)(q, k, v, g, b, w)),
+                                  lambda g, q, k, v, b, w: kernels.gdn2_ref(q, k, v, g, b, w),
+                                  [inputs[n] for n in order], ("dg",))
+    assert errs["dg"] < 1e-5, errs
+
+
+def test_triton_chunk_sizes_out_of_range_are_value_errors():
+    inputs = triton_gdn2_inputs(T=8, H=1, V=16)
+    with pytest.raises(ValueError, match="chunk_size in"):
+        kernels.gdn2_chunked_triton(**inputs, chunk_size=64)
+    with pytest.raises(ValueError, match="chunk_size from 1 to 64"):
+        kernels.ssd_triton(**triton_ssd_inputs(l=8), chunk_size=128)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_ssd_steep_decays_match_fp64(device):
+    errs = _kernels_grads_vs_fp64(triton_on(device, lambda *a: kernels.ssd_triton(*a, chunk_size=64)), kernels.ssd_ref,
+                                  _kernels_ssd_steep_inputs(), ("dx", "ddt", "dA"))
+    assert max(errs.values()) < 1e-5, errs
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -1136,19 +1207,21 @@ def triton_op_cases(device):
                    OPCHECK_ALL if clip else OPCHECK_LIGHT),
                   (f"gdn2_gates_bwd clip={clip}", kernels._gdn2_gates_bwd, (randn(1, 3, 2, 4), randn(1, 3, 2, 4), *gates, clip),
                    OPCHECK_LIGHT)]
-    B, T, H, K, V = 1, 17, 1, 4, 5   # 17 tokens: two chunks of 16 in the chunked kernels, the second ragged
+    # 17 tokens: two chunks of 16 in the chunked kernels, the second ragged, or one ragged chunk of 32
+    B, T, H, K, V = 1, 17, 1, 4, 5
     q, k = F.normalize(randn(B, T, H, K), dim=-1), F.normalize(randn(B, T, H, K), dim=-1)
     gdn2_in = (q, k, randn(B, T, H, V), -randn(B, T, H, K).abs() / 2, randn(B, T, H, K).sigmoid(), randn(B, T, H, V).sigmoid())
-    for s0 in (None, randn(B, H, K, V)):
+    for s0, chunk in ((None, 16), (randn(B, H, K, V), 32)):
         named, utils = ("", OPCHECK_LIGHT) if s0 is None else (" initial_state", OPCHECK_ALL)
         rec = kernels._gdn2_recurrent_fwd(*gdn2_in, 0.5, s0)
-        chunked = kernels._gdn2_chunked_fwd(*gdn2_in, 0.5, s0)
+        chunked = kernels._gdn2_chunked_fwd(*gdn2_in, 0.5, s0, chunk)
         d_out = (randn(B, T, H, V), randn(B, H, K, V))
         cases += [("gdn2_recurrent" + named, kernels._gdn2_recurrent_fwd, (*map(leaf, gdn2_in), 0.5, leaf(s0)), utils),
                   ("gdn2_recurrent_bwd" + named, kernels._gdn2_recurrent_bwd, (*d_out, *gdn2_in, rec[2], 0.5, s0), OPCHECK_LIGHT),
-                  ("gdn2_chunked" + named, kernels._gdn2_chunked_fwd, (*map(leaf, gdn2_in), 0.5, leaf(s0)), utils),
-                  ("gdn2_chunked_bwd" + named, kernels._gdn2_chunked_bwd, (*d_out, *gdn2_in, *chunked[2:], chunked[1], 0.5),
-                   OPCHECK_LIGHT)]
+                  (f"gdn2_chunked{named} chunk={chunk}", kernels._gdn2_chunked_fwd, (*map(leaf, gdn2_in), 0.5, leaf(s0), chunk),
+                   utils),
+                  (f"gdn2_chunked_bwd{named} chunk={chunk}", kernels._gdn2_chunked_bwd,
+                   (*d_out, *gdn2_in, *chunked[2:], chunked[1], 0.5, chunk), OPCHECK_LIGHT)]
     b_, l, h, p, n, Cs = 1, 9, 2, 3, 4, 8   # 9 tokens: two chunks of 8, the second ragged
     ssd_in = (randn(b_, l, h, p), F.softplus(randn(b_, l, h)), -randn(h).abs() - 0.5, randn(b_, l, 1, n), randn(b_, l, 1, n))
     for D, s0 in ((None, None), (randn(h), randn(b_, h, p, n))):
@@ -1188,6 +1261,66 @@ def test_triton_gpt_compiles_fullgraph(path, mixer, residual, device):
     assert compiled_grads.keys() == grads.keys() and len(grads) > 0
     bad = {n: e for n in grads if (e := triton_rel_rms(compiled_grads[n], grads[n])) > 1e-6}
     assert not bad, f"compiled gradients differ from eager: {bad}"
+
+
+# Ahead-of-time compile of every Triton kernel for sm_80 / sm_89 / sm_90 at the launch parameters the wrappers
+# choose for real models: a GPT with kernels="triton" runs forward+backward on the CPU with every launch recorded
+# (kernels.triton_launches), then each distinct launch is compiled with the wheel's ptxas. In a subprocess
+# without TRITON_INTERPRET, which importing triton before kernels.py makes compile real kernels.
+TRITON_AOT_SCRIPT = r"""
+import json, os, sys
+import torch, triton
+import kernels, model
+torch.set_num_threads(1)
+cases = {   # name: (GPTConfig overrides, T); each in fp32 and under bf16 autocast
+    "default": (dict(mixer="AGM", residual="mhc"), 256),
+    "768/12/T1024": (dict(mixer="AGM", n_embd=768, n_head=12, block_size=1024), 1024),
+    "head dim 128": (dict(mixer="AG", n_embd=1024, n_head=8, gdn_chunk_size=32), 128),
+    "gdn_expand_v=2": (dict(mixer="G", n_embd=1024, n_head=8, gdn_expand_v=2), 128),
+    "mamba p64 n128": (dict(mixer="M", mamba_headdim=64, mamba_d_state=128), 128),
+    "mamba p128 n128 zoh": (dict(mixer="M", mamba_headdim=128, mamba_d_state=128, mamba_discretization="zoh"), 128),
+}
+launches = {}
+for name, (overrides, T) in cases.items():
+    cfg = model.GPTConfig(vocab_size=64, n_layer=len(overrides["mixer"]), kernels="triton",
+                          **dict(dict(block_size=T), **overrides))
+    gpt = model.GPT(cfg)
+    H, K = cfg.n_head, cfg.n_embd // cfg.n_head
+    for dtype in (torch.float32, torch.bfloat16):
+        def step():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                for length in (T, 32):   # training length (chunked gdn2) and a short prompt (recurrent gdn2)
+                    idx = torch.zeros(1, length, dtype=torch.long)
+                    gpt(idx, idx)[1].backward()
+            x = torch.zeros(1, T, H, K, dtype=dtype, requires_grad=True)   # the ops the model does not call
+            kernels.gdn2_decay_clip_triton(x.float(), x, x).sum().backward()
+            kernels.softmax_triton(x.reshape(-1, K)).sum().backward()
+        for kernel, signature, constexprs, options in kernels.triton_launches(step):
+            key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
+            launches.setdefault(key, (kernel, signature, constexprs, options, name))
+rows = kernels.triton_resources([launch[:4] for launch in launches.values()], archs=(80, 89, 90))
+for row, launch in zip(rows, [l for l in launches.values() for _ in range(3)]):
+    row["case"] = launch[4]
+    row["constexprs"] = str(row["constexprs"])
+print(json.dumps(rows))
+"""
+
+
+def test_triton_kernels_fit_shared_memory_ahead_of_time():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    run = subprocess.run([sys.executable, "-c", TRITON_AOT_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    names = {row["kernel"] for row in rows}
+    # every Triton kernel in kernels.py was launched by some case (so none escapes the check)
+    assert names == {name for name in dir(kernels) if name.endswith("_kernel") and name.startswith("_")}, names
+    assert {row["arch"] for row in rows} == {80, 89, 90}
+    limits = {80: 166912, 89: 101376, 90: 232448}   # bytes of shared memory per block (CUDA programming guide)
+    over = [(r["kernel"], r["case"], r["arch"], r["constexprs"], r["shared"]) for r in rows if r["shared"] > limits[r["arch"]]]
+    assert not over, over
+
 
 
 # ==================================================================================================
@@ -1443,6 +1576,14 @@ def test_mixers_bad_config_values():
         GPTConfig(n_embd=32, n_head=2, mixer="G", chunk_size=48)
     with pytest.raises(ValueError, match="gdn_variant"):
         GPTConfig(n_embd=32, n_head=2, mixer="G", gdn_variant="gdn3")
+    with pytest.raises(ValueError, match="gdn_chunk_size=64"):
+        GPTConfig(n_embd=32, n_head=2, mixer="G", gdn_chunk_size=64)
+
+
+def test_mixers_chunk_sizes_reach_their_mixers():
+    # gdn_chunk_size is GatedDelta's chunk, chunk_size Mamba2's: each layer holds its own knob
+    gpt = GPT(GPTConfig(n_embd=32, n_head=2, n_layer=2, mixer="GM", gdn_chunk_size=32, chunk_size=8))
+    assert [block.mixer.chunk_size for block in gpt.blocks] == [32, 8]
 
 
 # ----------------------------------------------------------------------------------------------------
