@@ -4,10 +4,10 @@ kernels.py: every op the model needs that has a fast path, one section per op.
     op                signature (shapes)                                           paths
     rms_norm          (x[..., C], weight[C], eps) -> y                             ref, torch, triton
     rope              (x[B,T,H,D], cos[T,D/2], sin[T,D/2]) -> y  (interleaved pairs) ref, torch, triton
-    softmax           (x[R, N]) -> y                                               ref, torch, triton
+    softmax           (x[R, N]) -> y                                               ref, torch, triton*
     sparsemax         (z[..., T, N], causal=False) -> p = [z − τ]₊ with Σ p = 1      ref, torch, triton
     sinkhorn          (logits[..., n, n], iters=20) -> P  (doubly stochastic)      ref, torch, triton
-    gdn2_decay_clip   (g, k, b [B,T,H,K]) -> g' = min(g, −log ‖I − k(b⊙k)ᵀ‖₂)         ref, torch, triton
+    gdn2_decay_clip   (g, k, b [B,T,H,K]) -> g' = min(g, −log ‖I − k(b⊙k)ᵀ‖₂)         ref, torch, triton*
     gdn2_gates        (decay_logits, erase_logits, k [B,T,H,K], A_log [H], dt_bias [H,K], clip=True) -> (g', b)
                       g = −exp(A_log)·softplus(decay_logits + dt_bias), b = σ(erase_logits),
                       g' = gdn2_decay_clip(g, k, b), or g without the clip         ref, torch, triton
@@ -17,6 +17,8 @@ kernels.py: every op the model needs that has a fast path, one section per op.
                       x [b,l,h,p]; dt [b,l,h]; A, D [h]; B, C [b,l,1,n]; h [b,h,p,n]  ref, torch, triton
 Helpers: gdn2_log_rho(k, b) = log ‖I − k(b⊙k)ᵀ‖₂ (what the clip uses), gdn_log_decay(decay_logits, A_log, dt_bias)
 (the gated variants' g), zoh_input_scale(dt, A) (ZOH for ssd).
+* teaching kernels, never called by the model (both tested): softmax's Triton path is the fused-softmax walkthrough
+of `python kernels.py`; gdn2_decay_clip's standalone Triton kernel is the clip alone, which gdn2_gates' kernel fuses.
 
 Each section holds `<op>_ref` (the spec, written plainly), `<op>_torch` (vectorised or chunked
 PyTorch, the CPU path) where it differs, `<op>_triton` where it exists, and the dispatcher
@@ -25,20 +27,26 @@ PyTorch, the CPU path) where it differs, `<op>_triton` where it exists, and the 
     "torch"  -> <op>_torch (or <op>_ref when the two are the same code)
     "triton" -> <op>_triton (ValueError if this op has no Triton path)
     "ref"    -> <op>_ref
+chunk_size is the chunk length of the chunked paths, honoured by torch and Triton alike (a power of two; gdn2's
+Triton kernels take 16 or 32, ssd's at most 64, what fits in a GPU block's shared memory; else a ValueError).
 Reductions and recurrences run in fp32 and results are cast back to the input dtype; the recurrent
 states S_T, h_T come back in fp32. Any sequence length works (chunked paths pad the tail internally).
 """
 
 import functools
 import os
+import sys
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 # Triton is imported only where its kernels can run: on a CUDA machine, or on the CPU in Triton's interpreter
-# when TRITON_INTERPRET=1 is set before Python imports this file (the tests do). A plain CPU import stays torch-only.
+# when TRITON_INTERPRET=1 is set before Python imports this file (the tests do), or where the caller imported
+# triton first (the ahead-of-time compile check, which builds cubins without a GPU). A plain CPU import stays
+# torch-only.
 HAS_TRITON = False
-if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" or "triton" in sys.modules:
     try:
         import triton
         import triton.language as tl
@@ -47,6 +55,7 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         pass
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "ref")
+TRITON_OPS = frozenset({"rms_norm", "rope", "softmax", "sparsemax", "sinkhorn", "gdn2_decay_clip", "gdn2_gates", "gdn2", "ssd"})  # have <op>_triton
 
 
 def _path(op, kernels, x):
@@ -55,7 +64,7 @@ def _path(op, kernels, x):
         return "torch"
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels={kernels!r} is not one of {KERNEL_CHOICES}; pick one of those")
-    has_triton = HAS_TRITON and (op + "_triton") in globals()
+    has_triton = HAS_TRITON and op in TRITON_OPS
     if kernels == "auto":
         return "triton" if (has_triton and x.is_cuda) else "torch"
     if kernels == "triton" and not has_triton:
@@ -386,8 +395,8 @@ def gdn2_torch(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
     The pair weights are one matmul of x_r exp(G_r) with k_s exp(−G_s) in every chunk whose |G| stays ≤ 40;
     steeper chunks (a channel decaying by more than e^−40 within the chunk, e^−2.5 per token over 16) take the
     exact pairwise sum. All chunks are built at once; only the state hand-off loops over chunks.
-    chunk_size is an upper bound: chunks are at most 16 tokens, since per-channel decays cost K multiply-adds per
-    pair of tokens and longer chunks would more often leave the factoring's range (16 was the fastest on a CPU).
+    Inputs shorter than a chunk get a chunk of the next power of two above T. Per-channel decays cost K multiply-adds
+    per pair of tokens and longer chunks more often leave the factoring's range (16 was the fastest on a CPU).
     The tail is padded with g = 0 and zero inputs, which leaves the state unchanged. Fewer than 4 tokens (decoding
     steps) take the token loop, which is cheaper there."""
     _gdn2_check(q, k, v, g, b, w, initial_state)
@@ -398,7 +407,7 @@ def gdn2_torch(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
         return gdn2_ref(q, k, v, g, b, w, scale, initial_state)
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
-    C = min(chunk_size, 16, 1 << (T - 1).bit_length())
+    C = min(chunk_size, 1 << (T - 1).bit_length())
     N = -(-T // C)
     out_dtype = q.dtype
 
@@ -452,7 +461,7 @@ def gdn2_torch(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
 def gdn2(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16, kernels="auto"):
     path = _path("gdn2", kernels, q)
     if path == "triton":
-        return gdn2_triton(q, k, v, g, b, w, scale, initial_state)
+        return gdn2_triton(q, k, v, g, b, w, scale, initial_state, chunk_size)
     if path == "ref":
         return gdn2_ref(q, k, v, g, b, w, scale, initial_state)
     return gdn2_torch(q, k, v, g, b, w, scale, initial_state, chunk_size)
@@ -522,12 +531,16 @@ def ssd_torch(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
     dtf = F.pad(dt.float(), (0, 0, 0, pad)).reshape(b, N, Cs, h).permute(1, 0, 3, 2)
     Bf = F.pad(B.float()[:, :, 0], (0, 0, 0, pad)).reshape(b, N, 1, Cs, n).transpose(0, 1)
     Cf = F.pad(C.float()[:, :, 0], (0, 0, 0, pad)).reshape(b, N, 1, Cs, n).transpose(0, 1)
-    a = (dtf * A.float()[:, None]).cumsum(dim=-1)                        # [N,b,h,Cs]
+    dtA = dtf * A.float()[:, None]                                       # [N,b,h,Cs]
+    a = dtA.cumsum(dim=-1)
+    # a_r − a_s as the segment sum Σ_{s<i≤r} dt_i A itself, not a difference of two cumulative sums: with a decay
+    # of −1000 in one step, a is in the thousands and the difference would lose the small exponents' digits
     causal = torch.ones(Cs, Cs, dtype=torch.bool, device=x.device).tril()
-    L = (a[..., :, None] - a[..., None, :]).masked_fill(~causal, float("-inf")).exp()   # exp(a_r − a_s), s ≤ r
+    segment = torch.where(causal.tril(-1), dtA[..., :, None], 0.0).cumsum(dim=-2)   # [r, s] = Σ_{s<i≤r} dt_i A
+    L = segment.masked_fill(~causal, float("-inf")).exp()               # exp(a_r − a_s), s ≤ r
     x_dt = xf * dtf[..., None]
     y = ((Cf @ Bf.transpose(-1, -2)) * L) @ x_dt                        # [N,b,h,Cs,p]
-    to_end = (a[..., -1:] - a).exp()                                     # exp(a_C − a_s)
+    to_end = L[..., -1, :]                                               # exp(a_C − a_s)
     chunk_states = (x_dt * to_end[..., None]).transpose(-1, -2) @ Bf     # [N,b,h,p,n]
     chunk_decay = a[..., -1, None, None].exp()                           # [N,b,h,1,1]
     hs = x.new_zeros(b, h, p, n, dtype=torch.float32) if initial_state is None else initial_state.float()
@@ -554,6 +567,9 @@ def ssd(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None, kernels="auto
 
 # =============================================================================
 # Triton: the fast paths, one subsection per op, in the order of the spec sections above.
+# Each op's forward and backward launches are torch.library custom ops ("specgpt::<op>_fwd", "specgpt::<op>_bwd";
+# rope's backward is its forward turned back), with fake functions for shapes and the backward registered as the
+# forward's autograd: torch.compile sees every Triton op as one opaque node and the model traces as one graph.
 
 # -----------------------------------------------------------------------------
 # rms_norm in Triton
@@ -609,35 +625,59 @@ def _rms_norm_blocks(n_cols):
     return max(1, min(64, 4096 // block_c)), block_c
 
 
-class _RMSNormTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        n_rows, n_cols = x2.shape
-        y = torch.empty_like(x2)
-        rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
-        block_r, block_c = _rms_norm_blocks(n_cols)
-        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-            x2, weight.contiguous(), y, rstd, n_rows, n_cols, eps, BLOCK_R=block_r, BLOCK_C=block_c)
-        ctx.save_for_backward(x2, weight, rstd)
-        return y.reshape(x.shape)
+@torch.library.custom_op("specgpt::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): the normalised x and each row's 1/rms, which the backward reuses."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    n_rows, n_cols = x2.shape
+    y = torch.empty_like(x2)
+    rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
+    block_r, block_c = _rms_norm_blocks(n_cols)
+    _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+        x2, weight.contiguous(), y, rstd, n_rows, n_cols, eps, BLOCK_R=block_r, BLOCK_C=block_c)
+    return y.reshape(x.shape), rstd
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight, rstd = ctx.saved_tensors
-        n_rows, n_cols = x2.shape
-        dy2 = dy.reshape(n_rows, n_cols).contiguous()
-        dx = torch.empty_like(x2)
-        block_r, block_c = _rms_norm_blocks(n_cols)
-        n_prog = _programs_for(x2, triton.cdiv(n_rows, block_r))
-        dw_partial = torch.empty(n_prog, n_cols, device=x2.device, dtype=torch.float32)
-        _rms_norm_bwd_kernel[(n_prog,)](x2, weight.contiguous(), rstd, dy2, dx, dw_partial, n_rows, n_cols,
-                                        BLOCK_R=block_r, BLOCK_C=block_c)
-        return dx.reshape(dy.shape), dw_partial.sum(0).to(weight.dtype), None
+
+@_rms_norm_fwd.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("specgpt::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                  rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    n_rows, n_cols = x2.shape
+    dy2 = dy.reshape(n_rows, n_cols).contiguous()
+    dx = torch.empty_like(x2)
+    block_r, block_c = _rms_norm_blocks(n_cols)
+    n_prog = _programs_for(x2, triton.cdiv(n_rows, block_r))
+    dw_partial = torch.empty(n_prog, n_cols, device=x2.device, dtype=torch.float32)
+    _rms_norm_bwd_kernel[(n_prog,)](x2, weight.contiguous(), rstd, dy2, dx, dw_partial, n_rows, n_cols,
+                                    BLOCK_R=block_r, BLOCK_C=block_c)
+    return dx.reshape(x.shape), dw_partial.sum(0).to(weight.dtype)
+
+
+@_rms_norm_bwd.register_fake
+def _(dy, x, weight, rstd):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _rms_norm_backward(ctx, dy, d_rstd):
+    return *_rms_norm_bwd(dy, *ctx.saved_tensors), None
+
+
+_rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 
 
 def rms_norm_triton(x, weight, eps=1e-6):
-    return _RMSNormTriton.apply(x, weight, eps)
+    return _rms_norm_fwd(x, weight, eps)[0]
 
 
 # -----------------------------------------------------------------------------
@@ -663,31 +703,40 @@ if HAS_TRITON:
         tl.store(y_ptr + offs + 1, (x_odd * cos + x_even * sin).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _rope_launch(x, cos, sin, sin_sign):
+@torch.library.custom_op("specgpt::rope", mutates_args=())
+def _rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sin_sign: float) -> torch.Tensor:
+    """x's pairs turned by +θ (sin_sign = 1), or back by −θ (sin_sign = −1: the backward pass)."""
     B, T, H, D = x.shape
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
     y = torch.empty_like(x)
     _rope_kernel[(B * T,)](x, cos, sin, y, T, H, D // 2, SIN_SIGN=sin_sign,
                            BLOCK_H=triton.next_power_of_2(H), BLOCK_HALF=triton.next_power_of_2(D // 2))
     return y
 
 
-class _RoPETriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-        ctx.save_for_backward(x, cos, sin)
-        return _rope_launch(x, cos, sin, 1.0)
+@_rope_rotate.register_fake
+def _(x, cos, sin, sin_sign):
+    return x.new_empty(x.shape)
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, cos, sin = ctx.saved_tensors
-        dx = _rope_launch(dy.contiguous(), cos, sin, -1.0)
-        dcos = dsin = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # cos/sin are usually buffers; cheap in torch
-            x_even, x_odd, dy_even, dy_odd = x[..., 0::2].float(), x[..., 1::2].float(), dy[..., 0::2].float(), dy[..., 1::2].float()
-            dcos = (dy_even * x_even + dy_odd * x_odd).sum((0, 2)).to(cos.dtype)
-            dsin = (dy_odd * x_even - dy_even * x_odd).sum((0, 2)).to(sin.dtype)
-        return dx, dcos, dsin
+
+def _rope_setup(ctx, inputs, output):
+    x, cos, sin, sin_sign = inputs
+    ctx.save_for_backward(x, cos, sin)
+    ctx.sin_sign = sin_sign
+
+
+def _rope_backward(ctx, dy):
+    x, cos, sin = ctx.saved_tensors
+    dx = _rope_rotate(dy, cos, sin, -ctx.sin_sign)
+    dcos = dsin = None
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # cos/sin are usually buffers; cheap in torch
+        x_even, x_odd, dy_even, dy_odd = x[..., 0::2].float(), x[..., 1::2].float(), dy[..., 0::2].float(), dy[..., 1::2].float()
+        dcos = (dy_even * x_even + dy_odd * x_odd).sum((0, 2)).to(cos.dtype)
+        dsin = (dy_odd * x_even - dy_even * x_odd).sum((0, 2)).to(sin.dtype)
+    return dx, dcos, dsin, None
+
+
+_rope_rotate.register_autograd(_rope_backward, setup_context=_rope_setup)
 
 
 def rope_triton(x, cos, sin):
@@ -695,7 +744,7 @@ def rope_triton(x, cos, sin):
     if D % 2 or cos.shape != (T, D // 2) or sin.shape != (T, D // 2):
         raise ValueError(f"rope needs x[B,T,H,D] with even D and cos, sin of shape [T, D/2]; got x {tuple(x.shape)}, "
                          f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
-    return _RoPETriton.apply(x, cos, sin)
+    return _rope_rotate(x, cos, sin, 1.0)
 
 
 # -----------------------------------------------------------------------------
@@ -728,29 +777,49 @@ if HAS_TRITON:
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
-class _SoftmaxTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        x = x.contiguous()
-        y = torch.empty_like(x)
-        _softmax_fwd_kernel[(_programs_for(x, x.shape[0]),)](x, y, x.shape[0], x.shape[1],
-                                                              BLOCK_N=triton.next_power_of_2(x.shape[1]))
-        ctx.save_for_backward(y)
-        return y
+@torch.library.custom_op("specgpt::softmax_fwd", mutates_args=())
+def _softmax_fwd(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    _softmax_fwd_kernel[(_programs_for(x, x.shape[0]),)](x, y, x.shape[0], x.shape[1],
+                                                          BLOCK_N=triton.next_power_of_2(x.shape[1]))
+    return y
 
-    @staticmethod
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        dx = torch.empty_like(y)
-        _softmax_bwd_kernel[(_programs_for(y, y.shape[0]),)](y, dy.contiguous(), dx, y.shape[0], y.shape[1],
-                                                              BLOCK_N=triton.next_power_of_2(y.shape[1]))
-        return dx
+
+@_softmax_fwd.register_fake
+def _(x):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("specgpt::softmax_bwd", mutates_args=())
+def _softmax_bwd(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    y = y.contiguous()
+    dx = torch.empty_like(y)
+    _softmax_bwd_kernel[(_programs_for(y, y.shape[0]),)](y, dy.contiguous(), dx, y.shape[0], y.shape[1],
+                                                          BLOCK_N=triton.next_power_of_2(y.shape[1]))
+    return dx
+
+
+@_softmax_bwd.register_fake
+def _(dy, y):
+    return y.new_empty(y.shape)
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _softmax_backward(ctx, dy):
+    return _softmax_bwd(dy, *ctx.saved_tensors)
+
+
+_softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
 
 
 def softmax_triton(x):
     if x.ndim != 2:
         raise ValueError(f"softmax_triton takes a 2-D x[R, N]; got shape {tuple(x.shape)}; reshape to rows first")
-    return _SoftmaxTriton.apply(x)
+    return _softmax_fwd(x)
 
 
 # -----------------------------------------------------------------------------
@@ -912,36 +981,58 @@ def _sinkhorn_blocks(n):
     return max(1, min(128, 2048 // (bn * bn))), bn
 
 
-class _SinkhornTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, iters):
-        n = logits.shape[-1]
-        L = logits.reshape(-1, n, n).contiguous()
-        P = torch.empty(L.shape, device=L.device, dtype=torch.float32)
-        block_m, bn = _sinkhorn_blocks(n)
-        _sinkhorn_fwd_kernel[(triton.cdiv(L.shape[0], block_m),)](L, P, L.shape[0], n, ITERS=iters,
-                                                                  BLOCK_M=block_m, BN=bn)
-        ctx.save_for_backward(L)
-        ctx.iters, ctx.shape = iters, logits.shape
-        return P.reshape(logits.shape)
+@torch.library.custom_op("specgpt::sinkhorn_fwd", mutates_args=())
+def _sinkhorn_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    n = logits.shape[-1]
+    L = logits.reshape(-1, n, n).contiguous()
+    P = torch.empty(L.shape, device=L.device, dtype=torch.float32)
+    block_m, bn = _sinkhorn_blocks(n)
+    _sinkhorn_fwd_kernel[(triton.cdiv(L.shape[0], block_m),)](L, P, L.shape[0], n, ITERS=iters,
+                                                              BLOCK_M=block_m, BN=bn)
+    return P.reshape(logits.shape)
 
-    @staticmethod
-    def backward(ctx, dP):
-        (L,) = ctx.saved_tensors
-        M, n, _ = L.shape
-        block_m, bn = _sinkhorn_blocks(n)
-        grid = triton.cdiv(M, block_m)
-        sums = torch.empty(grid * block_m, 2 * ctx.iters, bn, device=L.device, dtype=torch.float32)
-        dL = torch.empty_like(L)
-        _sinkhorn_bwd_kernel[(grid,)](L, dP.reshape(M, n, n).contiguous(), dL, sums, M, n, ITERS=ctx.iters,
-                                      BLOCK_M=block_m, BN=bn)
-        return dL.reshape(ctx.shape), None
+
+@_sinkhorn_fwd.register_fake
+def _(logits, iters):
+    return logits.new_empty(logits.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("specgpt::sinkhorn_bwd", mutates_args=())
+def _sinkhorn_bwd(dP: torch.Tensor, logits: torch.Tensor, iters: int) -> torch.Tensor:
+    n = logits.shape[-1]
+    L = logits.reshape(-1, n, n).contiguous()
+    M = L.shape[0]
+    block_m, bn = _sinkhorn_blocks(n)
+    grid = triton.cdiv(M, block_m)
+    sums = torch.empty(grid * block_m, 2 * iters, bn, device=L.device, dtype=torch.float32)
+    dL = torch.empty_like(L)
+    _sinkhorn_bwd_kernel[(grid,)](L, dP.reshape(M, n, n).contiguous(), dL, sums, M, n, ITERS=iters,
+                                  BLOCK_M=block_m, BN=bn)
+    return dL.reshape(logits.shape)
+
+
+@_sinkhorn_bwd.register_fake
+def _(dP, logits, iters):
+    return logits.new_empty(logits.shape)
+
+
+def _sinkhorn_setup(ctx, inputs, output):
+    logits, iters = inputs
+    ctx.save_for_backward(logits)
+    ctx.iters = iters
+
+
+def _sinkhorn_backward(ctx, dP):
+    return _sinkhorn_bwd(dP, *ctx.saved_tensors, ctx.iters), None
+
+
+_sinkhorn_fwd.register_autograd(_sinkhorn_backward, setup_context=_sinkhorn_setup)
 
 
 def sinkhorn_triton(logits, iters=20):
     if logits.ndim < 2 or logits.shape[-1] != logits.shape[-2]:
         raise ValueError(f"sinkhorn needs logits[..., n, n]; got shape {tuple(logits.shape)}")
-    return _SinkhornTriton.apply(logits, iters)
+    return _sinkhorn_fwd(logits, iters)
 
 
 # -----------------------------------------------------------------------------
@@ -1014,35 +1105,56 @@ def _gdn2_clip_blocks(K):
     return max(1, min(16, 1024 // block_k)), block_k  # larger tiles spill registers in the backward kernel
 
 
-class _GDN2DecayClipTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, g, k, b):
-        g, k, b = g.contiguous(), k.contiguous(), b.contiguous()
-        K = g.shape[-1]
-        n_rows = g.numel() // K
-        out = torch.empty_like(g)
-        block_r, block_k = _gdn2_clip_blocks(K)
-        _gdn2_clip_fwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, out, n_rows, K, BLOCK_R=block_r, BLOCK_K=block_k)
-        ctx.save_for_backward(g, k, b)
-        return out
+@torch.library.custom_op("specgpt::gdn2_decay_clip_fwd", mutates_args=())
+def _gdn2_decay_clip_fwd(g: torch.Tensor, k: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    g, k, b = g.contiguous(), k.contiguous(), b.contiguous()
+    K = g.shape[-1]
+    n_rows = g.numel() // K
+    out = torch.empty_like(g)
+    block_r, block_k = _gdn2_clip_blocks(K)
+    _gdn2_clip_fwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, out, n_rows, K, BLOCK_R=block_r, BLOCK_K=block_k)
+    return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        g, k, b = ctx.saved_tensors
-        K = g.shape[-1]
-        n_rows = g.numel() // K
-        dg, dk, db = torch.empty_like(g), torch.empty_like(k), torch.empty_like(b)
-        block_r, block_k = _gdn2_clip_blocks(K)
-        _gdn2_clip_bwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, dout.contiguous(), dg, dk, db, n_rows, K,
-                                                               BLOCK_R=block_r, BLOCK_K=block_k)
-        return dg, dk, db
+
+@_gdn2_decay_clip_fwd.register_fake
+def _(g, k, b):
+    return g.new_empty(g.shape)
+
+
+@torch.library.custom_op("specgpt::gdn2_decay_clip_bwd", mutates_args=())
+def _gdn2_decay_clip_bwd(dout: torch.Tensor, g: torch.Tensor, k: torch.Tensor,
+                         b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, k, b = g.contiguous(), k.contiguous(), b.contiguous()
+    K = g.shape[-1]
+    n_rows = g.numel() // K
+    dg, dk, db = torch.empty_like(g), torch.empty_like(k), torch.empty_like(b)
+    block_r, block_k = _gdn2_clip_blocks(K)
+    _gdn2_clip_bwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, dout.contiguous(), dg, dk, db, n_rows, K,
+                                                           BLOCK_R=block_r, BLOCK_K=block_k)
+    return dg, dk, db
+
+
+@_gdn2_decay_clip_bwd.register_fake
+def _(dout, g, k, b):
+    return g.new_empty(g.shape), k.new_empty(k.shape), b.new_empty(b.shape)
+
+
+def _gdn2_decay_clip_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _gdn2_decay_clip_backward(ctx, dout):
+    return _gdn2_decay_clip_bwd(dout, *ctx.saved_tensors)
+
+
+_gdn2_decay_clip_fwd.register_autograd(_gdn2_decay_clip_backward, setup_context=_gdn2_decay_clip_setup)
 
 
 def gdn2_decay_clip_triton(g, k, b):
     if k.shape != g.shape or b.shape != g.shape:
         raise ValueError(f"gdn2_decay_clip needs g, k, b of one shape [B,T,H,K]; got {tuple(g.shape)}, {tuple(k.shape)}, "
                          f"{tuple(b.shape)}; broadcast scalar gates with .expand_as(k)")
-    return _GDN2DecayClipTriton.apply(g, k, b)
+    return _gdn2_decay_clip_fwd(g, k, b)
 
 
 # -----------------------------------------------------------------------------
@@ -1114,46 +1226,75 @@ if HAS_TRITON:
         tl.store(dA_log_rows_ptr + rows, tl.sum(dg * g, axis=1), mask=rows < n_rows)
 
 
-class _GDN2GatesTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, decay_logits, erase_logits, k, A_log, dt_bias, clip):
-        H, K = k.shape[-2:]
-        decay_logits, erase_logits, k = decay_logits.contiguous(), erase_logits.contiguous(), k.contiguous()
-        A_log, dt_bias_hk = A_log.contiguous(), dt_bias.reshape(H, K).contiguous()
-        n_rows = k.numel() // K
-        log_decay = torch.empty(k.shape, device=k.device, dtype=torch.float32)
-        erase_gate = torch.empty_like(erase_logits)
-        block_r, block_k = _gdn2_clip_blocks(K)
-        _gdn2_gates_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-            decay_logits, erase_logits, k, A_log, dt_bias_hk, log_decay, erase_gate, n_rows, H, K,
-            CLIP=clip, BLOCK_R=block_r, BLOCK_K=block_k)
-        ctx.save_for_backward(decay_logits, erase_logits, k, A_log, dt_bias_hk)
-        ctx.clip, ctx.dt_bias_shape = clip, dt_bias.shape
-        return log_decay, erase_gate
+@torch.library.custom_op("specgpt::gdn2_gates_fwd", mutates_args=())
+def _gdn2_gates_fwd(decay_logits: torch.Tensor, erase_logits: torch.Tensor, k: torch.Tensor, A_log: torch.Tensor,
+                    dt_bias: torch.Tensor, clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    H, K = k.shape[-2:]
+    decay_logits, erase_logits, k = decay_logits.contiguous(), erase_logits.contiguous(), k.contiguous()
+    A_log, dt_bias_hk = A_log.contiguous(), dt_bias.reshape(H, K).contiguous()
+    n_rows = k.numel() // K
+    log_decay = torch.empty(k.shape, device=k.device, dtype=torch.float32)
+    erase_gate = torch.empty_like(erase_logits)
+    block_r, block_k = _gdn2_clip_blocks(K)
+    _gdn2_gates_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+        decay_logits, erase_logits, k, A_log, dt_bias_hk, log_decay, erase_gate, n_rows, H, K,
+        CLIP=clip, BLOCK_R=block_r, BLOCK_K=block_k)
+    return log_decay, erase_gate
 
-    @staticmethod
-    def backward(ctx, d_log_decay, d_erase_gate):
-        decay_logits, erase_logits, k, A_log, dt_bias = ctx.saved_tensors
-        H, K = k.shape[-2:]
-        n_rows = k.numel() // K
-        # fp32 whatever decay_logits' dtype: summed over B, T it is dt_bias's gradient
-        d_decay_logits = torch.empty(k.shape, device=k.device, dtype=torch.float32)
-        d_erase_logits = torch.empty_like(erase_logits)
-        dk = torch.empty_like(k) if ctx.clip else None
-        dA_log_rows = torch.empty(n_rows, device=k.device, dtype=torch.float32)
-        block_r, block_k = _gdn2_clip_blocks(K)
-        _gdn2_gates_bwd_kernel[(triton.cdiv(n_rows, block_r),)](
-            decay_logits, erase_logits, k, A_log, dt_bias, d_log_decay.contiguous(), d_erase_gate.contiguous(),
-            d_decay_logits, d_erase_logits, dk, dA_log_rows, n_rows, H, K,
-            CLIP=ctx.clip, BLOCK_R=block_r, BLOCK_K=block_k)
-        dA_log = dA_log_rows.view(-1, H).sum(0)
-        d_dt_bias = d_decay_logits.view(-1, H * K).sum(0).reshape(ctx.dt_bias_shape)
-        return d_decay_logits.to(decay_logits.dtype), d_erase_logits, dk, dA_log.to(A_log.dtype), d_dt_bias.to(dt_bias.dtype), None
+
+@_gdn2_gates_fwd.register_fake
+def _(decay_logits, erase_logits, k, A_log, dt_bias, clip):
+    return k.new_empty(k.shape, dtype=torch.float32), erase_logits.new_empty(erase_logits.shape)
+
+
+@torch.library.custom_op("specgpt::gdn2_gates_bwd", mutates_args=())
+def _gdn2_gates_bwd(d_log_decay: torch.Tensor, d_erase_gate: torch.Tensor, decay_logits: torch.Tensor,
+                    erase_logits: torch.Tensor, k: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                    clip: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of decay_logits, erase_logits, k, A_log, dt_bias; k's is empty without the clip (none flows)."""
+    H, K = k.shape[-2:]
+    decay_logits, erase_logits, k = decay_logits.contiguous(), erase_logits.contiguous(), k.contiguous()
+    A_log, dt_bias_hk = A_log.contiguous(), dt_bias.reshape(H, K).contiguous()
+    n_rows = k.numel() // K
+    # fp32 whatever decay_logits' dtype: summed over B, T it is dt_bias's gradient
+    d_decay_logits = torch.empty(k.shape, device=k.device, dtype=torch.float32)
+    d_erase_logits = torch.empty_like(erase_logits)
+    dk = torch.empty_like(k) if clip else None
+    dA_log_rows = torch.empty(n_rows, device=k.device, dtype=torch.float32)
+    block_r, block_k = _gdn2_clip_blocks(K)
+    _gdn2_gates_bwd_kernel[(triton.cdiv(n_rows, block_r),)](
+        decay_logits, erase_logits, k, A_log, dt_bias_hk, d_log_decay.contiguous(), d_erase_gate.contiguous(),
+        d_decay_logits, d_erase_logits, dk, dA_log_rows, n_rows, H, K,
+        CLIP=clip, BLOCK_R=block_r, BLOCK_K=block_k)
+    dA_log = dA_log_rows.view(-1, H).sum(0)
+    d_dt_bias = d_decay_logits.view(-1, H * K).sum(0).reshape(dt_bias.shape)
+    return (d_decay_logits.to(decay_logits.dtype), d_erase_logits, dk if clip else k.new_empty(0),
+            dA_log.to(A_log.dtype), d_dt_bias.to(dt_bias.dtype))
+
+
+@_gdn2_gates_bwd.register_fake
+def _(d_log_decay, d_erase_gate, decay_logits, erase_logits, k, A_log, dt_bias, clip):
+    return (decay_logits.new_empty(decay_logits.shape), erase_logits.new_empty(erase_logits.shape),
+            k.new_empty(k.shape if clip else 0), A_log.new_empty(A_log.shape), dt_bias.new_empty(dt_bias.shape))
+
+
+def _gdn2_gates_setup(ctx, inputs, output):
+    *tensors, ctx.clip = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _gdn2_gates_backward(ctx, d_log_decay, d_erase_gate):
+    d_decay_logits, d_erase_logits, dk, dA_log, d_dt_bias = _gdn2_gates_bwd(d_log_decay, d_erase_gate,
+                                                                            *ctx.saved_tensors, ctx.clip)
+    return d_decay_logits, d_erase_logits, dk if ctx.clip else None, dA_log, d_dt_bias, None
+
+
+_gdn2_gates_fwd.register_autograd(_gdn2_gates_backward, setup_context=_gdn2_gates_setup)
 
 
 def gdn2_gates_triton(decay_logits, erase_logits, k, A_log, dt_bias, clip=True):
     _gdn2_gates_check(decay_logits, erase_logits, k, A_log, dt_bias)
-    return _GDN2GatesTriton.apply(decay_logits, erase_logits, k, A_log, dt_bias, clip)
+    return _gdn2_gates_fwd(decay_logits, erase_logits, k, A_log, dt_bias, clip)
 
 
 # -----------------------------------------------------------------------------
@@ -1224,18 +1365,20 @@ if HAS_TRITON:
             w = tl.load(w_ptr + row * V + vs, mask=mv, other=0.0).to(tl.float32)
             u = tl.load(u_ptr + row * V + vs, mask=mv, other=0.0)
             do = tl.load(do_ptr + row * V + vs, mask=mv, other=0.0).to(tl.float32)
+            # dk and dq are stored without the read at t itself (o_t ∋ q̃_t·k_t u_t), which is added outside
+            tl.store(dk_ptr + partial + row * K + ks, tl.sum(dS * u[None, :], axis=1), mask=mk)
             dS += q[:, None] * do[None, :]
             du = tl.sum(dS * k[:, None], axis=0)
             tl.store(dv_ptr + row * V + vs, du * w, mask=mv)
             tl.store(dw_ptr + row * V + vs, du * v, mask=mv)
             tl.store(du_ptr + row * V + vs, du, mask=mv)
-            tl.store(dk_ptr + partial + row * K + ks, tl.sum(dS * u[None, :], axis=1), mask=mk)
             dS = tl.exp(g)[:, None] * (dS - (b * k)[:, None] * du[None, :])
         tl.store(ds0_ptr + state_offs, dS, mask=mk[:, None] & mv[None, :])
         tl.debug_barrier()  # du written above is read back below, possibly by other threads
         S = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
         if HAS_INITIAL:
             S = tl.load(s0_ptr + state_offs, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        dgT = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for t in range(T):
             row = (bi * T + t).to(tl.int64) * H + hi
             k = tl.load(k_ptr + row * K + ks, mask=mk, other=0.0).to(tl.float32)
@@ -1244,76 +1387,122 @@ if HAS_TRITON:
             du = tl.load(du_ptr + row * V + vs, mask=mv, other=0.0)
             do = tl.load(do_ptr + row * V + vs, mask=mv, other=0.0).to(tl.float32)
             S = S * tl.exp(g)[:, None]
+            if t == T - 1:  # the end state's gauge term, without the last write (it cancels that write's k⊙dk)
+                dgT = tl.sum(dS_T * S, axis=1)
             tl.store(de_ptr + partial + row * K + ks, -tl.sum(S * du[None, :], axis=1), mask=mk)
-            S = S + k[:, None] * u[None, :]
             tl.store(dq_ptr + partial + row * K + ks, scale * tl.sum(S * do[None, :], axis=1), mask=mk)
-        tl.store(dgT_ptr + (pid_v.to(tl.int64) * B * H + pid_bh) * K + ks, tl.sum(dS_T * S, axis=1), mask=mk)
+            S = S + k[:, None] * u[None, :]
+        tl.store(dgT_ptr + (pid_v.to(tl.int64) * B * H + pid_bh) * K + ks, dgT, mask=mk)
 
 
 def _gdn2_rec_blocks(K, V):
     return triton.next_power_of_2(K), min(32, triton.next_power_of_2(V))
 
 
-class _GDN2RecurrentTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, b, w, scale, initial_state):
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
-        block_k, block_v = _gdn2_rec_blocks(K, V)
-        o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
-        S_T = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
-        u = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)
-        s0 = initial_state.contiguous() if initial_state is not None else S_T
-        _gdn2_rec_fwd_kernel[(triton.cdiv(V, block_v), B * H)](
-            q, k, v, g, b, w, s0, o, S_T, u, scale, T, H, K, V, HAS_INITIAL=initial_state is not None,
-            BLOCK_K=block_k, BLOCK_V=block_v)
-        ctx.save_for_backward(q, k, v, g, b, w, u, initial_state)
-        ctx.scale = scale
-        return o, S_T
-
-    @staticmethod
-    def backward(ctx, do, dS_T):
-        q, k, v, g, b, w, u, initial_state = ctx.saved_tensors
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        block_k, block_v = _gdn2_rec_blocks(K, V)
-        nv = triton.cdiv(V, block_v)
-        f32 = dict(device=q.device, dtype=torch.float32)
-        dq_p, dk_p, de_p = (torch.empty(nv, B, T, H, K, **f32) for _ in range(3))
-        dv, dw, du = (torch.empty(B, T, H, V, **f32) for _ in range(3))
-        ds0 = torch.empty(B, H, K, V, **f32)
-        dgT = torch.empty(nv, B, H, K, **f32)
-        do = do.contiguous()
-        s0 = initial_state if initial_state is not None else ds0
-        _gdn2_rec_bwd_kernel[(nv, B * H)](
-            q, k, v, g, b, w, s0, u, do, dS_T.contiguous(), dq_p, dk_p, de_p, dv, dw, ds0, dgT, du, ctx.scale,
-            B, T, H, K, V, HAS_INITIAL=initial_state is not None, BLOCK_K=block_k, BLOCK_V=block_v)
-        dq, dk_write, de = dq_p.sum(0), dk_p.sum(0), de_p.sum(0)
-        qf, kf, bf = q.float(), k.float(), b.float()
-        dG = qf * dq + bf * kf * de - kf * dk_write                # ∂L/∂G_t by the gauge identity
-        dG[:, -1] += dgT.sum(0)
-        dg = dG.flip(1).cumsum(1).flip(1)
-        return (dq.to(q.dtype), (dk_write + bf * de).to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), (kf * de).to(b.dtype),
-                dw.to(w.dtype), None, ds0 if initial_state is not None else None)
+@torch.library.custom_op("specgpt::gdn2_recurrent_fwd", mutates_args=())
+def _gdn2_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
+                        w: torch.Tensor, scale: float,
+                        initial_state: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, S_T, u): u, the corrected writes, is kept for the backward."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
+    block_k, block_v = _gdn2_rec_blocks(K, V)
+    o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
+    S_T = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
+    u = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)
+    s0 = initial_state.contiguous() if initial_state is not None else S_T
+    _gdn2_rec_fwd_kernel[(triton.cdiv(V, block_v), B * H)](
+        q, k, v, g, b, w, s0, o, S_T, u, scale, T, H, K, V, HAS_INITIAL=initial_state is not None,
+        BLOCK_K=block_k, BLOCK_V=block_v)
+    return o, S_T, u
 
 
-# Chunked gdn2 (chunks of 16 tokens; G = within-chunk cumsum of g, q̃ = scale·q, e = b⊙k, as gdn2_torch):
+@_gdn2_recurrent_fwd.register_fake
+def _(q, k, v, g, b, w, scale, initial_state):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    return q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=torch.float32), q.new_empty(B, T, H, V, dtype=torch.float32)
+
+
+@torch.library.custom_op("specgpt::gdn2_recurrent_bwd", mutates_args=())
+def _gdn2_recurrent_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        g: torch.Tensor, b: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
+                        initial_state: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor]:
+    """(dq, dk, dv, dg, db, dw, d initial_state)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
+    block_k, block_v = _gdn2_rec_blocks(K, V)
+    nv = triton.cdiv(V, block_v)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    dq_p, dk_p, de_p = (torch.empty(nv, B, T, H, K, **f32) for _ in range(3))
+    dv, dw, du = (torch.empty(B, T, H, V, **f32) for _ in range(3))
+    ds0 = torch.empty(B, H, K, V, **f32)
+    dgT = torch.empty(nv, B, H, K, **f32)
+    do = do.contiguous()
+    s0 = initial_state.contiguous() if initial_state is not None else ds0
+    _gdn2_rec_bwd_kernel[(nv, B * H)](
+        q, k, v, g, b, w, s0, u, do, dS_T.contiguous(), dq_p, dk_p, de_p, dv, dw, ds0, dgT, du, scale,
+        B, T, H, K, V, HAS_INITIAL=initial_state is not None, BLOCK_K=block_k, BLOCK_V=block_v)
+    dq_apart, dk_apart, de = dq_p.sum(0), dk_p.sum(0), de_p.sum(0)
+    qf, kf, bf = q.float(), k.float(), b.float()
+    # ∂L/∂G_t by the gauge identity, from dq, dk without each token's read of its own write: that adds
+    # scale·q k (do·u) to both q⊙dq and k⊙dk, which cancel, and its rounding would swamp strong decays' tiny dg.
+    # Likewise the last write k_T u_Tᵀ is in S_T: its k⊙dk is left out, and the end-state term is Σ_v dS_T⊙S_T
+    # without it (dgT from the kernel)
+    k_dk = kf * dk_apart
+    k_dk[:, -1] = 0.0
+    dG = qf * dq_apart + bf * kf * de - k_dk
+    dG[:, -1] += dgT.sum(0)
+    read_own = scale * (u * do.float()).sum(-1, keepdim=True)
+    dq, dk_write = dq_apart + read_own * kf, dk_apart + read_own * qf
+    dg = dG.flip(1).cumsum(1).flip(1)
+    return (dq.to(q.dtype), (dk_write + bf * de).to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), (kf * de).to(b.dtype),
+            dw.to(w.dtype), ds0)
+
+
+@_gdn2_recurrent_bwd.register_fake
+def _(do, dS_T, q, k, v, g, b, w, u, scale, initial_state):
+    return (*(t.new_empty(t.shape) for t in (q, k, v, g, b, w)), dS_T.new_empty(dS_T.shape, dtype=torch.float32))
+
+
+def _gdn2_recurrent_setup(ctx, inputs, output):
+    q, k, v, g, b, w, ctx.scale, initial_state = inputs
+    ctx.save_for_backward(q, k, v, g, b, w, output[2], initial_state)
+    ctx.mark_non_differentiable(output[2])
+
+
+def _gdn2_recurrent_backward(ctx, do, dS_T, du):
+    q, k, v, g, b, w, u, initial_state = ctx.saved_tensors
+    *grads, ds0 = _gdn2_recurrent_bwd(do, dS_T, q, k, v, g, b, w, u, ctx.scale, initial_state)
+    return *grads, None, ds0 if initial_state is not None else None
+
+
+_gdn2_recurrent_fwd.register_autograd(_gdn2_recurrent_backward, setup_context=_gdn2_recurrent_setup)
+
+
+# Chunked gdn2 (chunks of CHUNK tokens; G = within-chunk cumsum of g, q̃ = scale·q, e = b⊙k, as gdn2_torch):
 #   intra (parallel over chunks):  L_rs = Σ_d e_rd k_sd exp(G_rd − G_sd) (s < r),
 #                                  Aqk_rs = Σ_d q̃_rd k_sd exp(G_rd − G_sd) (s ≤ r),
 #                                  Ainv = (I + L)^{-1} by forward substitution,  Y = Ainv (exp(G)⊙e),  U0 = Ainv (w⊙v)
 #   state pass (sequential):       U = U0 − Y S,  O = (exp(G)⊙q̃) S + Aqk U,
 #                                  S ← Diag(exp G_C) S + (exp(G_C − G)⊙k)ᵀ U
 # The pairwise exp(G_rd − G_sd) is formed per channel for s ≤ r only, so no exponent is positive however strong
-# the decay. Backward: a reverse pass over chunks for the state gradients, then one parallel kernel per chunk
-# through the solve (dL = −Ainvᵀ dAinv Ainvᵀ) and the pair weights; dg by the gauge identity as above.
-# The dots are 16 rows tall, so they stay IEEE fp32 (CUDA cores) whatever the input dtype.
+# the decay; its [C, C, BLOCK_KP] tiles walk K in blocks, so shared memory and registers stay bounded at any head
+# size. Backward: a reverse pass over chunks for the state gradients, then one parallel kernel per chunk through
+# the solve (dL = −Ainvᵀ dAinv Ainvᵀ) and the pair weights, walking V in blocks; dg by the gauge identity as above,
+# with the pair weights' diagonal (s = r, exp 0 = 1) kept out of it, as in gdn2_torch.
+# The dots are at most 64 rows tall, so they stay IEEE fp32 (CUDA cores) whatever the input dtype.
 if HAS_TRITON:
     @triton.jit
-    def _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
+    def _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K, k0,
                             CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
+        # channels k0 .. k0 + BLOCK_K of the chunk (G per channel needs no other channel)
         rs = tl.arange(0, CHUNK)
-        ks = tl.arange(0, BLOCK_K)
+        ks = k0 + tl.arange(0, BLOCK_K)
         pos = c * CHUNK + rs
         offs = ((bi * T + pos[:, None]).to(tl.int64) * H + hi) * K + ks[None, :]
         mask = (pos[:, None] < T) & (ks[None, :] < K)
@@ -1332,31 +1521,29 @@ if HAS_TRITON:
         return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32), offs, mask
 
     @triton.jit
-    def _gdn2_chunk_pair_decay(G, CHUNK: tl.constexpr, STRICT: tl.constexpr):
-        # [C, C, K] tile of exp(G_rd − G_sd) for s ≤ r (s < r when STRICT), 0 elsewhere
+    def _gdn2_chunk_pair_decay(G, CHUNK: tl.constexpr):
+        # [C, C, BLOCK_KP] tile of exp(G_rd − G_sd) for s < r, 0 elsewhere (the diagonal s = r is exp 0 = 1)
         rs = tl.arange(0, CHUNK)
-        if STRICT:
-            keep = rs[:, None] > rs[None, :]
-        else:
-            keep = rs[:, None] >= rs[None, :]
-        return tl.exp(tl.where(keep[:, :, None], G[:, None, :] - G[None, :, :], -float("inf")))
+        return tl.exp(tl.where((rs[:, None] > rs[None, :])[:, :, None], G[:, None, :] - G[None, :, :], -float("inf")))
 
     @triton.jit
     def _gdn2_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, Aqk_ptr, Y_ptr, U0_ptr,
-                                 scale, T, H, K, V, n_chunks, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 scale, T, H, K, V, n_chunks, CHUNK: tl.constexpr, BLOCK_KP: tl.constexpr,
                                  BLOCK_V: tl.constexpr):
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, CHUNK)
-        q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
-                                                                 CHUNK, BLOCK_K)
-        vs = tl.arange(0, BLOCK_V)
-        v, v_offs, v_mask = _gdn2_chunk_load_v(v_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-        w, v_offs, v_mask = _gdn2_chunk_load_v(w_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-        e = b * k
-        P = _gdn2_chunk_pair_decay(G, CHUNK, False)
-        L = tl.where(rs[:, None] > rs[None, :], tl.sum(e[:, None, :] * P * k[None, :, :], axis=2), 0.0)
-        Aqk = tl.sum(q[:, None, :] * P * k[None, :, :], axis=2)
+        L = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+        Aqk = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+        diag = tl.zeros((CHUNK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_KP):
+            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H,
+                                                                     K, k0, CHUNK, BLOCK_KP)
+            P = _gdn2_chunk_pair_decay(G, CHUNK)
+            L += tl.sum((b * k)[:, None, :] * P * k[None, :, :], axis=2)
+            Aqk += tl.sum(q[:, None, :] * P * k[None, :, :], axis=2)
+            diag += tl.sum(q * k, axis=1)
+        Aqk += tl.where(rs[:, None] == rs[None, :], diag[:, None], 0.0)
         Ainv = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
         for r in range(CHUNK):  # row r of (I + L)^{-1}: e_r − Σ_{s<r} L_rs Ainv_s
             L_r = tl.sum(tl.where(rs[:, None] == r, L, 0.0), axis=0)
@@ -1365,8 +1552,15 @@ if HAS_TRITON:
         cc_offs = (pid_bc * H + hi).to(tl.int64) * CHUNK * CHUNK + rs[:, None] * CHUNK + rs[None, :]
         tl.store(Ainv_ptr + cc_offs, Ainv)
         tl.store(Aqk_ptr + cc_offs, Aqk)
-        tl.store(Y_ptr + k_offs, tl.dot(Ainv, tl.exp(G) * e, input_precision="ieee"), mask=k_mask)
-        tl.store(U0_ptr + v_offs, tl.dot(Ainv, w * v, input_precision="ieee"), mask=v_mask)
+        for k0 in range(0, K, BLOCK_KP):
+            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H,
+                                                                     K, k0, CHUNK, BLOCK_KP)
+            tl.store(Y_ptr + k_offs, tl.dot(Ainv, tl.exp(G) * b * k, input_precision="ieee"), mask=k_mask)
+        for v0 in range(0, V, BLOCK_V):
+            vs = v0 + tl.arange(0, BLOCK_V)
+            v, v_offs, v_mask = _gdn2_chunk_load_v(v_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            w, v_offs, v_mask = _gdn2_chunk_load_v(w_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            tl.store(U0_ptr + v_offs, tl.dot(Ainv, w * v, input_precision="ieee"), mask=v_mask)
 
     @triton.jit
     def _gdn2_chunk_fwd_state_kernel(q_ptr, k_ptr, g_ptr, b_ptr, Aqk_ptr, Y_ptr, U0_ptr, s0_ptr, o_ptr, S_in_ptr, sT_ptr,
@@ -1385,7 +1579,7 @@ if HAS_TRITON:
         for c in range(n_chunks):
             tl.store(S_in_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V + st_offs, S, mask=st_mask)
             q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
-                                                                     CHUNK, BLOCK_K)
+                                                                     0, CHUNK, BLOCK_K)
             Y = tl.load(Y_ptr + k_offs, mask=k_mask, other=0.0)
             U0, v_offs, v_mask = _gdn2_chunk_load_v(U0_ptr, bi, c, hi, T, H, V, vs, CHUNK)
             Aqk = tl.load(Aqk_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * CHUNK * CHUNK
@@ -1414,9 +1608,8 @@ if HAS_TRITON:
             c = n_chunks - 1 - cc
             chunk_st = ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V + st_offs
             tl.store(dS_next_ptr + chunk_st, dS, mask=st_mask)
-            S = tl.load(S_in_ptr + chunk_st, mask=st_mask, other=0.0)
             q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
-                                                                     CHUNK, BLOCK_K)
+                                                                     0, CHUNK, BLOCK_K)
             Y = tl.load(Y_ptr + k_offs, mask=k_mask, other=0.0)
             dO, v_offs, v_mask = _gdn2_chunk_load_v(do_ptr, bi, c, hi, T, H, V, vs, CHUNK)
             Aqk = tl.load(Aqk_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * CHUNK * CHUNK
@@ -1428,134 +1621,214 @@ if HAS_TRITON:
         tl.store(ds0_ptr + pid_bh.to(tl.int64) * K * V + st_offs, dS, mask=st_mask)
 
     @triton.jit
-    def _gdn2_chunk_bwd_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, Aqk_ptr, S_in_ptr, dS_next_ptr,
-                                     do_ptr, dq_ptr, dk_ptr, dv_ptr, db_ptr, dw_ptr, dG_ptr, scale, T, H, K, V, n_chunks,
-                                     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-        # one program per (batch·chunk, head), whole K and V; dG is ∂L/∂G_t of the gauge identity (summed outside)
+    def _gdn2_chunk_bwd_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, Aqk_ptr, Y_ptr, U0_ptr, S_in_ptr,
+                                     dS_next_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, db_ptr, dw_ptr, dG_ptr, scale, T, H, K, V,
+                                     n_chunks, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KP: tl.constexpr,
+                                     BLOCK_V: tl.constexpr):
+        # one program per (batch·chunk, head). Pass 1 walks V in blocks for the matmul terms (whole K), parked in
+        # dq, dk, db; pass 2 walks K in blocks for the pair-weight terms. dG is ∂L/∂G_t of the gauge identity.
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, CHUNK)
         ks = tl.arange(0, BLOCK_K)
-        vs = tl.arange(0, BLOCK_V)
         q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
-                                                                 CHUNK, BLOCK_K)
-        v, v_offs, v_mask = _gdn2_chunk_load_v(v_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-        w, v_offs, v_mask = _gdn2_chunk_load_v(w_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-        dO, v_offs, v_mask = _gdn2_chunk_load_v(do_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-        chunk_st = ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V + ks[:, None] * V + vs[None, :]
-        st_mask = (ks[:, None] < K) & (vs[None, :] < V)
-        S = tl.load(S_in_ptr + chunk_st, mask=st_mask, other=0.0)
-        dSn = tl.load(dS_next_ptr + chunk_st, mask=st_mask, other=0.0)
+                                                                 0, CHUNK, BLOCK_K)
         cc_offs = (pid_bc * H + hi).to(tl.int64) * CHUNK * CHUNK + rs[:, None] * CHUNK + rs[None, :]
         Ainv = tl.load(Ainv_ptr + cc_offs)
         Aqk = tl.load(Aqk_ptr + cc_offs)
-        e = b * k
-        E_tilde = tl.exp(G) * e
-        Z = w * v
-        Y = tl.dot(Ainv, E_tilde, input_precision="ieee")
-        U = tl.dot(Ainv, Z, input_precision="ieee") - tl.dot(Y, S, input_precision="ieee")
+        Y = tl.load(Y_ptr + k_offs, mask=k_mask, other=0.0)
         decay_out = tl.exp(G_last[None, :] - G)
-        dU = tl.dot(tl.trans(Aqk), dO, input_precision="ieee") + tl.dot(decay_out * k, dSn, input_precision="ieee")
-        dAqk = tl.where(rs[:, None] >= rs[None, :], tl.dot(dO, tl.trans(U), input_precision="ieee"), 0.0)
-        dq = tl.exp(G) * tl.dot(dO, tl.trans(S), input_precision="ieee")
-        dk_write = decay_out * tl.dot(U, tl.trans(dSn), input_precision="ieee")
-        dY = -tl.dot(dU, tl.trans(S), input_precision="ieee")
+        k_out = decay_out * k
         AinvT = tl.trans(Ainv)
-        de = tl.exp(G) * tl.dot(AinvT, dY, input_precision="ieee")
-        dZ = tl.dot(AinvT, dU, input_precision="ieee")
-        dAinv = tl.dot(dY, tl.trans(E_tilde), input_precision="ieee") + tl.dot(dU, tl.trans(Z), input_precision="ieee")
+        dAqk = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+        dZ_Zt = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)                  # Σ_v dU Zᵀ, part of dAinv
+        dq_state = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)             # dO Sᵀ
+        dk_state = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)             # U dS_nextᵀ
+        dY = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)                   # −dU Sᵀ
+        st_base = ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V
+        for v0 in range(0, V, BLOCK_V):
+            vs = v0 + tl.arange(0, BLOCK_V)
+            st_offs = st_base + ks[:, None] * V + vs[None, :]
+            st_mask = (ks[:, None] < K) & (vs[None, :] < V)
+            S = tl.load(S_in_ptr + st_offs, mask=st_mask, other=0.0)
+            dSn = tl.load(dS_next_ptr + st_offs, mask=st_mask, other=0.0)
+            v, v_offs, v_mask = _gdn2_chunk_load_v(v_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            w, v_offs, v_mask = _gdn2_chunk_load_v(w_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            dO, v_offs, v_mask = _gdn2_chunk_load_v(do_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            U0, v_offs, v_mask = _gdn2_chunk_load_v(U0_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            U = U0 - tl.dot(Y, S, input_precision="ieee")
+            dU = tl.dot(tl.trans(Aqk), dO, input_precision="ieee") + tl.dot(k_out, dSn, input_precision="ieee")
+            dAqk += tl.dot(dO, tl.trans(U), input_precision="ieee")
+            dZ_Zt += tl.dot(dU, tl.trans(w * v), input_precision="ieee")
+            dq_state += tl.dot(dO, tl.trans(S), input_precision="ieee")
+            dk_state += tl.dot(U, tl.trans(dSn), input_precision="ieee")
+            dY -= tl.dot(dU, tl.trans(S), input_precision="ieee")
+            dZ = tl.dot(AinvT, dU, input_precision="ieee")
+            tl.store(dv_ptr + v_offs, dZ * w, mask=v_mask)
+            tl.store(dw_ptr + v_offs, dZ * v, mask=v_mask)
+        dAinv = dZ_Zt + tl.dot(dY, tl.trans(tl.exp(G) * b * k), input_precision="ieee")
         dL = -tl.dot(tl.dot(AinvT, dAinv, input_precision="ieee"), AinvT, input_precision="ieee")
         dL = tl.where(rs[:, None] > rs[None, :], dL, 0.0)
-        P = _gdn2_chunk_pair_decay(G, CHUNK, False)
-        de += tl.sum(dL[:, :, None] * k[None, :, :] * P, axis=1)
-        dq += tl.sum(dAqk[:, :, None] * k[None, :, :] * P, axis=1)
-        dk_write += tl.sum((dL[:, :, None] * e[:, None, :] + dAqk[:, :, None] * q[:, None, :]) * P, axis=0)
-        tl.store(dq_ptr + k_offs, dq * scale, mask=k_mask)
-        tl.store(dk_ptr + k_offs, dk_write + b * de, mask=k_mask)
-        tl.store(db_ptr + k_offs, k * de, mask=k_mask)
-        tl.store(dG_ptr + k_offs, q * dq + e * de - k * dk_write, mask=k_mask)
-        tl.store(dv_ptr + v_offs, dZ * w, mask=v_mask)
-        tl.store(dw_ptr + v_offs, dZ * v, mask=v_mask)
+        dAqk_diag = tl.sum(tl.where(rs[:, None] == rs[None, :], dAqk, 0.0), axis=1)
+        dAqk = tl.where(rs[:, None] > rs[None, :], dAqk, 0.0)
+        tl.store(dq_ptr + k_offs, tl.exp(G) * dq_state, mask=k_mask)
+        tl.store(dk_ptr + k_offs, decay_out * dk_state, mask=k_mask)
+        # the gauge's share of the state term, but none in the last chunk: its writes cancel the end-state term,
+        # which the wrapper adds without them
+        tl.store(dG_ptr + k_offs, tl.where(c == n_chunks - 1, 0.0, -k * decay_out * dk_state), mask=k_mask)
+        tl.store(db_ptr + k_offs, tl.exp(G) * tl.dot(AinvT, dY, input_precision="ieee"), mask=k_mask)
+        tl.debug_barrier()  # pass 2 reads the three parked tiles back, possibly in other threads
+        for k0 in range(0, K, BLOCK_KP):
+            qb, kb, bb, Gb, Gb_last, offs, mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H,
+                                                                      K, k0, CHUNK, BLOCK_KP)
+            eb = bb * kb
+            P = _gdn2_chunk_pair_decay(Gb, CHUNK)
+            dq = tl.load(dq_ptr + offs, mask=mask, other=0.0) + tl.sum(dAqk[:, :, None] * kb[None, :, :] * P, axis=1)
+            de = tl.load(db_ptr + offs, mask=mask, other=0.0) + tl.sum(dL[:, :, None] * kb[None, :, :] * P, axis=1)
+            dk_pairs = tl.sum((dL[:, :, None] * eb[:, None, :] + dAqk[:, :, None] * qb[:, None, :]) * P, axis=0)
+            # without the diagonal dAqk_rr (it adds q̃⊙k·dAqk_rr to q̃⊙dq and to k⊙dk, which cancel)
+            tl.store(dG_ptr + offs, tl.load(dG_ptr + offs, mask=mask, other=0.0) + qb * dq + eb * de - kb * dk_pairs,
+                     mask=mask)
+            dk_write = tl.load(dk_ptr + offs, mask=mask, other=0.0) + dk_pairs + dAqk_diag[:, None] * qb
+            tl.store(dq_ptr + offs, (dq + dAqk_diag[:, None] * kb) * scale, mask=mask)
+            tl.store(dk_ptr + offs, dk_write + bb * de, mask=mask)
+            tl.store(db_ptr + offs, kb * de, mask=mask)
 
 
-_GDN2_CHUNK = 16
+def _gdn2_chunk_blocks(K, V, chunk):
+    """(BLOCK_K, BLOCK_KP, BLOCK_V) of the chunked kernels: the whole head for the [C, K] tiles (tl.dot wants ≥ 16),
+    the pair tiles [C, C, BLOCK_KP] held near 8K elements, and value blocks of 32 columns. The kernels that loop
+    over chunks or value blocks launch with num_stages=1: software pipelining of their [K, 32] state tiles took
+    86 KB (state passes) and 104 KB (backward intra) of shared memory at K = 128, over sm_86/89's 99 KB."""
+    block_k = max(16, triton.next_power_of_2(K))
+    return block_k, min(block_k, max(1, 8192 // (chunk * chunk))), min(32, max(16, triton.next_power_of_2(V)))
 
 
-class _GDN2ChunkedTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, b, w, scale, initial_state):
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
-        N = triton.cdiv(T, _GDN2_CHUNK)
-        block_k, block_v = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-        f32 = dict(device=q.device, dtype=torch.float32)
-        Ainv = torch.empty(B, N, H, _GDN2_CHUNK, _GDN2_CHUNK, **f32)
-        Aqk = torch.empty(B, N, H, _GDN2_CHUNK, _GDN2_CHUNK, **f32)
-        Y, U0 = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, V, **f32)
-        _gdn2_chunk_intra_kernel[(B * N, H)](q, k, g, b, v, w, Ainv, Aqk, Y, U0, scale, T, H, K, V, N,
-                                             CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8)
-        o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
-        S_in = torch.empty(B, N, H, K, V, **f32)
-        S_T = torch.empty(B, H, K, V, **f32)
-        bv = min(32, block_v)
-        s0 = initial_state.contiguous() if initial_state is not None else S_T
-        _gdn2_chunk_fwd_state_kernel[(triton.cdiv(V, bv), B * H)](
-            q, k, g, b, Aqk, Y, U0, s0, o, S_in, S_T, scale, T, H, K, V, N, HAS_INITIAL=initial_state is not None,
-            CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=bv)
-        ctx.save_for_backward(q, k, v, g, b, w, Ainv, Aqk, Y, U0, S_in, S_T)
-        ctx.scale, ctx.has_initial = scale, initial_state is not None
-        return o, S_T
+GDN2_TRITON_CHUNKS = (16, 32)   # the chunk sizes the Triton path compiles for (longer chunks exceed shared memory)
 
-    @staticmethod
-    def backward(ctx, do, dS_T):
-        q, k, v, g, b, w, Ainv, Aqk, Y, U0, S_in, S_T = ctx.saved_tensors
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        N = triton.cdiv(T, _GDN2_CHUNK)
-        block_k, block_v = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-        bv = min(32, block_v)
-        f32 = dict(device=q.device, dtype=torch.float32)
-        do = do.contiguous()
-        dS_T = dS_T.contiguous()
-        dS_next = torch.empty(B, N, H, K, V, **f32)
-        ds0 = torch.empty(B, H, K, V, **f32)
-        _gdn2_chunk_bwd_state_kernel[(triton.cdiv(V, bv), B * H)](
-            q, k, g, b, Aqk, Y, U0, S_in, do, dS_T, dS_next, ds0, ctx.scale, T, H, K, V, N,
-            CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=bv)
-        dq, dk, db, dG = (torch.empty(B, T, H, K, **f32) for _ in range(4))
-        dv, dw = torch.empty(B, T, H, V, **f32), torch.empty(B, T, H, V, **f32)
-        _gdn2_chunk_bwd_intra_kernel[(B * N, H)](
-            q, k, g, b, v, w, Ainv, Aqk, S_in, dS_next, do, dq, dk, dv, db, dw, dG, ctx.scale, T, H, K, V, N,
-            CHUNK=_GDN2_CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8)
-        dG[:, -1] += (dS_T * S_T).sum(-1)
-        dg = dG.flip(1).cumsum(1).flip(1)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(b.dtype), dw.to(w.dtype), None,
-                ds0 if ctx.has_initial else None)
+
+@torch.library.custom_op("specgpt::gdn2_chunked_fwd", mutates_args=())
+def _gdn2_chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
+                      w: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor], chunk: int) -> tuple[
+                          torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, S_T, Ainv, Aqk, Y, U0, S_in): the chunk quantities after o and S_T are kept for the backward."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
+    N = triton.cdiv(T, chunk)
+    block_k, block_kp, bv = _gdn2_chunk_blocks(K, V, chunk)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    Ainv = torch.empty(B, N, H, chunk, chunk, **f32)
+    Aqk = torch.empty(B, N, H, chunk, chunk, **f32)
+    Y, U0 = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, V, **f32)
+    _gdn2_chunk_intra_kernel[(B * N, H)](q, k, g, b, v, w, Ainv, Aqk, Y, U0, scale, T, H, K, V, N,
+                                         CHUNK=chunk, BLOCK_KP=block_kp, BLOCK_V=bv, num_warps=8)
+    o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
+    S_in = torch.empty(B, N, H, K, V, **f32)
+    S_T = torch.empty(B, H, K, V, **f32)
+    s0 = initial_state.contiguous() if initial_state is not None else S_T
+    _gdn2_chunk_fwd_state_kernel[(triton.cdiv(V, bv), B * H)](
+        q, k, g, b, Aqk, Y, U0, s0, o, S_in, S_T, scale, T, H, K, V, N, HAS_INITIAL=initial_state is not None,
+        CHUNK=chunk, BLOCK_K=block_k, BLOCK_V=bv, num_stages=1)
+    return o, S_T, Ainv, Aqk, Y, U0, S_in
+
+
+@_gdn2_chunked_fwd.register_fake
+def _(q, k, v, g, b, w, scale, initial_state, chunk):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = -(-T // chunk)
+    f32 = dict(dtype=torch.float32)
+    return (q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, **f32), q.new_empty(B, N, H, chunk, chunk, **f32),
+            q.new_empty(B, N, H, chunk, chunk, **f32), q.new_empty(B, T, H, K, **f32),
+            q.new_empty(B, T, H, V, **f32), q.new_empty(B, N, H, K, V, **f32))
+
+
+@torch.library.custom_op("specgpt::gdn2_chunked_bwd", mutates_args=())
+def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      g: torch.Tensor, b: torch.Tensor, w: torch.Tensor, Ainv: torch.Tensor, Aqk: torch.Tensor,
+                      Y: torch.Tensor, U0: torch.Tensor, S_in: torch.Tensor, S_T: torch.Tensor, scale: float,
+                      chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dg, db, dw, d initial_state)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
+    N = triton.cdiv(T, chunk)
+    block_k, block_kp, bv = _gdn2_chunk_blocks(K, V, chunk)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    do = do.contiguous()
+    dS_T = dS_T.contiguous()
+    dS_next = torch.empty(B, N, H, K, V, **f32)
+    ds0 = torch.empty(B, H, K, V, **f32)
+    _gdn2_chunk_bwd_state_kernel[(triton.cdiv(V, bv), B * H)](
+        q, k, g, b, Aqk, Y, U0, S_in, do, dS_T, dS_next, ds0, scale, T, H, K, V, N,
+        CHUNK=chunk, BLOCK_K=block_k, BLOCK_V=bv, num_stages=1)
+    dq, dk, db, dG = (torch.empty(B, T, H, K, **f32) for _ in range(4))
+    dv, dw = torch.empty(B, T, H, V, **f32), torch.empty(B, T, H, V, **f32)
+    _gdn2_chunk_bwd_intra_kernel[(B * N, H)](
+        q, k, g, b, v, w, Ainv, Aqk, Y, U0, S_in, dS_next, do, dq, dk, dv, db, dw, dG, scale, T, H, K, V, N,
+        CHUNK=chunk, BLOCK_K=block_k, BLOCK_KP=block_kp, BLOCK_V=bv, num_warps=8, num_stages=1)
+    # The end-state term Σ_v dS_T⊙S_T of the gauge identity, split as S_T = Diag(exp G_C) S_in + Σ_s k_out,s u_sᵀ
+    # over the last chunk (whose k⊙dk state shares the kernel left out): the first part reaches every token's
+    # dg, the write of token s only the dg of the tokens after it. Written out, it would cancel those writes.
+    start = (N - 1) * chunk
+    g_last = g[:, start:].float()
+    later = F.pad(g_last.flip(1).cumsum(1).flip(1)[:, 1:], (0, 0, 0, 0, 0, 1))   # G_C − G_s, from the later g
+    U = U0[:, start:] - torch.einsum("bshk,bhkv->bshv", Y[:, start:], S_in[:, -1])
+    writes = torch.einsum("bhkv,bshv->bshk", dS_T, U) * later.exp() * k[:, start:].float()
+    dg = dG.flip(1).cumsum(1).flip(1)
+    dg += (dS_T * S_in[:, -1]).sum(-1)[:, None] * g_last.sum(1, keepdim=True).exp()
+    dg[:, start + 1:] += writes.cumsum(1)[:, :-1]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(b.dtype), dw.to(w.dtype), ds0
+
+
+@_gdn2_chunked_bwd.register_fake
+def _(do, dS_T, q, k, v, g, b, w, Ainv, Aqk, Y, U0, S_in, S_T, scale, chunk):
+    return (*(t.new_empty(t.shape) for t in (q, k, v, g, b, w)), S_T.new_empty(S_T.shape))
+
+
+def _gdn2_chunked_setup(ctx, inputs, output):
+    q, k, v, g, b, w, ctx.scale, initial_state, ctx.chunk = inputs
+    o, S_T, *kept = output
+    ctx.save_for_backward(q, k, v, g, b, w, *kept, S_T)
+    ctx.mark_non_differentiable(*kept)
+    ctx.has_initial = initial_state is not None
+
+
+def _gdn2_chunked_backward(ctx, do, dS_T, *d_kept):
+    *grads, ds0 = _gdn2_chunked_bwd(do, dS_T, *ctx.saved_tensors, ctx.scale, ctx.chunk)
+    return *grads, None, ds0 if ctx.has_initial else None, None
+
+
+_gdn2_chunked_fwd.register_autograd(_gdn2_chunked_backward, setup_context=_gdn2_chunked_setup)
 
 
 def gdn2_recurrent_triton(q, k, v, g, b, w, scale=None, initial_state=None):
     _gdn2_check(q, k, v, g, b, w, initial_state)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _GDN2RecurrentTriton.apply(q, k, v, g, b, w, scale, initial_state)
+    return _gdn2_recurrent_fwd(q, k, v, g, b, w, scale, initial_state)[:2]
 
 
-def gdn2_chunked_triton(q, k, v, g, b, w, scale=None, initial_state=None):
+def gdn2_chunked_triton(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
     _gdn2_check(q, k, v, g, b, w, initial_state)
+    if chunk_size not in GDN2_TRITON_CHUNKS:
+        raise ValueError(f"gdn2: the Triton path takes chunk_size in {GDN2_TRITON_CHUNKS}, got {chunk_size}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _GDN2ChunkedTriton.apply(q, k, v, g, b, w, scale, initial_state)
+    return _gdn2_chunked_fwd(q, k, v, g, b, w, scale, initial_state, chunk_size)[:2]
 
 
-def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None):
+def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
     """Fused recurrent kernel for short sequences (decode, T ≤ 64), chunked kernels for training lengths."""
-    fn = gdn2_recurrent_triton if q.shape[1] <= 64 else gdn2_chunked_triton
-    return fn(q, k, v, g, b, w, scale, initial_state)
+    if q.shape[1] <= 64:
+        return gdn2_recurrent_triton(q, k, v, g, b, w, scale, initial_state)
+    return gdn2_chunked_triton(q, k, v, g, b, w, scale, initial_state, chunk_size)
 
 
 # -----------------------------------------------------------------------------
 # ssd in Triton
 
-# ssd in Triton: the five forward kernels of mamba_ssm's chunked scan (seeds/mamba2-ssd-triton.md), with
+# ssd in Triton: the five forward kernels of mamba_ssm's chunked scan (Dao & Gu 2024, the Mamba-2 paper), with
 # a = within-chunk cumulative dt·A, h_in[c] = the state entering chunk c, ngroups = 1:
 #   1 chunk cumsum   a_r = Σ_{i≤r} dt_i A
 #   2 chunk state    states[c] = Σ_s exp(a_last − a_s) dt_s x_s B_sᵀ            (the chunk's own end state)
@@ -1580,7 +1853,17 @@ if HAS_TRITON:
                  mask=(hs[:, None] < h) & (rs[None, :] < Cs))
 
     @triton.jit
-    def _ssd_chunk_outer_kernel(x_ptr, y_ptr, dt_ptr, a_ptr, out_ptr, l, h, p, n, n_chunks, Cs,
+    def _ssd_segment_decays(dt, A, rs, Cs):
+        # L_rs = exp(Σ_{s<i≤r} dt_i A) for s ≤ r < Cs (0 elsewhere) and E_s = exp(Σ_{s<i} dt_i A) (to the chunk end),
+        # each a sum of the steps in between, not a difference of cumulative sums (which would lose the small
+        # exponents' digits next to a decay of −1000)
+        steps = tl.where(rs[:, None] > rs[None, :], (dt * A)[:, None], 0.0)           # [i, s]: dt_i A where i > s
+        causal = (rs[:, None] >= rs[None, :]) & (rs[:, None] < Cs)
+        L = tl.exp(tl.where(causal, tl.cumsum(steps, axis=0), -float("inf")))
+        return L, tl.exp(tl.sum(steps, axis=0))
+
+    @triton.jit
+    def _ssd_chunk_outer_kernel(x_ptr, y_ptr, dt_ptr, A_ptr, a_ptr, out_ptr, l, h, p, n, n_chunks, Cs,
                                 FROM_START: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_C: tl.constexpr, DOT: tl.constexpr):
         # out[b, c, h] = Σ_s scale_s x_sᵀ y_s  ([p, n]), x [b,l,h,p], y [b,l,1,n]. Kernel 2 (chunk state) with
@@ -1598,9 +1881,9 @@ if HAS_TRITON:
         if FROM_START:
             scale = tl.exp(a)
         else:
-            a_last = tl.load(a_base + Cs - 1)
             dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
-            scale = tl.exp(tl.minimum(a_last - a, 0.0)) * dt
+            L, E = _ssd_segment_decays(dt, tl.load(A_ptr + hi).to(tl.float32), rs, Cs)
+            scale = E * dt
         xT = tl.load(x_ptr + ((bi * l + pos[None, :]).to(tl.int64) * h + hi) * p + ps[:, None],
                      mask=valid[None, :] & (ps[:, None] < p), other=0.0).to(tl.float32)          # [BLOCK_P, BLOCK_C]
         y = tl.load(y_ptr + (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :],
@@ -1646,7 +1929,7 @@ if HAS_TRITON:
                  mask=(rs[:, None] < Cs) & (rs[None, :] < Cs))
 
     @triton.jit
-    def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, a_ptr, CB_ptr, C_ptr, entering_ptr, D_ptr, y_ptr,
+    def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, A_ptr, a_ptr, CB_ptr, C_ptr, entering_ptr, D_ptr, y_ptr,
                                l, h, p, n, n_chunks, Cs, HAS_D: tl.constexpr,
                                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
         pid_p, pid_bc, hi = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -1660,8 +1943,7 @@ if HAS_TRITON:
         x_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
         x_mask = valid[:, None] & (ps[None, :] < p)
         x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-        causal = (rs[:, None] >= rs[None, :]) & (rs[:, None] < Cs)
-        L = tl.exp(tl.where(causal, a[:, None] - a[None, :], -float("inf")))
+        L, E = _ssd_segment_decays(dt, tl.load(A_ptr + hi).to(tl.float32), rs, Cs)
         CB = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
                      mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
         y = tl.dot(CB * L, x * dt[:, None], input_precision=DOT)
@@ -1703,30 +1985,30 @@ if HAS_TRITON:
                               da_last_ptr, dy_ptr, dx_ptr, ddt_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, l, h, p, n, n_chunks, Cs,
                               HAS_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                               DOT: tl.constexpr):
-        # one program per (batch·chunk, head), whole p, the state dimension n in blocks of BLOCK_N.
+        # one program per (batch·chunk, head, block of p), the state dimension n in blocks of BLOCK_N. Every gradient
+        # but dx is a sum over p, so dt, dA, dB, dC and dD are written as partial sums per p block (summed outside).
         # With xdt = dt⊙x, L_rs = exp(a_r − a_s) (s ≤ r), M = CB⊙L⊙(dy xdtᵀ), E_s = exp(a_last − a_s):
         #   dxdt = (CB⊙L)ᵀ dy + E⊙(B dS_nextᵀ);  dC = (L⊙dy xdtᵀ) B + exp(a)⊙(dy h_in);
         #   dB = (L⊙dy xdtᵀ)ᵀ C + E⊙(xdt dS_next);
         #   ∂L/∂a_r = Σ_s M_rs − Σ_s M_sr + exp(a_r) dy_r·h_in C_r − E_r xdt_r·dS_next B_r (+ end-state terms at a_last),
-        #   then dt·A's gradient is the reverse cumsum of ∂L/∂a over the chunk.
-        pid_bc, hi = tl.program_id(0), tl.program_id(1)
+        #   and dt·A's gradient is Σ_{r ≥ i} ∂L/∂a_r, summed below without the terms that cancel in it.
+        pid_bc, hi, pid_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, BLOCK_C)
-        ps = tl.arange(0, BLOCK_P)
+        ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
         pos = c * Cs + rs
         valid = (rs < Cs) & (pos < l)
+        part = pid_p.to(tl.int64) * (tl.num_programs(0) // n_chunks)   # partial sums: batch index offset by p block
         a_base = a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs
         a = tl.load(a_base + rs, mask=rs < Cs, other=0.0)
-        a_last = tl.load(a_base + Cs - 1)
         dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
         x_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
         x_mask = valid[:, None] & (ps[None, :] < p)
         x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
         xdt = x * dt[:, None]
-        causal = (rs[:, None] >= rs[None, :]) & (rs[:, None] < Cs)
-        L = tl.exp(tl.where(causal, a[:, None] - a[None, :], -float("inf")))
-        E = tl.exp(tl.minimum(a_last - a, 0.0))
+        A = tl.load(A_ptr + hi).to(tl.float32)
+        L, E = _ssd_segment_decays(dt, A, rs, Cs)
         CB = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
                      mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
         CBL = CB * L
@@ -1750,7 +2032,7 @@ if HAS_TRITON:
             off_term += tl.sum(dy_h * Cm, axis=1)
             dC = tl.dot(LdyX, Bm, input_precision=DOT) + tl.exp(a)[:, None] * dy_h
             dB = tl.dot(tl.trans(LdyX), Cm, input_precision=DOT) + E[:, None] * tl.dot(xdt, dSn, input_precision=DOT)
-            part_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * n + ns[None, :]
+            part_offs = (((part + bi) * l + pos[:, None]) * h + hi) * n + ns[None, :]
             tl.store(dB_ptr + part_offs, dB, mask=bc_mask)
             tl.store(dC_ptr + part_offs, dC, mask=bc_mask)
         dxdt = tl.dot(tl.trans(CBL), dy, input_precision=DOT) + E[:, None] * B_dS
@@ -1758,23 +2040,29 @@ if HAS_TRITON:
         if HAS_D:
             D = tl.load(D_ptr + hi).to(tl.float32)
             dx += D * dy
-            tl.store(dD_ptr + pid_bc.to(tl.int64) * h + hi, tl.sum(tl.sum(dy * x, axis=1), axis=0))
+            tl.store(dD_ptr + (part * n_chunks + pid_bc) * h + hi, tl.sum(tl.sum(dy * x, axis=1), axis=0))
+        # ∂L/∂(dt_i A) = Σ_{r ≥ i} ∂L/∂a_r, gathered term by term so that nothing cancels: the pair weights L_rs
+        # depend on dt_i A for s < i ≤ r (pairs spanning i); a token's share of the chunk's end state for s < i;
+        # the read of the entering state exp(a_r) for r ≥ i; the passed-on state exp(a_last) for every i
         M = CBL * dyX
         to_end = E * tl.sum(B_dS * xdt, axis=1)
-        da = tl.sum(M, axis=1) - tl.sum(M, axis=0) + tl.exp(a) * off_term - to_end
-        da_last = tl.sum(to_end, axis=0) + tl.load(da_last_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64))
-        da += tl.where(rs == Cs - 1, da_last, 0.0)
-        d_dtA = tl.sum(da, axis=0) - tl.cumsum(da, axis=0) + da                 # Σ_{r ≥ i} ∂L/∂a_r
-        A = tl.load(A_ptr + hi).to(tl.float32)
+        spanning = tl.sum(tl.where(rs[:, None] > rs[None, :], tl.cumsum(M, axis=1), 0.0), axis=0)  # [j] spans j, j+1
+        spanning = tl.sum(tl.where(rs[:, None] == rs[None, :] - 1, spanning[:, None], 0.0), axis=0)
+        reads = tl.sum(tl.where(rs[:, None] >= rs[None, :], (tl.exp(a) * off_term)[:, None], 0.0), axis=0)
+        writes = tl.sum(tl.where(rs[:, None] < rs[None, :], to_end[:, None], 0.0), axis=0)
+        d_dtA = spanning + reads + writes
+        if pid_p == 0:  # the passed-on state's term is whole, added by one p block
+            d_dtA += tl.load(da_last_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64))
         tl.store(dx_ptr + x_offs, dx, mask=x_mask)
-        tl.store(ddt_ptr + (bi * l + pos).to(tl.int64) * h + hi, tl.sum(dxdt * x, axis=1) + A * d_dtA, mask=valid)
-        tl.store(dA_ptr + pid_bc.to(tl.int64) * h + hi, tl.sum(dt * d_dtA, axis=0))
+        tl.store(ddt_ptr + ((part + bi) * l + pos) * h + hi, tl.sum(dxdt * x, axis=1) + A * d_dtA, mask=valid)
+        tl.store(dA_ptr + (part * n_chunks + pid_bc) * h + hi, tl.sum(dt * d_dtA, axis=0))
 
 
 def _dot_precision(x):
     """tl.dot precision: IEEE fp32 (as the references), unless the inputs are bf16/fp16 anyway or torch is
-    allowed TF32 for fp32 matmuls (torch.set_float32_matmul_precision("high")): then TF32 tensor cores."""
-    if x.is_cuda and (x.dtype != torch.float32 or torch.get_float32_matmul_precision() != "highest"):
+    allowed TF32 for fp32 matmuls (torch.set_float32_matmul_precision("high")): then TF32 tensor cores.
+    (Triton's interpreter computes every dot in full fp32 whatever this says.)"""
+    if x.dtype != torch.float32 or torch.get_float32_matmul_precision() != "highest":
         return "tf32"
     return "ieee"
 
@@ -1784,76 +2072,257 @@ def _ssd_blocks(p, n, Cs):
     return max(16, triton.next_power_of_2(p)), max(16, triton.next_power_of_2(n)), max(16, triton.next_power_of_2(Cs))
 
 
-class _SSDTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dt, A, B, C, D, chunk_size, initial_state):
-        b, l, h, p = x.shape
-        n = B.shape[-1]
-        Cs = chunk_size
-        N = triton.cdiv(l, Cs)
-        x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
-        BP, BN, BC = _ssd_blocks(p, n, Cs)
-        dot = _dot_precision(x)
-        f32 = dict(device=x.device, dtype=torch.float32)
-        a = torch.empty(b, h, N, Cs, **f32)
-        _ssd_chunk_cumsum_kernel[(b, N, triton.cdiv(h, 8))](dt, A, a, l, h, N, Cs, BLOCK_H=8, BLOCK_C=BC)
-        states = torch.empty(b, N, h, p, n, **f32)
-        _ssd_chunk_outer_kernel[(triton.cdiv(p, BP) * triton.cdiv(n, min(BN, 32)), b * N, h)](
-            x, B, dt, a, states, l, h, p, n, N, Cs, FROM_START=False, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
-            DOT=dot, num_warps=8)
-        entering = torch.empty(b, N, h, p, n, **f32)
-        h_T = torch.empty(b, h, p, n, **f32)
-        block = min(1024, triton.next_power_of_2(p * n))
-        h0 = initial_state.contiguous() if initial_state is not None else h_T
-        _ssd_state_passing_kernel[(triton.cdiv(p * n, block), b, h)](
-            states, a, h0, entering, h_T, h, p * n, N, Cs, HAS_INITIAL=initial_state is not None, BLOCK=block)
-        CB = torch.empty(b, N, Cs, Cs, **f32)
-        _ssd_bmm_kernel[(b * N,)](C, B, CB, l, n, N, Cs, BLOCK_C=BC, BLOCK_N=min(BN, 32), DOT=dot)
-        y = torch.empty_like(x)
-        _ssd_chunk_scan_kernel[(triton.cdiv(p, BP), b * N, h)](
-            x, dt, a, CB, C, entering, D if D is not None else A, y, l, h, p, n, N, Cs, HAS_D=D is not None,
-            BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC, DOT=dot, num_warps=8)
-        ctx.save_for_backward(x, dt, A, B, C, CB, D, a, entering)
-        ctx.chunk_size, ctx.has_initial = Cs, initial_state is not None
-        return y, h_T
+def _ssd_bwd_block_p(block_p):
+    # the backward chunk kernel splits p over programs in blocks of 32 and runs unpipelined (num_stages=1): whole,
+    # p = 128 took 200 KB of shared memory (144 KB unpipelined), over sm_80's 163 KB and sm_86/89's 99 KB
+    return min(block_p, 32)
 
-    @staticmethod
-    def backward(ctx, dy, dh_T):
-        x, dt, A, B, C, CB, D, a, entering = ctx.saved_tensors
-        b, l, h, p = x.shape
-        n = B.shape[-1]
-        Cs = ctx.chunk_size
-        N = triton.cdiv(l, Cs)
-        BP, BN, BC = _ssd_blocks(p, n, Cs)
-        f32 = dict(device=x.device, dtype=torch.float32)
-        dy = dy.contiguous()
-        dh_out = torch.empty(b, N, h, p, n, **f32)
-        _ssd_chunk_outer_kernel[(triton.cdiv(p, BP) * triton.cdiv(n, min(BN, 32)), b * N, h)](
-            dy, C, dt, a, dh_out, l, h, p, n, N, Cs, FROM_START=True, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
-            DOT=_dot_precision(x), num_warps=8)
-        block = min(1024, triton.next_power_of_2(p * n))
-        n_mb = triton.cdiv(p * n, block)
-        dS_next = torch.empty(b, N, h, p, n, **f32)
-        dh0 = torch.empty(b, h, p, n, **f32)
-        da_last = torch.empty(b, h, N, n_mb, **f32)
-        _ssd_state_passing_bwd_kernel[(n_mb, b, h)](dh_out, entering, a, dh_T.contiguous(), dS_next, dh0, da_last, h,
-                                                    p * n, N, Cs, BLOCK=block)
-        dx = torch.empty(b, l, h, p, **f32)
-        ddt = torch.empty(b, l, h, **f32)
-        dB_h, dC_h = torch.empty(b, l, h, n, **f32), torch.empty(b, l, h, n, **f32)
-        dA_p, dD_p = torch.empty(b, N, h, **f32), torch.zeros(b, N, h, **f32)
-        _ssd_chunk_bwd_kernel[(b * N, h)](
-            x, dt, A, B, C, CB, D if D is not None else A, a, entering, dS_next, da_last.sum(-1).contiguous(), dy,
-            dx, ddt, dB_h, dC_h, dA_p, dD_p, l, h, p, n, N, Cs, HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=min(BN, 32),
-            BLOCK_C=BC, DOT=_dot_precision(x), num_warps=8)
-        dD = dD_p.sum((0, 1)).to(D.dtype) if D is not None else None
-        return (dx.to(x.dtype), ddt.to(dt.dtype), dA_p.sum((0, 1)).to(A.dtype), dB_h.sum(2, keepdim=True).to(B.dtype),
-                dC_h.sum(2, keepdim=True).to(C.dtype), dD, None, dh0 if ctx.has_initial else None)
+
+@torch.library.custom_op("specgpt::ssd_fwd", mutates_args=())
+def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             D: Optional[torch.Tensor], chunk_size: int, initial_state: Optional[torch.Tensor]) -> tuple[
+                 torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h_T, CB, a, entering): the chunk quantities after y and h_T are kept for the backward."""
+    b, l, h, p = x.shape
+    n = B.shape[-1]
+    Cs = chunk_size
+    N = triton.cdiv(l, Cs)
+    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
+    BP, BN, BC = _ssd_blocks(p, n, Cs)
+    dot = _dot_precision(x)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    a = torch.empty(b, h, N, Cs, **f32)
+    _ssd_chunk_cumsum_kernel[(b, N, triton.cdiv(h, 8))](dt, A, a, l, h, N, Cs, BLOCK_H=8, BLOCK_C=BC)
+    states = torch.empty(b, N, h, p, n, **f32)
+    _ssd_chunk_outer_kernel[(triton.cdiv(p, BP) * triton.cdiv(n, min(BN, 32)), b * N, h)](
+        x, B, dt, A, a, states, l, h, p, n, N, Cs, FROM_START=False, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
+        DOT=dot, num_warps=8)
+    entering = torch.empty(b, N, h, p, n, **f32)
+    h_T = torch.empty(b, h, p, n, **f32)
+    block = min(1024, triton.next_power_of_2(p * n))
+    h0 = initial_state.contiguous() if initial_state is not None else h_T
+    _ssd_state_passing_kernel[(triton.cdiv(p * n, block), b, h)](
+        states, a, h0, entering, h_T, h, p * n, N, Cs, HAS_INITIAL=initial_state is not None, BLOCK=block)
+    CB = torch.empty(b, N, Cs, Cs, **f32)
+    _ssd_bmm_kernel[(b * N,)](C, B, CB, l, n, N, Cs, BLOCK_C=BC, BLOCK_N=min(BN, 32), DOT=dot)
+    y = torch.empty_like(x)
+    _ssd_chunk_scan_kernel[(triton.cdiv(p, BP), b * N, h)](
+        x, dt, A, a, CB, C, entering, D if D is not None else A, y, l, h, p, n, N, Cs, HAS_D=D is not None,
+        BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC, DOT=dot, num_warps=8)
+    return y, h_T, CB, a, entering
+
+
+@_ssd_fwd.register_fake
+def _(x, dt, A, B, C, D, chunk_size, initial_state):
+    b, l, h, p = x.shape
+    n = B.shape[-1]
+    N = -(-l // chunk_size)
+    f32 = dict(dtype=torch.float32)
+    return (x.new_empty(x.shape), x.new_empty(b, h, p, n, **f32), x.new_empty(b, N, chunk_size, chunk_size, **f32),
+            x.new_empty(b, h, N, chunk_size, **f32), x.new_empty(b, N, h, p, n, **f32))
+
+
+@torch.library.custom_op("specgpt::ssd_bwd", mutates_args=())
+def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+             B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], CB: torch.Tensor, a: torch.Tensor,
+             entering: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                               torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, ddt, dA, dB, dC, dD, d initial_state); dD comes back in fp32 (zeros without D)."""
+    b, l, h, p = x.shape
+    n = B.shape[-1]
+    Cs = chunk_size
+    N = triton.cdiv(l, Cs)
+    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
+    BP, BN, BC = _ssd_blocks(p, n, Cs)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    dy = dy.contiguous()
+    dh_out = torch.empty(b, N, h, p, n, **f32)
+    _ssd_chunk_outer_kernel[(triton.cdiv(p, BP) * triton.cdiv(n, min(BN, 32)), b * N, h)](
+        dy, C, dt, A, a, dh_out, l, h, p, n, N, Cs, FROM_START=True, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
+        DOT=_dot_precision(x), num_warps=8)
+    block = min(1024, triton.next_power_of_2(p * n))
+    n_mb = triton.cdiv(p * n, block)
+    dS_next = torch.empty(b, N, h, p, n, **f32)
+    dh0 = torch.empty(b, h, p, n, **f32)
+    da_last = torch.empty(b, h, N, n_mb, **f32)
+    _ssd_state_passing_bwd_kernel[(n_mb, b, h)](dh_out, entering, a, dh_T.contiguous(), dS_next, dh0, da_last, h,
+                                                p * n, N, Cs, BLOCK=block)
+    bp = _ssd_bwd_block_p(BP)
+    n_pb = triton.cdiv(p, bp)
+    dx = torch.empty(b, l, h, p, **f32)
+    ddt = torch.empty(n_pb, b, l, h, **f32)
+    dB_h, dC_h = torch.empty(n_pb, b, l, h, n, **f32), torch.empty(n_pb, b, l, h, n, **f32)
+    dA_p, dD_p = torch.empty(n_pb, b, N, h, **f32), torch.zeros(n_pb, b, N, h, **f32)
+    _ssd_chunk_bwd_kernel[(b * N, h, n_pb)](
+        x, dt, A, B, C, CB, D if D is not None else A, a, entering, dS_next, da_last.sum(-1).contiguous(), dy,
+        dx, ddt, dB_h, dC_h, dA_p, dD_p, l, h, p, n, N, Cs, HAS_D=D is not None, BLOCK_P=bp, BLOCK_N=min(BN, 32),
+        BLOCK_C=BC, DOT=_dot_precision(x), num_warps=8, num_stages=1)
+    return (dx.to(x.dtype), ddt.sum(0).to(dt.dtype), dA_p.sum((0, 1, 2)).to(A.dtype),
+            dB_h.sum((0, 3)).unsqueeze(2).to(B.dtype), dC_h.sum((0, 3)).unsqueeze(2).to(C.dtype), dD_p.sum((0, 1, 2)),
+            dh0)
+
+
+@_ssd_bwd.register_fake
+def _(dy, dh_T, x, dt, A, B, C, D, CB, a, entering, chunk_size):
+    return (*(t.new_empty(t.shape) for t in (x, dt, A, B, C)), A.new_empty(A.shape, dtype=torch.float32),
+            dh_T.new_empty(dh_T.shape, dtype=torch.float32))
+
+
+def _ssd_setup(ctx, inputs, output):
+    x, dt, A, B, C, D, ctx.chunk_size, initial_state = inputs
+    y, h_T, *kept = output
+    ctx.save_for_backward(x, dt, A, B, C, D, *kept)
+    ctx.mark_non_differentiable(*kept)
+    ctx.has_initial = initial_state is not None
+
+
+def _ssd_backward(ctx, dy, dh_T, *d_kept):
+    x, dt, A, B, C, D, CB, a, entering = ctx.saved_tensors
+    dx, ddt, dA, dB, dC, dD, dh0 = _ssd_bwd(dy, dh_T, x, dt, A, B, C, D, CB, a, entering, ctx.chunk_size)
+    return (dx, ddt, dA, dB, dC, dD.to(D.dtype) if D is not None else None, None,
+            dh0 if ctx.has_initial else None)
+
+
+_ssd_fwd.register_autograd(_ssd_backward, setup_context=_ssd_setup)
+
+
+SSD_TRITON_MAX_CHUNK = 64   # longer chunks exceed a block's shared memory in the backward kernel
 
 
 def ssd_triton(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
     _ssd_check(x, dt, A, B, C, D, initial_state)
-    return _SSDTriton.apply(x, dt, A, B, C, D, chunk_size, initial_state)
+    if not 1 <= chunk_size <= SSD_TRITON_MAX_CHUNK:
+        raise ValueError(f"ssd: the Triton path takes chunk_size from 1 to {SSD_TRITON_MAX_CHUNK}, got {chunk_size}")
+    return _ssd_fwd(x, dt, A, B, C, D, chunk_size, initial_state)[:2]
+
+
+# -----------------------------------------------------------------------------
+# Ahead-of-time resource check: what each kernel needs per block on a GPU, found without one. The wrappers run
+# on CPU tensors with every launch recorded instead of run (kernel, argument dtypes, constexprs, num_warps), so
+# the launch parameters are exactly the ones the wrappers choose; each distinct launch is then compiled by
+# triton.compile for a GPUTarget with the wheel's own ptxas. Needs a process that imported triton itself,
+# without TRITON_INTERPRET (the interpreter's kernels cannot be compiled).
+
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 120: 101376}   # bytes of shared memory per block
+_TRITON_DTYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64"}
+
+
+def triton_launches(step):
+    """Run step() (Triton ops on CPU tensors, forward and backward) with launches recorded, not run; returns
+    [(kernel, signature, constexprs, options)], one per distinct launch. Outputs are uninitialised memory."""
+    from unittest import mock
+    import inspect
+    launches = {}
+
+    def record(self, *args, grid, warmup, **kwargs):
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        bound = inspect.signature(self.fn).bind(*args, **kwargs).arguments
+        signature, constexprs = {}, {}
+        for param in self.params:
+            value = bound[param.name]
+            if param.is_constexpr or value is None:
+                signature[param.name], constexprs[param.name] = "constexpr", value
+            elif torch.is_tensor(value):
+                signature[param.name] = _TRITON_DTYPES[value.dtype]
+            elif isinstance(value, float):
+                signature[param.name] = "fp32"
+            else:
+                signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        key = (self.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
+        launches.setdefault(key, (self, signature, constexprs, options))
+
+    with mock.patch.object(triton.runtime.jit.JITFunction, "run", record):
+        step()
+    return list(launches.values())
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_resources(kernel, signature, constexprs, options, arch):
+    """(shared bytes, registers, stack bytes) of one launch compiled for sm_<arch>; registers and stack (where
+    spilled registers go) from cuobjdump, None where the wheel has none."""
+    import re
+    import subprocess
+    import tempfile
+    from triton.backends.compiler import GPUTarget
+    src = triton.compiler.ASTSource(kernel, dict(signature), dict(constexprs))
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
+    cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
+    regs = stack = None
+    if os.path.exists(cuobjdump):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+        found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+        regs, stack = (int(found[1]), int(found[2])) if found else (None, None)
+    return compiled.metadata.shared, regs, stack
+
+
+_COMPILE_JOBS = []   # what the forked compile workers read (kernels do not pickle)
+
+
+def _compile_job(i):
+    kernel, signature, constexprs, options, arch = _COMPILE_JOBS[i]
+    return _compile_resources(kernel, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()), arch)
+
+
+def triton_resources(launches, archs=(80, 89, 90), workers=None):
+    """One row per (launch, arch): dict(kernel, arch, constexprs, num_warps, shared, limit, regs, stack). The
+    compiles run in `workers` forked processes (default: one per CPU core)."""
+    import concurrent.futures
+    import multiprocessing
+    _COMPILE_JOBS[:] = [(*launch, arch) for launch in launches for arch in archs]
+    workers = min(workers or os.cpu_count() or 1, len(_COMPILE_JOBS))
+    if workers > 1:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            results = list(pool.map(_compile_job, range(len(_COMPILE_JOBS))))
+    else:
+        results = [_compile_job(i) for i in range(len(_COMPILE_JOBS))]
+    return [dict(kernel=kernel.fn.__name__, arch=arch, constexprs=constexprs, num_warps=options.get("num_warps", 4),
+                 shared=shared, limit=SHARED_LIMIT[arch], regs=regs, stack=stack)
+            for (kernel, signature, constexprs, options, arch), (shared, regs, stack) in zip(_COMPILE_JOBS, results)]
+
+
+def _example_steps(B=1, T=256, H=4, K=32, V=32, heads_ssd=8, p=32, n=64, chunk=64, dtype=torch.float32):
+    """fwd+bwd of every Triton op at one set of model dims, as thunks for triton_launches (CPU tensors)."""
+    def leaf(*shape, dt=dtype):
+        return torch.randn(*shape, dtype=dt).requires_grad_()
+
+    def backward(outs):
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        torch.autograd.backward([o for o in outs], [torch.zeros_like(o) for o in outs])
+
+    f32 = torch.float32
+    C = H * K
+    return {
+        "rms_norm": lambda: backward(rms_norm_triton(leaf(B, T, C), leaf(C, dt=f32))),
+        "rope": lambda: backward(rope_triton(leaf(B, T, H, K), torch.ones(T, K // 2), torch.zeros(T, K // 2))),
+        "softmax": lambda: backward(softmax_triton(leaf(B * H * T, T))),
+        "sinkhorn": lambda: backward(sinkhorn_triton(leaf(B, T, 4, 4, dt=f32))),
+        "gdn2_decay_clip": lambda: backward(gdn2_decay_clip_triton(leaf(B, T, H, K, dt=f32), leaf(B, T, H, K), leaf(B, T, H, K))),
+        "gdn2_gates": lambda: [backward(gdn2_gates_triton(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, K), leaf(H, dt=f32),
+                                                         leaf(H * K, dt=f32), clip)) for clip in (True, False)],
+        "gdn2": lambda: [backward(fn(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, V), leaf(B, T, H, K, dt=f32),
+                                     leaf(B, T, H, K), leaf(B, T, H, V), None, leaf(B, H, K, V, dt=f32)))
+                         for fn in (gdn2_recurrent_triton, gdn2_chunked_triton)],
+        "ssd": lambda: backward(ssd_triton(leaf(B, T, heads_ssd, p), leaf(B, T, heads_ssd, dt=f32), leaf(heads_ssd, dt=f32),
+                                           leaf(B, T, 1, n), leaf(B, T, 1, n), leaf(heads_ssd, dt=f32), chunk,
+                                           leaf(B, heads_ssd, p, n, dt=f32))),
+    }
+
+
+def triton_resource_table(archs=(80, 89, 90), **dims):
+    """Print shared memory / registers / stack per kernel and arch at the given dims (see _example_steps)."""
+    steps = _example_steps(**dims)
+    launches = triton_launches(lambda: [step() for step in steps.values()])
+    rows = triton_resources(launches, archs)
+    print(f"{'kernel':34s} {'constexprs':64s} warps " + " ".join(f"{'sm_' + str(a) + ' smem/regs/stack':>24s}" for a in archs))
+    for i in range(0, len(rows), len(archs)):
+        group = rows[i:i + len(archs)]
+        consts = ",".join(f"{k}={v}" for k, v in group[0]["constexprs"].items() if v is not None)
+        cells = [f"{r['shared'] / 1024:6.1f}K{'!' if r['shared'] > r['limit'] else ' '}/{r['regs']}/{r['stack']}" for r in group]
+        print(f"{group[0]['kernel']:34s} {consts[:64]:64s} {group[0]['num_warps']:5d} " + " ".join(f"{c:>24s}" for c in cells))
+    return rows
 
 
 # -----------------------------------------------------------------------------
@@ -2053,7 +2522,7 @@ if __name__ == "__main__":
         want = run("ref")
         want = want if isinstance(want, tuple) else (want,)
         for path in paths:
-            if path == "triton" and (name + "_triton") not in globals():
+            if path == "triton" and name not in TRITON_OPS:
                 continue
             got = run(path)
             got = got if isinstance(got, tuple) else (got,)
@@ -2072,9 +2541,7 @@ if __name__ == "__main__":
             ("gdn2", gdn2_ref, gdn2_torch, small_gates, f"B={b1} H={h1} K=V={d1}"), ("gdn2", gdn2_ref, gdn2_torch, gates, f"B={B} H={H} K=V={K}"),
             ("ssd", ssd_ref, ssd_torch, small_ssd, f"b={b1} h={h1} p={d1} n=32"), ("ssd", ssd_ref, ssd_torch, ssd_in, f"b={B} h={H} p={V} n=32")):
         for path in paths:
-            fn = fast_fn if path == "torch" else globals().get(name + "_triton")
-            if fn is None:
-                continue
+            fn = fast_fn if path == "torch" else {"gdn2": gdn2_triton, "ssd": ssd_triton}[name]
             with torch.no_grad():
                 t_ref, t_fast = best_time(lambda: ref_fn(*inputs), 1), best_time(lambda: fn(*inputs))
             print(f"  {name:5s} {path:6s} {shape:19s} forward:          {t_ref * 1e3:8.1f} ms vs {t_fast * 1e3:7.2f} ms = {t_ref / t_fast:6.1f}x")
@@ -2087,3 +2554,11 @@ if __name__ == "__main__":
             print(f"  {name:5s} {path:6s} {shape:19s} forward+backward: {t_ref * 1e3:8.1f} ms vs {t_fast * 1e3:7.2f} ms = {t_ref / t_fast:6.1f}x")
 
     triton_report(device)  # the Triton walkthrough, error table and GPU benchmark (defined above)
+
+    # what each kernel needs per block on sm_80 / sm_89 / sm_90 (head dim 64, Mamba p = 64, n = 128, ssd chunk 64),
+    # compiled ahead of time in a fresh process without the interpreter; a '!' marks shared memory over the limit
+    import subprocess
+    print("\n== Triton kernels compiled ahead of time: shared memory / registers / stack bytes (spills) per thread ==")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", "import triton, kernels; kernels.triton_resource_table(B=1, T=256, H=8, K=64, "
+                    "V=64, heads_ssd=8, p=64, n=128, chunk=64)"], env=env, cwd=os.path.dirname(os.path.abspath(__file__)))

@@ -50,7 +50,8 @@ class GPTConfig:
     mamba_expand: int = 2            # M mixer: inner width = mamba_expand x n_embd
     mamba_headdim: int = 32          # M mixer: head size P (divides the inner width)
     mamba_discretization: str = "euler"  # euler | zoh
-    chunk_size: int = 64             # G and M mixers: chunk length of the chunked scan (a power of two)
+    chunk_size: int = 64             # M mixer: SSD chunk length, torch and Triton paths (Triton: at most 64)
+    gdn_chunk_size: int = 16         # G mixer: chunk length, torch and Triton paths (Triton: 16 or 32)
     kernels: str = "auto"          # auto | torch | triton | ref
     init: str = "gpt2"             # gpt2 | spectral
 
@@ -83,6 +84,8 @@ class GPTConfig:
                              f"or rope_scaling='none' with rope={self.rope!r}")
         if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
             raise ValueError(f"chunk_size={self.chunk_size} is not a power of two: use e.g. 16, 32 or 64")
+        if self.gdn_chunk_size not in (16, 32):
+            raise ValueError(f"gdn_chunk_size={self.gdn_chunk_size} is not supported: use 16 or 32 (what the Triton kernels fit)")
 
     @classmethod
     def from_dict(cls, d):
@@ -280,7 +283,7 @@ class GatedDelta(nn.Module):
         self.n_head, self.head_k, self.head_v = H, dk, dv
         self.variant = cfg.gdn_variant
         self.clip = cfg.gdn_clip and cfg.gdn_variant == "gdn2"  # for the others the clip is the identity
-        self.chunk_size, self.kernels_path = cfg.chunk_size, cfg.kernels
+        self.chunk_size, self.kernels_path = cfg.gdn_chunk_size, cfg.kernels
         if self.variant == "gdn2":
             erase, write, decay = H * dk, H * dv, H * dk
         elif self.variant == "kda":
