@@ -59,6 +59,13 @@ def log_rows(out_dir):
     return [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl"))]
 
 
+def rel_err(got, want):
+    """Relative RMS error ‖got − want‖ / ‖want‖ (fla's criterion), in float64; 0 when the two are equal."""
+    got, want = got.double(), want.double()
+    diff = (got - want).norm()
+    return 0.0 if diff == 0 else (diff / want.norm()).item()
+
+
 # ====================================================================================================
 # data
 
@@ -193,8 +200,7 @@ def test_rope_scores_depend_only_on_relative_position():
 
 def rope_variant_model(rope, seed=0, **kw):
     """A tiny model whose trainable frequencies and basis are moved away from their RoPE init."""
-    torch.manual_seed(seed)
-    model = GPT(tiny_config(rope=rope, **kw))
+    model = tiny_gpt(seed, rope=rope, **kw)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("log_freq") or name.endswith("basis"):
@@ -684,11 +690,6 @@ def test_ddp_two_processes_on_cpu(tmp_path):
 # kernels.py: references, chunked torch paths, the spectral clip
 # Tests for kernels.py: the torch paths and the token-loop references against closed forms and each other.
 
-def _kernels_rel(a, b):
-    """Relative RMS error ‖a − b‖ / ‖b‖ (fla's criterion)."""
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 # -----------------------------------------------------------------------------
 # dispatch
 
@@ -737,9 +738,9 @@ def test_kernels_rms_norm_closed_form(path):
     xd = x.double()
     expect = xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-5) * w.double()
     y = kernels.rms_norm(x, w, 1e-5, kernels=path)
-    assert y.dtype == x.dtype and _kernels_rel(y, expect) < 1e-6
+    assert y.dtype == x.dtype and rel_err(y, expect) < 1e-6
     yb = kernels.rms_norm(x.bfloat16(), w, 1e-5, kernels=path)
-    assert yb.dtype == torch.bfloat16 and _kernels_rel(yb, expect) < 1e-2
+    assert yb.dtype == torch.bfloat16 and rel_err(yb, expect) < 1e-2
 
 
 @pytest.mark.parametrize("path", ["torch", "ref"])
@@ -753,7 +754,7 @@ def test_kernels_rope_is_complex_rotation(path):
     z = torch.complex(x[..., 0::2].double(), x[..., 1::2].double()) * torch.polar(
         torch.ones_like(theta, dtype=torch.float64), theta.double())[None, :, None, :]
     expect = torch.stack((z.real, z.imag), dim=-1).flatten(-2)
-    assert _kernels_rel(y, expect) < 1e-6
+    assert rel_err(y, expect) < 1e-6
     assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-5)
 
 
@@ -777,11 +778,11 @@ def test_kernels_torch_path_backward_matches_reference(op):
         leaves = [t.clone().requires_grad_() for t in inputs]
         grads.append(torch.autograd.grad(fn(*leaves), leaves, cotangent))
     for got, want in zip(*grads):
-        assert _kernels_rel(got, want) < 1e-6
+        assert rel_err(got, want) < 1e-6
     # per-example gradients through torch.func (vmap of grad) agree too
     per_example = [torch.func.vmap(torch.func.grad(lambda xi: (fn(xi[None], *inputs[1:]) ** 2).sum()))(inputs[0])
                    for fn in (torch_fn, ref_fn)]
-    assert _kernels_rel(*per_example) < 1e-6
+    assert rel_err(*per_example) < 1e-6
     doubles = tuple(t.double().requires_grad_() for t in inputs)
     if op == "rope":
         torch_fn = lambda x: kernels.rope_torch(x, theta.cos().double(), theta.sin().double())
@@ -795,7 +796,7 @@ def test_kernels_softmax_closed_form(path):
     x[0] += 1000.0                                      # shift invariance, no overflow
     e = torch.exp(x.double() - x.double().max(-1, keepdim=True).values)
     y = kernels.softmax(x, kernels=path)
-    assert torch.isfinite(y).all() and _kernels_rel(y, e / e.sum(-1, keepdim=True)) < 1e-6
+    assert torch.isfinite(y).all() and rel_err(y, e / e.sum(-1, keepdim=True)) < 1e-6
 
 
 @pytest.mark.parametrize("path", ["torch", "ref"])
@@ -814,7 +815,7 @@ def test_kernels_sinkhorn_torch_matches_ref_and_has_gradients():
     torch.manual_seed(0)
     logits = (torch.randn(6, 4, 4) * 5).requires_grad_()
     P, P_ref = kernels.sinkhorn(logits, kernels="torch"), kernels.sinkhorn(logits, kernels="ref")
-    assert _kernels_rel(P, P_ref) < 1e-5
+    assert rel_err(P, P_ref) < 1e-5
     (grad,) = torch.autograd.grad((P * torch.randn_like(P)).sum(), logits)
     assert torch.isfinite(grad).all() and grad.abs().max() > 1e-4
     # saturated logits: the log-domain torch path stays finite where rows would underflow
@@ -921,12 +922,12 @@ def _kernels_check_chunked_vs_ref(op, inputs, initial_state, chunk, names):
     state_in = inputs[6] if initial_state is not None else None
     out_ref, state_ref = op(*inputs[:6], initial_state=state_in, kernels="ref")
     out, state = op(*inputs[:6], initial_state=state_in, chunk_size=chunk, kernels="torch")
-    assert _kernels_rel(out, out_ref) < 5e-3 and _kernels_rel(state, state_ref) < 5e-3
+    assert rel_err(out, out_ref) < 5e-3 and rel_err(state, state_ref) < 5e-3
     d_out, d_state = torch.randn_like(out_ref), torch.randn_like(state_ref)
     grads_ref = torch.autograd.grad((out_ref * d_out).sum() + (state_ref * d_state).sum(), inputs)
     grads = torch.autograd.grad((out * d_out).sum() + (state * d_state).sum(), inputs)
     for name, gr, gt in zip(names.split(), grads_ref, grads):
-        assert _kernels_rel(gt, gr) < 5e-3, name
+        assert rel_err(gt, gr) < 5e-3, name
 
 
 def test_kernels_gdn2_exact_pair_weights_match_pairwise_sum():
@@ -937,7 +938,7 @@ def test_kernels_gdn2_exact_pair_weights_match_pairwise_sum():
     gap = (G[:, :, None, :] - G[:, None, :, :]).double()
     strict = torch.ones(16, 16, dtype=torch.bool).tril(-1)
     expect = torch.einsum("nrk,nsk,nrsk->nrs", x.double(), k.double(), gap.clamp(max=0).exp()) * strict
-    assert torch.isfinite(W).all() and _kernels_rel(W, expect) < 1e-5
+    assert torch.isfinite(W).all() and rel_err(W, expect) < 1e-5
 
 
 def test_kernels_gdn2_mixed_steep_and_factored_chunks():
@@ -951,12 +952,12 @@ def test_kernels_gdn2_mixed_steep_and_factored_chunks():
     inputs = [t.requires_grad_() for t in (q, k, v, g, b, w, S0)]
     o_ref, S_ref = kernels.gdn2_ref(*inputs[:6], initial_state=inputs[6])
     o, S = kernels.gdn2_torch(*inputs[:6], initial_state=inputs[6])
-    assert _kernels_rel(o, o_ref) < 5e-3 and _kernels_rel(S, S_ref) < 5e-3
+    assert rel_err(o, o_ref) < 5e-3 and rel_err(S, S_ref) < 5e-3
     do, dS = torch.randn_like(o_ref), torch.randn_like(S_ref)
     grads_ref = torch.autograd.grad((o_ref * do).sum() + (S_ref * dS).sum(), inputs)
     grads = torch.autograd.grad((o * do).sum() + (S * dS).sum(), inputs)
     for name, gr, gt in zip("q k v g b w S0".split(), grads_ref, grads):
-        assert _kernels_rel(gt, gr) < 5e-3, name
+        assert rel_err(gt, gr) < 5e-3, name
 
 
 def test_kernels_gdn2_torch_double_backward_matches_ref():
@@ -974,7 +975,7 @@ def test_kernels_gdn2_torch_double_backward_matches_ref():
         return torch.autograd.grad(sum((gr * p).sum() for gr, p in zip(grads, probes)), inputs)
 
     for name, h_ref, h in zip("q k v g b w S0".split(), hvp(kernels.gdn2_ref), hvp(kernels.gdn2_torch)):
-        assert _kernels_rel(h, h_ref) < 5e-3, name
+        assert rel_err(h, h_ref) < 5e-3, name
 
 
 def test_kernels_gdn2_decoding_steps_continue_the_chunked_state():
@@ -986,7 +987,7 @@ def test_kernels_gdn2_decoding_steps_continue_the_chunked_state():
     for t in range(37, 40):
         o_t, S = kernels.gdn2_torch(*(x[:, t:t + 1] for x in (q, k, v, g, b, w)), initial_state=S)
         steps.append(o_t)
-    assert _kernels_rel(torch.cat([o_head] + steps, 1), o_all) < 1e-5 and _kernels_rel(S, S_all) < 1e-5
+    assert rel_err(torch.cat([o_head] + steps, 1), o_all) < 1e-5 and rel_err(S, S_all) < 1e-5
 
 
 def test_kernels_gdn2_ref_is_the_matrix_recurrence():
@@ -999,7 +1000,7 @@ def test_kernels_gdn2_ref_is_the_matrix_recurrence():
         S = erase @ (g[:, t].double().exp()[..., None] * S) + k[:, t, :, :, None].double() * (w[:, t] * v[:, t])[:, :, None, :].double()
         outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t].double() * 5 ** -0.5))
     o_ref, S_ref = kernels.gdn2_ref(q, k, v, g, b, w, initial_state=S0)
-    assert _kernels_rel(o_ref, torch.stack(outs, 1)) < 1e-5 and _kernels_rel(S_ref, S) < 1e-5
+    assert rel_err(o_ref, torch.stack(outs, 1)) < 1e-5 and rel_err(S_ref, S) < 1e-5
 
 
 def test_kernels_gdn2_strong_decay_no_overflow():
@@ -1009,12 +1010,12 @@ def test_kernels_gdn2_strong_decay_no_overflow():
     inputs = [t.requires_grad_() for t in (q, k, v, g, b, w)]
     o, S = kernels.gdn2_torch(*inputs, chunk_size=64)
     o_ref, S_ref = kernels.gdn2_ref(*inputs)
-    assert torch.isfinite(o).all() and _kernels_rel(o, o_ref) < 5e-3 and _kernels_rel(S, S_ref) < 5e-3
+    assert torch.isfinite(o).all() and rel_err(o, o_ref) < 5e-3 and rel_err(S, S_ref) < 5e-3
     do = torch.randn_like(o_ref)
     grads_ref = torch.autograd.grad((o_ref * do).sum() + S_ref.sum(), inputs)
     grads = torch.autograd.grad((o * do).sum() + S.sum(), inputs)
     for name, gr, gt in zip("q k v g b w".split(), grads_ref, grads):
-        assert torch.isfinite(gt).all() and _kernels_rel(gt, gr) < 5e-3, name
+        assert torch.isfinite(gt).all() and rel_err(gt, gr) < 5e-3, name
 
 
 # -----------------------------------------------------------------------------
@@ -1061,17 +1062,17 @@ def test_kernels_gdn2_reduces_to_kda_gdn_deltanet():
     bk, bv = beta[..., None].expand_as(k), beta[..., None].expand_as(v)
     # gdn2 with b = w = β is KDA
     o_kda = _kernels_kda_loop(q, k, v, g, beta)
-    assert _kernels_rel(kernels.gdn2(q, k, v, g, bk, bv, chunk_size=16, kernels="torch")[0], o_kda) < 5e-3
+    assert rel_err(kernels.gdn2(q, k, v, g, bk, bv, chunk_size=16, kernels="torch")[0], o_kda) < 5e-3
     # KDA with one decay for all channels is GDN (and so is gdn2 with that decay)
     alpha = g[..., 0]
     g_equal = alpha[..., None].expand_as(k)
     o_gdn = _kernels_gdn_loop(q, k, v, alpha, beta)
-    assert _kernels_rel(_kernels_kda_loop(q, k, v, g_equal, beta), o_gdn) < 1e-10
-    assert _kernels_rel(kernels.gdn2(q, k, v, g_equal, bk, bv, chunk_size=16, kernels="torch")[0], o_gdn) < 5e-3
+    assert rel_err(_kernels_kda_loop(q, k, v, g_equal, beta), o_gdn) < 1e-10
+    assert rel_err(kernels.gdn2(q, k, v, g_equal, bk, bv, chunk_size=16, kernels="torch")[0], o_gdn) < 5e-3
     # GDN with no decay is DeltaNet
     o_delta = _kernels_deltanet_loop(q, k, v, beta)
-    assert _kernels_rel(_kernels_gdn_loop(q, k, v, torch.zeros_like(alpha), beta), o_delta) < 1e-10
-    assert _kernels_rel(kernels.gdn2(q, k, v, torch.zeros_like(k), bk, bv, chunk_size=16, kernels="torch")[0], o_delta) < 5e-3
+    assert rel_err(_kernels_gdn_loop(q, k, v, torch.zeros_like(alpha), beta), o_delta) < 1e-10
+    assert rel_err(kernels.gdn2(q, k, v, torch.zeros_like(k), bk, bv, chunk_size=16, kernels="torch")[0], o_delta) < 5e-3
 
 
 # -----------------------------------------------------------------------------
@@ -1198,7 +1199,7 @@ def _kernels_grads_vs_fp64(fn, ref, inputs, names):
         gen = torch.Generator().manual_seed(1)
         loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum() for o in outs)
         grads[dtype] = torch.autograd.grad(loss, leaves[:len(names)])
-    return {n: _kernels_rel(got, want) for n, got, want in zip(names, grads[torch.float32], grads[torch.float64])}
+    return {n: rel_err(got, want) for n, got, want in zip(names, grads[torch.float32], grads[torch.float64])}
 
 
 def _kernels_ssd_steep_inputs(l=150, seed=0):
@@ -1225,16 +1226,16 @@ def test_kernels_low_precision_inputs_and_autocast():
     o32, S32 = kernels.gdn2_torch(q, k, v, g, b, w, initial_state=S0, chunk_size=16)
     o16, S16 = kernels.gdn2_torch(*(t.bfloat16() for t in (q, k, v, g, b, w)), initial_state=S0, chunk_size=16)
     assert o16.dtype == torch.bfloat16 and S16.dtype == torch.float32
-    assert _kernels_rel(o16, o32) < 3e-2 and _kernels_rel(S16, S32) < 3e-2
+    assert rel_err(o16, o32) < 3e-2 and rel_err(S16, S32) < 3e-2
     x, dt, A, B, C, D, h0 = _kernels_ssd_inputs(1, 40, 2, 4, 5, 0.5, True)
     y32, h32 = kernels.ssd_torch(x, dt, A, B, C, D, chunk_size=16, initial_state=h0)
     y16, h16 = kernels.ssd_torch(x.bfloat16(), dt, A, B, C, D, chunk_size=16, initial_state=h0)
-    assert y16.dtype == torch.bfloat16 and h16.dtype == torch.float32 and _kernels_rel(y16, y32) < 3e-2
+    assert y16.dtype == torch.bfloat16 and h16.dtype == torch.float32 and rel_err(y16, y32) < 3e-2
     with torch.autocast("cpu", dtype=torch.bfloat16):
         o_ac, S_ac = kernels.gdn2_torch(q, k, v, g, b, w, initial_state=S0, chunk_size=16)
         y_ac, h_ac = kernels.ssd_torch(x, dt, A, B, C, D, chunk_size=16, initial_state=h0)
-    assert _kernels_rel(o_ac, o32) < 1e-6 and _kernels_rel(S_ac, S32) < 1e-6
-    assert _kernels_rel(y_ac, y32) < 1e-6 and _kernels_rel(h_ac, h32) < 1e-6
+    assert rel_err(o_ac, o32) < 1e-6 and rel_err(S_ac, S32) < 1e-6
+    assert rel_err(y_ac, y32) < 1e-6 and rel_err(h_ac, h32) < 1e-6
 
 
 # -----------------------------------------------------------------------------
@@ -1263,8 +1264,8 @@ def test_kernels_zoh_is_exact_for_constant_inputs():
     exact = (torch.expm1(A.double()[None, :] * t[:, None]) / A.double())[None, :, :, None] * x.double() * (B * C).sum(-1).double()[..., None]
     y_zoh, _ = kernels.ssd(x * kernels.zoh_input_scale(dt, A)[..., None], dt, A, B, C, kernels="torch")
     y_euler, _ = kernels.ssd(x, dt, A, B, C, kernels="torch")
-    assert _kernels_rel(y_zoh, exact) < 1e-5
-    assert _kernels_rel(y_euler, exact) > 0.1
+    assert rel_err(y_zoh, exact) < 1e-5
+    assert rel_err(y_euler, exact) > 0.1
 
 
 def test_kernels_zoh_vs_euler_first_order():
@@ -1275,7 +1276,7 @@ def test_kernels_zoh_vs_euler_first_order():
         d = dt * scale
         y_zoh, _ = kernels.ssd(x * kernels.zoh_input_scale(d, A)[..., None], d, A, B, C, kernels="torch")
         y_euler, _ = kernels.ssd(x, d, A, B, C, kernels="torch")
-        return (y_zoh.double() - y_euler.double()).norm().item(), _kernels_rel(y_zoh, y_euler)
+        return (y_zoh.double() - y_euler.double()).norm().item(), rel_err(y_zoh, y_euler)
 
     (gap1, rel1), (gap2, rel2) = gap(0.02), gap(0.01)        # dt ≈ 2e-3 and 1e-3
     assert 3.6 < gap1 / gap2 < 4.4                   # O(dt²) absolute gap: halving dt quarters it
@@ -1290,7 +1291,7 @@ def test_kernels_zoh_vs_euler_first_order():
         B_bar = (torch.expm1(a) / A.double())[..., None, None] * B[:, s, 0].double()[:, None, None, :]
         h = a.exp()[..., None, None] * h + x[:, s].double()[..., None] * B_bar
         ys.append(torch.einsum("bhpn,bn->bhp", h, C[:, s, 0].double()))
-    assert _kernels_rel(y_zoh, torch.stack(ys, 1)) < 1e-5 and _kernels_rel(h_zoh, h) < 1e-5
+    assert rel_err(y_zoh, torch.stack(ys, 1)) < 1e-5 and rel_err(h_zoh, h) < 1e-5
 
 
 # ==================================================================================================
@@ -1305,14 +1306,6 @@ def test_kernels_zoh_vs_euler_first_order():
 
 
 TRITON_TOL = 5e-3
-
-
-def triton_rel_rms(got, want):
-    """Relative RMS error ‖got − want‖ / ‖want‖ (0 when both are exactly 0)."""
-    got, want = got.double(), want.double()
-    den = want.pow(2).mean().sqrt()
-    num = (got - want).pow(2).mean().sqrt()
-    return 0.0 if num == 0 else (num / den).item()
 
 
 def triton_compare(fn_triton, fn_ref, inputs, device, seed=0):
@@ -1333,10 +1326,10 @@ def triton_compare(fn_triton, fn_ref, inputs, device, seed=0):
     for path in ("tri", "ref"):
         loss = sum((o.float() * c).sum() for o, c in zip(results[path], cotangents))
         loss.backward()
-    errs = {f"out{i}": triton_rel_rms(a, b) for i, (a, b) in enumerate(zip(results["tri"], results["ref"]))}
+    errs = {f"out{i}": rel_err(a, b) for i, (a, b) in enumerate(zip(results["tri"], results["ref"]))}
     for name, v in leaves["ref"].items():
         if torch.is_tensor(v) and v.requires_grad and v.grad is not None:
-            errs["d" + name] = triton_rel_rms(leaves["tri"][name].grad, v.grad)
+            errs["d" + name] = rel_err(leaves["tri"][name].grad, v.grad)
     return errs
 
 
@@ -1383,7 +1376,7 @@ def test_triton_rope_trainable_frequencies_match_torch(rope):
         grads.append({n: p.grad for n, p in model.named_parameters() if n.endswith(("log_freq", "basis"))})
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
     for name, g in grads[0].items():
-        assert triton_rel_rms(grads[1][name], g) < TRITON_TOL, name
+        assert rel_err(grads[1][name], g) < TRITON_TOL, name
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -1598,15 +1591,12 @@ def test_triton_gdn2_dispatch_by_length(device):
         inputs = {name: t.to(device) for name, t in triton_gdn2_inputs(B=1, T=T, H=1, V=16).items()}
         o_tri, s_tri = kernels.gdn2(**inputs, kernels="triton")
         o_torch, s_torch = kernels.gdn2(**inputs, kernels="torch")
-        assert triton_rel_rms(o_tri, o_torch) < 1e-5 and triton_rel_rms(s_tri, s_torch) < 1e-5
+        assert rel_err(o_tri, o_torch) < 1e-5 and rel_err(s_tri, s_torch) < 1e-5
 
 
 def triton_gpt(mixer, residual, T, path, device):
-    import model
-    torch.manual_seed(0)
-    cfg = model.GPTConfig(vocab_size=50, block_size=T, n_layer=max(2, len(mixer)), n_head=2, n_embd=32, mixer=mixer,
-                          residual=residual, mamba_d_state=16, mamba_headdim=16, chunk_size=16, kernels=path)
-    return model.GPT(cfg).to(device)
+    return tiny_gpt(block_size=T, n_layer=max(2, len(mixer)), mixer=mixer, residual=residual, mamba_d_state=16,
+                    mamba_headdim=16, chunk_size=16, kernels=path).to(device)
 
 
 def triton_loss_and_grads(gpt, T, device, run=None):
@@ -1630,7 +1620,7 @@ def test_triton_model_matches_torch(mixer, residual, T, device):
         losses[path], grads[path] = triton_loss_and_grads(triton_gpt(mixer, residual, T, path, device), T, device)
     assert abs(losses["triton"] - losses["torch"]) <= 1e-4 * abs(losses["torch"])
     assert grads["triton"].keys() == grads["torch"].keys() and len(grads["torch"]) > 0
-    bad = {n: e for n in grads["torch"] if (e := triton_rel_rms(grads["triton"][n], grads["torch"][n])) > 1e-4}
+    bad = {n: e for n in grads["torch"] if (e := rel_err(grads["triton"][n], grads["torch"][n])) > 1e-4}
     assert not bad, f"gradients differ by more than 1e-4 relative RMS: {bad}"
 
 
@@ -1723,7 +1713,7 @@ def test_triton_gpt_compiles_fullgraph(path, mixer, residual, device):
     compiled_loss, compiled_grads = triton_loss_and_grads(gpt, T, device, torch.compile(gpt, backend="aot_eager", fullgraph=True))
     assert abs(compiled_loss - loss) <= 1e-6 * abs(loss)
     assert compiled_grads.keys() == grads.keys() and len(grads) > 0
-    bad = {n: e for n in grads if (e := triton_rel_rms(compiled_grads[n], grads[n])) > 1e-6}
+    bad = {n: e for n in grads if (e := rel_err(compiled_grads[n], grads[n])) > 1e-6}
     assert not bad, f"compiled gradients differ from eager: {bad}"
 
 
@@ -1961,10 +1951,6 @@ def mixers_mamba2_reference(layer, x, zoh):
     return y @ P["out_proj.weight"].T
 
 
-def mixers_rel_err(a, ref):
-    return ((a.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
-
-
 def mixers_spread_weights(layer, std=0.3):
     """Larger random projections than the init, so gates, decays and conv taps vary a lot across tokens."""
     with torch.no_grad():
@@ -1982,7 +1968,7 @@ def test_mixers_gated_delta_matches_token_loop(variant, clip):
     x = torch.randn(2, 21, 32)
     with torch.no_grad():
         y = layer(x, rope=None)
-    assert mixers_rel_err(y, mixers_gated_delta_reference(layer, x)) < 1e-4
+    assert rel_err(y, mixers_gated_delta_reference(layer, x)) < 1e-4
 
 
 @pytest.mark.parametrize("discretization", ["euler", "zoh"])
@@ -1995,10 +1981,10 @@ def test_mixers_mamba2_matches_token_loop(discretization):
     x = torch.randn(2, 21, 32)
     with torch.no_grad():
         y = layer(x, rope=None)
-    assert mixers_rel_err(y, mixers_mamba2_reference(layer, x, zoh=discretization == "zoh")) < 1e-4
+    assert rel_err(y, mixers_mamba2_reference(layer, x, zoh=discretization == "zoh")) < 1e-4
     # the two discretisations really differ on this input, so the test tells them apart
     other = mixers_mamba2_reference(layer, x, zoh=discretization != "zoh")
-    assert mixers_rel_err(y, other) > 1e-2
+    assert rel_err(y, other) > 1e-2
 
 
 def test_mixers_parameter_names_and_shapes():
@@ -2450,10 +2436,8 @@ def test_hc_bad_config_is_refused():
 # training
 
 def hc_train_steps(kind, mixer, steps, lr=1e-2, seed=0):
-    torch.manual_seed(seed)
-    cfg = GPTConfig(residual=kind, mixer=mixer, n_layer=2, n_embd=32, n_head=2, block_size=16,
-                    mamba_d_state=16, mamba_headdim=16, chunk_size=8)
-    model = GPT(cfg)
+    model = tiny_gpt(seed, vocab_size=84, residual=kind, mixer=mixer, block_size=16, mamba_d_state=16, mamba_headdim=16,
+                     chunk_size=8)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     idx = torch.randint(0, 84, (4, 16))
     losses = []
