@@ -3738,6 +3738,7 @@ def test_analyze_length_extrapolation_against_direct_losses(mixer):
     else:
         assert got == {("none", 1), ("none", 2), ("none", 4)}
 
+
 # ==================================================================================================
 # One pytest marker per component: `python -m pytest -m kernels test_all.py` runs kernels.py's tests.
 # Each test takes the mark of the component banner above it.
