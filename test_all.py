@@ -836,18 +836,19 @@ def test_triton_rope(device):
         kernels.rope_triton(x.to(device), angle.cos()[:6].to(device), angle.sin()[:6].to(device))
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("rope", ["learned", "lie"])
-def test_triton_rope_trainable_frequencies_match_torch(rope):
+def test_triton_rope_trainable_frequencies_match_torch(rope, device):
     """Per-head angles ride through kernels.rope with the heads folded into its time axis: the Triton path
     gives the torch path's logits and gradients, the frequencies' and basis' included."""
     losses, grads = [], []
     for path in ("torch", "triton"):
-        model = rope_variant_model(rope, n_layer=1, kernels=path)
-        idx = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+        model = rope_variant_model(rope, n_layer=1, kernels=path).to(device)
+        idx = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0)).to(device)
         _, loss = model(idx, idx)
         loss.backward()
         losses.append(loss.item())
-        grads.append({n: p.grad for n, p in model.named_parameters() if n.endswith(("log_freq", "basis"))})
+        grads.append({n: p.grad.cpu() for n, p in model.named_parameters() if n.endswith(("log_freq", "basis"))})
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
     for name, g in grads[0].items():
         assert rel_err(grads[1][name], g) < TRITON_TOL, name
@@ -873,13 +874,14 @@ def test_triton_sinkhorn(n, device):
     assert torch.allclose(P.sum(-2), torch.ones(2, 13, n, device=device), atol=1e-5)  # columns are normalised last
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("shape, causal", [((2, 3, 5, 37), False), ((2, 3, 19, 19), True), ((1, 2, 6, 300), True)])
-def test_triton_sparsemax(shape, causal):
+def test_triton_sparsemax(shape, causal, device):
     """Bisection for τ in the kernel against the sort in the reference: outputs and gradients, and exact zeros."""
     torch.manual_seed(0)
-    z = torch.randn(*shape) * 3
+    z = (torch.randn(*shape) * 3).to(device)
     errs = triton_compare(lambda z: kernels.sparsemax_triton(z, causal), lambda z: kernels.sparsemax_ref(z, causal),
-                          dict(z=z))
+                          dict(z=z), device)
     assert set(errs) == {"out0", "dz"}
     triton_assert_close(errs, tol=1e-5)
     p, p_ref = kernels.sparsemax(z, causal, kernels="triton"), kernels.sparsemax_ref(z, causal)
@@ -888,9 +890,10 @@ def test_triton_sparsemax(shape, causal):
     assert pb.dtype == torch.bfloat16 and (pb.float() - kernels.sparsemax_ref(z.bfloat16().float(), causal)).abs().max() < 1e-2
 
 
-def test_triton_sparsemax_custom_ops_pass_opcheck():
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_sparsemax_custom_ops_pass_opcheck(device):
     """specgpt::sparsemax_fwd / _bwd: schema, fake-tensor shapes, autograd registration, AOT dispatch."""
-    z = torch.randn(2, 5, 7) * 3
+    z = (torch.randn(2, 5, 7) * 3).to(device)
     p = kernels.sparsemax_triton(z, True)
     for op, args in ((torch.ops.specgpt.sparsemax_fwd.default, (z.requires_grad_(), True)),
                      (torch.ops.specgpt.sparsemax_bwd.default, (p, torch.randn_like(p)))):
