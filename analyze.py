@@ -666,15 +666,17 @@ def show_coordinate_transfer(summary):
                   f"‖ΔW‖_nat spread {run['max_spread_dW']:.2f}x")
 
 
-def lr_transfer(dataset="shakespeare_char", tokenizer="char", widths=(64, 256), steps=200, batch_size=8, block_size=64):
+def lr_transfer(dataset="shakespeare_char", tokenizer="char", widths=(64, 256), steps=200, batch_size=8, block_size=64,
+                optimizers=tuple(TRANSFER_LRS)):
     """Val loss after `steps` steps for each lr of TRANSFER_LRS at each width, gpt2 vs spectral +
-    spectral_lr. Warmup 20 steps, then a cosine to 0.1 of the peak; Muon's AdamW part at lr 3e-3.
-    About 10 minutes per optimizer on one CPU core. Returns (summary, {})."""
+    spectral_lr, on train.py's schedule (lr_multiplier): warmup 20 steps, then a cosine to 0.1 of the peak;
+    Muon's AdamW part at lr 3e-3. About 10 minutes per optimizer on one CPU core. Returns (summary, {})."""
     train_tokens, val_tokens, meta = data.load_dataset(dataset, tokenizer)
     val_sampler = data.BatchSampler(val_tokens, batch_size, block_size, seed=123)
     val_batches = [val_sampler.next_batch() for _ in range(8)]
     summary = {}
-    for optimizer, lrs in TRANSFER_LRS.items():
+    for optimizer in optimizers:
+        lrs = TRANSFER_LRS[optimizer]
         for scheme in ("spectral", "gpt2"):
             for width in widths:
                 losses = []
@@ -684,7 +686,7 @@ def lr_transfer(dataset="shakespeare_char", tokenizer="char", widths=(64, 256), 
                                                 spectral_lr=scheme == "spectral")
                     sampler = data.BatchSampler(train_tokens, batch_size, block_size, seed=1)
                     for it in range(steps):
-                        mult = min(1.0, (it + 1) / 20) * (0.1 + 0.45 * (1 + math.cos(math.pi * it / steps)))
+                        mult = train.lr_multiplier(it, steps, warmup=20, floor=0.1, schedule="cosine", decay_frac=0.0)
                         for group in opt.param_groups:
                             group["lr"] = group["base_lr"] * mult
                         _, loss = model(*sampler.next_batch())

@@ -3104,6 +3104,20 @@ def test_optim_spectral_lr_gives_muon_the_spectral_condition():
 # ==================================================================================================
 # train.py  (pytest -m train)
 
+def test_lr_multiplier_schedules_closed_forms():
+    """train.lr_multiplier against the schedules written out: linear warmup to 1, a cosine from 1 to the floor
+    (its midpoint halfway), wsd constant then linear to the floor over the last decay_frac, and decay_frac 0 flat."""
+    total, warmup, floor = 100, 10, 0.1
+    cosine = [train.lr_multiplier(it, total, warmup, floor, "cosine", 0.0) for it in range(total + 1)]
+    assert cosine[:warmup] == [(it + 1) / (warmup + 1) for it in range(warmup)]
+    assert cosine[warmup] == 1.0 and cosine[total] == pytest.approx(floor)
+    assert cosine[55] == pytest.approx((1 + floor) / 2)
+    assert all(a >= b for a, b in zip(cosine[warmup:], cosine[warmup + 1:]))
+    wsd = [train.lr_multiplier(it, total, warmup, floor, "wsd", 0.2) for it in range(total + 1)]
+    assert wsd[warmup:80] == [1.0] * 70 and wsd[90] == pytest.approx(floor + (1 - floor) * 0.5) and wsd[total] == floor
+    assert {train.lr_multiplier(it, total, warmup, floor, "wsd", 0.0) for it in range(warmup, total + 1)} == {1.0}
+
+
 def test_train_smoke_then_sample(tmp_path):
     out = str(tmp_path / "run")
     proc = run_train(*TINY, "--max_iters=40", "--eval_interval=20", "--log_interval=10", "--num_samples=1",

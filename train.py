@@ -264,18 +264,20 @@ def peak_flops(device_type):
 # ----------------------------------------------------------------------------------------------------
 # schedule, checkpoints
 
-def lr_multiplier(it, total):
-    if it < warmup_iters:
-        return (it + 1) / (warmup_iters + 1)
-    floor = min_lr / learning_rate
+def lr_multiplier(it, total, warmup, floor, schedule, decay_frac):
+    """The schedule's factor on every group's peak lr at step it of total: a linear warmup over `warmup` steps,
+    then a cosine down to `floor` (cosine) or constant, then linear to `floor` over the last decay_frac of the
+    steps (wsd; decay_frac 0: constant)."""
+    if it < warmup:
+        return (it + 1) / (warmup + 1)
     if schedule == "wsd":
-        decay_start = total * (1 - wsd_decay_frac)
-        if it < decay_start or wsd_decay_frac == 0:  # 0: no decay, a constant lr after warmup
+        decay_start = total * (1 - decay_frac)
+        if it < decay_start or decay_frac == 0:
             return 1.0
         return floor + (1 - floor) * max(0.0, (total - it) / (total - decay_start))
     if it >= total:
         return floor
-    ratio = (it - warmup_iters) / max(1, total - warmup_iters)
+    ratio = (it - warmup) / max(1, total - warmup)
     return floor + 0.5 * (1 + math.cos(math.pi * ratio)) * (1 - floor)
 
 
@@ -494,7 +496,7 @@ def main(args):
 
         if analyze_every and iter_num % analyze_every == 0 and master:
             analyze.analyze_during_training(raw_model, analysis_batch, iter_num, out_dir)
-        lr_mult = lr_multiplier(iter_num, total_iters)
+        lr_mult = lr_multiplier(iter_num, total_iters, warmup_iters, min_lr / learning_rate, schedule, wsd_decay_frac)
         for group in opt.param_groups:
             group["lr"] = group["base_lr"] * lr_mult
         loss_sum = 0.0
