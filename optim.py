@@ -71,30 +71,31 @@ def msign(G, steps=5, coeffs="jordan"):
 # element-wise optimizers
 
 
-def _live_params(optimizer, group, *buffers):
-    """Parameters of `group` that have a gradient, their gradients, their state buffers (zeros on
-    first use) and their step counts t, advanced by one."""
-    params, grads, bufs, ts = [], [], [[] for _ in buffers], []
-    for p in group["params"]:
-        if p.grad is None:
+def _live_groups(optimizer, *buffers):
+    """For each param group with gradients: (group, its parameters that have a gradient, their gradients, their
+    state buffers (zeros on first use), their step counts t advanced by one), after the decoupled weight decay
+    p <- p (1 - lr wd) has been applied to those parameters."""
+    for group in optimizer.param_groups:
+        params, grads, bufs, ts = [], [], [[] for _ in buffers], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = 0
+                for name in buffers:
+                    state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            params.append(p)
+            grads.append(p.grad)
+            for lst, name in zip(bufs, buffers):
+                lst.append(state[name])
+            ts.append(state["step"])
+        if not params:
             continue
-        state = optimizer.state[p]
-        if not state:
-            state["step"] = 0
-            for name in buffers:
-                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
-        params.append(p)
-        grads.append(p.grad)
-        for lst, name in zip(bufs, buffers):
-            lst.append(state[name])
-        ts.append(state["step"])
-    return params, grads, bufs, ts
-
-
-def _decay(params, group):
-    if group["weight_decay"] != 0 and params:
-        torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+        if group["weight_decay"] != 0:
+            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+        yield group, params, grads, bufs, ts
 
 
 class SGD(torch.optim.Optimizer):
@@ -105,12 +106,8 @@ class SGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        for group in self.param_groups:
-            params, grads, (ms,), _ = _live_params(self, group, "m")
-            if not params:
-                continue
+        for group, params, grads, (ms,), _ in _live_groups(self, "m"):
             mu = group["momentum"]
-            _decay(params, group)
             torch._foreach_mul_(ms, mu)
             torch._foreach_add_(ms, grads)
             if group["nesterov"]:
@@ -129,11 +126,7 @@ class SignSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        for group in self.param_groups:
-            params, grads, (ms,), _ = _live_params(self, group, "m")
-            if not params:
-                continue
-            _decay(params, group)
+        for group, params, grads, (ms,), _ in _live_groups(self, "m"):
             torch._foreach_lerp_(ms, grads, 1 - group["beta"])
             torch._foreach_add_(params, torch._foreach_sign(ms), alpha=-group["lr"])
 
@@ -148,12 +141,8 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        for group in self.param_groups:
-            params, grads, (ms, vs), ts = _live_params(self, group, "m", "v")
-            if not params:
-                continue
+        for group, params, grads, (ms, vs), ts in _live_groups(self, "m", "v"):
             b1, b2 = group["betas"]
-            _decay(params, group)
             torch._foreach_lerp_(ms, grads, 1 - b1)
             torch._foreach_mul_(vs, b2)
             torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
@@ -181,12 +170,8 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        for group in self.param_groups:
-            params, grads, (ms,), _ = _live_params(self, group, "m")
-            if not params:
-                continue
+        for group, params, grads, (ms,), _ in _live_groups(self, "m"):
             b1, b2 = group["betas"]
-            _decay(params, group)
             u = torch._foreach_lerp(ms, grads, 1 - b1)
             torch._foreach_sign_(u)
             torch._foreach_add_(params, u, alpha=-group["lr"])
