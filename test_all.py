@@ -694,6 +694,26 @@ def test_kernels_ssd_torch_steep_decays_match_fp64():
     assert max(errs.values()) < 1e-5, errs
 
 
+def test_kernels_ssd_torch_backward_and_double_backward_match_ref():
+    # ssd_torch's backward is written out: its gradients, with and without the final state used, and the
+    # Hessian-vector products analyze.py takes through it (create_graph reruns the forward with autograd)
+    x, dt, A, B, C, D, h0 = _kernels_ssd_inputs(2, 40, 2, 4, 5, 0.5, True, seed=3)
+    probes = [torch.randn_like(t) for t in (x, dt, A, B, C, h0)]
+
+    def grads_and_hvp(fn, with_state):
+        inputs = [t.double().clone().requires_grad_() for t in (x, dt, A, B, C, h0)]
+        y, h = fn(*inputs[:5], D.double(), initial_state=inputs[5])
+        loss = (y * y).sum() + ((h * h).sum() if with_state else 0)
+        grads = torch.autograd.grad(loss, inputs, create_graph=True)
+        return grads, torch.autograd.grad(sum((g * p.double()).sum() for g, p in zip(grads, probes)), inputs)
+
+    chunked = lambda *a, **kw: kernels.ssd_torch(*a, chunk_size=16, **kw)
+    for with_state in (True, False):
+        (g_ref, h_ref), (g, h) = grads_and_hvp(kernels.ssd_ref, with_state), grads_and_hvp(chunked, with_state)
+        for name, a, b in zip("x dt A B C h0".split(), g + h, g_ref + h_ref):
+            assert rel_err(a, b) < 1e-5, (name, with_state)   # fp32 inside ssd_torch
+
+
 def test_kernels_low_precision_inputs_and_autocast():
     # bf16 inputs: fp32 inside, outputs back in bf16, states in fp32; a bf16 autocast region changes nothing
     q, k, v, g, b, w, S0 = _kernels_gdn2_inputs(1, 40, 2, 8, 8, 0.5, True)
