@@ -280,8 +280,43 @@ def gdn2_log_rho(k, b):
     return torch.where(rho_minus_1 < 1e-6, 0.0, torch.log1p(rho_minus_1))
 
 
+class _GDN2DecayClip(torch.autograd.Function):
+    """g' = min(g, β), β = −log ρ (gdn2_log_rho), with the backward written out: as a function of η and a·c,
+    ρ = (η + sqrt(η² − 4 a·c + 4))/2, so ∂ρ/∂η = (1 + η/s)/2 and ∂ρ/∂(a·c) = −1/s (s the square root), and
+    dβ/da = −(1/ρ)(∂ρ/∂η·(‖c‖/‖a‖) a + ∂ρ/∂(a·c) c), dβ/dc alike; then dk = da + b⊙dc, db = k⊙dc. The gradient
+    goes to g where g < β, to β where g > β, half each on a tie (as torch.minimum); β is flat where ρ − 1 was
+    rounded to 0. Under create_graph (Hessian-vector products) the backward differentiates the forward's ops."""
+
+    @staticmethod
+    def forward(ctx, g, k, b):
+        bound = -gdn2_log_rho(k, b)
+        ctx.save_for_backward(g, k, b, bound)
+        return torch.minimum(g.float(), bound).to(g.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        g, k, b, bound = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            out = torch.minimum(g.float(), -gdn2_log_rho(k, b)).to(g.dtype)
+            return torch.autograd.grad(out, (g, k, b), dout, create_graph=True)
+        g, a, b32, dout = g.float(), k.float(), b.float(), dout.float()
+        c = b32 * a
+        dg = torch.where(g < bound, dout, torch.where(g == bound, 0.5 * dout, 0.0))
+        d_bound = torch.where(bound < 0, (dout - dg).sum(-1, keepdim=True), 0.0)
+        na, nc = a.norm(dim=-1, keepdim=True), c.norm(dim=-1, keepdim=True)
+        eta = na * nc
+        delta = (eta - (a * c).sum(-1, keepdim=True)).clamp_min(0)
+        s = torch.sqrt((2 - eta) ** 2 + 4 * delta).clamp_min(1e-20)
+        rho = (-bound).exp()
+        d_eta = d_bound * -(1 + eta / s) / (2 * rho)
+        d_ac = d_bound / (s * rho)
+        da = (d_eta * nc / na.clamp_min(1e-30)) * a + d_ac * c
+        dc = (d_eta * na / nc.clamp_min(1e-30)) * c + d_ac * a
+        return dg.to(ctx.saved_tensors[0].dtype), (da + b32 * dc).to(k.dtype), (a * dc).to(b.dtype)
+
+
 def gdn2_decay_clip_torch(g, k, b):
-    return torch.minimum(g.float(), -gdn2_log_rho(k, b)).to(g.dtype)
+    return _GDN2DecayClip.apply(g, k, b)
 
 
 def gdn2_decay_clip(g, k, b, kernels="auto"):
