@@ -83,6 +83,20 @@ def _fp32(fn):
     return run
 
 
+def _double_backward(forward, inputs, cotangents):
+    """For the hand-written backwards below under create_graph (double backward, e.g. Hessian-vector products):
+    the input gradients of forward(*inputs) (a tuple of outputs) by autograd, as differentiable tensors. Taken at
+    fresh views of the inputs: autograd.grad at the inputs themselves would also follow the paths by which one
+    input was computed from another (L = E_in k̃ᵀ from E_in, were both passed as they are), counting those twice."""
+    views = [None if t is None else t.view_as(t) for t in inputs]
+    outputs = forward(*views)
+    used = [(o, c) for o, c in zip(outputs, cotangents) if c is not None]
+    wrt = [v for v in views if v is not None and v.requires_grad]
+    grads = iter(torch.autograd.grad([o for o, _ in used], wrt, [c for _, c in used], create_graph=True,
+                                     allow_unused=True))
+    return tuple(next(grads) if v is not None and v.requires_grad else None for v in views)
+
+
 # -----------------------------------------------------------------------------
 # rms_norm: y = x / sqrt(mean(x²) + eps) * weight, in fp32, cast back
 
@@ -297,8 +311,8 @@ class _GDN2DecayClip(torch.autograd.Function):
     def backward(ctx, dout):
         g, k, b, bound = ctx.saved_tensors
         if torch.is_grad_enabled():
-            out = torch.minimum(g.float(), -gdn2_log_rho(k, b)).to(g.dtype)
-            return torch.autograd.grad(out, (g, k, b), dout, create_graph=True)
+            clip = lambda g, k, b: (torch.minimum(g.float(), -gdn2_log_rho(k, b)).to(g.dtype),)
+            return _double_backward(clip, (g, k, b), (dout,))
         g, a, b32, dout = g.float(), k.float(), b.float(), dout.float()
         c = b32 * a
         dg = torch.where(g < bound, dout, torch.where(g == bound, 0.5 * dout, 0.0))
@@ -447,7 +461,7 @@ class _GDN2ChunkScan(torch.autograd.Function):
         dU = Aqkᵀ do + k_out dS',   dS = Diag(d) dS' + scale·q_inᵀ do − Yᵀ dU;
     then for all chunks at once: dAqk = do Uᵀ, dq_in = scale·do Sᵀ, dk_out = U dS'ᵀ, dd = rowsum(S ⊙ dS'),
     [dE_in, dZ] = Tᵀ [−dU Sᵀ, dU] and dL = −tril([dE_in, dZ] [Y, U0]ᵀ, −1) (d(T) = −T d(L) T).
-    Under create_graph (Hessian-vector products) the backward reruns _gdn2_chunk_scan with autograd instead."""
+    Under create_graph (Hessian-vector products) the backward differentiates _gdn2_chunk_scan's ops instead."""
 
     @staticmethod
     def forward(ctx, L, Aqk, E_in, q_in, k_out, decay_out, Z, S0, scale):
@@ -461,10 +475,8 @@ class _GDN2ChunkScan(torch.autograd.Function):
         L, Aqk, E_in, q_in, k_out, decay_out, Z, S0, solve, Y, U0, S_in, U = ctx.saved_tensors
         scale = ctx.scale
         if torch.is_grad_enabled():                              # double backward: differentiate the forward's ops
-            inputs = (L, Aqk, E_in, q_in, k_out, decay_out, Z, S0)
-            o, S, _ = _gdn2_chunk_scan(*inputs, scale)
-            grads = torch.autograd.grad((o, S), inputs, (do, dS_T), create_graph=True, allow_unused=True)
-            return (*grads, None)
+            scan = lambda *inputs: _gdn2_chunk_scan(*inputs, scale)[:2]
+            return *_double_backward(scan, (L, Aqk, E_in, q_in, k_out, decay_out, Z, S0), (do, dS_T)), None
         do = do.contiguous()
         dU_read = Aqk.transpose(-1, -2) @ do
         dS_read = scale * (q_in.transpose(-1, -2) @ do)
@@ -633,7 +645,7 @@ class _SSDChunks(torch.autograd.Function):
         ∂C = (Σ_h dW⊙L) B + Σ_h e^a⊙(dy S),   ∂B = (Σ_h dW⊙L)ᵀ C + Σ_h (ℓ⊙X) G,
         ∂(dt A)_i = Σ_{r≥i} Σ_{s<i} (dW⊙W)_rs + Σ_{r≥i} ∂a_r (the reads', ℓ's and e^{a_C}'s direct terms):
     the first sum runs over the pairs whose segment a_r − a_s contains i, so nothing cancels there.
-    Under create_graph (Hessian-vector products) the backward reruns _ssd_chunks with autograd instead."""
+    Under create_graph (Hessian-vector products) the backward differentiates _ssd_chunks' ops instead."""
 
     @staticmethod
     def forward(ctx, X, dtA, B, C, initial_state):
@@ -646,11 +658,8 @@ class _SSDChunks(torch.autograd.Function):
     def backward(ctx, dy, dS_T):
         X, dtA, B, C, initial_state, a, L, W, S_in, chunk_decay = ctx.saved_tensors
         if torch.is_grad_enabled():                              # double backward: differentiate the forward's ops
-            inputs = (X, dtA, B, C) + (() if initial_state is None else (initial_state,))
-            y, S, _ = _ssd_chunks(X, dtA, B, C, initial_state)
-            outputs, cotangents = (y, S) if dS_T is not None else (y,), (dy, dS_T) if dS_T is not None else (dy,)
-            grads = torch.autograd.grad(outputs, inputs, cotangents, create_graph=True, allow_unused=True)
-            return tuple(grads) + (() if initial_state is not None else (None,))
+            scan = lambda *inputs: _ssd_chunks(*inputs)[:2]
+            return _double_backward(scan, (X, dtA, B, C, initial_state), (dy, dS_T))
         first, N = ctx.first, X.shape[1]
         dy = dy.contiguous()
         dy_e = dy * a.exp()[..., None]
@@ -680,9 +689,7 @@ class _SSDChunks(torch.autograd.Function):
         if S_in is not None:
             dC[:, first:] += torch.einsum("bzhcp,bzhpn->bzcn", dy_e[:, first:], S_in)
             d_a[:, first:] += (dy_e[:, first:] * torch.einsum("bzcn,bzhpn->bzhcp", C[:, first:], S_in)).sum(-1)
-        Cs = X.shape[3]
-        upto = torch.ones(Cs, Cs, device=X.device).triu_()       # [s, j] = 1 for s ≤ j
-        pairs = (d_seg @ upto).tril_(-1).sum(-2)                 # [.., j] = Σ_{r>j} Σ_{s≤j} d_seg[r, s]
+        pairs = d_seg.cumsum(-1).tril_(-1).sum(-2)               # [.., j] = Σ_{r>j} Σ_{s≤j} d_seg[r, s]
         d_dtA = F.pad(pairs[..., :-1], (1, 0)) + d_a.flip(-1).cumsum(-1).flip(-1)
         return dX, d_dtA, dB, dC, d_initial
 

@@ -1777,6 +1777,28 @@ def test_mixers_mamba2_matches_token_loop(discretization):
     assert rel_err(y, other) > 1e-2
 
 
+@pytest.mark.parametrize("mixer", ["G", "M"])
+def test_mixers_hessian_vector_products_match_ref_path(mixer):
+    # analyze.py's Hessian-vector products run through kernels="torch", whose chunked recurrences and clip have
+    # hand-written backwards; under create_graph they must give autograd's answer (the token loops of kernels="ref")
+    torch.manual_seed(0)
+    layer = (GatedDelta if mixer == "G" else Mamba2)(tiny_config(**MIXERS_BASE, mixer=mixer))
+    mixers_spread_weights(layer)
+    x = torch.randn(2, 21, 32)
+    params = [p for p in layer.parameters()]
+    probe = [torch.randn_like(p) for p in params]
+    hvps = {}
+    for path in ("ref", "torch"):
+        layer.kernels_path = path
+        for m in layer.modules():
+            if hasattr(m, "kernels_path"):
+                m.kernels_path = path
+        grads = torch.autograd.grad((layer(x, rope=None) ** 2).mean(), params, create_graph=True)
+        hvps[path] = torch.autograd.grad(sum((g * v).sum() for g, v in zip(grads, probe)), params)
+    for name, (p, h_torch, h_ref) in zip([n for n, _ in layer.named_parameters()], zip(params, hvps["torch"], hvps["ref"])):
+        assert rel_err(h_torch, h_ref) < 1e-4, name
+
+
 def test_mixers_parameter_names_and_shapes():
     H, dk, C = 2, 16, 32
     shapes = lambda m: {n: tuple(p.shape) for n, p in m.named_parameters()}
