@@ -682,7 +682,8 @@ class HyperConnection(nn.Module):
         b_post = torch.zeros(n)
         b_post[sublayer % n] = HC_POST_LOGIT
         self.bias = nn.Parameter(torch.cat([b_pre, b_post, hc_res_init(kind, n)]))
-        self.register_buffer("alpha_index", torch.tensor([0] * n + [1] * n + [2] * n_res), persistent=False)
+        groups = torch.tensor([0] * n + [1] * n + [2] * n_res)  # which α scales each column of x̃ φ
+        self.register_buffer("alpha_map", F.one_hot(groups, 3).T.float(), persistent=False)
         if kind == "mhc-lite":
             self.register_buffer("permutations", hc_permutations(n).flatten(1), persistent=False)
         if kind == "markov":
@@ -701,7 +702,7 @@ class HyperConnection(nn.Module):
         n = self.n
         if self.kind == "hc":  # HC keeps tanh on the dynamic part of H_res
             proj = torch.cat([proj[..., :2 * n], torch.tanh(proj[..., 2 * n:])], dim=-1)
-        H = proj * self.alpha[self.alpha_index] + self.bias
+        H = proj * (self.alpha @ self.alpha_map) + self.bias  # a product, not an index: CPU index backward is slow
         return H[..., :n], H[..., n:2 * n], H[..., 2 * n:]
 
     def res_matrix(self, res):
