@@ -219,7 +219,7 @@ def sparsemax(z, causal=False, kernels="auto"):
 # that it iterates on P itself. On the CPU the cost is the count of small ops, not their arithmetic, so the
 # torch path is one autograd node: the matrices are laid out tokens last, (n, n, M), where every row or
 # column sum adds n contiguous vectors of length M; the forward normalises in place and keeps only the
-# sums; the backward walks the half-steps back, recovering each iterate by multiplying its sums back in.
+# sums; the backward walks the half-steps back, 3 ops each, recovering each iterate from its sums.
 
 def sinkhorn_ref(logits, iters=20):
     lf = logits.float()
@@ -244,8 +244,9 @@ def _sinkhorn_plain(logits, iters):
 
 
 class _SinkhornTorch(torch.autograd.Function):
-    """P (n, n, M), entry [i, j, m]: P⁰ = softmax over j of the logits, then column, row, column, … scalings;
-    for Y = X / s (s the row or column sums of X): ∂X = (∂Y − Σ(∂Y ⊙ Y)) / s, summed along the same axis."""
+    """P (n, n, M), entry [i, j, m]: P⁰ = softmax over j of the logits, then column, row, column, … scalings.
+    For Y = X / s (s the row or column sums of X), ∂X = (∂Y − Σ ∂Y ⊙ Y) / s summed along that axis, so
+    Z = ∂Y ⊙ Y steps back as ∂X ⊙ X = Z − Y·ΣZ with no division; the softmax ends it: ∂logits = Z⁰ − P⁰·Σ_j Z⁰."""
 
     @staticmethod
     def forward(ctx, logits, iters):
@@ -268,19 +269,18 @@ class _SinkhornTorch(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: a differentiable gradient, from the plain ops
             with torch.enable_grad():
                 return torch.autograd.grad(_sinkhorn_plain(logits, ctx.iters), logits, dP, create_graph=True)[0], None
-        P, n = P.clone(), ctx.shape[-1]
+        n = ctx.shape[-1]
         with torch.autocast(dP.device.type, enabled=False):
-            dY = dP.to(P.dtype).reshape(-1, n, n).permute(1, 2, 0).contiguous()
+            Y = P.clone()  # each half-step's output, recovered from the last by multiplying its sums back in
+            Z = dP.to(P.dtype).reshape(-1, n, n).permute(1, 2, 0).contiguous().mul_(Y)  # ∂Y ⊙ Y, tokens last
             unfloored = col_sums > SINKHORN_FLOOR  # a floored column sum is a constant: no gradient through it
             for k in reversed(range(ctx.iters)):
-                c = col_sums[k]
-                dY.sub_((dY * P).sum(0).mul_(unfloored[k])).div_(c)
-                P.mul_(c)
+                Z.addcmul_(Z.sum(0).mul_(unfloored[k]), Y, value=-1.0)
+                Y.mul_(col_sums[k])
                 if k:
-                    r = row_sums[k - 1]
-                    dY.sub_((dY * P).sum(1, keepdim=True)).div_(r)
-                    P.mul_(r)
-            dL = P.mul_(dY.sub_((dY * P).sum(1, keepdim=True)))  # softmax: P⁰ ⊙ (∂P⁰ − Σ_j ∂P⁰ ⊙ P⁰)
+                    Z.addcmul_(Z.sum(1, keepdim=True), Y, value=-1.0)
+                    Y.mul_(row_sums[k - 1])
+            dL = Z.addcmul_(Z.sum(1, keepdim=True), Y, value=-1.0)  # softmax: P⁰ ⊙ (∂P⁰ − Σ_j ∂P⁰ ⊙ P⁰)
         return dL.permute(2, 0, 1).reshape(ctx.shape).to(logits.dtype), None
 
 

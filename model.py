@@ -561,7 +561,7 @@ def hc_write(X, H_res, H_post, y):
     return H_res @ X + H_post.unsqueeze(-1) * y.unsqueeze(-2)
 
 
-def double_backward(plain, inputs, grads):
+def hc_double_backward(plain, inputs, grads):
     """Under create_graph (Hessian-vector products): differentiate the plain formula, so that the gradient
     is itself differentiable; the hand-written backwards below are first-order only."""
     with torch.enable_grad():
@@ -595,7 +595,7 @@ class HCRead(torch.autograd.Function):
     def backward(ctx, dx_in, dproj):
         X, weight, alpha, bias, r, proj, H_pre = ctx.saved_tensors
         if torch.is_grad_enabled():
-            return (*double_backward(lambda *a: hc_read(*a, ctx.eps), (X, weight, alpha, bias), (dx_in, dproj)), None)
+            return (*hc_double_backward(lambda *a: hc_read(*a, ctx.eps), (X, weight, alpha, bias), (dx_in, dproj)), None)
         n, C = X.shape[-2:]
         x = X.reshape(-1, n * C)
         with torch.autocast(X.device.type, enabled=False):
@@ -615,9 +615,9 @@ class HCRead(torch.autograd.Function):
 
 
 class HCWrite(torch.autograd.Function):
-    """hc_write as one autograd node: X_new = H_res X + H_postᵀ y per token, H_res (…, n, n) contiguous,
-    X (…, n, C), H_post (…, n), y (…, C); backward: ∂X = H_resᵀ ∂X_new, ∂H_res = ∂X_new Xᵀ,
-    ∂H_post = ∂X_new y, ∂y = H_post ∂X_new (CPU bmm would copy a strided H_res matrix by matrix)."""
+    """hc_write as one autograd node: X_new = H_res X + H_postᵀ y per token, X (…, n, C), H_res (…, n, n),
+    H_post (…, n), y (…, C); backward: ∂X = H_resᵀ ∂X_new, ∂H_res = ∂X_new Xᵀ, ∂H_post = ∂X_new y,
+    ∂y = H_post ∂X_new. H_res must be contiguous: CPU bmm copies a strided batch operand matrix by matrix."""
 
     @staticmethod
     def forward(ctx, X, H_res, H_post, y):
@@ -631,7 +631,7 @@ class HCWrite(torch.autograd.Function):
     def backward(ctx, dX_new):
         X, H_res, H_post, y = ctx.saved_tensors
         if torch.is_grad_enabled():
-            return double_backward(hc_write, (X, H_res, H_post, y), (dX_new,))
+            return hc_double_backward(hc_write, (X, H_res, H_post, y), (dX_new,))
         n, C = X.shape[-2:]
         with torch.autocast(X.device.type, enabled=False):
             dX3 = dX_new.reshape(-1, n, C)
