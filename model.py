@@ -548,26 +548,12 @@ def hc_res_init(kind, n):
 
 
 def hc_read(X, weight, alpha, bias, eps):
-    """The read side of a HyperConnection, plain autograd (see HCRead): (x_in, p) for X (…, n, C)."""
+    """The read side of a HyperConnection in plain autograd ops (HCRead's double backward): (x_in, p)."""
     n = X.shape[-2]
     x = X.flatten(-2)
     proj = F.linear(x, weight) * torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True) ** 2 / x.shape[-1] + eps)
     H_pre = torch.sigmoid(proj[..., :n] * alpha[0] + bias[:n])
     return (H_pre.unsqueeze(-2) @ X).squeeze(-2), proj
-
-
-def hc_write(X, H_res, H_post, y):
-    """The write side of a HyperConnection, plain autograd (see HCWrite): X_new for X (…, n, C)."""
-    return H_res @ X + H_post.unsqueeze(-1) * y.unsqueeze(-2)
-
-
-def hc_double_backward(plain, inputs, grads):
-    """Under create_graph (Hessian-vector products): differentiate the plain formula, so that the gradient
-    is itself differentiable; the hand-written backwards below are first-order only."""
-    with torch.enable_grad():
-        outputs = plain(*inputs)
-    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    return torch.autograd.grad(outputs, inputs, grads, create_graph=True, allow_unused=True)
 
 
 class HCRead(torch.autograd.Function):
@@ -594,8 +580,10 @@ class HCRead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dx_in, dproj):
         X, weight, alpha, bias, r, proj, H_pre = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            return (*hc_double_backward(lambda *a: hc_read(*a, ctx.eps), (X, weight, alpha, bias), (dx_in, dproj)), None)
+        if torch.is_grad_enabled():  # create_graph (Hessian-vector products): differentiate the plain formula
+            with torch.enable_grad():  # (its inputs are independent, so each gradient is the partial one)
+                x_in, proj = hc_read(X, weight, alpha, bias, ctx.eps)
+            return (*torch.autograd.grad((x_in, proj), (X, weight, alpha, bias), (dx_in, dproj), create_graph=True), None)
         n, C = X.shape[-2:]
         x = X.reshape(-1, n * C)
         with torch.autocast(X.device.type, enabled=False):
@@ -615,7 +603,7 @@ class HCRead(torch.autograd.Function):
 
 
 class HCWrite(torch.autograd.Function):
-    """hc_write as one autograd node: X_new = H_res X + H_postᵀ y per token, X (…, n, C), H_res (…, n, n),
+    """The write side of a HyperConnection as one autograd node: X_new = H_res X + H_postᵀ y per token, X (…, n, C), H_res (…, n, n),
     H_post (…, n), y (…, C); backward: ∂X = H_resᵀ ∂X_new, ∂H_res = ∂X_new Xᵀ, ∂H_post = ∂X_new y,
     ∂y = H_post ∂X_new. H_res must be contiguous: CPU bmm copies a strided batch operand matrix by matrix."""
 
@@ -630,8 +618,10 @@ class HCWrite(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dX_new):
         X, H_res, H_post, y = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            return hc_double_backward(hc_write, (X, H_res, H_post, y), (dX_new,))
+        if torch.is_grad_enabled():  # create_graph: the same formulas in differentiable ops (H_res, H_post and y
+            # depend on X, so differentiating a recomputed X_new would add their paths to ∂X)
+            return (H_res.transpose(-1, -2) @ dX_new, dX_new @ X.transpose(-1, -2), (dX_new * y.unsqueeze(-2)).sum(-1),
+                    (H_post.unsqueeze(-1) * dX_new).sum(-2))
         n, C = X.shape[-2:]
         with torch.autocast(X.device.type, enabled=False):
             dX3 = dX_new.reshape(-1, n, C)

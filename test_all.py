@@ -2231,13 +2231,20 @@ def test_hc_forward_matches_plain_formula(kind):
     X = torch.randn(3, 5, 4, 8, generator=gen, requires_grad=True)
     W = torch.randn(8, 8, generator=gen)
     f = lambda h: torch.tanh(h @ W)
-    H_pre, H_post, H_res = m.mixing_matrices(X)
-    want = H_res @ X + H_post.unsqueeze(-1) * f((H_pre.unsqueeze(-2) @ X).squeeze(-2)).unsqueeze(-2)
-    got = m(X, f)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    G = torch.randn(got.shape, generator=gen)
+
+    def plain(X):
+        H_pre, H_post, H_res = m.mixing_matrices(X)
+        return H_res @ X + H_post.unsqueeze(-1) * f((H_pre.unsqueeze(-2) @ X).squeeze(-2)).unsqueeze(-2)
+    torch.testing.assert_close(m(X, f), plain(X), atol=1e-5, rtol=1e-5)
+    G = torch.randn(X.shape, generator=gen)
     wrt = [X, m.phi.weight, m.alpha, m.bias]
-    for g, w in zip(torch.autograd.grad((got * G).sum(), wrt), torch.autograd.grad((want * G).sum(), wrt)):
+    for g, w in zip(torch.autograd.grad((m(X, f) * G).sum(), wrt), torch.autograd.grad((plain(X) * G).sum(), wrt)):
+        assert rel_err(g, w) < 1e-5
+    # under create_graph, the gradients and a Hessian-vector product (analyze.py's double backward)
+    V = [torch.randn(w.shape, generator=gen) for w in wrt]
+    grads = [torch.autograd.grad((out * G).sum(), wrt, create_graph=True) for out in (m(X, f), plain(X))]
+    hvps = [torch.autograd.grad(sum((g * v).sum() for g, v in zip(gs, V)), wrt) for gs in grads]
+    for g, w in zip(grads[0] + hvps[0], grads[1] + hvps[1]):
         assert rel_err(g, w) < 1e-5
 
 
