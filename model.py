@@ -583,7 +583,8 @@ class HCRead(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph (Hessian-vector products): differentiate the plain formula
             with torch.enable_grad():  # (its inputs are independent, so each gradient is the partial one)
                 x_in, proj = hc_read(X, weight, alpha, bias, ctx.eps)
-            return (*torch.autograd.grad((x_in, proj), (X, weight, alpha, bias), (dx_in, dproj), create_graph=True), None)
+            grads = torch.autograd.grad((x_in, proj), (X, weight, alpha, bias), (dx_in, dproj), create_graph=True)
+            return (*grads, None)
         n, C = X.shape[-2:]
         x = X.reshape(-1, n * C)
         with torch.autocast(X.device.type, enabled=False):
@@ -603,9 +604,10 @@ class HCRead(torch.autograd.Function):
 
 
 class HCWrite(torch.autograd.Function):
-    """The write side of a HyperConnection as one autograd node: X_new = H_res X + H_postᵀ y per token, X (…, n, C), H_res (…, n, n),
-    H_post (…, n), y (…, C); backward: ∂X = H_resᵀ ∂X_new, ∂H_res = ∂X_new Xᵀ, ∂H_post = ∂X_new y,
-    ∂y = H_post ∂X_new. H_res must be contiguous: CPU bmm copies a strided batch operand matrix by matrix."""
+    """The write side of a HyperConnection as one autograd node: X_new = H_res X + H_postᵀ y per token, for
+    X (…, n, C), H_res (…, n, n), H_post (…, n), y (…, C); backward: ∂X = H_resᵀ ∂X_new, ∂H_res = ∂X_new Xᵀ,
+    ∂H_post = ∂X_new y, ∂y = H_post ∂X_new. H_res must be contiguous: CPU bmm copies a strided batch operand
+    matrix by matrix."""
 
     @staticmethod
     def forward(ctx, X, H_res, H_post, y):
@@ -618,10 +620,10 @@ class HCWrite(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dX_new):
         X, H_res, H_post, y = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: the same formulas in differentiable ops (H_res, H_post and y
-            # depend on X, so differentiating a recomputed X_new would add their paths to ∂X)
-            return (H_res.transpose(-1, -2) @ dX_new, dX_new @ X.transpose(-1, -2), (dX_new * y.unsqueeze(-2)).sum(-1),
-                    (H_post.unsqueeze(-1) * dX_new).sum(-2))
+        if torch.is_grad_enabled():  # create_graph: the same formulas in differentiable ops (H_res, H_post and
+            # y depend on X, so differentiating a recomputed X_new would add their paths to ∂X)
+            return (H_res.transpose(-1, -2) @ dX_new, dX_new @ X.transpose(-1, -2),
+                    (dX_new * y.unsqueeze(-2)).sum(-1), (H_post.unsqueeze(-1) * dX_new).sum(-2))
         n, C = X.shape[-2:]
         with torch.autocast(X.device.type, enabled=False):
             dX3 = dX_new.reshape(-1, n, C)
@@ -645,6 +647,8 @@ class HyperConnection(nn.Module):
         shc       H_res = J + U_Z U_c diag(tanh s) V_cᵀ U_Zᵀ, U_c, V_c = expm(skew)  (rows, cols sum 1, ‖·‖₂ = 1)
         markov    H_res = expm(Σ_c softplus(θ_c)(P_c − I)) over cyclic permutations (doubly stochastic)
     The coefficients and the mixing run in fp32 with autocast off; F runs under the caller's autocast.
+    forward reads and writes X in two autograd nodes with hand-written backwards (HCRead, HCWrite);
+    mixing_matrices computes the same H's in plain ops, for analysis and tests.
     Init (close to the pre-norm residual x + F(norm(x)), with the streams told apart):
       φ = 0, α = 0.01: the module starts static; b_res from hc_res_init (hc: I; others: diagonal 0.95);
       b_pre = ±HC_PRE_LOGIT: H_pre ≈ one-hot on stream s = sublayer mod n (F's RMSNorm removes Σ H_pre);
