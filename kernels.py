@@ -225,12 +225,15 @@ def sparsemax(z, causal=False, kernels="auto"):
 
 
 # -----------------------------------------------------------------------------
-# sinkhorn: P = exp(logits), then `iters` rounds of (row normalisation, column normalisation), fp32.
+# sinkhorn: P = exp(logits), then `iters` rounds of (row normalisation, column normalisation), in fp32 (fp64 stays fp64).
 # The last step normalises columns, so columns sum to 1 exactly and rows to within the convergence error.
 # The max is subtracted before exp so large logits cannot overflow. The torch path normalises the rows
-# first in the log domain (logsumexp), so every row keeps an entry ≥ 1/n and no row sum can reach 0, and
+# first in the log domain (a softmax), so every row keeps an entry ≥ 1/n and no row sum can reach 0, and
 # floors the column sums at 1e-30, so a column whose entries all underflow stays 0 instead of 0/0; after
-# that it iterates on P itself (2 ops a step instead of the log domain's ~6, which is what the CPU pays for).
+# that it iterates on P itself. On the CPU the cost is the count of small ops, not their arithmetic, so the
+# torch path is one autograd node: the matrices are laid out tokens last, (n, n, M), where every row or
+# column sum adds n contiguous vectors of length M; the forward normalises in place and keeps only the
+# sums; the backward walks the half-steps back, 3 ops each, recovering each iterate from its sums.
 
 def sinkhorn_ref(logits, iters=20):
     lf = logits.float()
@@ -241,16 +244,64 @@ def sinkhorn_ref(logits, iters=20):
     return P
 
 
+SINKHORN_FLOOR = 1e-30  # the torch path's floor on column sums
+
+
+def _sinkhorn_plain(logits, iters):
+    """The torch path's math as plain autograd ops: what its double backward differentiates."""
+    P = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    for k in range(iters):
+        if k:
+            P = P / P.sum(-1, keepdim=True)
+        P = P / P.sum(-2, keepdim=True).clamp_min(SINKHORN_FLOOR)
+    return P
+
+
+class _SinkhornTorch(torch.autograd.Function):
+    """P (n, n, M), entry [i, j, m]: P⁰ = softmax over j of the logits, then column, row, column, … scalings.
+    For Y = X / s (s the row or column sums of X), ∂X = (∂Y − Σ ∂Y ⊙ Y) / s summed along that axis, so
+    Z = ∂Y ⊙ Y steps back as ∂X ⊙ X = Z − Y·ΣZ with no division; the softmax ends it: ∂logits = Z⁰ − P⁰·Σ_j Z⁰."""
+
+    @staticmethod
+    def forward(ctx, logits, iters):
+        n = logits.shape[-1]
+        L = logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, n, n).permute(1, 2, 0)
+        P = torch.softmax(L.contiguous(), dim=1)
+        row_sums, col_sums = [], P.new_empty(iters, n, P.shape[-1])  # col_sums[k]: column j of every matrix
+        for k in range(iters):
+            if k:
+                row_sums.append(P.sum(1, keepdim=True))  # (n, 1, M): row i of every matrix
+                P.div_(row_sums[-1])
+            P.div_(torch.sum(P, 0, out=col_sums[k]).clamp_min_(SINKHORN_FLOOR))
+        ctx.save_for_backward(logits, P, col_sums, *row_sums)
+        ctx.iters, ctx.shape = iters, logits.shape
+        return P.permute(2, 0, 1).reshape(logits.shape)
+
+    @staticmethod
+    def backward(ctx, dP):
+        logits, P, col_sums, *row_sums = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: a differentiable gradient, from the plain ops
+            with torch.enable_grad():
+                return torch.autograd.grad(_sinkhorn_plain(logits, ctx.iters), logits, dP, create_graph=True)[0], None
+        n = ctx.shape[-1]
+        with torch.autocast(dP.device.type, enabled=False):
+            Y = P.clone()  # each half-step's output, recovered from the last by multiplying its sums back in
+            Z = dP.to(P.dtype).reshape(-1, n, n).permute(1, 2, 0).contiguous().mul_(Y)  # ∂Y ⊙ Y, tokens last
+            unfloored = col_sums > SINKHORN_FLOOR  # a floored column sum is a constant: no gradient through it
+            for k in reversed(range(ctx.iters)):
+                Z.addcmul_(Z.sum(0).mul_(unfloored[k]), Y, value=-1.0)
+                Y.mul_(col_sums[k])
+                if k:
+                    Z.addcmul_(Z.sum(1, keepdim=True), Y, value=-1.0)
+                    Y.mul_(row_sums[k - 1])
+            dL = Z.addcmul_(Z.sum(1, keepdim=True), Y, value=-1.0)  # softmax: P⁰ ⊙ (∂P⁰ − Σ_j ∂P⁰ ⊙ P⁰)
+        return dL.permute(2, 0, 1).reshape(ctx.shape).to(logits.dtype), None
+
+
 def sinkhorn_torch(logits, iters=20):
     if iters < 1:
         return sinkhorn_ref(logits, iters)
-    L = logits.float()
-    P = torch.exp(L - torch.logsumexp(L, dim=-1, keepdim=True))
-    P = P / P.sum(-2, keepdim=True).clamp_min(1e-30)
-    for _ in range(iters - 1):
-        P = P / P.sum(-1, keepdim=True)
-        P = P / P.sum(-2, keepdim=True).clamp_min(1e-30)
-    return P
+    return _SinkhornTorch.apply(logits, iters)
 
 
 def sinkhorn(logits, iters=20, kernels="auto"):

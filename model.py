@@ -547,6 +547,94 @@ def hc_res_init(kind, n):
     raise ValueError(f"residual={kind!r} has no H_res init: add it in hc_res_init")
 
 
+def hc_read(X, weight, alpha, bias, eps):
+    """The read side of a HyperConnection in plain autograd ops (HCRead's double backward): (x_in, p)."""
+    n = X.shape[-2]
+    x = X.flatten(-2)
+    proj = F.linear(x, weight) * torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True) ** 2 / x.shape[-1] + eps)
+    H_pre = torch.sigmoid(proj[..., :n] * alpha[0] + bias[:n])
+    return (H_pre.unsqueeze(-2) @ X).squeeze(-2), proj
+
+
+class HCRead(torch.autograd.Function):
+    """hc_read as one autograd node, for X (…, n, C), φ (K, nC), α (3), b (K):
+        p = x̃ φᵀ (x̃ = x·r, x = flatten(X), r = 1/sqrt(mean(x²) + ε)),  H_pre = σ(α_pre p_pre + b_pre),  x_in = H_pre X
+    returns (x_in, p); H_post and H_res are built from p outside. Backward, ∂p being the gradient from outside:
+        ∂H̃_pre = (X ∂x_in)·H_pre(1 − H_pre),  ∂p_pre += α_pre ∂H̃_pre,  g = ∂p·r,  ∂φ = gᵀx,
+        ∂X = H_preᵀ ∂x_in + g φ − x·(r²/nC)·Σ_k ∂p_k p_k,  ∂α_pre = Σ ∂H̃_pre p_pre,  ∂b_pre = Σ ∂H̃_pre.
+    One node writes the three terms of ∂X into one buffer: on the CPU each pass over the n-times-wider
+    stream state costs about what an op of the sublayer does, and autograd would add three tensors."""
+
+    @staticmethod
+    def forward(ctx, X, weight, alpha, bias, eps):
+        n, C = X.shape[-2:]
+        x = X.reshape(-1, n * C)
+        r = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_() / (n * C) + eps)
+        proj = F.linear(x, weight).mul_(r)
+        H_pre = torch.sigmoid(proj[:, :n] * alpha[0] + bias[:n])
+        x_in = torch.bmm(H_pre.unsqueeze(1), x.view(-1, n, C))  # (1×n)(n×C) per token: CPU bmm is fast at M = 1
+        ctx.save_for_backward(X, weight, alpha, bias, r, proj, H_pre)
+        ctx.eps = eps
+        return x_in.view(X.shape[:-2] + (C,)), proj.view(X.shape[:-2] + (-1,))
+
+    @staticmethod
+    def backward(ctx, dx_in, dproj):
+        X, weight, alpha, bias, r, proj, H_pre = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph (Hessian-vector products): differentiate the plain formula
+            with torch.enable_grad():  # (its inputs are independent, so each gradient is the partial one)
+                x_in, proj = hc_read(X, weight, alpha, bias, ctx.eps)
+            grads = torch.autograd.grad((x_in, proj), (X, weight, alpha, bias), (dx_in, dproj), create_graph=True)
+            return (*grads, None)
+        n, C = X.shape[-2:]
+        x = X.reshape(-1, n * C)
+        with torch.autocast(X.device.type, enabled=False):
+            dx_in, dproj = dx_in.reshape(-1, 1, C), dproj.reshape(proj.shape).clone()
+            dH_pre = torch.bmm(dx_in, x.view(-1, n, C).transpose(1, 2)).squeeze(1)
+            dlogit_pre = dH_pre.mul_(H_pre * (1 - H_pre))
+            dproj[:, :n] += alpha[0] * dlogit_pre
+            g = dproj * r
+            scale = (dproj * proj).sum(-1, keepdim=True).mul_(r.square()).div_(-n * C)
+            dX = X.new_empty(X.shape)  # not a view, so that autograd can add the write's ∂X into it in place
+            torch.mul(x, scale, out=dX.view(-1, n * C)).addmm_(g, weight)
+            dX.view(-1, n, C).addcmul_(H_pre.unsqueeze(-1), dx_in)
+            dalpha, dbias = torch.zeros_like(alpha), torch.zeros_like(bias)
+            dalpha[0] = (dlogit_pre * proj[:, :n]).sum()
+            dbias[:n] = dlogit_pre.sum(0)
+        return dX, g.T @ x, dalpha, dbias, None
+
+
+class HCWrite(torch.autograd.Function):
+    """The write side of a HyperConnection as one autograd node: X_new = H_res X + H_postᵀ y per token, for
+    X (…, n, C), H_res (…, n, n), H_post (…, n), y (…, C); backward: ∂X = H_resᵀ ∂X_new, ∂H_res = ∂X_new Xᵀ,
+    ∂H_post = ∂X_new y, ∂y = H_post ∂X_new. H_res must be contiguous: CPU bmm copies a strided batch operand
+    matrix by matrix."""
+
+    @staticmethod
+    def forward(ctx, X, H_res, H_post, y):
+        n, C = X.shape[-2:]
+        ctx.save_for_backward(X, H_res, H_post, y)
+        X_new = X.new_empty(X.shape)
+        torch.bmm(H_res.view(-1, n, n), X.reshape(-1, n, C), out=X_new.view(-1, n, C))
+        return X_new.addcmul_(H_post.unsqueeze(-1), y.unsqueeze(-2))
+
+    @staticmethod
+    def backward(ctx, dX_new):
+        X, H_res, H_post, y = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the same formulas in differentiable ops (H_res, H_post and
+            # y depend on X, so differentiating a recomputed X_new would add their paths to ∂X)
+            return (H_res.transpose(-1, -2) @ dX_new, dX_new @ X.transpose(-1, -2),
+                    (dX_new * y.unsqueeze(-2)).sum(-1), (H_post.unsqueeze(-1) * dX_new).sum(-2))
+        n, C = X.shape[-2:]
+        with torch.autocast(X.device.type, enabled=False):
+            dX3 = dX_new.reshape(-1, n, C)
+            dX = X.new_empty(X.shape)  # not a view, so that autograd can add the read's ∂X into it in place
+            torch.bmm(H_res.view(-1, n, n).transpose(1, 2), dX3, out=dX.view(-1, n, C))
+            dH_res = torch.bmm(dX3, X.reshape(-1, n, C).transpose(1, 2)).view(H_res.shape)
+            dH_post = torch.bmm(y.reshape(-1, 1, C), dX3.transpose(1, 2)).view(H_post.shape)
+            dy = torch.bmm(H_post.reshape(-1, 1, n), dX3).view(y.shape)
+        return dX, dH_res, dH_post, dy
+
+
 class HyperConnection(nn.Module):
     """One sublayer F on n streams X (B, T, n, C):   X ← H_res X + H_postᵀ F(H_pre X)
 
@@ -559,6 +647,8 @@ class HyperConnection(nn.Module):
         shc       H_res = J + U_Z U_c diag(tanh s) V_cᵀ U_Zᵀ, U_c, V_c = expm(skew)  (rows, cols sum 1, ‖·‖₂ = 1)
         markov    H_res = expm(Σ_c softplus(θ_c)(P_c − I)) over cyclic permutations (doubly stochastic)
     The coefficients and the mixing run in fp32 with autocast off; F runs under the caller's autocast.
+    forward reads and writes X in two autograd nodes with hand-written backwards (HCRead, HCWrite);
+    mixing_matrices computes the same H's in plain ops, for analysis and tests.
     Init (close to the pre-norm residual x + F(norm(x)), with the streams told apart):
       φ = 0, α = 0.01: the module starts static; b_res from hc_res_init (hc: I; others: diagonal 0.95);
       b_pre = ±HC_PRE_LOGIT: H_pre ≈ one-hot on stream s = sublayer mod n (F's RMSNorm removes Σ H_pre);
@@ -586,7 +676,8 @@ class HyperConnection(nn.Module):
         b_post = torch.zeros(n)
         b_post[sublayer % n] = HC_POST_LOGIT
         self.bias = nn.Parameter(torch.cat([b_pre, b_post, hc_res_init(kind, n)]))
-        self.register_buffer("alpha_index", torch.tensor([0] * n + [1] * n + [2] * n_res), persistent=False)
+        groups = torch.tensor([0] * n + [1] * n + [2] * n_res)  # which α scales each column of x̃ φ
+        self.register_buffer("alpha_map", F.one_hot(groups, 3).T.float(), persistent=False)
         if kind == "mhc-lite":
             self.register_buffer("permutations", hc_permutations(n).flatten(1), persistent=False)
         if kind == "markov":
@@ -597,12 +688,15 @@ class HyperConnection(nn.Module):
 
     def coefficients(self, X):
         """H̃ = α·(x̃ φ) + b for stream state X (…, n, C), split into pre (…, n), post (…, n), res (…, n_res)."""
-        n = self.n
         x = X.flatten(-2).float()
-        proj = self.phi(x) * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)  # = RMSNorm(x) φ, no x̃ stored
+        return self.logits(self.phi(x) * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6))
+
+    def logits(self, proj):
+        """H̃ = α·p + b from p = x̃ φ (hc: tanh on the res part), split into pre, post, res."""
+        n = self.n
         if self.kind == "hc":  # HC keeps tanh on the dynamic part of H_res
             proj = torch.cat([proj[..., :2 * n], torch.tanh(proj[..., 2 * n:])], dim=-1)
-        H = proj * self.alpha[self.alpha_index] + self.bias
+        H = proj * (self.alpha @ self.alpha_map) + self.bias  # a product, not an index: CPU index backward is slow
         return H[..., :n], H[..., n:2 * n], H[..., 2 * n:]
 
     def res_matrix(self, res):
@@ -641,14 +735,14 @@ class HyperConnection(nn.Module):
             return torch.sigmoid(pre), 2 * torch.sigmoid(post), self.res_matrix(res)
 
     def forward(self, X, f):
-        H_pre, H_post, H_res = self.mixing_matrices(X)
+        """The same H_pre, H_post, H_res as mixing_matrices, with the reads and writes of X in two nodes."""
         with torch.autocast(device_type=X.device.type, enabled=False):
-            x_in = (H_pre.unsqueeze(-2) @ X.float()).squeeze(-2)
+            x_in, proj = HCRead.apply(X.float(), self.phi.weight, self.alpha, self.bias, 1e-6)
         y = f(x_in.to(X.dtype))
         with torch.autocast(device_type=X.device.type, enabled=False):
-            posted = H_post.unsqueeze(-1) * y.float().unsqueeze(-2)  # H_postᵀ F(·), (…, n, C)
-            X_new = torch.baddbmm(posted.flatten(0, -3), H_res.flatten(0, -3), X.float().flatten(0, -3))
-            return X_new.view(X.shape).to(X.dtype)
+            _, post, res = self.logits(proj)
+            H_res = self.res_matrix(res).contiguous()
+            return HCWrite.apply(X.float(), H_res, 2 * torch.sigmoid(post), y.float()).to(X.dtype)
 
 
 class Block(nn.Module):
@@ -768,6 +862,7 @@ if __name__ == "__main__":
     # under its train.py defaults), written here only as a yardstick. Rounds alternate; the median of the
     # per-round ratios is robust to this machine's drift. `python model.py recipe` instead trains the yardstick
     # with nanoGPT's CPU recipe, to time against `python train.py` run alongside.
+    # `python model.py residuals` times every residual kind's training step against `res` the same way.
     import statistics
     import sys
     import time
@@ -861,8 +956,33 @@ if __name__ == "__main__":
         print(f"nanoGPT recipe: {seconds:.1f}s wall for 2000 iterations and evals, "
               f"val loss {val:.4f} on train.py's validation batches")
 
+    def residual_kinds():
+        """`python model.py residuals`: the training step of the default model (A mixer, n = 4 streams) for every
+        residual kind, batch 16 x 64, against `res` timed in the same interleaved rounds (8 rounds of 3 steps)."""
+        B, T, V, rounds, steps = 16, 64, 84, 8, 3
+        kinds = ["res", "hc", "mhc", "mhc-lite", "kromhc", "shc", "markov"]
+        runs = {}
+        for kind in kinds:
+            torch.manual_seed(0)
+            runs[kind] = train_step(GPT(GPTConfig(vocab_size=V, block_size=T, residual=kind)), B, T, V)
+        seconds = {kind: [] for kind in kinds}
+        for _ in range(rounds):
+            for kind, step in runs.items():
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                seconds[kind].append((time.perf_counter() - t0) / steps)
+        print(f"forward+backward+AdamW, batch {B}x{T}, {torch.get_num_threads()} threads, {rounds} interleaved rounds "
+              f"of {steps} steps")
+        for kind, s in seconds.items():
+            ratio = statistics.median(t / r for r, t in zip(seconds["res"], s))
+            print(f"  {kind:>8}: {1e3 * statistics.median(s):6.1f} ms/step (median round), {ratio:.2f}x res")
+
     if sys.argv[1:] == ["recipe"]:
         nanogpt_recipe()
+        sys.exit()
+    if sys.argv[1:] == ["residuals"]:
+        residual_kinds()
         sys.exit()
     torch.manual_seed(0)
     B, T, V, rounds, steps = 12, 64, 84, 20, 5

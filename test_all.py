@@ -31,7 +31,8 @@ if not torch.cuda.is_available():  # Triton kernels run on the CPU in Triton's i
     os.environ.setdefault("TRITON_INTERPRET", "1")
 TRITON_DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]   # where the Triton tests run: compiled on a GPU
 
-from model import GPT, Attention, GPTConfig, GatedDelta, HyperConnection, Mamba2, hc_res_init, rope_cache, rope_frequencies
+from model import (GPT, Attention, GPTConfig, GatedDelta, HCRead, HCWrite, HyperConnection, Mamba2, hc_res_init, rope_cache,
+                   rope_frequencies)
 import analyze
 import data
 import init
@@ -295,6 +296,31 @@ def test_kernels_sinkhorn_torch_matches_ref_and_has_gradients():
     # saturated logits: the log-domain torch path stays finite where rows would underflow
     huge = torch.randn(2, 4, 4) * 200
     assert torch.isfinite(kernels.sinkhorn(huge, kernels="torch")).all()
+
+
+def test_kernels_sinkhorn_torch_backward_matches_autograd():
+    """The torch path's hand-written backward against autograd through its steps written plainly (fp64, with
+    logits spread so wide that column sums hit the 1e-30 floor), then gradcheck and gradgradcheck (the double
+    backward that analyze.py's Hessian-vector products take)."""
+    def unrolled(L, iters):
+        P = torch.exp(L - torch.logsumexp(L, -1, keepdim=True))
+        for k in range(iters):
+            if k:
+                P = P / P.sum(-1, keepdim=True)
+            P = P / P.sum(-2, keepdim=True).clamp_min(1e-30)
+        return P
+    torch.manual_seed(0)
+    for scale in (1.0, 5.0, 200.0):
+        L = (torch.randn(6, 4, 4, dtype=torch.float64) * scale).requires_grad_()
+        if scale == 200.0:
+            assert torch.softmax(L, -1).sum(-2).min() < 1e-30  # the floor is reached
+        P, want = kernels.sinkhorn(L, iters=7, kernels="torch"), unrolled(L, 7)
+        G = torch.randn_like(P)
+        assert rel_err(P, want) < 1e-12
+        assert rel_err(torch.autograd.grad((P * G).sum(), L)[0], torch.autograd.grad((want * G).sum(), L)[0]) < 1e-10
+    L = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
+    fn = lambda logits: kernels.sinkhorn(logits, iters=4, kernels="torch")
+    assert torch.autograd.gradcheck(fn, (L,)) and torch.autograd.gradgradcheck(fn, (L,))
 
 
 # -----------------------------------------------------------------------------
@@ -2235,6 +2261,50 @@ def test_hc_mixing_in_fp32_under_bf16_autocast(kind):
         hc_check_constraints(kind, H_res)
     with torch.no_grad():
         torch.testing.assert_close(H_res, m.mixing_matrices(X)[2], atol=1e-6, rtol=0)
+
+
+def test_hc_read_and_write_nodes_gradcheck():
+    """HCRead and HCWrite, the hand-written backwards of HyperConnection.forward, against finite differences
+    in fp64, first and second order (analyze.py's Hessian-vector products differentiate the gradient)."""
+    gen = torch.Generator().manual_seed(9)
+    leaf = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+    X, phi, alpha, bias = leaf(2, 3, 4, 5), leaf(10, 20), leaf(3), leaf(10)
+    read = lambda X, phi, alpha, bias: HCRead.apply(X, phi, alpha, bias, 1e-6)
+    assert torch.autograd.gradcheck(read, (X, phi, alpha, bias))
+    assert torch.autograd.gradgradcheck(read, (X, phi, alpha, bias))
+    write_inputs = (X, leaf(2, 3, 4, 4), leaf(2, 3, 4), leaf(2, 3, 5))
+    assert torch.autograd.gradcheck(HCWrite.apply, write_inputs)
+    assert torch.autograd.gradgradcheck(HCWrite.apply, write_inputs)
+
+
+@pytest.mark.parametrize("kind", HC_KINDS)
+def test_hc_forward_matches_plain_formula(kind):
+    """forward (two custom autograd nodes) against X_new = H_res X + H_postᵀ F(H_pre X) written with autograd
+    ops from mixing_matrices: the output and the gradients of X, φ, α and b agree, far from init."""
+    gen = torch.Generator().manual_seed(10)
+    m = hc_module(kind)
+    if kind == "mhc":  # near init, where 20 Sinkhorn iterations converge (see hc_random_matrices)
+        hc_randomize(m, gen, phi_std=0.03 / math.sqrt(m.phi.in_features), alpha=1.0, bias_std=0.0)
+    else:
+        hc_randomize(m, gen, phi_std=0.3, alpha=0.5)
+    X = torch.randn(3, 5, 4, 8, generator=gen, requires_grad=True)
+    W = torch.randn(8, 8, generator=gen)
+    f = lambda h: torch.tanh(h @ W)
+
+    def plain(X):
+        H_pre, H_post, H_res = m.mixing_matrices(X)
+        return H_res @ X + H_post.unsqueeze(-1) * f((H_pre.unsqueeze(-2) @ X).squeeze(-2)).unsqueeze(-2)
+    torch.testing.assert_close(m(X, f), plain(X), atol=1e-5, rtol=1e-5)
+    G = torch.randn(X.shape, generator=gen)
+    wrt = [X, m.phi.weight, m.alpha, m.bias]
+    for g, w in zip(torch.autograd.grad((m(X, f) * G).sum(), wrt), torch.autograd.grad((plain(X) * G).sum(), wrt)):
+        assert rel_err(g, w) < 1e-5
+    # under create_graph, the gradients and a Hessian-vector product (analyze.py's double backward)
+    V = [torch.randn(w.shape, generator=gen) for w in wrt]
+    grads = [torch.autograd.grad((out * G).sum(), wrt, create_graph=True) for out in (m(X, f), plain(X))]
+    hvps = [torch.autograd.grad(sum((g * v).sum() for g, v in zip(gs, V)), wrt) for gs in grads]
+    for g, w in zip(grads[0] + hvps[0], grads[1] + hvps[1]):
+        assert rel_err(g, w) < 1e-5
 
 
 def test_hc_bad_config_is_refused():
