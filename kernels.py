@@ -281,8 +281,7 @@ class _SinkhornTorch(torch.autograd.Function):
     def backward(ctx, dP):
         logits, P, col_sums, *row_sums = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: a differentiable gradient, from the plain ops
-            with torch.enable_grad():
-                return torch.autograd.grad(_sinkhorn_plain(logits, ctx.iters), logits, dP, create_graph=True)[0], None
+            return _double_backward(lambda x: (_sinkhorn_plain(x, ctx.iters),), (logits,), (dP,))[0], None
         n = ctx.shape[-1]
         with torch.autocast(dP.device.type, enabled=False):
             Y = P.clone()  # each half-step's output, recovered from the last by multiplying its sums back in
