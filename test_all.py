@@ -3304,11 +3304,11 @@ def test_diverging_run_keeps_the_last_finite_checkpoint(tmp_path):
     other_vocab = tmp_path / "digits.txt"
     other_vocab.write_text("0123456789\n" * 300)
     resume = ["--init_from=resume", f"--out_dir={out}", *TINY]
-    for args, message in [(["--mixer=M"], "--mixer='M' differs from the checkpoint's mixer='A'"),
+    for args, message in [(["--mixer=G"], "--mixer='G' differs from the checkpoint's mixer='MAAA'"),
                           (["--n_layer=6"], "--n_layer=6 differs from the checkpoint's n_layer=1"),
                           (["--block_size=128"], "--block_size=128 differs from the checkpoint's block_size=32"),
                           ([f"--dataset={other_vocab}"], "vocabulary of 11 tokens"),
-                          (["--max_iters=50", "--qk_norm=True"], "--qk_norm=True differs")]:
+                          (["--max_iters=50", "--qk_norm=False"], "--qk_norm=False differs")]:
         with pytest.raises(ValueError) as error:
             train.main([*resume, *args])
         assert message in str(error.value) and "\n" not in str(error.value), (args, error.value)
@@ -3334,7 +3334,7 @@ def bad_input_cases(tmp_path):
     a_file.write_text("x")
     return [
         (["--n_layers=2"], "unknown config key 'n_layers'; did you mean --n_layer?"),
-        (["--max_iters=lots"], "--max_iters expects an integer (default 850), got 'lots'"),
+        (["--max_iters=lots"], "--max_iters expects an integer (default 560), got 'lots'"),
         (["--init_from=resume", f"--out_dir={garbage}"], "not a readable checkpoint"),
         ([f"--dataset={binary}"], "is not a text file"),
         ([f"--out_dir={a_file}"], "is a file, not a folder"),

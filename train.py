@@ -66,9 +66,9 @@ galore_scale = 0.25            # galore: scale of the projected update
 aux_lr = 3e-3                  # matrix optimizers: AdamW's lr for embeddings, head, norms, gates, HC
 spectral_lr = False            # scale each block matrix's lr by init.spectral_lr_scale(fan_out, fan_in)
 grad_clip = 1.0                # clip the gradient's global norm to this; 0 disables
-max_iters = 850                # optimizer steps
+max_iters = 560                # optimizer steps
 lr_decay_iters = 0             # length of the schedule; 0 means max_iters
-warmup_iters = 100             # linear warmup steps
+warmup_iters = 30              # linear warmup steps
 schedule = "cosine"            # cosine | wsd (warmup, constant, then linear decay over the last wsd_decay_frac)
 wsd_decay_frac = 0.2           # wsd: fraction of the steps spent decaying, in [0, 1] (0: a constant lr after warmup)
 # system
@@ -85,7 +85,10 @@ start = "\n"                   # the prompt of every sample
 RUN_DEFAULTS = {k: v for k, v in globals().items()
                 if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))}
 # the model's keys are GPTConfig's fields (vocab_size comes from the data); the run's own defaults:
-MODEL_DEFAULTS = {"block_size": 64}  # the CPU baby model's context (nanoGPT's shakespeare_char recipe)
+# nanoGPT's shakespeare_char context; one Mamba2 layer below three attention layers, narrowed to an inner width
+# of n_embd and a state of 16 (its short convolution and recurrence lower the loss per step far more than the
+# layer costs), and RMSNorm on queries and keys (README, "The default run")
+MODEL_DEFAULTS = {"block_size": 64, "mixer": "MAAA", "mamba_expand": 1, "mamba_d_state": 16, "qk_norm": True}
 # model keys that may change on resume: they change how the same weights compute or train, not the weights
 RESUME_CHANGEABLE = ("kernels", "attention", "chunk_size", "dropout", "rope_scaling", "rope_factor")
 MODEL_SIZES = ("block_size", "n_layer", "n_head", "n_embd", "hc_streams", "mamba_headdim")  # each >= 1
