@@ -3334,7 +3334,7 @@ def bad_input_cases(tmp_path):
     a_file.write_text("x")
     return [
         (["--n_layers=2"], "unknown config key 'n_layers'; did you mean --n_layer?"),
-        (["--max_iters=lots"], "--max_iters expects an integer (default 560), got 'lots'"),
+        (["--max_iters=lots"], "--max_iters expects an integer (default 640), got 'lots'"),
         (["--init_from=resume", f"--out_dir={garbage}"], "not a readable checkpoint"),
         ([f"--dataset={binary}"], "is not a text file"),
         ([f"--out_dir={a_file}"], "is a file, not a folder"),
