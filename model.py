@@ -956,6 +956,17 @@ if __name__ == "__main__":
         print(f"nanoGPT recipe: {seconds:.1f}s wall for 2000 iterations and evals, "
               f"val loss {val:.4f} on train.py's validation batches")
 
+    def interleaved_seconds(runs, rounds, steps):
+        """{name: [seconds per step in each round]}, the runs taking turns round by round."""
+        seconds = {name: [] for name in runs}
+        for _ in range(rounds):
+            for name, step in runs.items():
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                seconds[name].append((time.perf_counter() - t0) / steps)
+        return seconds
+
     def residual_kinds():
         """`python model.py residuals`: the training step of the default model (A mixer, n = 4 streams) for every
         residual kind, batch 16 x 64, against `res` timed in the same interleaved rounds (8 rounds of 3 steps)."""
@@ -965,13 +976,7 @@ if __name__ == "__main__":
         for kind in kinds:
             torch.manual_seed(0)
             runs[kind] = train_step(GPT(GPTConfig(vocab_size=V, block_size=T, residual=kind)), B, T, V)
-        seconds = {kind: [] for kind in kinds}
-        for _ in range(rounds):
-            for kind, step in runs.items():
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    step()
-                seconds[kind].append((time.perf_counter() - t0) / steps)
+        seconds = interleaved_seconds(runs, rounds, steps)
         print(f"forward+backward+AdamW, batch {B}x{T}, {torch.get_num_threads()} threads, {rounds} interleaved rounds "
               f"of {steps} steps")
         for kind, s in seconds.items():
@@ -990,13 +995,7 @@ if __name__ == "__main__":
     runs = {"gpt2-style": train_step(GPT2(V, T, 4, 4, 128), B, T, V)}
     for mixer in mixers:
         runs[mixer] = train_step(GPT(GPTConfig(vocab_size=V, block_size=T, mixer=mixer)), B, T, V)
-    seconds = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, step in runs.items():
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            seconds[name].append((time.perf_counter() - t0) / steps)
+    seconds = interleaved_seconds(runs, rounds, steps)
     print(f"forward+backward+AdamW, batch {B}x{T}, {torch.get_num_threads()} threads, {rounds} alternating rounds")
     for name, s in seconds.items():
         ratio = statistics.median(b / t for b, t in zip(seconds["gpt2-style"], s))
