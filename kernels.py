@@ -518,6 +518,7 @@ class _GDN2ChunkScan(torch.autograd.Function):
         o, S, saved = _gdn2_chunk_scan(L, Aqk, E_in, q_in, k_out, decay_out, Z, S0, scale)
         ctx.save_for_backward(L, Aqk, E_in, q_in, k_out, decay_out, Z, S0, *saved)
         ctx.scale = scale
+        ctx.set_materialize_grads(False)                         # dS_T stays None when the final state is unused
         return o, S
 
     @staticmethod
@@ -527,7 +528,7 @@ class _GDN2ChunkScan(torch.autograd.Function):
         if torch.is_grad_enabled():                              # double backward: differentiate the forward's ops
             scan = lambda *inputs: _gdn2_chunk_scan(*inputs, scale)[:2]
             return *_double_backward(scan, (L, Aqk, E_in, q_in, k_out, decay_out, Z, S0), (do, dS_T)), None
-        do = do.contiguous()
+        do = torch.zeros_like(Z) if do is None else do.contiguous()
         dU_read = Aqk.transpose(-1, -2) @ do
         dS_read = scale * (q_in.transpose(-1, -2) @ do)
         dS = torch.zeros_like(S0) if dS_T is None else dS_T
@@ -665,13 +666,18 @@ def ssd_ref(x, dt, A, B, C, D=None, initial_state=None):
 
 def _ssd_chunks(X, dtA, B, C, initial_state):
     """The chunked scan on the layout [b, N, h, Cs, ·]: X = dt⊙x [b,N,h,Cs,p], dtA [b,N,h,Cs], B, C [b,N,Cs,n].
-    Returns y, the final state and what the backward reuses. Out-of-place ops only: double backward reruns it."""
+    Returns y, the final state and what the backward reuses. In-place ops only on its own intermediates: double
+    backward reruns it under autograd."""
     b, N, h, Cs, p = X.shape
     a64 = dtA.double().cumsum(-1)                                # fp64: see ssd_torch
     a = a64.float()
-    causal = torch.ones(Cs, Cs, dtype=torch.bool, device=X.device).tril()
-    L = (a64[..., :, None] - a64[..., None, :]).float().masked_fill(~causal, float("-inf")).exp()   # exp(a_r − a_s), s ≤ r
-    W = (C @ B.transpose(-1, -2)).unsqueeze(2) * L               # (C Bᵀ) ⊙ L, C Bᵀ shared by the heads
+    a_low = (a64 - a.double()).float()                           # a64 = a + a_low to fp64's precision
+    causal = torch.ones(Cs, Cs, device=X.device).tril()
+    # exp(a_r − a_s) for s ≤ r; the fp32 difference of a is correctly rounded and a_low adds back what rounding a
+    # dropped, so small exponents keep their digits however large a grows. Above the diagonal the exponent is
+    # set to 0 (never exp of a large one) and C Bᵀ is masked instead, at an eighth of the size
+    L = (a[..., :, None] - a[..., None, :]).add_(a_low[..., :, None]).sub_(a_low[..., None, :]).mul_(causal).exp_()
+    W = ((C @ B.transpose(-1, -2)) * causal).unsqueeze(2) * L    # (C Bᵀ) ⊙ L, C Bᵀ shared by the heads
     y = W @ X
     chunk_states = torch.einsum("bzhcp,bzcn->bzhpn", X * L[..., -1, :, None], B)   # Xᵀ diag(ℓ) B
     chunk_decay = a[..., -1].exp()                               # [b,N,h]
@@ -702,6 +708,7 @@ class _SSDChunks(torch.autograd.Function):
         y, S, (a, L, W, S_in, chunk_decay, first) = _ssd_chunks(X, dtA, B, C, initial_state)
         ctx.save_for_backward(X, dtA, B, C, initial_state, a, L, W, S_in, chunk_decay)
         ctx.first = first
+        ctx.set_materialize_grads(False)                         # dS_T stays None when the final state is unused
         return y, S
 
     @staticmethod
@@ -711,7 +718,7 @@ class _SSDChunks(torch.autograd.Function):
             scan = lambda *inputs: _ssd_chunks(*inputs)[:2]
             return _double_backward(scan, (X, dtA, B, C, initial_state), (dy, dS_T))
         first, N = ctx.first, X.shape[1]
-        dy = dy.contiguous()
+        dy = torch.zeros_like(X) if dy is None else dy.contiguous()
         dy_e = dy * a.exp()[..., None]
         # G_z = ∂/∂(state after chunk z), last chunk first; None where it is zero (the final state unused)
         from_reads = torch.einsum("bzhcp,bzcn->bzhpn", dy_e[:, first:], C[:, first:]) if N > first else None
@@ -723,7 +730,7 @@ class _SSDChunks(torch.autograd.Function):
         d_initial = G if first == 0 else None
         dW = dy @ X.transpose(-1, -2)
         dX = W.transpose(-1, -2) @ dy
-        dCB = (dW * L).sum(2)
+        dCB = (dW * L).sum(2).tril_()                            # L is 1 above the diagonal
         d_seg = dW.mul_(W)                                       # ∂/∂(a_r − a_s), zero above the diagonal
         dC, dB = dCB @ B, dCB.transpose(-1, -2) @ C
         d_a = torch.zeros_like(a)
