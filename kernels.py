@@ -756,9 +756,9 @@ def ssd_torch(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
     """Chunked SSD. Within a chunk, with a_r = Σ_{i≤r} dt_i A (cumulative log-decay from the chunk start):
     y_r = Σ_{s≤r} (C_r·B_s) exp(a_r − a_s) dt_s x_s + exp(a_r) h_0 C_r, and the chunk's own contribution to
     its end state is Σ_s exp(a_C − a_s) dt_s x_s B_sᵀ; states are passed between chunks in a short loop.
-    Every exponent is a within-chunk difference masked to s ≤ r, so it is ≤ 0; a is summed in fp64, since
-    with a decay of −1000 in one step it reaches the thousands, where an fp32 difference a_r − a_s would lose
-    the small exponents' digits. The backward is written out (_SSDChunks). The tail is padded with dt = 0 and
+    Every exponent is a within-chunk difference masked to s ≤ r, so it is ≤ 0. a is summed in fp64 and kept as
+    an fp32 value plus its fp32 rounding remainder: with a decay of −1000 in one step a reaches the thousands,
+    where a difference of fp32-rounded sums would lose the small exponents' digits. The backward is written out (_SSDChunks). The tail is padded with dt = 0 and
     zero inputs, which leaves the state unchanged."""
     _ssd_check(x, dt, A, B, C, D, initial_state)
     b, l, h, p = x.shape
