@@ -758,8 +758,8 @@ def ssd_torch(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
     its end state is Σ_s exp(a_C − a_s) dt_s x_s B_sᵀ; states are passed between chunks in a short loop.
     Every exponent is a within-chunk difference masked to s ≤ r, so it is ≤ 0. a is summed in fp64 and kept as
     an fp32 value plus its fp32 rounding remainder: with a decay of −1000 in one step a reaches the thousands,
-    where a difference of fp32-rounded sums would lose the small exponents' digits. The backward is written out (_SSDChunks). The tail is padded with dt = 0 and
-    zero inputs, which leaves the state unchanged."""
+    where a difference of fp32-rounded sums would lose the small exponents' digits. The backward is written out
+    (_SSDChunks). The tail is padded with dt = 0 and zero inputs, which leaves the state unchanged."""
     _ssd_check(x, dt, A, B, C, D, initial_state)
     b, l, h, p = x.shape
     n = B.shape[-1]
