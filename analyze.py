@@ -39,6 +39,7 @@ During training, `train.py --analyze_every=N` calls analyze_during_training (the
 one JSON line per call) and plot_training_analysis draws them against the step.
 """
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -54,8 +55,7 @@ import data
 import kernels
 import model as model_module
 import optim
-import train
-from init import init_weights, natural_spectral_norm
+from init import in_residual, init_weights, natural_spectral_norm
 from model import GPT, GPTConfig, HyperConnection, GatedDelta, Attention
 
 TW1_QUANTILE_99 = 2.02  # 99% quantile of the Tracy–Widom (β = 1) law of the largest noise eigenvalue
@@ -83,18 +83,15 @@ def analysis_model(model):
 # ----------------------------------------------------------------------------------------------------
 # length extrapolation: validation loss at multiples of the training length
 
-ROPE_SCALINGS = ("none", "pi", "ntk", "yarn")
-
-
 @torch.no_grad()
 def length_extrapolation(model, tokens, factors=(1, 2, 4, 8), n_tokens=16384, batch_size=8):
     """Mean cross-entropy of the first n_tokens targets of `tokens`, cut into windows of factor × block_size
     tokens: every length predicts the same tokens, only the context differs. Attention with fixed RoPE
     frequencies runs under each rope_scaling with rope_factor = factor (none: the trained frequencies, used
-    past the training length); learned/lie frequencies only as trained; G and M layers have no length limit
-    and run as they are. Returns rows {"scaling", "factor", "length", "val_loss"}."""
+    past the training length); learned/lie frequencies only as trained; a model without context_limited mixers
+    (only G and M layers) has no length limit and runs as it is. Returns rows {"scaling", "factor", "length", "val_loss"}."""
     cfg = model.config
-    scalings = ROPE_SCALINGS if "A" in cfg.mixer and cfg.rope == "fixed" else ("none",)
+    scalings = model_module.ROPE_SCALINGS if model.context_limited and cfg.rope == "fixed" else ("none",)
     device = next(model.parameters()).device
     rows = []
     for factor in factors:
@@ -107,7 +104,7 @@ def length_extrapolation(model, tokens, factors=(1, 2, 4, 8), n_tokens=16384, ba
         x, y = stretch[:-1].view(n_windows, length), stretch[1:].view(n_windows, length)
         for scaling in scalings if factor > 1 else ("none",):  # at factor 1 every scaling is "none"
             twin = model
-            if "A" in cfg.mixer:  # rebuilt so that its cos/sin cache covers `length` positions
+            if model.context_limited:  # rebuilt so that its cos/sin cache covers `length` positions
                 with torch.random.fork_rng(devices=[]):
                     twin = GPT(dataclasses.replace(cfg, rope_scaling=scaling, rope_factor=factor))
                 twin.load_state_dict(model.state_dict())
@@ -571,7 +568,7 @@ def coordinate_check(model, optimizer, idx, targets, steps=10):
     "dW <name>": natural spectral norm of W_after − W_before for every 2-D weight (hyper-connection
     maps excepted; kind "embedding" for wte)}. Run it at several widths: under a width-consistent
     parametrization every entry stays of the same size."""
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.ndim == 2 and ".hc_" not in n}
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.ndim == 2 and not in_residual(n)}
     model.train()
     for _ in range(steps):
         _, loss = model(idx, targets)
@@ -585,7 +582,7 @@ def coordinate_check(model, optimizer, idx, targets, steps=10):
 
     blocks = {id(b) for b in model.blocks}
     watched = [(n, m) for n, m in model.named_modules()
-               if ".hc_" not in f".{n}" and (isinstance(m, (nn.Linear, nn.Embedding)) or id(m) in blocks)]
+               if not in_residual(n) and (isinstance(m, (nn.Linear, nn.Embedding)) or id(m) in blocks)]
     hooks = [m.register_forward_hook(record("out " + n)) for n, m in watched]
     with torch.no_grad():
         model(idx)
@@ -666,10 +663,10 @@ def show_coordinate_transfer(summary):
                   f"‖ΔW‖_nat spread {run['max_spread_dW']:.2f}x")
 
 
-def lr_transfer(dataset="shakespeare_char", tokenizer="char", widths=(64, 256), steps=200, batch_size=8, block_size=64,
+def lr_transfer(dataset="shakespeare_char", tokenizer="auto", widths=(64, 256), steps=200, batch_size=8, block_size=64,
                 optimizers=tuple(TRANSFER_LRS)):
     """Val loss after `steps` steps for each lr of TRANSFER_LRS at each width, gpt2 vs spectral +
-    spectral_lr, on train.py's schedule (lr_multiplier): warmup 20 steps, then a cosine to 0.1 of the peak;
+    spectral_lr, on train.py's schedule (optim.lr_multiplier): warmup 20 steps, then a cosine to 0.1 of the peak;
     Muon's AdamW part at lr 3e-3. About 10 minutes per optimizer on one CPU core. Returns (summary, {})."""
     train_tokens, val_tokens, meta = data.load_dataset(dataset, tokenizer)
     val_sampler = data.BatchSampler(val_tokens, batch_size, block_size, seed=123)
@@ -686,7 +683,7 @@ def lr_transfer(dataset="shakespeare_char", tokenizer="char", widths=(64, 256), 
                                                 spectral_lr=scheme == "spectral")
                     sampler = data.BatchSampler(train_tokens, batch_size, block_size, seed=1)
                     for it in range(steps):
-                        mult = train.lr_multiplier(it, steps, warmup=20, floor=0.1, schedule="cosine", decay_frac=0.0)
+                        mult = optim.lr_multiplier(it, steps, warmup=20, floor=0.1, schedule="cosine", decay_frac=0.0)
                         for group in opt.param_groups:
                             group["lr"] = group["base_lr"] * mult
                         _, loss = model(*sampler.next_batch())
@@ -733,18 +730,17 @@ def attention_sparsity(model, batch):
         return None, {}
     idx = batch[0] if isinstance(batch, (tuple, list)) else batch
     kind = twin.config.attention
-    # Attention.forward looks the function up in model.py at call time: wrap it for one pass to see q, k
-    fn_name = "attention_sparsemax" if kind == "sparsemax" else "attention_math"
-    original, captured = getattr(model_module, fn_name), []
+    # Attention.forward looks its function up in model.ATTENTIONS at call time: wrap it for one pass to see q, k
+    original, captured = model_module.ATTENTIONS[kind], []
 
     def recording(q, k, *args):
         captured.append((q, k))
         return original(q, k, *args)
-    setattr(model_module, fn_name, recording)
+    model_module.ATTENTIONS[kind] = recording
     try:
         twin(idx.to(next(twin.parameters()).device))
     finally:
-        setattr(model_module, fn_name, original)
+        model_module.ATTENTIONS[kind] = original
     layers, fractions = [], []
     for name, (q, k) in zip(names, captured):
         T, S = q.size(2), k.size(2)
@@ -1433,7 +1429,7 @@ OPTIONS = {  # analysis options; every GPTConfig key is also accepted (fresh ini
     "device": "auto",                  # auto (cuda if available, else cpu) | cpu | cuda
     "seed": 0,                         # seeds a fresh init, the batches and the probes
     "dataset": "shakespeare_char",     # as train.py's --dataset (a checkpoint names its own)
-    "tokenizer": "char",               # as train.py's --tokenizer
+    "tokenizer": "auto",               # as train.py's --tokenizer
     "split": "val",                    # train | val: the split the batches come from
     "batch_size": 8,                   # sequences per micro-batch
     "micro_batches": 8,                # micro-batches (at least 2 for the noise scale)
@@ -1455,15 +1451,16 @@ OPTIONS = {  # analysis options; every GPTConfig key is also accepted (fresh ini
 
 
 def parse_args(argv):
-    """train.py's parser (train.parse_config) over OPTIONS and the GPTConfig keys, with GPTConfig's
+    """data.parse_config (train.py's parser) over OPTIONS and the GPTConfig keys, with GPTConfig's
     defaults. A bare path or --config=path is a train.py config file; only its model keys, dataset and
     tokenizer are used (its other keys are training settings). Returns (options, model overrides)."""
     model_keys = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size"}
     with open(__file__) as f:
         options_source = f.read().split("\nOPTIONS = {", 1)[1]
-    descriptions = {**train.config_help(), **train.source_comments(options_source)}
-    given = train.parse_config(argv, {**OPTIONS, **model_keys}, __doc__, descriptions,
-                               file_keys={*model_keys, "dataset", "tokenizer"})
+    descriptions = {**data.source_comments(inspect.getsource(GPTConfig)), **data.source_comments(options_source)}
+    given = data.parse_config(argv, {**OPTIONS, **model_keys}, __doc__, descriptions,
+                              file_keys={*model_keys, "dataset", "tokenizer"},
+                              allowed={k: " | ".join(v) for k, v in model_module.config_choices().items()})
     opts = {**OPTIONS, **{k: v for k, v in given.items() if k in OPTIONS}}
     return opts, {k: v for k, v in given.items() if k not in OPTIONS}
 
@@ -1474,9 +1471,9 @@ def load_model(opts, model_overrides):
     if opts["ckpt"]:
         if model_overrides:
             raise ValueError(f"model keys {sorted(model_overrides)} cannot change a checkpoint's model: drop them")
-        ckpt = train.load_checkpoint(opts["ckpt"])
+        ckpt = data.load_checkpoint(opts["ckpt"])
         model = GPT(GPTConfig.from_dict(ckpt["config"]))
-        train.load_weights(model, ckpt, opts["ckpt"])
+        data.load_weights(model, ckpt, opts["ckpt"])
         return model, ckpt["config"].get("dataset", opts["dataset"]), ckpt["config"].get("tokenizer", opts["tokenizer"])
     _, _, meta = data.load_dataset(opts["dataset"], opts["tokenizer"])
     torch.manual_seed(opts["seed"])

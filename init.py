@@ -40,7 +40,8 @@ What "spectral" sets, and what it leaves alone:
   optim.spectral_lr_scale as the hidden matrices (fan_in = n_embd). A tied lm_head is the embedding matrix
   and gets the embedding's init: "stable" equals the head's std when V ≥ n_embd; "exact" (std 1) would
   give logits of RMS sqrt(n_embd), so that pair is refused.
-- hyper-connection maps (names with ".hc_"), norm gains, convolutions, A_log, dt_bias, D: their own init.
+- the residual modules' maps (in_residual: the hyper-connections), norm gains, convolutions, A_log, dt_bias, D:
+  their own init.
 
 The learning-rate half is optim.spectral_lr_scale(fan_out, fan_in, optimizer): the per-matrix multiplier
 that keeps ‖ΔW‖_nat the same at every width for each kind of optimizer (its docstring derives it).
@@ -52,6 +53,12 @@ import torch.nn as nn
 
 SCHEMES = ("gpt2", "spectral")
 EMBEDDING_STDS = ("stable", "exact")
+
+
+def in_residual(name):
+    """Whether a module or parameter name lies inside a block's residual module (Block.mixer_residual,
+    Block.mlp_residual: the hyper-connection maps). Those keep their own init and train with AdamW."""
+    return any(part.endswith("_residual") for part in name.split("."))
 
 
 def spectral_std(fan_out, fan_in, exact=False):
@@ -101,7 +108,7 @@ def init_weights(model, scheme="gpt2", exact=False, embedding="stable"):
                          "use embedding='stable' or tie_embeddings=False")
     depth_scale = 1.0 / math.sqrt(2 * cfg.n_layer)
     for name, module in model.named_modules():
-        if ".hc_" in f".{name}":  # hyper-connection maps keep their near-identity init
+        if in_residual(name):  # hyper-connection maps keep their near-identity init
             continue
         if isinstance(module, nn.Linear):
             if module is lm_head and tied:  # the shared matrix is set once, as the embedding

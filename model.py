@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from init import init_weights
+from init import SCHEMES, init_weights
 
 
 @dataclass
@@ -29,51 +29,44 @@ class GPTConfig:
     n_layer: int = 4                 # blocks (mixer + MLP)
     n_head: int = 4                  # heads of every mixer; n_embd / n_head is the head size (even)
     n_embd: int = 128                # residual stream width
-    mixer: str = "A"               # letters cycled over layers: A attention, G gated delta, M Mamba2
-    mlp: str = "relu2"             # relu2 | gelu | swiglu
-    residual: str = "res"          # res | hc | mhc | mhc-lite | kromhc | shc | markov
+    mixer: str = "A"               # letters cycled over layers (MIXERS): A attention, G gated delta, M Mamba2
+    mlp: str = "relu2"             # the MLP's activation (MLPS)
+    residual: str = "res"          # the residual stream (RESIDUALS): res plain, the others hyper-connections
     hc_streams: int = 4              # parallel residual streams of the hyper-connection residuals
     rope_base: float = 10000.0       # RoPE's base: the slowest pair turns once per ~2π·rope_base tokens
-    rope: str = "fixed"            # fixed (RoPE's θ_i) | learned (trainable θ per head) | lie (and a trainable basis U)
-    rope_scaling: str = "none"     # none | pi | ntk | yarn: how fixed θ_i adapt to a context rope_factor× longer
+    rope: str = "fixed"            # RoPE's fixed θ_i, learned θ per head, or lie (θ and a trainable basis U)
+    rope_scaling: str = "none"     # how fixed θ_i adapt to a context rope_factor× longer (rope_frequencies)
     rope_factor: float = 1.0       # attention accepts block_size·rope_factor tokens (eval/generate past training)
     qk_norm: bool = False            # RMSNorm on queries and keys before RoPE
     tie_embeddings: bool = True      # lm_head shares the token embedding's weight
     bias: bool = False               # biases in the linear layers
     dropout: float = 0.0             # dropout probability (embeddings, attention, residual branches)
-    attention: str = "sdpa"        # sdpa (fused) | math (explicit softmax: supports double backward) | sparsemax
-    gdn_variant: str = "gdn2"      # deltanet | gdn | kda | gdn2
+    attention: str = "sdpa"        # fused sdpa, math (explicit softmax: double backward) or sparsemax (ATTENTIONS)
+    gdn_variant: str = "gdn2"      # G mixer: which gates are per channel, per head or absent (GatedDelta)
     gdn_clip: bool = True            # gdn2: the spectral clip that keeps each transition contractive
     gdn_expand_v: int = 1            # G mixer: value width = gdn_expand_v x head size
     conv_size: int = 4               # G and M mixers: width of the causal short convolution
     mamba_d_state: int = 64          # M mixer: state size N
     mamba_expand: int = 2            # M mixer: inner width = mamba_expand x n_embd
     mamba_headdim: int = 32          # M mixer: head size P (divides the inner width)
-    mamba_discretization: str = "euler"  # euler | zoh
+    mamba_discretization: str = "euler"  # M mixer: the input factor dt (euler) or (exp(dt A) − 1)/A (zoh)
     chunk_size: int = 64             # M mixer: SSD chunk length, torch and Triton paths (Triton: at most 64)
     gdn_chunk_size: int = 16         # G mixer: chunk length, torch and Triton paths (Triton: 16 or 32)
-    kernels: str = "auto"          # auto | torch | triton | ref
-    init: str = "gpt2"             # gpt2 | spectral
+    kernels: str = "auto"          # kernels.py's path: auto (Triton on CUDA, else torch), torch, triton, ref
+    init: str = "gpt2"             # init.py's scheme: GPT-2's N(0, 0.02), or the spectral condition
 
     def __post_init__(self):
-        choices = {"mlp": ("relu2", "gelu", "swiglu"), "attention": ("sdpa", "math", "sparsemax"),
-                   "residual": ("res", "hc", "mhc", "mhc-lite", "kromhc", "shc", "markov"),
-                   "gdn_variant": ("deltanet", "gdn", "kda", "gdn2"),
-                   "mamba_discretization": ("euler", "zoh"), "kernels": ("auto", "torch", "triton", "ref"),
-                   "init": ("gpt2", "spectral"), "rope": ("fixed", "learned", "lie"),
-                   "rope_scaling": ("none", "pi", "ntk", "yarn")}
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
+        for key, allowed in config_choices().items():
+            if key != "mixer" and getattr(self, key) not in allowed:
                 raise ValueError(f"{key}={getattr(self, key)!r} is not valid: use one of {', '.join(allowed)}")
-        if not self.mixer or set(self.mixer) - set("AGM"):
-            raise ValueError(f"mixer={self.mixer!r} is not valid: use letters A, G, M, e.g. 'A', 'GGGA', 'MA'")
+        unknown = set(self.mixer) - set(MIXERS)
+        if not self.mixer or unknown:
+            raise ValueError(f"mixer={self.mixer!r} is not valid: use letters of {', '.join(MIXERS)}, e.g. 'A', "
+                             f"'GGGA', 'MA' (a new letter goes in model.MIXERS)")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: change one of them")
         if (self.n_embd // self.n_head) % 2:
             raise ValueError(f"head size {self.n_embd // self.n_head} is odd: RoPE needs an even head size")
-        if "M" in self.mixer and (self.mamba_expand * self.n_embd) % self.mamba_headdim:
-            raise ValueError(f"Mamba2's d_inner = mamba_expand*n_embd = {self.mamba_expand * self.n_embd} is not "
-                             f"divisible by mamba_headdim={self.mamba_headdim}: pick a headdim that divides it")
         if self.conv_size < 1 or self.gdn_expand_v < 1 or self.mamba_expand < 1 or self.mamba_d_state < 1:
             raise ValueError("conv_size, gdn_expand_v, mamba_expand and mamba_d_state must each be at least 1")
         if not self.rope_factor >= 1:
@@ -85,13 +78,23 @@ class GPTConfig:
         if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
             raise ValueError(f"chunk_size={self.chunk_size} is not a power of two: use e.g. 16, 32 or 64")
         if self.gdn_chunk_size not in (16, 32):
-            raise ValueError(f"gdn_chunk_size={self.gdn_chunk_size} is not supported: use 16 or 32 (what the Triton kernels fit)")
+            raise ValueError(f"gdn_chunk_size={self.gdn_chunk_size} is not supported: use 16 or 32 "
+                             f"(what the Triton kernels fit)")
 
     @classmethod
     def from_dict(cls, d):
         """Build from a dict (e.g. a checkpoint's config), ignoring keys that are not model keys."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def config_choices():
+    """GPTConfig's keys that take one of a set of values, and those values: the kinds from their tables
+    (MIXERS' letters, MLPS, RESIDUALS, ATTENTIONS, ...), read when called, so that a new entry counts at once."""
+    return {"mixer": tuple(MIXERS), "mlp": tuple(MLPS), "residual": tuple(RESIDUALS), "attention": tuple(ATTENTIONS),
+            "gdn_variant": ("deltanet", "gdn", "kda", "gdn2"), "mamba_discretization": ("euler", "zoh"),
+            "kernels": kernels.KERNEL_CHOICES, "init": SCHEMES, "rope": ("fixed", "learned", "lie"),
+            "rope_scaling": ROPE_SCALINGS}
 
 
 class RMSNorm(nn.Module):
@@ -105,6 +108,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return kernels.rms_norm(x, self.weight, self.eps, kernels=self.kernels_path)
+
+
+ROPE_SCALINGS = ("none", "pi", "ntk", "yarn")
 
 
 def rope_frequencies(head_dim, base, scaling="none", factor=1.0, train_length=None):
@@ -139,7 +145,16 @@ def rope_cache(length, head_dim, base, device=None, scaling="none", factor=1.0, 
     return angles.cos(), angles.sin()
 
 
-def attention_math(q, k, v, dropout=0.0):
+def attention_sdpa(q, k, v, dropout=0.0, kernels_path="auto"):
+    """softmax(q kᵀ / sqrt(d) + M) v as attention_math, by PyTorch's fused scaled_dot_product_attention."""
+    T, S = q.size(2), k.size(2)
+    if S == T:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)  # query t sees keys ≤ S − T + t
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+
+
+def attention_math(q, k, v, dropout=0.0, kernels_path="auto"):
     """softmax(q kᵀ / sqrt(d) + M) v for q (B, nh, T, d) and k, v (B, nh, S, d), the T queries being the last T
     of S positions: M = 0 where key s ≤ query position S − T + t, −inf elsewhere. Plain ops, so it supports
     double backward; the mask and the scale ride in one baddbmm."""
@@ -160,6 +175,10 @@ def attention_sparsemax(q, k, v, dropout=0.0, kernels_path="auto"):
     return F.dropout(att, dropout) @ v
 
 
+# GPTConfig.attention: how the scores become weights, each (q, k, v, dropout, kernels_path) -> (B, nh, T, d)
+ATTENTIONS = {"sdpa": attention_sdpa, "math": attention_math, "sparsemax": attention_sparsemax}
+
+
 class Attention(nn.Module):
     """Causal self-attention with rotary positions: o_t = Σ_{s≤t} softmax_s((R_t q_t)·(R_s k_s) / sqrt(d)) v_s,
     R_t = exp(t X) for one skew-symmetric generator X per head, so R_tᵀ R_s = R_{s−t}: scores see only s − t.
@@ -168,6 +187,8 @@ class Attention(nn.Module):
     "lie": X = U Λ Uᵀ with a trainable orthogonal U = exp(B − Bᵀ) per head (B = 0: RoPE at init). Since
     R_t = U exp(tΛ) Uᵀ and (U a)·(U b) = a·b, scores need only exp(tΛ) Uᵀ q: the outer U cancels, and Uᵀ is
     what W_q, W_k could learn themselves; the frequencies Λ are what RoPE really fixes."""
+
+    context_limited = True  # its RoPE cache covers block_size·rope_factor positions
 
     def __init__(self, cfg):
         super().__init__()
@@ -198,17 +219,7 @@ class Attention(nn.Module):
             if "k" in cache:
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v
-        S = k.size(2)
-        dropout = self.dropout if self.training else 0.0
-        if self.attention == "math":
-            y = attention_math(q, k, v, dropout)
-        elif self.attention == "sparsemax":
-            y = attention_sparsemax(q, k, v, dropout, self.kernels_path)
-        elif S == T:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        else:  # query i sits at position S - T + i and sees keys 0 .. S - T + i
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        y = ATTENTIONS[self.attention](q, k, v, self.dropout if self.training else 0.0, self.kernels_path)
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
 
     def rotate(self, q, k, rope):
@@ -379,6 +390,9 @@ class Mamba2(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.d_inner = cfg.mamba_expand * cfg.n_embd
+        if self.d_inner % cfg.mamba_headdim:
+            raise ValueError(f"Mamba2's d_inner = mamba_expand*n_embd = {self.d_inner} is not divisible by "
+                             f"mamba_headdim={cfg.mamba_headdim}: pick a headdim that divides it")
         self.headdim, self.d_state = cfg.mamba_headdim, cfg.mamba_d_state
         self.n_head = self.d_inner // self.headdim
         self.zoh = cfg.mamba_discretization == "zoh"
@@ -421,41 +435,45 @@ class Mamba2(nn.Module):
         return 3 * (2 * c * N + self.n_head * (2 * c * P + 4 * P * N) + 2 * K * self.conv.in_channels)
 
 
+# The mixer kinds (GPTConfig.mixer's letters). A mixer is an nn.Module built as cls(cfg), with
+#   forward(x, rope, cache=None) -> y      x, y (B, T, n_embd); causal: y_t depends on x_1 .. x_t only
+#       rope   what GPT.rope_inputs gives for these positions (attention's rotations; other mixers ignore it)
+#       cache  None in training. In generation a dict of the mixer's own that lives across calls: the first
+#              call brings the prompt, every later call one new token, so keep in it whatever the next call
+#              needs (keys and values, a recurrent state, a convolution's last inputs). GPT.generate checks
+#              that each mixer writes to it.
+#   extra_flops_per_token(T) (optional)    training FLOPs per token beyond 6 per matmul weight (MFU); else 0
+#   context_limited = True (optional)      it sees at most block_size·rope_factor tokens (attention's RoPE
+#                                          cache): longer inputs are refused, generation re-reads a window
+MIXERS = {"A": Attention, "G": GatedDelta, "M": Mamba2}
+
+
+def relu_squared(h):
+    h = F.relu(h)
+    return h * h  # a plain product backpropagates faster on the CPU than .square()
+
+
+# The MLP kinds (GPTConfig.mlp): name -> (activation φ, gated). Plain: W_out φ(W_in x); gated:
+# W_out (φ(W_gate x) ⊙ W_in x), whose third matrix is paid for with a hidden layer 2/3 as wide.
+MLPS = {"relu2": (relu_squared, False), "gelu": (F.gelu, False), "swiglu": (F.silu, True)}
+
+
 class MLP(nn.Module):
-    """relu2: W_out relu(W_in x)²;  gelu: W_out gelu(W_in x);  swiglu: W_out (silu(W_gate x) ⊙ W_in x)."""
+    """W_out φ(W_in x), or gated W_out (φ(W_gate x) ⊙ W_in x), with φ and gated from MLPS[cfg.mlp]:
+    relu2 φ = relu², gelu φ = gelu, swiglu (gated) φ = silu. Same parameter count either way."""
 
     def __init__(self, cfg):
         super().__init__()
-        self.kind = cfg.mlp
-        # swiglu's third matrix is paid for with a 2/3 narrower hidden layer (same parameter count)
-        hidden = 4 * cfg.n_embd if cfg.mlp != "swiglu" else 8 * ((8 * cfg.n_embd // 3 + 7) // 8)
+        self.activation, gated = MLPS[cfg.mlp]
+        hidden = 8 * ((8 * cfg.n_embd // 3 + 7) // 8) if gated else 4 * cfg.n_embd
         self.in_proj = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
-        self.gate_proj = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias) if cfg.mlp == "swiglu" else None
+        self.gate_proj = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias) if gated else None
         self.out_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x):
         h = self.in_proj(x)
-        if self.kind == "relu2":
-            h = F.relu(h)
-            h = h * h  # a plain product backpropagates faster on the CPU than .square()
-        elif self.kind == "gelu":
-            h = F.gelu(h)
-        elif self.kind == "swiglu":
-            h = F.silu(self.gate_proj(x)) * h
-        else:
-            raise ValueError(f"mlp={self.kind!r} has no forward: add its branch in MLP.forward")
+        h = self.activation(h) if self.gate_proj is None else self.activation(self.gate_proj(x)) * h
         return self.out_proj(h)
-
-
-def make_mixer(cfg, layer):
-    letter = cfg.mixer[layer % len(cfg.mixer)]
-    if letter == "A":
-        return Attention(cfg)
-    if letter == "G":
-        return GatedDelta(cfg)
-    if letter == "M":
-        return Mamba2(cfg)
-    raise ValueError(f"mixer letter {letter!r} has no module: add it in make_mixer")
 
 
 # -----------------------------------------------------------------------------
@@ -511,8 +529,10 @@ def hc_num_res(kind, n):
     """How many per-token numbers parameterise H_res for each residual kind."""
     if kind == "markov":  # Σ_{k≥2} C(n, k)(k − 1)! cycles
         return sum(math.comb(n, k) * math.factorial(k - 1) for k in range(2, n + 1))
-    return {"hc": n * n, "mhc": n * n, "mhc-lite": math.factorial(n), "kromhc": n.bit_length() - 1,
-            "shc": (n - 1) ** 2}[kind]
+    sizes = {"hc": n * n, "mhc": n * n, "mhc-lite": math.factorial(n), "kromhc": n.bit_length() - 1, "shc": (n - 1) ** 2}
+    if kind not in sizes:
+        raise ValueError(f"residual={kind!r} has no H_res size: add it in hc_num_res")
+    return sizes[kind]
 
 
 def hc_res_init(kind, n):
@@ -734,6 +754,16 @@ class HyperConnection(nn.Module):
             pre, post, res = self.coefficients(X)
             return torch.sigmoid(pre), 2 * torch.sigmoid(post), self.res_matrix(res)
 
+    @staticmethod
+    def enter(x, cfg):
+        """The stream state at the embeddings x (B, T, C): n identical copies, (B, T, n, C)."""
+        return x.unsqueeze(2).expand(*x.shape[:2], cfg.hc_streams, x.size(-1)).contiguous()
+
+    @staticmethod
+    def leave(X):
+        """The streams' mean (B, T, C), which the final norm reads."""
+        return X.mean(dim=2)
+
     def forward(self, X, f):
         """The same H_pre, H_post, H_res as mixing_matrices, with the reads and writes of X in two nodes."""
         with torch.autocast(device_type=X.device.type, enabled=False):
@@ -745,29 +775,44 @@ class HyperConnection(nn.Module):
             return HCWrite.apply(X.float(), H_res, 2 * torch.sigmoid(post), y.float()).to(X.dtype)
 
 
+class Residual(nn.Module):
+    """res, the plain pre-norm residual: x ← x + F(x), where F norms its own input."""
+
+    def __init__(self, cfg, sublayer):
+        super().__init__()
+
+    def forward(self, x, f):
+        return x + f(x)
+
+
+# The residual kinds (GPTConfig.residual). A residual kind is an nn.Module built as cls(cfg, sublayer) for every
+# sublayer (2·layer for the mixer, 2·layer + 1 for the MLP), with
+#   forward(x, f) -> the stream after the sublayer; f(h) = F(norm(h)) maps h (…, n_embd) to (…, n_embd)
+#   enter(x, cfg) (optional, static)   the stream state from the embeddings x (B, T, n_embd); else x itself
+#   leave(x) (optional, static)        (B, T, n_embd) from the stream state, for the final norm; else x itself
+# Its parameters go to AdamW (optim.is_block_matrix) and keep their own init (init.py skips "_residual" modules).
+# The hyper-connection kinds share one module; each one's H_res is in hc_num_res, hc_res_init and res_matrix.
+RESIDUALS = {"res": Residual, "hc": HyperConnection, "mhc": HyperConnection, "mhc-lite": HyperConnection,
+             "kromhc": HyperConnection, "shc": HyperConnection, "markov": HyperConnection}
+
+
 class Block(nn.Module):
-    """x ← x + mixer(norm1(x)); x ← x + mlp(norm2(x)); with hyper-connections each `x + F(norm(x))`
-    becomes the stream update of HyperConnection."""
+    """x ← R(x, mixer ∘ norm1), then x ← R(x, mlp ∘ norm2), R the residual kind: x + F(x) for res, the
+    stream update X ← H_res X + H_postᵀ F(H_pre X) for the hyper-connections."""
 
     def __init__(self, cfg, layer):
         super().__init__()
         self.norm1 = RMSNorm(cfg.n_embd, kernels_path=cfg.kernels)
-        self.mixer = make_mixer(cfg, layer)
+        self.mixer = MIXERS[cfg.mixer[layer % len(cfg.mixer)]](cfg)
         self.norm2 = RMSNorm(cfg.n_embd, kernels_path=cfg.kernels)
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
-        if cfg.residual != "res":
-            self.hc_mixer = HyperConnection(cfg, 2 * layer)
-            self.hc_mlp = HyperConnection(cfg, 2 * layer + 1)
-        self.hyper = cfg.residual != "res"
+        self.mixer_residual = RESIDUALS[cfg.residual](cfg, 2 * layer)
+        self.mlp_residual = RESIDUALS[cfg.residual](cfg, 2 * layer + 1)
 
     def forward(self, x, rope, cache=None):
-        mix = lambda h: self.dropout(self.mixer(self.norm1(h), rope, cache))
-        mlp = lambda h: self.dropout(self.mlp(self.norm2(h)))
-        if self.hyper:  # x is the stream state X of shape (B, T, n, C)
-            return self.hc_mlp(self.hc_mixer(x, mix), mlp)
-        x = x + mix(x)
-        return x + mlp(x)
+        x = self.mixer_residual(x, lambda h: self.dropout(self.mixer(self.norm1(h), rope, cache)))
+        return self.mlp_residual(x, lambda h: self.dropout(self.mlp(self.norm2(h))))
 
 
 class GPT(nn.Module):
@@ -782,7 +827,9 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        self.max_len = int(cfg.block_size * cfg.rope_factor)  # attention's limit; G and M have none
+        self.residual = RESIDUALS[cfg.residual]
+        self.context_limited = any(getattr(MIXERS[letter], "context_limited", False) for letter in cfg.mixer)
+        self.max_len = int(cfg.block_size * cfg.rope_factor)  # the limit of context_limited mixers
         cos, sin = rope_cache(self.max_len, cfg.n_embd // cfg.n_head, cfg.rope_base, scaling=cfg.rope_scaling,
                               factor=cfg.rope_factor, train_length=cfg.block_size)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -795,17 +842,17 @@ class GPT(nn.Module):
         that each mixer reads and extends in place (keys/values for A, recurrent state for G and M)."""
         B, T = idx.shape
         pos = 0 if cache is None else cache["pos"]
-        if pos + T > self.max_len and "A" in self.config.mixer:  # G and M have no length limit
+        if pos + T > self.max_len and self.context_limited:
             raise ValueError(f"sequence of {pos + T} tokens exceeds block_size·rope_factor={self.max_len}: crop the "
                              f"input, train with a larger --block_size or extend it with --rope_factor")
         rope = self.rope_inputs(pos, T)
         x = self.drop(self.wte(idx))
-        if self.config.residual != "res":  # n identical copies of the stream
-            x = x.unsqueeze(2).expand(B, T, self.config.hc_streams, x.size(-1)).contiguous()
+        if hasattr(self.residual, "enter"):  # e.g. the n streams of a hyper-connection
+            x = self.residual.enter(x, self.config)
         for i, block in enumerate(self.blocks):
             x = block(x, rope, None if cache is None else cache["layers"][i])
-        if self.config.residual != "res":
-            x = x.mean(dim=2)
+        if hasattr(self.residual, "leave"):
+            x = self.residual.leave(x)
         if cache is not None:
             cache["pos"] = pos + T
         logits = self.lm_head(self.norm_f(x))
@@ -823,17 +870,22 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Sample max_new_tokens continuations of idx (B, T). Each step feeds only the newest token:
-        attention keeps its keys/values, G and M keep their recurrent state. When an attention model
-        reaches block_size·rope_factor, the cache is rebuilt from the last half of that many tokens."""
-        has_attention = "A" in self.config.mixer
+        """Sample max_new_tokens continuations of idx (B, T). Each step feeds only the newest token: each
+        mixer keeps what it needs in its cache (keys and values, a recurrent state). When a context_limited
+        model reaches block_size·rope_factor tokens, the cache is rebuilt from the last half of that many."""
         cache, next_input = None, idx
         for _ in range(max_new_tokens):
-            if cache is None or (has_attention and cache["pos"] + 1 > self.max_len):
+            fresh = cache is None or (self.context_limited and cache["pos"] + 1 > self.max_len)
+            if fresh:
                 window = self.max_len if cache is None else self.max_len // 2
                 cache = {"pos": 0, "layers": [{} for _ in self.blocks]}
-                next_input = idx[:, -window:] if has_attention else idx
+                next_input = idx[:, -window:] if self.context_limited else idx
             logits, _ = self(next_input, cache=cache)
+            for block, layer_cache in zip(self.blocks, cache["layers"] if fresh else ()):
+                if not layer_cache:  # the next calls bring one token each: a mixer that kept nothing would forget
+                    raise ValueError(f"mixer {type(block.mixer).__name__} keeps nothing in its generation cache, so "
+                                     f"sampling would forget the prompt: store what the next call needs in "
+                                     f"forward's cache (the protocol above model.MIXERS)")
             logits = logits[:, -1, :].float() / max(temperature, 1e-6)
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
@@ -852,7 +904,8 @@ class GPT(nn.Module):
         included, the embedding lookup not) plus each mixer's sequence-length-dependent work."""
         T = T or self.config.block_size
         matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        return 6 * matmul_weights + sum(b.mixer.extra_flops_per_token(T) for b in self.blocks)
+        extra = sum(getattr(b.mixer, "extra_flops_per_token", lambda T: 0)(T) for b in self.blocks)
+        return 6 * matmul_weights + extra
 
 
 if __name__ == "__main__":

@@ -13,8 +13,11 @@ kernel per op for the whole group, which is what makes them fast on the CPU. Mat
 
 import inspect
 import math
+from typing import NamedTuple
 
 import torch
+
+from init import in_residual
 
 # -----------------------------------------------------------------------------
 # msign: the orthogonal polar factor U V^T of G = U S V^T, by Newton-Schulz
@@ -198,15 +201,18 @@ def _check_matrices(optimizer):
                     "use build_optimizer, which sends other parameters to AdamW")
 
 
+# Muon's shape factor s on msign's output for a [rows, cols] = [fan_out, fan_in] weight
+MUON_SCALES = {
+    "jordan": lambda rows, cols: max(1.0, rows / cols) ** 0.5,
+    "moonlight": lambda rows, cols: 0.2 * max(rows, cols) ** 0.5,  # update RMS ~ 0.2, AdamW's typical update RMS
+    "spectral": lambda rows, cols: (rows / cols) ** 0.5,  # ||u||_2 = sqrt(fan_out / fan_in), the spectral condition
+}
+
+
 def muon_scale(kind, rows, cols):
-    """Muon's shape scaling s of msign's output for a [rows, cols] = [fan_out, fan_in] weight."""
-    if kind == "jordan":
-        return max(1.0, rows / cols) ** 0.5
-    if kind == "moonlight":  # update RMS ~ 0.2, AdamW's typical update RMS
-        return 0.2 * max(rows, cols) ** 0.5
-    if kind == "spectral":  # ||u||_2 = sqrt(fan_out / fan_in), the spectral condition
-        return (rows / cols) ** 0.5
-    raise ValueError(f"unknown Muon scale {kind!r}; use 'jordan', 'moonlight' or 'spectral'")
+    if kind not in MUON_SCALES:
+        raise ValueError(f"unknown Muon scale {kind!r}; use one of {', '.join(MUON_SCALES)}")
+    return MUON_SCALES[kind](rows, cols)
 
 
 def _inverse_root(S, exponent, eps, relative):
@@ -385,15 +391,49 @@ class GaLore(torch.optim.Optimizer):
 
 
 # -----------------------------------------------------------------------------
+# the optimizer kinds
+
+class OptimizerKind(NamedTuple):
+    cls: type        # a torch.optim.Optimizer, built as cls(param_groups, lr=, weight_decay=, **options)
+    matrix: bool     # takes only the blocks' 2-D matrices; build_optimizer gives the rest to AdamW
+    family: str      # how the size of its update depends on the shape (spectral_lr_scale): adam, low_rank_adam,
+    #                  msign or gradient
+    lr: float        # a typical peak learning rate (python optim.py's demo)
+    options: dict    # {constructor argument: train.py config key, or a tuple of keys for a tuple argument}
+
+
+# train.py's --optimizer. A new one is its class above and one row here.
+OPTIMIZERS = {
+    "sgd": OptimizerKind(SGD, False, "gradient", 0.1, {"momentum": "momentum"}),
+    "signsgd": OptimizerKind(SignSGD, False, "adam", 1e-4, {}),
+    "adamw": OptimizerKind(AdamW, False, "adam", 1e-3, {"betas": ("beta1", "beta2")}),
+    "nadam": OptimizerKind(NAdam, False, "adam", 1e-3, {"betas": ("beta1", "beta2")}),
+    "lion": OptimizerKind(Lion, False, "adam", 1e-4, {"betas": ("beta1", "beta2")}),
+    "tiger": OptimizerKind(Tiger, False, "adam", 1e-4, {}),
+    "muon": OptimizerKind(Muon, True, "msign", 0.02, {"momentum": "momentum", "scale": "muon_scale",
+                                                        "ns_coeffs": "ns_coeffs"}),
+    "shampoo": OptimizerKind(Shampoo, True, "adam", 1e-3, {"betas": ("beta1", "beta2"),
+                                                             "precond_every": "precond_every"}),
+    "mousse": OptimizerKind(Mousse, True, "msign", 0.02, {"momentum": "momentum", "alpha": "mousse_alpha",
+                                                            "precond_every": "precond_every", "ns_coeffs": "ns_coeffs"}),
+    "galore": OptimizerKind(GaLore, True, "low_rank_adam", 1e-2, {"betas": ("beta1", "beta2"), "rank": "galore_rank",
+                                                                    "update_proj_gap": "galore_gap",
+                                                                    "scale": "galore_scale"}),
+}
+
+
+def optimizer_kind(name):
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)} (or add it to optim.OPTIMIZERS)")
+    return OPTIMIZERS[name]
+
+
+# -----------------------------------------------------------------------------
 # routing: which parameter goes to which optimizer
-
-ELEMENTWISE = {"sgd": SGD, "signsgd": SignSGD, "adamw": AdamW, "nadam": NAdam, "lion": Lion, "tiger": Tiger}
-MATRIX = {"muon": Muon, "shampoo": Shampoo, "mousse": Mousse, "galore": GaLore}
-
 
 def is_block_matrix(name, p):
     """The parameters matrix optimizers take: 2-D weights inside blocks, hyper-connection ones excepted."""
-    return p.ndim == 2 and name.startswith("blocks.") and ".hc_" not in name
+    return p.ndim == 2 and name.startswith("blocks.") and not in_residual(name)
 
 
 class CombinedOptimizer:
@@ -432,14 +472,6 @@ class CombinedOptimizer:
 
 BASE_WIDTH = 128  # spectral_lr_scale is 1 for a BASE_WIDTH × BASE_WIDTH matrix (the baby model's n_embd)
 
-# update direction families, by how the size of their update u depends on the matrix shape
-ADAM_LIKE = ("adamw", "nadam", "shampoo", "signsgd", "lion", "tiger")  # |u_ij| ≈ 1 (Shampoo: grafted to AdamW)
-LOW_RANK_ADAM = ("galore",)  # AdamW's ±1 entries on a fixed rank-r projection
-MSIGN_BASED = ("muon", "mousse")  # c · msign(·): singular values ≈ 1 times the optimizer's own shape factor c
-PLAIN_GRADIENT = ("sgd",)
-OPTIMIZERS = ADAM_LIKE + LOW_RANK_ADAM + MSIGN_BASED + PLAIN_GRADIENT
-
-
 def spectral_lr_scale(fan_out, fan_in, optimizer, scale="jordan", base_width=BASE_WIDTH):
     """Learning-rate multiplier for a dense matrix W [fan_out, fan_in] (a hidden one, or the untied
     lm_head with fan_out = V, fan_in = n_embd) so that each step's ΔW = −lr·s·u
@@ -476,23 +508,25 @@ def spectral_lr_scale(fan_out, fan_in, optimizer, scale="jordan", base_width=BAS
     if fan_out < 1 or fan_in < 1:
         raise ValueError(f"fan_out={fan_out}, fan_in={fan_in}: both must be positive")
     name = optimizer.lower()
-    if name in ADAM_LIKE:
+    family = optimizer_kind(name).family
+    if family == "adam":
         return base_width / fan_in
-    if name in LOW_RANK_ADAM:
+    if family == "low_rank_adam":
         return math.sqrt(base_width * min(fan_out, fan_in)) / fan_in
-    if name in MSIGN_BASED:
+    if family == "msign":
         kind = scale if name == "muon" else "spectral"
         own = muon_scale(kind, fan_out, fan_in)
         return math.sqrt(fan_out / fan_in) / own * muon_scale(kind, base_width, base_width)
-    if name in PLAIN_GRADIENT:
+    if family == "gradient":
         return fan_out / fan_in
-    raise ValueError(f"unknown optimizer {optimizer!r} for spectral_lr_scale: use one of {', '.join(OPTIMIZERS)}")
+    raise ValueError(f"optimizer {name!r} has family {family!r}, which spectral_lr_scale does not know: use adam, "
+                     f"low_rank_adam, msign or gradient in optim.OPTIMIZERS, or add the family's rule here")
 
 
 def build_optimizer(model, name, lr, weight_decay, aux_lr=3e-3, aux_betas=(0.9, 0.99), aux_eps=1e-8,
                     aux_weight_decay=None, spectral_lr=False, **kw):
     """One optimizer object for `model`. Routing:
-    - matrix optimizers (muon, mousse, shampoo, galore): block matrices (2-D, name 'blocks.*', no '.hc_')
+    - matrix optimizers (muon, mousse, shampoo, galore): block matrices (2-D, name 'blocks.*', not in_residual)
       go to `name` with lr, weight_decay; every other parameter (embeddings, lm_head, norms, biases, gate
       scalars, HC parameters, A_log, dt_bias, conv weights) goes to AdamW with aux_lr, aux_betas, aux_eps,
       weight decay aux_weight_decay (default weight_decay) on tensors of 2 or more dims;
@@ -502,10 +536,8 @@ def build_optimizer(model, name, lr, weight_decay, aux_lr=3e-3, aux_betas=(0.9, 
     spectral_lr=True gives each block matrix its own group with base_lr = lr * spectral_lr_scale(
     fan_out, fan_in, name). **kw are `name`'s own hyper-parameters (e.g. momentum, betas, scale, alpha, rank)."""
     name = name.lower()
-    table = {**ELEMENTWISE, **MATRIX}
-    if name not in table:
-        raise ValueError(f"unknown optimizer {name!r}; use one of {', '.join(table)}")
-    cls = table[name]
+    kind = optimizer_kind(name)
+    cls = kind.cls
     options = [k for k in inspect.signature(cls).parameters if k not in ("params", "lr", "weight_decay")]
     unknown = sorted(set(kw) - set(options))
     if unknown:
@@ -536,7 +568,7 @@ def build_optimizer(model, name, lr, weight_decay, aux_lr=3e-3, aux_betas=(0.9, 
     def nonempty(groups):
         return [dict(g, lr=g["base_lr"]) for g in groups if g["params"]]
 
-    if name in ELEMENTWISE:
+    if not kind.matrix:
         return CombinedOptimizer([cls(nonempty(block_groups + rest_groups(lr, weight_decay, name)), lr=lr, **kw)])
     if not blocks:
         raise ValueError(f"{name} found no block matrices (2-D 'blocks.*' parameters) in the model; "
@@ -546,6 +578,26 @@ def build_optimizer(model, name, lr, weight_decay, aux_lr=3e-3, aux_betas=(0.9, 
         optimizers.append(AdamW(nonempty(rest_groups(aux_lr, aux_weight_decay, "adamw")), lr=aux_lr, betas=aux_betas,
                                 eps=aux_eps))
     return CombinedOptimizer(optimizers)
+
+
+# -----------------------------------------------------------------------------
+# the learning-rate schedule (train.py sets every group's lr to base_lr times this)
+
+def lr_multiplier(it, total, warmup, floor, schedule, decay_frac):
+    """The schedule's factor on every group's peak lr at step it of total: a linear warmup over `warmup` steps,
+    then a cosine down to `floor` (cosine) or constant, then linear to `floor` over the last decay_frac of the
+    steps (wsd; decay_frac 0: constant)."""
+    if it < warmup:
+        return (it + 1) / (warmup + 1)
+    if schedule == "wsd":
+        decay_start = total * (1 - decay_frac)
+        if it < decay_start or decay_frac == 0:
+            return 1.0
+        return floor + (1 - floor) * max(0.0, (total - it) / (total - decay_start))
+    if it >= total:
+        return floor
+    ratio = (it - warmup) / max(1, total - warmup)
+    return floor + 0.5 * (1 + math.cos(math.pi * ratio)) * (1 - floor)
 
 
 def state_bytes(optimizer):
@@ -593,12 +645,10 @@ if __name__ == "__main__":
     n_block = sum(p.numel() for n, p in model.named_parameters() if is_block_matrix(n, p))
     n_all = sum(p.numel() for p in model.parameters())
     grads = [[torch.randn_like(p) for p in model.parameters()] for _ in range(3)]
-    lrs = {"sgd": 0.1, "signsgd": 1e-4, "adamw": 1e-3, "nadam": 1e-3, "lion": 1e-4, "tiger": 1e-4,
-           "muon": 0.02, "shampoo": 1e-3, "mousse": 0.02, "galore": 1e-2}
     torch.set_num_threads(1)
     rows = []
-    for name in list(ELEMENTWISE) + list(MATRIX):
-        opt = build_optimizer(model, name, lr=lrs[name], weight_decay=0.1, aux_lr=1e-3)
+    for name, kind in OPTIMIZERS.items():
+        opt = build_optimizer(model, name, lr=kind.lr, weight_decay=0.1, aux_lr=1e-3)
         times = []
         for k in range(13):  # the first step creates the state; 12 more cross a preconditioner refresh
             for p, g in zip(model.parameters(), grads[k % 3]):
@@ -609,7 +659,7 @@ if __name__ == "__main__":
         main = opt.optimizers[0]
         main_bytes = sum(v.numel() * v.element_size() for s in main.state.values() for v in s.values()
                          if torch.is_tensor(v))
-        rows.append((name, state_bytes(opt) / n_all, main_bytes / n_block if name in MATRIX else None,
+        rows.append((name, state_bytes(opt) / n_all, main_bytes / n_block if kind.matrix else None,
                      1e3 * sum(times[1:]) / len(times[1:])))
     adamw_ms = next(ms for name, _, _, ms in rows if name == "adamw")
     print(f"{n_all:,} parameters, {n_block:,} of them in block matrices; 1 thread (timings depend on machine load)")

@@ -1860,7 +1860,7 @@ def test_mixers_decay_and_step_init():
 
 def test_mixers_bad_config_values():
     with pytest.raises(ValueError, match="mamba_headdim"):
-        GPTConfig(n_embd=32, n_head=2, mixer="M", mamba_expand=2, mamba_headdim=24)
+        GPT(GPTConfig(n_embd=32, n_head=2, mixer="M", mamba_expand=2, mamba_headdim=24))
     with pytest.raises(ValueError, match="chunk_size"):
         GPTConfig(n_embd=32, n_head=2, mixer="G", chunk_size=48)
     with pytest.raises(ValueError, match="gdn_variant"):
@@ -2200,7 +2200,7 @@ def test_hc_model_with_uniform_post_equals_plain_residual(kind):
     cfg = dict(n_layer=2, n_embd=32, n_head=2, block_size=16)
     res_model, hc_model = GPT(GPTConfig(**cfg)), GPT(GPTConfig(residual=kind, **cfg))
     missing, unexpected = hc_model.load_state_dict(res_model.state_dict(), strict=False)
-    assert not unexpected and all(".hc_" in name for name in missing)
+    assert not unexpected and all("_residual." in name for name in missing)
     with torch.no_grad():
         for module in hc_model.modules():
             if isinstance(module, HyperConnection):
@@ -2238,7 +2238,7 @@ def test_hc_gradients_reach_res_in_model_at_init(kind):
     model = GPT(GPTConfig(residual=kind, n_layer=3, n_embd=32, n_head=2, block_size=16))
     idx = torch.randint(0, 84, (2, 16))
     model(idx, idx)[1].backward()
-    modules = [mod for b in model.blocks for mod in (b.hc_mixer, b.hc_mlp)]
+    modules = [mod for b in model.blocks for mod in (b.mixer_residual, b.mlp_residual)]
     inner = modules[1:] if kind == "hc" else modules[1:-1]
     for mod in modules:
         assert torch.isfinite(mod.bias.grad).all() and torch.isfinite(mod.phi.weight.grad).all()
@@ -2337,7 +2337,7 @@ def test_hc_constraints_after_training(kind):
     model, idx, losses = hc_train_steps(kind, "A", steps=20, lr=3e-3)
     states = []
     hooks = [mod.register_forward_pre_hook(lambda mod, args: states.append((mod, args[0])))
-             for b in model.blocks for mod in (b.hc_mixer, b.hc_mlp)]
+             for b in model.blocks for mod in (b.mixer_residual, b.mlp_residual)]
     with torch.no_grad():
         model(idx)
     for h in hooks:
@@ -2362,7 +2362,7 @@ def test_hc_incremental_generation_matches_full_forward():
     """HC mixes streams per token only, so cached one-token steps give the full forward's logits."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(residual="mhc", n_layer=2, n_embd=32, n_head=2, block_size=16)).eval()
-    hc_randomize(model.blocks[0].hc_mixer, torch.Generator().manual_seed(8), phi_std=0.01, alpha=1.0, bias_std=0.0)
+    hc_randomize(model.blocks[0].mixer_residual, torch.Generator().manual_seed(8), phi_std=0.01, alpha=1.0, bias_std=0.0)
     idx = torch.randint(0, 84, (2, 8))
     full, _ = model(idx)
     cache = {"pos": 0, "layers": [{} for _ in model.blocks]}
@@ -2392,9 +2392,8 @@ def test_hc_train_py_runs_mhc(tmp_path):
 
 def test_project_imports_form_no_cycle():
     """Every import of a project file by another, at any depth (function bodies included), is an edge: the
-    graph has no cycle, and init.py imports nothing of the project. One edge is left out: train.py's
-    `--analyze_every` imports analyze.py inside main, which builds on train.py (its parser, checkpoints);
-    that import must stay inside a function, so importing either file never imports the other's importer."""
+    graph has no cycle, init.py imports nothing of the project, and each file imports only what DESIGN's layout
+    allows it (data and init nothing of the project; kernels nothing; analyze not train)."""
     modules = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py") and f != "test_all.py"}
 
     def imported(nodes):
@@ -2408,10 +2407,9 @@ def test_project_imports_form_no_cycle():
 
     trees = {m: ast.parse(open(os.path.join(ROOT, m + ".py")).read()) for m in modules}
     graph = {m: imported(ast.walk(tree)) - {m} for m, tree in trees.items()}
-    assert {"init", "optim", "analyze", "train", "model"} <= modules
-    assert graph["init"] == set(), graph["init"]
-    assert "analyze" not in imported(trees["train"].body)  # not at module level
-    graph["train"].discard("analyze")
+    assert {"data", "kernels", "init", "model", "optim", "analyze", "train"} <= modules
+    assert graph["init"] == set() and graph["data"] == set() and graph["kernels"] == set(), graph
+    assert "train" not in graph["analyze"], graph["analyze"]
     remaining = dict(graph)
     while remaining:  # peel off modules whose imports are all gone; a cycle leaves none to peel
         leaves = [m for m, deps in remaining.items() if not deps & set(remaining)]
@@ -2509,7 +2507,7 @@ def test_init_gated_mixers_and_own_init_parameters():
                                            gdn_variant="kda", residual=residual, tie_embeddings=False, init=scheme))
         gpt2, spectral = (dict(models[s].named_parameters()) for s in ("gpt2", "spectral"))
         linear_weights = {f"{n}.weight" for n, m in models["spectral"].named_modules()
-                          if isinstance(m, nn.Linear) and ".hc_" not in n}
+                          if isinstance(m, nn.Linear) and "_residual" not in n}
         assert any(gate in n for n in linear_weights)
         for name, p in spectral.items():
             if name in linear_weights:
@@ -2771,16 +2769,16 @@ class OptimTinyBlock(nn.Module):
         self.norm1 = nn.Parameter(torch.ones(d))
         self.mixer = nn.ModuleDict(dict(q_proj=nn.Linear(d, d, bias=False), out_proj=nn.Linear(d, d, bias=False)))
         self.mlp = nn.ModuleDict(dict(in_proj=nn.Linear(d, 3 * d, bias=True), out_proj=nn.Linear(3 * d, d, bias=False)))
-        self.hc_mixer = nn.ModuleDict(dict(phi=nn.Linear(d, 4, bias=False)))
+        self.mixer_residual = nn.ModuleDict(dict(phi=nn.Linear(d, 4, bias=False)))
 
     def forward(self, x):
         h = F.rms_norm(x, (x.size(-1),), self.norm1)
-        x = x + self.mixer.out_proj(torch.tanh(self.mixer.q_proj(h))) + 0.1 * self.hc_mixer.phi(h).mean(-1, keepdim=True)
+        x = x + self.mixer.out_proj(torch.tanh(self.mixer.q_proj(h))) + 0.1 * self.mixer_residual.phi(h).mean(-1, keepdim=True)
         return x + self.mlp.out_proj(F.relu(self.mlp.in_proj(x)).square())
 
 
 class OptimTinyGPT(nn.Module):
-    """Named like model.GPT: wte, blocks (2-D block matrices, a '.hc_' matrix, 1-D norms), norm_f, lm_head."""
+    """Named like model.GPT: wte, blocks (2-D block matrices, a residual-module matrix, 1-D norms), norm_f, lm_head."""
 
     def __init__(self, vocab=16, d=8, n_layer=2):
         super().__init__()
@@ -3119,7 +3117,7 @@ def test_optim_build_routing():
                        ("mixer.q_proj.weight", "mixer.out_proj.weight", "mlp.in_proj.weight", "mlp.out_proj.weight")}
     to_adam = {names[id(p)] for g in adam.param_groups for p in g["params"]}
     assert to_adam | to_muon == set(names.values()) and not to_adam & to_muon
-    assert "blocks.0.hc_mixer.phi.weight" in to_adam and "lm_head.weight" in to_adam and "wte.weight" in to_adam
+    assert "blocks.0.mixer_residual.phi.weight" in to_adam and "lm_head.weight" in to_adam and "wte.weight" in to_adam
     for g in opt.param_groups:
         assert "base_lr" in g and g["lr"] == g["base_lr"]
         assert g["base_lr"] == (0.02 if g in muon.param_groups else 3e-3)
@@ -3234,17 +3232,17 @@ def test_optim_spectral_lr_gives_muon_the_spectral_condition():
 # train.py  (pytest -m train)
 
 def test_lr_multiplier_schedules_closed_forms():
-    """train.lr_multiplier against the schedules written out: linear warmup to 1, a cosine from 1 to the floor
+    """optim.lr_multiplier against the schedules written out: linear warmup to 1, a cosine from 1 to the floor
     (its midpoint halfway), wsd constant then linear to the floor over the last decay_frac, and decay_frac 0 flat."""
     total, warmup, floor = 100, 10, 0.1
-    cosine = [train.lr_multiplier(it, total, warmup, floor, "cosine", 0.0) for it in range(total + 1)]
+    cosine = [optim.lr_multiplier(it, total, warmup, floor, "cosine", 0.0) for it in range(total + 1)]
     assert cosine[:warmup] == [(it + 1) / (warmup + 1) for it in range(warmup)]
     assert cosine[warmup] == 1.0 and cosine[total] == pytest.approx(floor)
     assert cosine[55] == pytest.approx((1 + floor) / 2)
     assert all(a >= b for a, b in zip(cosine[warmup:], cosine[warmup + 1:]))
-    wsd = [train.lr_multiplier(it, total, warmup, floor, "wsd", 0.2) for it in range(total + 1)]
+    wsd = [optim.lr_multiplier(it, total, warmup, floor, "wsd", 0.2) for it in range(total + 1)]
     assert wsd[warmup:80] == [1.0] * 70 and wsd[90] == pytest.approx(floor + (1 - floor) * 0.5) and wsd[total] == floor
-    assert {train.lr_multiplier(it, total, warmup, floor, "wsd", 0.0) for it in range(warmup, total + 1)} == {1.0}
+    assert {optim.lr_multiplier(it, total, warmup, floor, "wsd", 0.0) for it in range(warmup, total + 1)} == {1.0}
 
 
 def test_train_smoke_then_sample(tmp_path):
@@ -3289,13 +3287,13 @@ def test_diverging_run_keeps_the_last_finite_checkpoint(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "nan" in lines[0] and "--learning_rate" in lines[0] and "--grad_clip" not in lines[0], lines
-    ckpt = train.load_checkpoint(os.path.join(out, "ckpt.pt"))
+    ckpt = data.load_checkpoint(os.path.join(out, "ckpt.pt"))
     assert 0 < ckpt["iter_num"] < 40 and f"still holds iter {ckpt['iter_num']}" in lines[0], lines
     tensors = [t for t in ckpt["model"].values() if t.is_floating_point()]
     assert tensors and all(torch.isfinite(t).all() for t in tensors)
     assert math.isfinite(ckpt["val_loss"])
     model = GPT(GPTConfig.from_dict(ckpt["config"]))
-    train.load_weights(model, ckpt, out)
+    data.load_weights(model, ckpt, out)
     x = torch.zeros(1, 8, dtype=torch.long)
     assert torch.isfinite(model(x, x)[1])
     assert max(r["step"] for r in log_rows(out)) == ckpt["iter_num"]
@@ -3381,7 +3379,7 @@ def test_bad_values_are_one_line_errors_before_anything_is_created(tmp_path):
              (["--schedule=linear"], "use cosine or wsd"),
              (["--device=gpu"], "is not a device"),
              (["--mixer=X"], "mixer='X' is not valid"),
-             (["--optimizer=adam"], "unknown optimizer 'adam'"),
+             (["--optimizer=adam"], "--optimizer='adam' is not valid: use sgd, signsgd, adamw"),
              (["--qk_norm=0"], "--qk_norm expects True or False"),
              (["--learning_rate=fast"], "--learning_rate expects a number"),
              ([f"--out_dir={a_file}/run"], "is a file, not a folder"),
@@ -3413,7 +3411,7 @@ def test_train_py_defines_no_model_key_and_documents_every_key(capsys):
     keys = {**train.RUN_DEFAULTS, **train.model_defaults()}
     assert [k for k in keys if not descriptions.get(k)] == []
     with pytest.raises(SystemExit):
-        train.parse_config(["--help"], keys, train.__doc__, descriptions)
+        data.parse_config(["--help"], keys, train.__doc__, descriptions)
     shown = capsys.readouterr().out
     for key, value in keys.items():
         assert f"--{key}={value!r}" in shown and descriptions[key] in shown, key
@@ -3421,7 +3419,7 @@ def test_train_py_defines_no_model_key_and_documents_every_key(capsys):
 
 def test_parse_config_types_and_files(tmp_path):
     defaults = {"n": 3, "lr": 0.1, "flag": False, "name": "a", "maybe": None}
-    parse = lambda *args, **kw: train.parse_config(list(args), defaults, "", {}, **kw)
+    parse = lambda *args, **kw: data.parse_config(list(args), defaults, "", {}, **kw)
     assert parse("--n=5", "--lr=1", "--flag=true", "--name=b.txt", "--maybe=None") == \
         {"n": 5, "lr": 1.0, "flag": True, "name": "b.txt", "maybe": None}
     assert isinstance(parse("--lr=1")["lr"], float)
@@ -3726,7 +3724,7 @@ def analyze_perturbed_hc_model(kind, std):
     model = analyze_tiny_gpt(vocab_size=16, block_size=16, n_layer=4, n_embd=16, residual=kind)
     with torch.no_grad():  # stands in for training: move every hyper-connection parameter off its init
         for name, p in model.named_parameters():
-            if ".hc_" in name:
+            if "_residual." in name:
                 p.add_(torch.randn_like(p) * std)
     return model, torch.randint(0, 16, (2, 16))
 
