@@ -1038,32 +1038,90 @@ def show_sparsity(sp):
           "with nonzero weight per query " + " ".join(f"{layer['mean_keys_used']:.2f}" for layer in sp["layers"]))
 
 
+# The cheap versions of the sections that train.py --analyze_every=N logs: each (model, x, y, step, settings) ->
+# a dict merged into that step's JSON record (dicts one level deep); settings as analyze_during_training's.
+
+def weights_during_training(model, x, y, step, settings):
+    weights, _ = weight_spectra(model)
+    keys = ("sigma_max", "natural_spectral_norm", "stable_rank", "n_spikes")
+    return {"weights": {name: {k: s[k] for k in keys} for name, s in weights.items()}}
+
+
+def hessian_during_training(model, x, y, step, settings):
+    n = settings["hessian_sequences"]
+    hessian, _ = hessian_spectrum(model, [(x[:n], y[:n])], top_k=1, power_iters=settings["power_iters"], tol=1e-3,
+                                  n_probes=0, lanczos_iters=0, seed=step)
+    return {"hessian_top": hessian["top_eigenvalues"][0]}
+
+
+def micro_batches_of(x, y, count):
+    """count equal slices of the batch (x, y), or [] when it has fewer than count sequences or count < 2."""
+    b = x.size(0) // count
+    return [(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]) for i in range(count)] if count >= 2 and b >= 1 else []
+
+
+def gradients_during_training(model, x, y, step, settings):
+    batches = micro_batches_of(x, y, settings["micro_batches"])
+    if not batches:
+        return {}
+    grads, _ = gradient_stats(model, batches)
+    keys = ("b_small", "b_big", "sq_norm_small", "sq_norm_big", "G_sq", "tr_sigma", "B_simple")
+    return {"noise": {k: grads[k] for k in keys},
+            "gradient_stable_rank": {name: m["stable_rank"] for name, m in grads["matrices"].items()}}
+
+
+def noise_during_training(model, x, y, step, settings):
+    batches = micro_batches_of(x, y, settings["micro_batches"])
+    if not batches:
+        return {}
+    curvature = curvature_noise_scale(model, batches)
+    return {"noise": {k: curvature[k] for k in ("GHG", "tr_H_sigma", "B_noise", "eta_max", "delta_L_max")}}
+
+
+def hc_during_training(model, x, y, step, settings):
+    hc, _ = hc_spectra(model, x)
+    return {} if hc is None else {"hc_prod_norm": [layer["prod_norm_max"] for layer in hc["layers"]]}
+
+
+def gates_during_training(model, x, y, step, settings):
+    gates, _ = gdn2_gates(model, x)
+    keys = ("rho_max", "frac_clipped", "max_transition_norm")
+    return {} if gates is None else {"gates": [{k: layer[k] for k in keys} for layer in gates["layers"]]}
+
+
 @dataclasses.dataclass
 class Section:
     """run(model, inputs) -> (summary, arrays), summary None where the model lacks the part; inputs holds
     "batches" (micro-batches [(x, y), ...]), "idx" (the first batch's tokens), "opts" (the command-line
     options) and the (summary, arrays) of every earlier section that ran. needs: the earlier sections
     run reads when present. plot(summary, arrays, path) draws <section>.png (None: no plot); show(summary)
-    prints.
-    default: run when --sections is not given."""
+    prints. default: run when --sections is not given. during_training: its cheap version for
+    train.py --analyze_every (None: not logged during training)."""
     run: object
     plot: object
     show: object
     needs: tuple = ()
     default: bool = True
+    during_training: object = None
 
 
 SECTIONS = {  # in run order: a section's needs come before it
-    "weights": Section(lambda model, inputs: weight_spectra(model), plot_weights, show_weights),
+    "weights": Section(lambda model, inputs: weight_spectra(model), plot_weights, show_weights,
+                       during_training=weights_during_training),
     "hessian": Section(lambda model, inputs: hessian_spectrum(
-        model, inputs["batches"][:inputs["opts"]["hessian_batches"]], inputs["opts"]["top_k"], inputs["opts"]["power_iters"],
-        n_probes=inputs["opts"]["n_probes"], lanczos_iters=inputs["opts"]["lanczos_iters"], n_slq=inputs["opts"]["n_slq"],
-        seed=inputs["opts"]["seed"], verbose=True), plot_hessian, show_hessian),
-    "gradients": Section(lambda model, inputs: gradient_stats(model, inputs["batches"]), plot_gradients, show_gradients),
-    "noise": Section(lambda model, inputs: (curvature_noise_scale(model, inputs["batches"]), {}), None, show_noise),
+        model, inputs["batches"][:inputs["opts"]["hessian_batches"]], inputs["opts"]["top_k"],
+        inputs["opts"]["power_iters"], n_probes=inputs["opts"]["n_probes"],
+        lanczos_iters=inputs["opts"]["lanczos_iters"], n_slq=inputs["opts"]["n_slq"], seed=inputs["opts"]["seed"],
+        verbose=True), plot_hessian, show_hessian, during_training=hessian_during_training),
+    "gradients": Section(lambda model, inputs: gradient_stats(model, inputs["batches"]), plot_gradients,
+                         show_gradients, during_training=gradients_during_training),
+    "noise": Section(lambda model, inputs: (curvature_noise_scale(model, inputs["batches"]), {}), None, show_noise,
+                     during_training=noise_during_training),
     "ns": Section(ns_section, plot_ns, show_ns, needs=("gradients",)),
-    "hc": Section(lambda model, inputs: hc_spectra(model, inputs["idx"]), plot_hc, show_hc),
-    "gates": Section(lambda model, inputs: gdn2_gates(model, inputs["idx"]), plot_gates, show_gates),
+    "hc": Section(lambda model, inputs: hc_spectra(model, inputs["idx"]), plot_hc, show_hc,
+                  during_training=hc_during_training),
+    "gates": Section(lambda model, inputs: gdn2_gates(model, inputs["idx"]), plot_gates, show_gates,
+                     during_training=gates_during_training),
     "isotropy": Section(lambda model, inputs: isotropy(model, inputs["idx"]), plot_isotropy, show_isotropy),
     "coord": Section(lambda model, inputs: coordinate_transfer(), plot_coordinate_transfer, show_coordinate_transfer,
                      default=False),
@@ -1114,37 +1172,23 @@ def print_table(summary):
 # during training: train.py --analyze_every=N
 
 def analyze_during_training(model, batch, step, out_dir, micro_batches=4, hessian_sequences=8, power_iters=10):
-    """The cheap sections on one training batch (x, y), appended as one JSON line to
-    out_dir/analysis.jsonl: per matrix σ_max, natural spectral norm and stable rank; the top Hessian
-    eigenvalue (power_iters block power iterations on the first hessian_sequences sequences); the noise
-    scales B_simple and B_noise with η_max and ΔL_max (curvature_noise_scale, a third of the call's
-    time) from micro_batches equal slices of the batch (|G_small|², |G_big|², tr(HΣ), GᵀHG logged too,
-    so they can be averaged over steps before dividing); and the HC / GDN2 summaries when the model has them.
-    Works on an fp32 copy (analysis_model) with autocast off, and leaves the model, its gradients and the
-    global RNG untouched. Returns the record."""
+    """The cheap version (Section.during_training) of every section that has one, on one training batch
+    (x, y), appended as one JSON line to out_dir/analysis.jsonl: per matrix σ_max, natural spectral norm and
+    stable rank; the top Hessian eigenvalue (power_iters block power iterations on the first hessian_sequences
+    sequences); the noise scales B_simple and B_noise with η_max and ΔL_max from micro_batches equal slices
+    of the batch (|G_small|², |G_big|², tr(HΣ), GᵀHG logged too, so they can be averaged over steps before
+    dividing); and the HC / GDN2 summaries when the model has them. Works on an fp32 copy (analysis_model)
+    with autocast off, and leaves the model, its gradients and the global RNG untouched. Returns the record."""
     twin = analysis_model(model)
     x, y = (t.to(next(twin.parameters()).device) for t in batch)
+    settings = {"micro_batches": micro_batches, "hessian_sequences": hessian_sequences, "power_iters": power_iters}
+    record = {"step": step}
     with torch.autocast(device_type=x.device.type, enabled=False):  # fp32 even inside a bf16 training step
-        record = {"step": step}
-        weights, _ = weight_spectra(twin)
-        record["weights"] = {name: {k: s[k] for k in ("sigma_max", "natural_spectral_norm", "stable_rank", "n_spikes")}
-                             for name, s in weights.items()}
-        hessian, _ = hessian_spectrum(twin, [(x[:hessian_sequences], y[:hessian_sequences])], top_k=1,
-                                      power_iters=power_iters, tol=1e-3, n_probes=0, lanczos_iters=0, seed=step)
-        record["hessian_top"] = hessian["top_eigenvalues"][0]
-        b = x.size(0) // micro_batches
-        if micro_batches >= 2 and b >= 1:
-            grads, _ = gradient_stats(twin, [(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]) for i in range(micro_batches)])
-            record["noise"] = {k: grads[k] for k in ("b_small", "b_big", "sq_norm_small", "sq_norm_big", "G_sq", "tr_sigma", "B_simple")}
-            record["gradient_stable_rank"] = {name: m["stable_rank"] for name, m in grads["matrices"].items()}
-            curvature = curvature_noise_scale(twin, [(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]) for i in range(micro_batches)])
-            record["noise"].update({k: curvature[k] for k in ("GHG", "tr_H_sigma", "B_noise", "eta_max", "delta_L_max")})
-        hc, _ = hc_spectra(twin, x)
-        if hc is not None:
-            record["hc_prod_norm"] = [layer["prod_norm_max"] for layer in hc["layers"]]
-        gates, _ = gdn2_gates(twin, x)
-        if gates is not None:
-            record["gates"] = [{k: layer[k] for k in ("rho_max", "frac_clipped", "max_transition_norm")} for layer in gates["layers"]]
+        for section in SECTIONS.values():
+            if section.during_training is None:
+                continue
+            for key, value in section.during_training(twin, x, y, step, settings).items():
+                record[key] = {**record.get(key, {}), **value} if isinstance(value, dict) else value
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "analysis.jsonl"), "a") as f:
         f.write(json.dumps(_jsonable(record)) + "\n")

@@ -31,8 +31,8 @@ if not torch.cuda.is_available():  # Triton kernels run on the CPU in Triton's i
     os.environ.setdefault("TRITON_INTERPRET", "1")
 TRITON_DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]   # where the Triton tests run: compiled on a GPU
 
-from model import (GPT, Attention, GPTConfig, GatedDelta, HCRead, HCWrite, HyperConnection, Mamba2, hc_res_init, rope_cache,
-                   rope_frequencies)
+from model import (GPT, MIXERS, MLPS, RESIDUALS, Attention, GPTConfig, GatedDelta, HCRead, HCWrite, HyperConnection,
+                   Mamba2, hc_res_init, rope_cache, rope_frequencies)
 import analyze
 import data
 import init
@@ -41,6 +41,35 @@ import optim
 import train
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def set_gptconfig_defaults(changes):
+    """Change GPTConfig's defaults in place (the dataclass's __init__, its fields and class attributes)."""
+    names = [f.name for f in dataclasses.fields(GPTConfig)]
+    defaults = list(GPTConfig.__init__.__defaults__)
+    for key, value in changes.items():
+        defaults[names.index(key)] = value
+        GPTConfig.__dataclass_fields__[key].default = value
+        setattr(GPTConfig, key, value)
+    GPTConfig.__init__.__defaults__ = tuple(defaults)
+
+
+# Every GPTConfig key the tests rely on, written out: a model in a test is make_config(...) (or tiny_config),
+# never GPTConfig's defaults, so changing a default changes no test.
+TEST_MODEL = dict(vocab_size=84, block_size=256, n_layer=4, n_head=4, n_embd=128, mixer="A", mlp="relu2", residual="res",
+                  hc_streams=4, rope_base=10000.0, rope="fixed", rope_scaling="none", rope_factor=1.0, qk_norm=False,
+                  tie_embeddings=True, bias=False, dropout=0.0, attention="sdpa", gdn_variant="gdn2", gdn_clip=True,
+                  gdn_expand_v=1, conv_size=4, mamba_d_state=64, mamba_expand=2, mamba_headdim=32,
+                  mamba_discretization="euler", chunk_size=64, gdn_chunk_size=16, kernels="auto", init="gpt2")
+
+
+def make_config(**keys):
+    return GPTConfig(**{**TEST_MODEL, **keys})
+
+
+# SPECGPT_TEST_DEFAULTS='{"mlp": "swiglu", ...}' runs the suite with GPTConfig's defaults changed: a test that
+# passes so names every config value it depends on (CI runs the model, init and analyze tests this way)
+set_gptconfig_defaults(json.loads(os.environ.get("SPECGPT_TEST_DEFAULTS", "{}")))
 
 
 def run_train(*args, cwd=ROOT, check=True):
@@ -111,6 +140,31 @@ def test_shard_round_trip_and_bad_header(tmp_path):
         f.write(np.int32(12345).tobytes())
     with pytest.raises(data.DataError, match="bad shard header"):
         data.read_shard(path)
+
+
+@pytest.mark.parametrize("name", list(data.TOKENIZERS))
+def test_every_tokenizer_round_trips_and_rebuilds_from_its_meta(name):
+    """decode(encode(text)) == text on Shakespeare with accents added; ids lie in [0, vocab_size); the
+    tokenizer rebuilt from its meta() (as meta.json and checkpoints hold it) gives the same ids."""
+    text = data.shakespeare_text()[:5000] + " café naïve"
+    tokenizer = data.TOKENIZERS[name].from_text(text)
+    ids = tokenizer.encode(text)
+    meta = json.loads(json.dumps({"tokenizer": name, **tokenizer.meta()}))
+    assert tokenizer.decode(ids) == text and 0 <= min(ids) and max(ids) < meta["vocab_size"] <= 65536
+    assert data.tokenizer_from_meta(meta).encode(text) == ids
+
+
+def test_tokenizer_choice_is_checked_against_the_dataset(tmp_path):
+    """shakespeare_char is char-level and shards hold GPT-2 ids: another --tokenizer is an error naming the way
+    out; an unknown tokenizer name (asked for, or in a meta) is an error, never a silent GPT-2."""
+    with pytest.raises(data.DataError, match="is tokenized by char, not gpt2: drop --tokenizer.*--dataset=shakespeare"):
+        data.load_dataset("shakespeare_char", "gpt2")
+    with pytest.raises(data.DataError, match="tokenized by gpt2, not char"):
+        data.load_dataset(str(tmp_path / "x_train_*.bin"), "char")
+    with pytest.raises(data.DataError, match="tokenizer 'byte' is not known: use one of char, gpt2"):
+        data.tokenizer_from_meta({"tokenizer": "byte", "vocab_size": 256})
+    assert [data.dataset_tokenizer(d) for d in ("shakespeare_char", "shakespeare", "a.txt", "d/*_train_*.bin")] == \
+        ["char", "gpt2", "char", "gpt2"]
 
 
 def test_sampler_state_restores_the_same_batches():
@@ -1279,7 +1333,7 @@ def aot_resource_rows():
     torch.set_num_threads(1)
     launches = {}
     for name, (overrides, T) in AOT_CASES.items():
-        cfg = GPTConfig(vocab_size=64, n_layer=len(overrides["mixer"]), kernels="triton", **{"block_size": T, **overrides})
+        cfg = make_config(vocab_size=64, n_layer=len(overrides["mixer"]), kernels="triton", **{"block_size": T, **overrides})
         gpt = GPT(cfg)
         H, K = cfg.n_head, cfg.n_embd // cfg.n_head
         for dtype in (torch.float32, torch.bfloat16):
@@ -1325,7 +1379,7 @@ def test_triton_kernels_fit_shared_memory_ahead_of_time():
 
 def tiny_config(**overrides):
     """The tiny model every section starts from; each section overrides only what it tests."""
-    return GPTConfig(**{**dict(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=32), **overrides})
+    return make_config(**{**dict(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=32), **overrides})
 
 
 def tiny_gpt(seed=0, **overrides):
@@ -1333,7 +1387,7 @@ def tiny_gpt(seed=0, **overrides):
     return GPT(tiny_config(**overrides))
 
 
-@pytest.mark.parametrize("mlp", ["relu2", "gelu", "swiglu"])
+@pytest.mark.parametrize("mlp", list(MLPS))
 def test_attention_model_is_causal(mlp):
     torch.manual_seed(0)
     model = GPT(tiny_config(mlp=mlp)).eval()
@@ -1584,15 +1638,15 @@ def test_flops_per_token_counts_matmuls():
 
 def test_bad_model_config_is_one_line_error():
     with pytest.raises(ValueError, match="mixer"):
-        GPTConfig(mixer="AX")
+        make_config(mixer="AX")
     with pytest.raises(ValueError, match="divisible"):
-        GPTConfig(n_embd=130, n_head=4)
+        make_config(n_embd=130, n_head=4)
     with pytest.raises(ValueError, match="rope="):
-        GPTConfig(rope="alibi")
+        make_config(rope="alibi")
     with pytest.raises(ValueError, match="rope_factor"):
-        GPTConfig(rope_factor=0.5)
+        make_config(rope_factor=0.5)
     with pytest.raises(ValueError, match="rope_scaling"):
-        GPTConfig(rope="learned", rope_scaling="yarn", rope_factor=2.0)
+        make_config(rope="learned", rope_scaling="yarn", rope_factor=2.0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1604,14 +1658,13 @@ def test_bad_model_config_is_one_line_error():
 # from the recurrence (not from kernels.py), an SVD, a full forward pass, or the loss at initialisation.
 
 
-# one entry per mixer configuration under test
+# one entry per mixer configuration under test: every letter of MIXERS alone, then variants and hybrids
 MIXERS_CASES = {
-    "A": dict(mixer="A"),
+    **{letter: dict(mixer=letter) for letter in MIXERS},
     "G-gdn2": dict(mixer="G", gdn_variant="gdn2"),
     "G-kda": dict(mixer="G", gdn_variant="kda"),
     "G-gdn": dict(mixer="G", gdn_variant="gdn"),
     "G-deltanet": dict(mixer="G", gdn_variant="deltanet"),
-    "M": dict(mixer="M"),
     "M-zoh": dict(mixer="M", mamba_discretization="zoh"),
     "GGGA": dict(mixer="GGGA"),
     "MA": dict(mixer="MA"),
@@ -1630,19 +1683,29 @@ def mixers_model(case, seed=0, **overrides):
 # ----------------------------------------------------------------------------------------------------
 # causality and generation
 
-@pytest.mark.parametrize("case", list(MIXERS_CASES))
-def test_mixers_causality(case):
+def check_causal(model, idx, p=12):
     """Changing the token at position p never changes the logits before p (and does change those after)."""
-    model = mixers_model(case)
-    idx = torch.randint(0, 37, (2, 21), generator=torch.Generator().manual_seed(1))
-    p = 12
     changed = idx.clone()
-    changed[:, p] = (changed[:, p] + 7) % 37
+    changed[:, p] = (changed[:, p] + 7) % model.config.vocab_size
     with torch.no_grad():
         a, _ = model(idx)
         b, _ = model(changed)
     torch.testing.assert_close(a[:, :p], b[:, :p], rtol=0, atol=1e-6)
     assert (a[:, p:] - b[:, p:]).abs().max() > 1e-3  # the change reaches the future, so the check has teeth
+
+
+@pytest.mark.parametrize("residual", list(RESIDUALS))
+def test_every_residual_kind_is_causal_and_caches(residual):
+    """Each residual kind of model.RESIDUALS keeps the model causal, and cached decoding matches recomputation."""
+    model = tiny_gpt(0, residual=residual, hc_streams=4, mixer="AG", n_layer=2).eval()
+    check_causal(model, torch.randint(0, 50, (2, 21), generator=torch.Generator().manual_seed(1)))
+    prompt = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model.generate(prompt, 8, top_k=1), greedy_by_recomputation(model, prompt, 8))
+
+
+@pytest.mark.parametrize("case", list(MIXERS_CASES))
+def test_mixers_causality(case):
+    check_causal(mixers_model(case), torch.randint(0, 37, (2, 21), generator=torch.Generator().manual_seed(1)))
 
 
 @pytest.mark.parametrize("case", list(MIXERS_CASES))
@@ -1860,18 +1923,18 @@ def test_mixers_decay_and_step_init():
 
 def test_mixers_bad_config_values():
     with pytest.raises(ValueError, match="mamba_headdim"):
-        GPT(GPTConfig(n_embd=32, n_head=2, mixer="M", mamba_expand=2, mamba_headdim=24))
+        GPT(make_config(n_embd=32, n_head=2, mixer="M", mamba_expand=2, mamba_headdim=24))
     with pytest.raises(ValueError, match="chunk_size"):
-        GPTConfig(n_embd=32, n_head=2, mixer="G", chunk_size=48)
+        make_config(n_embd=32, n_head=2, mixer="G", chunk_size=48)
     with pytest.raises(ValueError, match="gdn_variant"):
-        GPTConfig(n_embd=32, n_head=2, mixer="G", gdn_variant="gdn3")
+        make_config(n_embd=32, n_head=2, mixer="G", gdn_variant="gdn3")
     with pytest.raises(ValueError, match="gdn_chunk_size=64"):
-        GPTConfig(n_embd=32, n_head=2, mixer="G", gdn_chunk_size=64)
+        make_config(n_embd=32, n_head=2, mixer="G", gdn_chunk_size=64)
 
 
 def test_mixers_chunk_sizes_reach_their_mixers():
     # gdn_chunk_size is GatedDelta's chunk, chunk_size Mamba2's: each layer holds its own knob
-    gpt = GPT(GPTConfig(n_embd=32, n_head=2, n_layer=2, mixer="GM", gdn_chunk_size=32, chunk_size=8))
+    gpt = GPT(make_config(n_embd=32, n_head=2, n_layer=2, mixer="GM", gdn_chunk_size=32, chunk_size=8))
     assert [block.mixer.chunk_size for block in gpt.blocks] == [32, 8]
 
 
@@ -1988,14 +2051,14 @@ def test_mixers_triton_path_matches_torch_path(case):
 # Tests for the hyper-connection residual streams (model.HyperConnection): constraints, closure under
 # products, n = 1, init, gradients, fp32 under autocast, training.
 
-HC_KINDS = ["hc", "mhc", "mhc-lite", "kromhc", "shc", "markov"]
-HC_CONSTRAINED = ["mhc", "mhc-lite", "kromhc", "shc", "markov"]
+HC_KINDS = [kind for kind, cls in RESIDUALS.items() if cls is HyperConnection]
+HC_CONSTRAINED = [kind for kind in HC_KINDS if kind != "hc"]  # every kind but hc keeps H_res doubly stochastic
 HC_EXACT_TOL = 1e-5      # exactly constrained kinds: rows/columns sum to 1, ‖H_res‖₂ = 1 (shc)
 HC_SINKHORN_TOL = 1e-3   # mhc after 20 Sinkhorn iterations
 
 
 def hc_module(kind, n=4, C=8, sublayer=1):
-    return HyperConnection(GPTConfig(n_embd=C, n_head=2, residual=kind, hc_streams=n), sublayer)
+    return HyperConnection(make_config(n_embd=C, n_head=2, residual=kind, hc_streams=n), sublayer)
 
 
 def hc_randomize(module, gen, phi_std=1.0, alpha=1.0, bias_std=1.0):
@@ -2185,7 +2248,7 @@ def test_hc_init_values(kind):
     torch.testing.assert_close(H_res.diagonal(dim1=-2, dim2=-1), torch.full((5, 4), diag), atol=1e-6, rtol=0)
     torch.testing.assert_close(H_pre, torch.sigmoid(torch.tensor([-2.0, -2, 2, -2])).expand(5, 4))
     torch.testing.assert_close(H_post, torch.tensor([1.0, 1, 2 * torch.sigmoid(torch.tensor(0.5)), 1]).expand(5, 4))
-    model = GPT(GPTConfig(residual=kind, n_layer=2, n_embd=16, n_head=2))  # init.py must leave φ = 0 and α alone
+    model = GPT(make_config(residual=kind, n_layer=2, n_embd=16, n_head=2))  # init.py must leave φ = 0 and α alone
     for mod in model.modules():
         if isinstance(mod, HyperConnection):
             assert torch.equal(mod.phi.weight, torch.zeros_like(mod.phi.weight))
@@ -2198,7 +2261,7 @@ def test_hc_model_with_uniform_post_equals_plain_residual(kind):
     the HC model's logits equal the plain residual model's (same weights)."""
     torch.manual_seed(0)
     cfg = dict(n_layer=2, n_embd=32, n_head=2, block_size=16)
-    res_model, hc_model = GPT(GPTConfig(**cfg)), GPT(GPTConfig(residual=kind, **cfg))
+    res_model, hc_model = GPT(make_config(**cfg)), GPT(make_config(residual=kind, **cfg))
     missing, unexpected = hc_model.load_state_dict(res_model.state_dict(), strict=False)
     assert not unexpected and all("_residual." in name for name in missing)
     with torch.no_grad():
@@ -2235,7 +2298,7 @@ def test_hc_gradients_reach_res_in_model_at_init(kind):
     only row sums of H_res matter) and, for constrained kinds, the last (the final mean over streams
     sees only column sums)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(residual=kind, n_layer=3, n_embd=32, n_head=2, block_size=16))
+    model = GPT(make_config(residual=kind, n_layer=3, n_embd=32, n_head=2, block_size=16))
     idx = torch.randint(0, 84, (2, 16))
     model(idx, idx)[1].backward()
     modules = [mod for b in model.blocks for mod in (b.mixer_residual, b.mlp_residual)]
@@ -2311,7 +2374,7 @@ def test_hc_bad_config_is_refused():
     for kind, n, words in [("mhc-lite", 7, "hc_streams <= 6"), ("markov", 8, "hc_streams <= 6"),
                            ("kromhc", 6, "power of two"), ("kromhc", 3, "power of two"), ("mhc", 0, "at least 1")]:
         with pytest.raises(ValueError, match=words):
-            GPT(GPTConfig(residual=kind, hc_streams=n, n_layer=1, n_embd=16, n_head=2))
+            GPT(make_config(residual=kind, hc_streams=n, n_layer=1, n_embd=16, n_head=2))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2349,7 +2412,7 @@ def test_hc_constraints_after_training(kind):
           f"column error {max(e[1] for e in errors):.1e}")
 
 
-@pytest.mark.parametrize("mixer", ["A", "G", "M"])
+@pytest.mark.parametrize("mixer", list(MIXERS))
 @pytest.mark.parametrize("kind", HC_KINDS)
 def test_hc_trains_without_nan(kind, mixer):
     model, _, losses = hc_train_steps(kind, mixer, steps=3)
@@ -2361,7 +2424,7 @@ def test_hc_trains_without_nan(kind, mixer):
 def test_hc_incremental_generation_matches_full_forward():
     """HC mixes streams per token only, so cached one-token steps give the full forward's logits."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(residual="mhc", n_layer=2, n_embd=32, n_head=2, block_size=16)).eval()
+    model = GPT(make_config(residual="mhc", n_layer=2, n_embd=32, n_head=2, block_size=16)).eval()
     hc_randomize(model.blocks[0].mixer_residual, torch.Generator().manual_seed(8), phi_std=0.01, alpha=1.0, bias_std=0.0)
     idx = torch.randint(0, 84, (2, 8))
     full, _ = model(idx)
@@ -2483,7 +2546,7 @@ def test_init_model_hidden_matrices_at_init(exact):
     n_layer = 1
     for width in INIT_WIDTHS:
         torch.manual_seed(width)
-        model = GPT(GPTConfig(n_embd=width, n_head=width // 16, n_layer=n_layer, block_size=16, init="spectral"))
+        model = GPT(make_config(n_embd=width, n_head=width // 16, n_layer=n_layer, block_size=16, init="spectral"))
         init.init_weights(model, "spectral", exact=exact)
         for name, p in init_block_matrices(model):
             depth = 1 / math.sqrt(2 * n_layer) if name.endswith("out_proj.weight") else 1.0
@@ -2503,7 +2566,7 @@ def test_init_gated_mixers_and_own_init_parameters():
         models = {}
         for scheme in ("gpt2", "spectral"):
             torch.manual_seed(0)
-            models[scheme] = GPT(GPTConfig(n_embd=128, n_head=4, n_layer=2, block_size=16, mixer=mixer,
+            models[scheme] = GPT(make_config(n_embd=128, n_head=4, n_layer=2, block_size=16, mixer=mixer,
                                            gdn_variant="kda", residual=residual, tie_embeddings=False, init=scheme))
         gpt2, spectral = (dict(models[s].named_parameters()) for s in ("gpt2", "spectral"))
         linear_weights = {f"{n}.weight" for n, m in models["spectral"].named_modules()
@@ -2524,7 +2587,7 @@ def test_init_gated_mixers_and_own_init_parameters():
 
 def test_init_tied_head_and_errors():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_embd=128, n_head=4, n_layer=1, block_size=16, init="spectral"))
+    model = GPT(make_config(n_embd=128, n_head=4, n_layer=1, block_size=16, init="spectral"))
     assert model.lm_head.weight is model.wte.weight
     assert model.wte.weight.std().item() == pytest.approx(128 ** -0.5, rel=0.05)
     with pytest.raises(ValueError, match="tie_embeddings"):
@@ -2534,7 +2597,7 @@ def test_init_tied_head_and_errors():
     with pytest.raises(ValueError, match="embedding"):
         init.init_weights(model, "spectral", embedding="big")
     with pytest.raises(ValueError, match="init="):
-        GPTConfig(init="xavier")
+        make_config(init="xavier")
     with pytest.raises(ValueError, match="optimizer"):
         optim.spectral_lr_scale(128, 128, "adagrad")
     with pytest.raises(ValueError, match="kind"):
@@ -2625,7 +2688,7 @@ def test_init_unscaled_lr_drifts_with_width():
 
 def test_init_build_optimizer_uses_spectral_lr_scale():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_embd=64, n_head=4, n_layer=1, block_size=16, init="spectral"))
+    model = GPT(make_config(n_embd=64, n_head=4, n_layer=1, block_size=16, init="spectral"))
     for name, kw, scale_kw in (("adamw", {}, {}), ("muon", {}, {}),
                                ("muon", {"scale": "moonlight"}, {"scale": "moonlight"})):
         opt = optim.build_optimizer(model, name, lr=0.01, weight_decay=0.0, spectral_lr=True, **kw)
@@ -2653,7 +2716,7 @@ def init_coord_stats(optimizer, scheme, widths=COORD_WIDTHS):
     stats = {}
     for width in widths:
         torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=84, block_size=32, n_layer=2, n_head=width // 16, n_embd=width,
+        model = GPT(make_config(vocab_size=84, block_size=32, n_layer=2, n_head=width // 16, n_embd=width,
                               tie_embeddings=False, init=scheme))
         if scheme == "spectral":
             init.init_weights(model, "spectral", embedding="exact")
@@ -2795,7 +2858,7 @@ class OptimTinyGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-ALL_OPTIMIZERS = ["sgd", "signsgd", "adamw", "nadam", "lion", "tiger", "muon", "shampoo", "mousse", "galore"]
+ALL_OPTIMIZERS = list(optim.OPTIMIZERS)
 
 # -----------------------------------------------------------------------------
 # msign
@@ -3475,6 +3538,136 @@ def test_ddp_two_processes_on_cpu(tmp_path):
     vals = [r["val"] for r in log_rows(out) if "val" in r]
     assert vals[-1] < vals[0] - 0.3
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 30
+
+
+# --------------------------------------------------------------------------------------------------
+# a new kind of each sort is one table entry plus its code: the dummies below go in by monkeypatch.setitem,
+# as a fork's own entries would be written into the tables
+
+class RunningMeanMixer(nn.Module):
+    """y_t = W (x_1 + … + x_t) / t, carrying the running sum and count in the generation cache."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x, rope, cache=None):
+        total, count = (cache["sum"], cache["count"]) if cache else (0, 0)
+        sums = total + x.cumsum(1)
+        counts = count + torch.arange(1, x.size(1) + 1, device=x.device, dtype=x.dtype)[:, None]
+        if cache is not None:
+            cache["sum"], cache["count"] = sums[:, -1:], counts[-1]
+        return self.proj(sums / counts)
+
+
+class ForgetfulMixer(RunningMeanMixer):
+    """The running mean without its cache: what a mixer that ignores the protocol's cache looks like."""
+
+    def forward(self, x, rope, cache=None):
+        return super().forward(x, rope)
+
+
+class ScaledResidual(nn.Module):
+    """x ← x + F(x) / 2"""
+
+    def __init__(self, cfg, sublayer):
+        super().__init__()
+
+    def forward(self, x, f):
+        return x + 0.5 * f(x)
+
+
+class PlainSGD(torch.optim.Optimizer):
+    """p ← p (1 − lr·wd) − lr·g"""
+
+    def __init__(self, params, lr=0.1, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.mul_(1 - group["lr"] * group["weight_decay"]).add_(p.grad, alpha=-group["lr"])
+
+
+class ByteTokenizer:
+    """UTF-8 bytes: 256 tokens, whatever the text."""
+
+    @classmethod
+    def from_text(cls, text):
+        return cls()
+
+    @classmethod
+    def from_meta(cls, meta):
+        return cls()
+
+    def meta(self):
+        return {"vocab_size": 256}
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def register_dummy_kinds(monkeypatch):
+    monkeypatch.setitem(MIXERS, "R", RunningMeanMixer)
+    monkeypatch.setitem(MLPS, "tanh", (torch.tanh, False))
+    monkeypatch.setitem(RESIDUALS, "scaled", ScaledResidual)
+    monkeypatch.setitem(optim.OPTIMIZERS, "plainsgd", optim.OptimizerKind(PlainSGD, False, "gradient", 0.1, {}))
+    monkeypatch.setitem(data.TOKENIZERS, "byte", ByteTokenizer)
+    count_params = lambda model, *rest: {"probe_params": model.num_params()}
+    monkeypatch.setitem(analyze.SECTIONS, "probe", analyze.Section(
+        lambda model, inputs: ({"params": model.num_params()}, {}), None, print, during_training=count_params))
+
+
+def test_a_dummy_kind_of_each_sort_trains_through_train_py(tmp_path, monkeypatch, capsys):
+    """A mixer letter, an MLP, a residual kind, an optimizer, a tokenizer and an analyze section, each one
+    entry in its table: --help lists each, and train.py trains with all of them for 2 steps (spectral_lr and
+    analyze_every included), checkpoints, and samples through the new mixer's cache."""
+    register_dummy_kinds(monkeypatch)
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    shown = capsys.readouterr().out
+    for key, kind in [("mixer", "R"), ("mlp", "tanh"), ("residual", "scaled"), ("optimizer", "plainsgd"),
+                      ("tokenizer", "byte")]:
+        line = next(line for line in shown.splitlines() if line.strip().startswith(f"--{key}="))
+        assert re.search(rf"[\[| ]{kind}[\]| ]", line), line
+    text = tmp_path / "text.txt"
+    text.write_text("héllo wörld, the quick brown fox. " * 300)
+    out = tmp_path / "run"
+    train.main([f"--dataset={text}", "--tokenizer=byte", "--mixer=RA", "--mlp=tanh", "--residual=scaled",
+                "--optimizer=plainsgd", "--spectral_lr=True", "--learning_rate=0.05", "--max_iters=2", "--log_interval=1",
+                "--eval_interval=2", "--eval_iters=1", "--analyze_every=1", "--n_layer=2", "--n_embd=32", "--n_head=2",
+                "--block_size=16", "--batch_size=4", "--num_samples=1", "--max_new_tokens=12", "--start=hé",
+                f"--out_dir={out}"])
+    printed = capsys.readouterr().out
+    rows = log_rows(out)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
+    assert [r["step"] for r in rows if "val" in r] == [0, 2]
+    ckpt = data.load_checkpoint(os.path.join(out, "ckpt.pt"))
+    assert (ckpt["config"]["mixer"], ckpt["config"]["mlp"], ckpt["config"]["residual"]) == ("RA", "tanh", "scaled")
+    assert ckpt["meta"] == {**ckpt["meta"], "tokenizer": "byte", "vocab_size": 256}
+    records = [json.loads(line) for line in open(out / "analysis.jsonl")]
+    gpt = GPT(GPTConfig.from_dict(ckpt["config"]))
+    assert [r["step"] for r in records] == [0, 1] and records[0]["probe_params"] == gpt.num_params()
+    assert printed.split("--- sample 1 ---\n")[1].startswith("hé")  # the prompt went through the byte tokenizer
+
+
+def test_a_dummy_mixer_keeps_the_protocol_and_a_forgetful_one_fails_loudly(monkeypatch):
+    """The running-mean mixer obeys causality and its cached generation equals greedy recomputation; a mixer
+    that ignores the cache makes generate stop with a one-line error naming the protocol, never a wrong sample."""
+    register_dummy_kinds(monkeypatch)
+    model = tiny_gpt(0, mixer="RA", n_layer=2).eval()
+    prompt = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(0))
+    check_causal(model, torch.randint(0, 50, (2, 21), generator=torch.Generator().manual_seed(1)))
+    assert torch.equal(model.generate(prompt, 10, top_k=1), greedy_by_recomputation(model, prompt, 10))
+    monkeypatch.setitem(MIXERS, "F", ForgetfulMixer)
+    forgetful = tiny_gpt(0, mixer="F", n_layer=1).eval()
+    with pytest.raises(ValueError, match=r"ForgetfulMixer keeps nothing in its generation cache.*model\.MIXERS"):
+        forgetful.generate(prompt, 3)
 
 
 # ==================================================================================================
