@@ -75,9 +75,9 @@ def analysis_model(model):
     attention = "sparsemax" if model.config.attention == "sparsemax" else "math"
     cfg = dataclasses.replace(model.config, attention=attention, kernels="torch")
     with torch.random.fork_rng(devices=[]):  # building a GPT draws an init: leave the caller's RNG alone
-        twin = GPT(cfg)
-    twin.load_state_dict(model.state_dict())
-    return twin.to(device=next(model.parameters()).device, dtype=torch.float32).eval()
+        twin = GPT(cfg).to(device=next(model.parameters()).device, dtype=torch.float32)
+    twin.load_state_dict(model.state_dict())  # copied on the model's own device (meta included), cast to fp32
+    return twin.eval()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1183,7 +1183,7 @@ def analyze_during_training(model, batch, step, out_dir, micro_batches=4, hessia
     x, y = (t.to(next(twin.parameters()).device) for t in batch)
     settings = {"micro_batches": micro_batches, "hessian_sequences": hessian_sequences, "power_iters": power_iters}
     record = {"step": step}
-    with torch.autocast(device_type=x.device.type, enabled=False):  # fp32 even inside a bf16 training step
+    with kernels.autocast_off(x.device.type):  # fp32 even inside a bf16 training step
         for section in SECTIONS.values():
             if section.during_training is None:
                 continue

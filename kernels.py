@@ -33,6 +33,7 @@ Reductions and recurrences run in fp32 and results are cast back to the input dt
 states S_T, h_T come back in fp32. Any sequence length works (chunked paths pad the tail internally).
 """
 
+import contextlib
 import functools
 import os
 import sys
@@ -73,12 +74,19 @@ def _path(op, kernels, x):
     return kernels
 
 
+def autocast_off(device_type):
+    """A context with autocast off on this device type; nothing to turn off where autocast does not exist (meta)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _fp32(fn):
     """Run a recurrence with autocast off: its fp32 matmuls and solves stay fp32 inside a bf16 autocast region."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
         first = next(a for a in (*args, *kwargs.values()) if torch.is_tensor(a))  # keyword calls work too
-        with torch.autocast(first.device.type, enabled=False):
+        with autocast_off(first.device.type):
             return fn(*args, **kwargs)
     return run
 
@@ -283,7 +291,7 @@ class _SinkhornTorch(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: a differentiable gradient, from the plain ops
             return _double_backward(lambda x: (_sinkhorn_plain(x, ctx.iters),), (logits,), (dP,))[0], None
         n = ctx.shape[-1]
-        with torch.autocast(dP.device.type, enabled=False):
+        with autocast_off(dP.device.type):
             Y = P.clone()  # each half-step's output, recovered from the last by multiplying its sums back in
             Z = dP.to(P.dtype).reshape(-1, n, n).permute(1, 2, 0).contiguous().mul_(Y)  # ∂Y ⊙ Y, tokens last
             unfloored = col_sums > SINKHORN_FLOOR  # a floored column sum is a constant: no gradient through it

@@ -607,7 +607,7 @@ class HCRead(torch.autograd.Function):
             return (*grads, None)
         n, C = X.shape[-2:]
         x = X.reshape(-1, n * C)
-        with torch.autocast(X.device.type, enabled=False):
+        with kernels.autocast_off(X.device.type):
             dx_in, dproj = dx_in.reshape(-1, 1, C), dproj.reshape(proj.shape).clone()
             dH_pre = torch.bmm(dx_in, x.view(-1, n, C).transpose(1, 2)).squeeze(1)
             dlogit_pre = dH_pre.mul_(H_pre * (1 - H_pre))
@@ -645,7 +645,7 @@ class HCWrite(torch.autograd.Function):
             return (H_res.transpose(-1, -2) @ dX_new, dX_new @ X.transpose(-1, -2),
                     (dX_new * y.unsqueeze(-2)).sum(-1), (H_post.unsqueeze(-1) * dX_new).sum(-2))
         n, C = X.shape[-2:]
-        with torch.autocast(X.device.type, enabled=False):
+        with kernels.autocast_off(X.device.type):
             dX3 = dX_new.reshape(-1, n, C)
             dX = X.new_empty(X.shape)  # not a view, so that autograd can add the read's ∂X into it in place
             torch.bmm(H_res.view(-1, n, n).transpose(1, 2), dX3, out=dX.view(-1, n, C))
@@ -750,7 +750,7 @@ class HyperConnection(nn.Module):
 
     def mixing_matrices(self, X):
         """(H_pre (…, n), H_post (…, n), H_res (…, n, n)) in fp32 for stream state X (…, n, C)."""
-        with torch.autocast(device_type=X.device.type, enabled=False):
+        with kernels.autocast_off(X.device.type):
             pre, post, res = self.coefficients(X)
             return torch.sigmoid(pre), 2 * torch.sigmoid(post), self.res_matrix(res)
 
@@ -766,10 +766,10 @@ class HyperConnection(nn.Module):
 
     def forward(self, X, f):
         """The same H_pre, H_post, H_res as mixing_matrices, with the reads and writes of X in two nodes."""
-        with torch.autocast(device_type=X.device.type, enabled=False):
+        with kernels.autocast_off(X.device.type):
             x_in, proj = HCRead.apply(X.float(), self.phi.weight, self.alpha, self.bias, 1e-6)
         y = f(x_in.to(X.dtype))
-        with torch.autocast(device_type=X.device.type, enabled=False):
+        with kernels.autocast_off(X.device.type):
             _, post, res = self.logits(proj)
             H_res = self.res_matrix(res).contiguous()
             return HCWrite.apply(X.float(), H_res, 2 * torch.sigmoid(post), y.float()).to(X.dtype)
