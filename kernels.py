@@ -176,7 +176,10 @@ def softmax(x, kernels="auto"):
 # onto the probability simplex, p = [z − τ]₊ with τ chosen so that Σ_j p_j = 1: every score at or below τ gets
 # weight exactly 0. causal=True: row t of the last two dims sees only columns s ≤ N − T + t (the
 # T queries are the last T of N positions, as in attention with a key cache); the other columns get p = 0.
-# Jacobian: on the support S = {j : p_j > 0}, dz = g − mean_S(g); off it dz = 0.
+# Jacobian: on the support S = {j : p_j > 0}, dz = g − mean_S(g); off it dz = 0 (at a tie z_j = τ, j is off S:
+# the derivative for a z_j moving down). Every path first subtracts the row max m, which p = [z − τ]₊ does not see
+# (τ moves with it): sorted sums and bisection brackets then work on scores near 0, not near m, whose rounding
+# grows with |m| (in fp32, p off by up to 7e-4 at scores offset by 1e4 without the shift, 2e-8 with it).
 
 def _sparsemax_visible(z, causal):
     """The [T, N] mask of the columns each row may use (None when all of them)."""
@@ -196,12 +199,13 @@ def sparsemax_ref(z, causal=False):
     visible = _sparsemax_visible(z, causal)
     if visible is not None:
         zf = zf.masked_fill(~visible, float("-inf"))
+    zf = zf - zf.amax(-1, keepdim=True).detach()  # p does not depend on the shift: a constant to autograd
     z_sorted = zf.sort(dim=-1, descending=True).values
     j = torch.arange(1, z.shape[-1] + 1, device=z.device, dtype=zf.dtype)
     cumsum = z_sorted.cumsum(-1)
     k = (1 + j * z_sorted > cumsum).sum(-1, keepdim=True)
     tau = (cumsum.gather(-1, k - 1) - 1) / k
-    return (zf - tau).clamp_min(0).to(z.dtype)
+    return torch.where(zf > tau, zf - tau, 0).to(z.dtype)  # a tie z_j = τ is off the support, gradient too
 
 
 def sparsemax_torch(z, causal=False):
@@ -211,6 +215,8 @@ def sparsemax_torch(z, causal=False):
     zf = z.to(torch.promote_types(z.dtype, torch.float32))
     with torch.no_grad():
         support = sparsemax_ref(zf, causal) > 0
+        top = torch.where(support, zf, float("-inf")).amax(-1, keepdim=True)  # the row max (it is on S)
+    zf = zf - top
     tau = (torch.where(support, zf, 0).sum(-1, keepdim=True) - 1) / support.sum(-1, keepdim=True)
     return torch.where(support, zf - tau, 0).to(z.dtype)
 
@@ -1053,12 +1059,12 @@ def softmax_triton(x):
 # -----------------------------------------------------------------------------
 # sparsemax in Triton
 
-# τ without a sort: f(τ) = Σ_j [z_j − τ]₊ − 1 falls monotonically in τ, f(max z − 1) ≥ 0 (the largest
-# entry alone gives 1) and f(max z) = −1, so τ lies in [max z − 1, max z]. Each program holds BLOCK_R rows
-# in registers and halves that bracket _SPARSEMAX_HALVINGS times (one pass over the row each, 2^-24 of
-# the unit bracket is below fp32 resolution of the scores), keeping f(lo) ≥ 0. Then S = {z_j > lo}
-# contains the support and τ = (Σ_S z − 1)/|S| exactly; an entry wrongly in S lies within the final bracket
-# width of τ, so it moves τ by less than that width. The backward needs only p: S = {p > 0}.
+# τ without a sort, on z − max z (as every path, see sparsemax_ref): f(τ) = Σ_j [z_j − τ]₊ − 1 falls
+# monotonically in τ, f(−1) ≥ 0 (the largest entry alone gives 1) and f(0) = −1, so τ lies in [−1, 0]. Each
+# program holds BLOCK_R rows in registers and halves that bracket _SPARSEMAX_HALVINGS times (one pass over the
+# row each; 2^-24 is fp32's resolution on the unit bracket), keeping f(lo) ≥ 0. Then S = {z_j > lo} contains
+# the support and τ = (Σ_S z − 1)/|S| exactly; an entry wrongly in S lies within the final bracket width of τ,
+# so it moves τ by less than that width. The backward needs only p: S = {p > 0}.
 _SPARSEMAX_HALVINGS = 24
 
 
@@ -1081,7 +1087,8 @@ if HAS_TRITON:
         offs = rows[:, None].to(tl.int64) * N + cols[None, :]
         z = tl.load(z_ptr + offs, mask=visible, other=-float("inf")).to(tl.float32)
         z = tl.where(rows[:, None] < n_rows, z, 0.0)  # rows past the end stay finite: no NaN in unused lanes
-        hi = tl.max(z, axis=1)
+        z = z - tl.max(z, axis=1)[:, None]
+        hi = tl.zeros((BLOCK_R,), dtype=tl.float32)
         lo = hi - 1.0
         for _ in range(HALVINGS):
             mid = 0.5 * (lo + hi)

@@ -372,6 +372,61 @@ def test_kernels_sparsemax_causal_rows_project_their_visible_prefix(path):
         kernels.sparsemax(torch.randn(5, 3), causal=True, kernels=path)
 
 
+def _kernels_sparsemax_sorted(z, visible=None):
+    """sparsemax in float64 by the sorted threshold, on rows shifted by their max, written here: with
+    z_(1) ≥ z_(2) ≥ …, k = max{j : 1 + j z_(j) > Σ_{i≤j} z_(i)}, τ = (Σ_{i≤k} z_(i) − 1)/k, p = [z − τ]₊.
+    Columns outside `visible` are −inf: they sort last and get 0."""
+    z = z.double()
+    if visible is not None:
+        z = z.masked_fill(~visible, float("-inf"))
+    z = z - z.max(-1, keepdim=True).values
+    z_sorted = z.sort(-1, descending=True).values
+    cumsum = z_sorted.cumsum(-1)
+    k = (1 + torch.arange(1, z.shape[-1] + 1, dtype=torch.float64) * z_sorted > cumsum).sum(-1, keepdim=True)
+    return (z - (cumsum.gather(-1, k - 1) - 1) / k).clamp_min(0)
+
+
+def kernels_sparsemax_check_offsets_and_ties(fn, device="cpu"):
+    """fn(z, causal) on fp32 scores offset by up to 1e4: the fp64 sorted-threshold sparsemax of the same scores
+    within 1e-6, rows summing to 1 within 1e-6. At exact ties z_j = τ the gradient of ⟨g, p⟩ is the Jacobian on
+    S = {p > 0} (g − mean_S g on S, 0 off it), the derivative for the tied entries moving down: checked by one-sided
+    differences in fp64 along directions that keep them below τ."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 7, 37, generator=gen) * 3
+    T, N = 7, 37
+    visible = torch.ones(T, N, dtype=torch.bool).tril(N - T)
+    for offset in (0.0, 10.0, 100.0, 1e3, 1e4):
+        z = base + offset
+        for causal in (False, True):
+            p = fn(z.to(device), causal).double().cpu()
+            want = _kernels_sparsemax_sorted(z, visible if causal else None)
+            assert (p - want).abs().max() < 1e-6, (offset, causal, (p - want).abs().max())
+            assert (p.sum(-1) - 1).abs().max() < 1e-6, (offset, causal)
+    # ties, exact in binary: [2, 1, 1, 0] has τ = 1 (S = {0}), [3, 2.5, 2.25, 0] has τ = 2.25 (S = {0, 1}); the
+    # directions raise S's entries (and τ with them) or lower the tied ones
+    ties = [([2.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0], [(0, 1.0), (1, -1.0), (2, -1.0), (3, 1.0), (3, -1.0)]),
+            ([3.0, 2.5, 2.25, 0.0], [0.5, -1.0, 2.0, 1.0], [(0, 1.0), (1, 1.0), (2, -1.0), (3, 1.0), (3, -1.0)])]
+    for z, g, directions in ties:
+        z, g = torch.tensor(z), torch.tensor(g)
+        leaf = z.to(device).requires_grad_()
+        (grad,) = torch.autograd.grad((fn(leaf, False) * g.to(device)).sum(), leaf)
+        support = _kernels_sparsemax_sorted(z) > 0
+        want = torch.where(support, g - g[support].mean(), 0)
+        assert torch.equal(grad.cpu(), want), (z, grad, want)
+        f = lambda x: (_kernels_sparsemax_sorted(x) * g.double()).sum().item()
+        eps = 1e-6
+        for j, sign in directions:
+            v = torch.zeros(4, dtype=torch.float64)
+            v[j] = sign
+            one_sided = (f(z.double() + eps * v) - f(z.double())) / eps
+            assert one_sided == pytest.approx((grad.double() @ v).item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("path", ["torch", "ref"])
+def test_kernels_sparsemax_large_offsets_and_ties(path):
+    kernels_sparsemax_check_offsets_and_ties(lambda z, causal: kernels.sparsemax(z, causal, kernels=path))
+
+
 def test_kernels_sparsemax_gradients_by_finite_differences():
     """The torch path's Jacobian (g − mean_S g on the support) and its second derivative against finite
     differences in float64; the reference differentiates through the sort and must agree."""
@@ -951,6 +1006,11 @@ def test_triton_sparsemax(shape, causal, device):
     assert torch.equal(p == 0, p_ref == 0) and (p == 0).float().mean() > 0.5
     pb = kernels.sparsemax_triton(z.bfloat16(), causal)
     assert pb.dtype == torch.bfloat16 and (pb.float() - kernels.sparsemax_ref(z.bfloat16().float(), causal)).abs().max() < 1e-2
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_sparsemax_large_offsets_and_ties(device):
+    kernels_sparsemax_check_offsets_and_ties(kernels.sparsemax_triton, device)
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
