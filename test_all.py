@@ -298,29 +298,71 @@ def test_kernels_sinkhorn_torch_matches_ref_and_has_gradients():
     assert torch.isfinite(kernels.sinkhorn(huge, kernels="torch")).all()
 
 
+def _kernels_sinkhorn_log_domain(L, iters=20):
+    """Sinkhorn on log P in float64, written here from its definition: iters times, rows then columns, each
+    L ← L − logsumexp(L) along that axis; then P = exp(L)."""
+    L = L.double()
+    for _ in range(iters):
+        L = L - torch.logsumexp(L, -1, keepdim=True)
+        L = L - torch.logsumexp(L, -2, keepdim=True)
+    return L.exp()
+
+
 def test_kernels_sinkhorn_torch_backward_matches_autograd():
-    """The torch path's hand-written backward against autograd through its steps written plainly (fp64, with
-    logits spread so wide that column sums hit the 1e-30 floor), then gradcheck and gradgradcheck (the double
-    backward that analyze.py's Hessian-vector products take)."""
-    def unrolled(L, iters):
-        P = torch.exp(L - torch.logsumexp(L, -1, keepdim=True))
-        for k in range(iters):
-            if k:
-                P = P / P.sum(-1, keepdim=True)
-            P = P / P.sum(-2, keepdim=True).clamp_min(1e-30)
-        return P
+    """The torch path's hand-written backward against autograd through the log-domain Sinkhorn (fp64, with
+    logits spread so wide that whole columns of the row softmax fall below fp32's range), then gradcheck and
+    gradgradcheck (the double backward that analyze.py's Hessian-vector products take)."""
     torch.manual_seed(0)
     for scale in (1.0, 5.0, 200.0):
         L = (torch.randn(6, 4, 4, dtype=torch.float64) * scale).requires_grad_()
         if scale == 200.0:
-            assert torch.softmax(L, -1).sum(-2).min() < 1e-30  # the floor is reached
-        P, want = kernels.sinkhorn(L, iters=7, kernels="torch"), unrolled(L, 7)
+            assert torch.softmax(L, -1).sum(-2).min() < 1e-30  # columns that would be 0 in fp32
+        P, want = kernels.sinkhorn(L, iters=7, kernels="torch"), _kernels_sinkhorn_log_domain(L, 7)
         G = torch.randn_like(P)
-        assert rel_err(P, want) < 1e-12
+        assert P.dtype == torch.float64 and rel_err(P, want) < 1e-12
         assert rel_err(torch.autograd.grad((P * G).sum(), L)[0], torch.autograd.grad((want * G).sum(), L)[0]) < 1e-10
     L = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
     fn = lambda logits: kernels.sinkhorn(logits, iters=4, kernels="torch")
     assert torch.autograd.gradcheck(fn, (L,)) and torch.autograd.gradgradcheck(fn, (L,))
+
+
+def kernels_sinkhorn_check_spreads(fn, device="cpu"):
+    """fn(logits) -> P (fp32, 20 iterations) against the fp64 log-domain Sinkhorn at logit spreads up to 1e3: P
+    and the gradient of ⟨G, P⟩ finite and equal to the reference's, columns summing to 1. On separable logits
+    u_i + v_j + noise, exp(u_i + v_j) is a diagonal scaling, which Sinkhorn's limit removes: P is then doubly
+    stochastic and the limit for the noise alone. Uniform logits that wide make exp(logits) nearly 0/1, with one
+    entry per row: 20 rounds leave its rows unbalanced (the reference's too), so only the agreement is checked."""
+    gen = torch.Generator().manual_seed(0)
+    cases = {"all of row 2 over 104 below the max": (torch.tensor([[[0.0, 0.0], [-110.0, -120.0]]]), None)}
+    for spread in (1e1, 1e2, 1e3):
+        u = (torch.rand(32, 4, 1, generator=gen) - 0.5) * spread / 2
+        v = (torch.rand(32, 1, 4, generator=gen) - 0.5) * spread / 2
+        noise = torch.randn(32, 4, 4, generator=gen) / 2
+        cases[f"separable, spread {spread:g}"] = (u + v + noise, noise)
+        cases[f"uniform, spread {spread:g}"] = ((torch.rand(32, 4, 4, generator=gen) - 0.5) * spread, None)
+    for name, (L, noise) in cases.items():
+        leaf = L.to(device).requires_grad_()
+        P = fn(leaf)
+        G = torch.randn(L.shape, generator=gen)
+        (grad,) = torch.autograd.grad((P * G.to(device)).sum(), leaf)
+        L64 = L.double().requires_grad_()
+        want = _kernels_sinkhorn_log_domain(L64)
+        (want_grad,) = torch.autograd.grad((want * G.double()).sum(), L64)
+        P, grad = P.detach().double().cpu(), grad.double().cpu()
+        assert torch.isfinite(P).all() and torch.isfinite(grad).all(), name
+        assert (P - want).abs().max() < 1e-5 and rel_err(grad, want_grad) < 1e-5, name
+        assert (P.sum(-2) - 1).abs().max() < 1e-6, name
+        if noise is not None:
+            assert (P.sum(-1) - 1).abs().max() < 1e-4, name
+            assert (P - _kernels_sinkhorn_log_domain(noise, 500)).abs().max() < 1e-4, name
+
+
+@pytest.mark.parametrize("path", ["torch", "ref"])
+def test_kernels_sinkhorn_finite_at_any_spread(path):
+    kernels_sinkhorn_check_spreads(lambda logits: kernels.sinkhorn(logits, kernels=path))
+    assert kernels.sinkhorn(torch.randn(2, 3, 3, dtype=torch.float64), kernels=path).dtype == torch.float64
+    with pytest.raises(ValueError, match="iters >= 1"):
+        kernels.sinkhorn(torch.randn(2, 3, 3), iters=0, kernels=path)
 
 
 # -----------------------------------------------------------------------------
@@ -990,6 +1032,11 @@ def test_triton_sinkhorn(n, device):
     triton_assert_close(errs)
     P = kernels.sinkhorn_triton(logits.to(device))
     assert torch.allclose(P.sum(-2), torch.ones(2, 13, n, device=device), atol=1e-5)  # columns are normalised last
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_sinkhorn_finite_at_any_spread(device):
+    kernels_sinkhorn_check_spreads(kernels.sinkhorn_triton, device)
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
