@@ -149,16 +149,21 @@ class AdamW(torch.optim.Optimizer):
             denom = torch._foreach_sqrt(vs)  # sqrt(v / (1 - b2^t)) = sqrt(v) / sqrt(1 - b2^t)
             torch._foreach_div_(denom, [math.sqrt(1 - b2**t) for t in ts])
             torch._foreach_add_(denom, group["eps"])
-            if self.lookahead:  # b1 m + (1-b1) g, debiased one step ahead
-                numer, bias1 = torch._foreach_lerp(ms, grads, 1 - b1), [1 - b1 ** (t + 1) for t in ts]
+            lr = group["lr"]
+            if self.lookahead:  # the momentum debiased one step ahead, the gradient for this step
+                torch._foreach_addcdiv_(params, ms, denom, [-lr * b1 / (1 - b1 ** (t + 1)) for t in ts])
+                torch._foreach_addcdiv_(params, grads, denom, [-lr * (1 - b1) / (1 - b1**t) for t in ts])
             else:
-                numer, bias1 = ms, [1 - b1**t for t in ts]
-            torch._foreach_addcdiv_(params, numer, denom, [-group["lr"] / c for c in bias1])
+                torch._foreach_addcdiv_(params, ms, denom, [-lr / (1 - b1**t) for t in ts])
 
 
 class NAdam(AdamW):
-    """NAdam (Dozat 2016, "Incorporating Nesterov Momentum into Adam"): AdamW's m and v, but the numerator looks one step ahead:
-    u = ((b1 m + (1-b1) g) / (1 - b1^(t+1))) / (sqrt(v / (1 - b2^t)) + eps)."""
+    """NAdam (Dozat 2016, "Incorporating Nesterov Momentum into Adam", Algorithm 2 with constant momentum b1):
+    AdamW's m and v, but the numerator looks one step ahead, each term debiased for the step it stands for:
+    u = (b1 m / (1 - b1^(t+1)) + (1-b1) g / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps),
+    m being the updated m_t. It is torch.optim.NAdam with momentum_decay -> inf (its schedule
+    mu_t = b1 (1 - 0.96^(t psi) / 2) then stays at b1) and decoupled_weight_decay=True. At t = 1 the two
+    terms weigh g by 1 + b1 / (1 + b1) (1.47 at b1 = 0.9): NAdam's first step is larger than AdamW's."""
     lookahead = True
 
 

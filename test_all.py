@@ -2685,7 +2685,7 @@ def init_step_natural_norm(make_optimizer, optimizer_name, fan_out, fan_in, lr, 
 
 LR_CASES = {  # name for spectral_lr_scale, optimizer factory, keyword args, expected ‖ΔW‖_nat / lr
     "adamw": ("adamw", lambda ps, lr: optim.AdamW(ps, lr=lr), {}, 128.0),
-    "nadam": ("nadam", lambda ps, lr: optim.NAdam(ps, lr=lr), {}, 128.0),
+    "nadam": ("nadam", lambda ps, lr: optim.NAdam(ps, lr=lr), {}, 128.0 * (1 + 0.9 / 1.9)),  # step 1: (1 + b1/(1+b1)) g
     "lion": ("lion", lambda ps, lr: optim.Lion(ps, lr=lr), {}, 128.0),
     "tiger": ("tiger", lambda ps, lr: optim.Tiger(ps, lr=lr), {}, 128.0),
     "signsgd": ("signsgd", lambda ps, lr: optim.SignSGD(ps, lr=lr), {}, 128.0),
@@ -3017,7 +3017,7 @@ def optim_ref_adam(p0, gs, betas, eps, nesterov):
     for t, g in enumerate(gs, start=1):
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
-        numerator = (b1 * m + (1 - b1) * g) / (1 - b1 ** (t + 1)) if nesterov else m / (1 - b1**t)
+        numerator = b1 * m / (1 - b1 ** (t + 1)) + (1 - b1) * g / (1 - b1**t) if nesterov else m / (1 - b1**t)
         u = numerator / (torch.sqrt(v / (1 - b2**t)) + eps)
         p = p * (1 - LR * WD) - LR * u
         ref.append(p)
@@ -3033,7 +3033,8 @@ def test_optim_adamw_and_nadam_rules(shape):
 
 
 def test_optim_nadam_differs_from_adamw_by_the_lookahead_term():
-    # with wd = 0 the step difference is -lr [(b1 m + (1-b1) g)/(1 - b1^(t+1)) - m/(1 - b1^t)] / (sqrt(v_hat) + eps)
+    # with wd = 0 the step difference is
+    # -lr [b1 m/(1 - b1^(t+1)) + (1-b1) g/(1 - b1^t) - m/(1 - b1^t)] / (sqrt(v_hat) + eps)
     shape, (b1, b2), eps = (5, 5), (0.9, 0.99), 1e-8
     p0, gs = torch.randn(shape, dtype=torch.float64), optim_grad_sequence(shape, T, 5)
     pa = [p0] + optim_run(optim.AdamW, p0, gs, lr=LR, betas=(b1, b2), eps=eps)
@@ -3041,12 +3042,49 @@ def test_optim_nadam_differs_from_adamw_by_the_lookahead_term():
     m, v = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
     for t, g in enumerate(gs, start=1):
         m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
-        gap = (b1 * m + (1 - b1) * g) / (1 - b1 ** (t + 1)) - m / (1 - b1**t)
+        gap = b1 * m / (1 - b1 ** (t + 1)) + (1 - b1) * g / (1 - b1**t) - m / (1 - b1**t)
         expected = -LR * gap / (torch.sqrt(v / (1 - b2**t)) + eps)
         diff = (pn[t] - pn[t - 1]) - (pa[t] - pa[t - 1])
         assert torch.allclose(diff, expected, rtol=1e-9, atol=1e-12)
-        if t > 1:  # at t = 1 both numerators equal g; afterwards the rules differ
-            assert diff.abs().max() > 1e-4
+        assert diff.abs().max() > 1e-4  # at t = 1 too: NAdam's numerator is then (1 + b1/(1 + b1)) g, AdamW's g
+
+
+def optim_ref_dozat_nadam(p0, gs, mu, nu, eps, lr, wd):
+    """Dozat (2016), Algorithm 2, line by line in float64 with constant momentum mu (so every product of
+    mu_i is a power of mu), after decoupled decay p <- p (1 - lr wd):
+        g_hat = g / (1 - mu^t);  m = mu m + (1 - mu) g;  m_hat = m / (1 - mu^(t+1))
+        n = nu n + (1 - nu) g^2;  n_hat = n / (1 - nu^t);  m_bar = (1 - mu) g_hat + mu m_hat
+        p <- p - lr m_bar / (sqrt(n_hat) + eps)"""
+    p, m, n, out = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0), []
+    for t, g in enumerate(gs, start=1):
+        p = p * (1 - lr * wd)
+        g_hat = g / (1 - mu**t)
+        m = mu * m + (1 - mu) * g
+        m_hat = m / (1 - mu ** (t + 1))
+        n = nu * n + (1 - nu) * g * g
+        n_hat = n / (1 - nu**t)
+        m_bar = (1 - mu) * g_hat + mu * m_hat
+        p = p - lr * m_bar / (torch.sqrt(n_hat) + eps)
+        out.append(p)
+    return out
+
+
+def test_optim_nadam_is_dozat_algorithm_2_and_torch_nadam_at_constant_momentum():
+    """NAdam against Dozat's Algorithm 2 (fp64, constant momentum) and against torch.optim.NAdam with
+    momentum_decay -> inf (its momentum schedule then stays at b1) and decoupled weight decay."""
+    (b1, b2), eps = (0.9, 0.99), 1e-8
+    # step 1 from p = 0, eps = 0: m_bar = (1 - b1) g/(1 - b1) + b1 (1 - b1) g/(1 - b1^2) = (1 + b1/(1 + b1)) g
+    g = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    p = optim_run(optim.NAdam, torch.zeros(3, dtype=torch.float64), [g], lr=1.0, betas=(b1, b2), eps=0.0)[0]
+    assert torch.allclose(p, -(1 + b1 / (1 + b1)) * g.sign(), rtol=1e-14)
+    shape = (6, 4)
+    p0, gs = torch.randn(shape, dtype=torch.float64), optim_grad_sequence(shape, T, 6)
+    kw = dict(lr=LR, betas=(b1, b2), eps=eps, weight_decay=WD)
+    ours = optim_run(optim.NAdam, p0, gs, **kw)
+    optim_check(ours, optim_ref_dozat_nadam(p0, gs, b1, b2, eps, LR, WD))
+    # torch's NAdam keeps its step count and momentum product in fp32 tensors, hence 1e-6
+    optim_check(optim_run(torch.optim.NAdam, p0, gs, momentum_decay=1e12, decoupled_weight_decay=True, **kw), ours,
+                tol=1e-6)
 
 
 # -----------------------------------------------------------------------------
