@@ -350,9 +350,15 @@ class Mousse(torch.optim.Optimizer):
 
 
 class GaLore(torch.optim.Optimizer):
-    """GaLore: on steps 1, 1 + update_proj_gap, ... P = top-`rank` singular vectors of g on its smaller
-    side (left if rows <= cols, else right); AdamW moments on the projection r = P^T g (or g P);
-    u = scale * P adam(r) (or adam(r) P^T). Moments are kept across projection refreshes (as GaLore does)."""
+    """GaLore (Zhao et al. 2024): on steps 1, 1 + update_proj_gap, ... P = the top-`rank` singular vectors of g on
+    the side the reference implementation (galore_torch, proj_type 'std') picks: right (P = V_r, r = g P) when
+    rows >= cols, so every square matrix is projected on the right; left (P = U_r, r = P^T g) when rows < cols.
+    AdamW moments on the projection r: adam(r) = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps), and
+    u = scale * adam(r) P^T (or P adam(r)). Moments are kept across projection refreshes (as GaLore does).
+    eps sits inside the projection, on the r-space root as in AdamW; the reference adds it to sqrt(v) before
+    the bias correction, an eps 1/sqrt(1 - b2^t) times larger. Weight decay acts on the whole matrix, outside
+    the projection and before the step: p (1 - lr wd) - lr u, where the reference decays after it,
+    (p - lr u)(1 - lr wd), lr^2 wd u apart per step."""
 
     def __init__(self, params, lr=1e-3, rank=32, update_proj_gap=200, scale=0.25, betas=(0.9, 0.99),
                  eps=1e-8, weight_decay=0.0):
@@ -369,7 +375,7 @@ class GaLore(torch.optim.Optimizer):
                     continue
                 g, state = p.grad, self.state[p]
                 rows, cols = p.shape
-                left = rows <= cols
+                left = rows < cols
                 r = min(group["rank"], rows, cols)
                 if not state:
                     projected = (r, cols) if left else (rows, r)

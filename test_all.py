@@ -3191,11 +3191,11 @@ def test_optim_mousse_with_identity_preconditioners_is_muon():
                     optim_run(optim.Muon, p0, gs, lr=LR, scale="spectral"), tol=1e-5)
 
 
-@pytest.mark.parametrize("shape", [(4, 6), (6, 4)])
+@pytest.mark.parametrize("shape", [(4, 6), (6, 4), (5, 5)])
 def test_optim_galore_rule(shape):
     rank, gap, scale, (b1, b2), eps = 2, 5, 0.25, (0.9, 0.99), 1e-8
     rows, cols = shape
-    left = rows <= cols
+    left = rows < cols
     p0, gs = torch.randn(shape, dtype=torch.float64), optim_grad_sequence(shape, T, 12)
     p, ref = p0.clone(), []
     m = v = torch.zeros((rank, cols) if left else (rows, rank), dtype=torch.float64)
@@ -3214,6 +3214,54 @@ def test_optim_galore_rule(shape):
     optim_check(got, ref, tol=1e-9)
 
 
+def optim_ref_galore_torch_step(p, g, state, lr, rank, scale, b1, b2, eps, wd):
+    """One step of the reference GaLoreAdamW (galore_torch, proj_type 'std'), transcribed in float64: the right
+    factor when rows >= cols, else the left; Adam with step size lr sqrt(1 - b2^t)/(1 - b1^t) and eps on sqrt(v);
+    weight decay after the update. state: dict(t, P, m, v), P fixed at the first step (the gap is longer)."""
+    right = p.shape[0] >= p.shape[1]
+    if not state:
+        U, _, Vh = torch.linalg.svd(g, full_matrices=False)
+        state.update(t=0, P=Vh[:rank] if right else U[:, :rank])
+    state["t"] += 1
+    t, P = state["t"], state["P"]
+    low = g @ P.T if right else P.T @ g
+    m = b1 * state.get("m", 0) + (1 - b1) * low
+    v = b2 * state.get("v", 0) + (1 - b2) * low * low
+    state.update(m=m, v=v)
+    norm_grad = m / (torch.sqrt(v) + eps)
+    p = p - lr * math.sqrt(1 - b2**t) / (1 - b1**t) * scale * (norm_grad @ P if right else P @ norm_grad)
+    return p - lr * wd * p
+
+
+@pytest.mark.parametrize("shape", [(24, 24), (24, 16), (16, 24)])
+def test_optim_galore_projects_on_the_reference_side(shape):
+    """Against the reference GaLoreAdamW transcribed: the same trajectory at eps = 0 and wd = 0 (square matrices
+    projected on the right: the update's rows lie in the span of the top right singular vectors); then one step
+    each with the documented differences: eps added after the bias correction (at t = 1 ours with eps is the
+    reference with eps sqrt(1 - b2)), and weight decay before the update (lr^2 wd u apart)."""
+    rank, scale, (b1, b2) = 4, 0.25, (0.9, 0.99)
+    p0, gs = torch.randn(shape, dtype=torch.float64), optim_grad_sequence(shape, T, 15)
+    ref_kw = dict(lr=LR, rank=rank, scale=scale, b1=b1, b2=b2)
+    kw = dict(lr=LR, rank=rank, update_proj_gap=1000, scale=scale, betas=(b1, b2))
+    p, state, ref = p0, {}, []
+    for g in gs:
+        p = optim_ref_galore_torch_step(p, g, state, eps=0.0, wd=0.0, **ref_kw)
+        ref.append(p)
+    ours = optim_run(optim.GaLore, p0, gs, eps=0.0, **kw)
+    optim_check(ours, ref, tol=1e-10)
+    if shape[0] >= shape[1]:
+        V = torch.linalg.svd(gs[0])[2][:rank].T
+        assert ((ours[0] - p0) @ (torch.eye(shape[1], dtype=torch.float64) - V @ V.T)).abs().max() < 1e-12
+    eps = 1e-2
+    assert torch.allclose(optim_run(optim.GaLore, p0, gs[:1], eps=eps, **kw)[0],
+                          optim_ref_galore_torch_step(p0, gs[0], {}, eps=eps * math.sqrt(1 - b2), wd=0.0, **ref_kw),
+                          rtol=1e-12, atol=1e-14)
+    u = (ours[0] - p0) / -LR
+    decayed = optim_run(optim.GaLore, p0, gs[:1], eps=0.0, weight_decay=WD, **kw)[0]
+    ref_decayed = optim_ref_galore_torch_step(p0, gs[0], {}, eps=0.0, wd=WD, **ref_kw)
+    assert torch.allclose(decayed - ref_decayed, -LR * LR * WD * u, rtol=1e-8, atol=1e-14)
+
+
 @pytest.mark.parametrize("shape", [(4, 6), (6, 4)])
 def test_optim_galore_full_rank_is_adamw(shape):
     # Adam is element-wise, so it commutes only with signed permutations: make the first gradient (the
@@ -3224,7 +3272,7 @@ def test_optim_galore_full_rank_is_adamw(shape):
     first = torch.zeros(shape, dtype=torch.float64)
     perm = torch.randperm(max(shape), generator=torch.Generator().manual_seed(14))
     for i in range(min(shape)):
-        first[(i, perm[i]) if rows <= cols else (perm[i], i)] = (-1) ** i * (1.0 + i)
+        first[(i, perm[i]) if rows < cols else (perm[i], i)] = (-1) ** i * (1.0 + i)
     gs[0] = first
     p0 = torch.randn(shape, dtype=torch.float64)
     kw = dict(lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=WD)
