@@ -2987,6 +2987,32 @@ def test_optim_sgd_rule(shape):
         optim_check(optim_run(optim.SGD, p0, gs, lr=LR, momentum=mu, nesterov=nesterov, weight_decay=WD), ref)
 
 
+def test_optim_sgd_decay_is_decoupled_where_torch_sgd_is_l2():
+    """Against torch.optim.SGD: the same trajectory at wd = 0 and at momentum 0; with momentum, torch adds wd p to
+    g before the momentum (L2), which puts lr mu wd p0 between the two after one Nesterov step (two plain ones),
+    and in the long run (g = 0) shrinks p by the larger root of x^2 - (1 + mu - lr wd) x + mu per step, where
+    ours shrinks it by 1 - lr wd."""
+    shape, mu = (5, 3), 0.9
+    p0, gs = torch.randn(shape, dtype=torch.float64), optim_grad_sequence(shape, T, 1)
+    for momentum, nesterov, wd in ((mu, True, 0.0), (mu, False, 0.0), (0.0, False, WD)):  # torch: Nesterov needs mu > 0
+        kw = dict(lr=LR, momentum=momentum, nesterov=nesterov, weight_decay=wd)
+        optim_check(optim_run(optim.SGD, p0, gs, **kw), optim_run(torch.optim.SGD, p0, gs, **kw))
+    for nesterov in (True, False):
+        kw = dict(lr=LR, momentum=mu, nesterov=nesterov, weight_decay=WD)
+        steps = 1 if nesterov else 2
+        ours, l2 = optim_run(optim.SGD, p0, gs[:steps], **kw), optim_run(torch.optim.SGD, p0, gs[:steps], **kw)
+        assert torch.allclose(ours[-1] - l2[-1], LR * mu * WD * p0, rtol=1e-10, atol=1e-14)
+    lr, wd = 0.01, 0.01
+    zeros = [torch.zeros(3, dtype=torch.float64)] * 400
+    kw = dict(lr=lr, momentum=mu, nesterov=False, weight_decay=wd)
+    ours, l2 = (optim_run(cls, torch.ones(3, dtype=torch.float64), zeros, **kw) for cls in (optim.SGD, torch.optim.SGD))
+    b = 1 + mu - lr * wd
+    root = (b + math.sqrt(b * b - 4 * mu)) / 2
+    assert ours[-1][0].item() == pytest.approx((1 - lr * wd) ** 400, rel=1e-12)
+    assert (l2[-1] / l2[-2])[0].item() == pytest.approx(root, rel=1e-9)
+    assert 1 - root == pytest.approx(lr * wd / (1 - mu), rel=0.05)   # the docstring's 1/(1 - mu) times our decay
+
+
 @pytest.mark.parametrize("cls,beta", [(optim.SignSGD, 0.0), (optim.SignSGD, 0.8), (optim.Tiger, 0.965)])
 def test_optim_sign_momentum_rules(cls, beta):
     shape = (6, 4)
