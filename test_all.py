@@ -32,7 +32,7 @@ if not torch.cuda.is_available():  # Triton kernels run on the CPU in Triton's i
 TRITON_DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]   # where the Triton tests run: compiled on a GPU
 
 from model import (GPT, Attention, GPTConfig, GatedDelta, HCRead, HCWrite, HyperConnection, Mamba2, hc_res_init, rope_cache,
-                   rope_frequencies)
+                   rope_frequencies, yarn_correction_range)
 import analyze
 import data
 import init
@@ -1602,6 +1602,31 @@ def test_rope_yarn_keeps_fast_pairs_and_interpolates_slow_ones():
     assert (theta[mid] >= plain[mid] / s * (1 - 1e-6)).all() and (theta[mid] <= plain[mid] * (1 + 1e-6)).all()
     cos, sin = rope_cache(8, d, base, scaling="yarn", factor=s, train_length=L)
     assert torch.allclose(cos ** 2 + sin ** 2, torch.full_like(cos, (0.1 * math.log(s) + 1) ** 2), rtol=1e-5)
+
+
+@pytest.mark.parametrize("d,L,base", [(64, 256, 10000.0), (128, 8192, 500000.0), (16, 32, 10000.0)])
+def test_rope_yarn_ramps_in_the_pair_index_between_the_correction_dims(d, L, base):
+    """YaRN as its authors' code computes it: the pair turning r times within L is d·ln(L/(2π r)) / (2 ln base);
+    the ramp runs linearly in the pair index from ⌊that at r = 32⌋ (γ = 1: θ kept) to ⌈that at r = 1⌉ (γ = 0:
+    θ / s). At d = 64, L = 256 the two are 0.839 → 0 and 12.88 → 13, worked out by hand.
+    Rotated with YaRN's cos and sin, q·k scales by (0.1 ln s + 1)²."""
+    pair = lambda r: d * math.log(L / (2 * math.pi * r)) / (2 * math.log(base))
+    low, high = max(math.floor(pair(32)), 0), min(math.ceil(pair(1)), d - 1)
+    assert yarn_correction_range(d, base, L) == (low, high)
+    if (d, L) == (64, 256):
+        assert (low, high) == (0, 13)
+    plain = torch.tensor([base ** (-2 * i / d) for i in range(d // 2)], dtype=torch.float64)
+    gamma = torch.tensor([1 - min(max((i - low) / max(high - low, 1e-3), 0.0), 1.0) for i in range(d // 2)],
+                         dtype=torch.float64)
+    for s in (2.0, 4.0, 8.0):
+        theta = rope_frequencies(d, base, "yarn", s, train_length=L).double()
+        assert torch.allclose(theta, plain * (gamma + (1 - gamma) / s), rtol=1e-6)
+    q, k = torch.randn(2, 1, 5, 1, d).unbind(0)
+    score = lambda c, s_: (kernels.rope_ref(q, c, s_) * kernels.rope_ref(k, c, s_)).sum(-1)
+    cos, sin = rope_cache(5, d, base, scaling="yarn", factor=4.0, train_length=L)
+    angles = torch.outer(torch.arange(5.0), rope_frequencies(d, base, "yarn", 4.0, train_length=L))
+    temperature = (0.1 * math.log(4.0) + 1) ** 2
+    assert torch.allclose(score(cos, sin), temperature * score(angles.cos(), angles.sin()), rtol=1e-5)
 
 
 @pytest.mark.parametrize("scaling", ["none", "pi", "ntk", "yarn"])
