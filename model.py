@@ -664,6 +664,9 @@ class HyperConnection(nn.Module):
         kromhc    H_res = ⊗_i [[p_i, 1−p_i], [1−p_i, p_i]], p = σ(H̃_res), n = 2^m   (doubly stochastic)
         shc       H_res = J + U_Z U_c diag(tanh s) V_cᵀ U_Zᵀ, U_c, V_c = expm(skew)  (rows, cols sum 1, ‖·‖₂ = 1)
         markov    H_res = expm(Σ_c softplus(θ_c)(P_c − I)) over cyclic permutations (doubly stochastic)
+    Every kind, hc included, squashes H_pre into (0, 1)ⁿ and H_post into (0, 2)ⁿ with σ and 2σ, as mHC does
+    (arXiv 2512.24880); the original HC (Zhu et al. 2024, arXiv 2409.19606) leaves its read and write weights
+    free, static weights + α·tanh(x̃ φ). The choice is deliberate: so hc differs from the other kinds in H_res alone.
     The coefficients and the mixing run in fp32 with autocast off; F runs under the caller's autocast.
     forward reads and writes X in two autograd nodes with hand-written backwards (HCRead, HCWrite);
     mixing_matrices computes the same H's in plain ops, for analysis and tests.
