@@ -184,7 +184,10 @@ def softmax(x, kernels="auto"):
 # onto the probability simplex, p = [z − τ]₊ with τ chosen so that Σ_j p_j = 1: every score at or below τ gets
 # weight exactly 0. causal=True: row t of the last two dims sees only columns s ≤ N − T + t (the
 # T queries are the last T of N positions, as in attention with a key cache); the other columns get p = 0.
-# Jacobian: on the support S = {j : p_j > 0}, dz = g − mean_S(g); off it dz = 0.
+# Jacobian: on the support S = {j : p_j > 0}, dz = g − mean_S(g); off it dz = 0 (at a tie z_j = τ, j is off S:
+# the derivative for a z_j moving down). Every path first subtracts the row max m, which p = [z − τ]₊ does not see
+# (τ moves with it): sorted sums and bisection brackets then work on scores near 0, not near m, whose rounding
+# grows with |m| (in fp32, p off by up to 7e-4 at scores offset by 1e4 without the shift, 2e-8 with it).
 
 def _sparsemax_visible(z, causal):
     """The [T, N] mask of the columns each row may use (None when all of them)."""
@@ -204,12 +207,13 @@ def sparsemax_ref(z, causal=False):
     visible = _sparsemax_visible(z, causal)
     if visible is not None:
         zf = zf.masked_fill(~visible, float("-inf"))
+    zf = zf - zf.amax(-1, keepdim=True).detach()  # p does not depend on the shift: a constant to autograd
     z_sorted = zf.sort(dim=-1, descending=True).values
     j = torch.arange(1, z.shape[-1] + 1, device=z.device, dtype=zf.dtype)
     cumsum = z_sorted.cumsum(-1)
     k = (1 + j * z_sorted > cumsum).sum(-1, keepdim=True)
     tau = (cumsum.gather(-1, k - 1) - 1) / k
-    return (zf - tau).clamp_min(0).to(z.dtype)
+    return torch.where(zf > tau, zf - tau, 0).to(z.dtype)  # a tie z_j = τ is off the support, gradient too
 
 
 def sparsemax_torch(z, causal=False):
@@ -219,6 +223,8 @@ def sparsemax_torch(z, causal=False):
     zf = z.to(torch.promote_types(z.dtype, torch.float32))
     with torch.no_grad():
         support = sparsemax_ref(zf, causal) > 0
+        top = torch.where(support, zf, float("-inf")).amax(-1, keepdim=True)  # the row max (it is on S)
+    zf = zf - top
     tau = (torch.where(support, zf, 0).sum(-1, keepdim=True) - 1) / support.sum(-1, keepdim=True)
     return torch.where(support, zf - tau, 0).to(z.dtype)
 
@@ -233,54 +239,62 @@ def sparsemax(z, causal=False, kernels="auto"):
 
 
 # -----------------------------------------------------------------------------
-# sinkhorn: P = exp(logits), then `iters` rounds of (row normalisation, column normalisation), in fp32 (fp64 stays fp64).
-# The last step normalises columns, so columns sum to 1 exactly and rows to within the convergence error.
-# The max is subtracted before exp so large logits cannot overflow. The torch path normalises the rows
-# first in the log domain (a softmax), so every row keeps an entry ≥ 1/n and no row sum can reach 0, and
-# floors the column sums at 1e-30, so a column whose entries all underflow stays 0 instead of 0/0; after
-# that it iterates on P itself. On the CPU the cost is the count of small ops, not their arithmetic, so the
-# torch path is one autograd node: the matrices are laid out tokens last, (n, n, M), where every row or
-# column sum adds n contiguous vectors of length M; the forward normalises in place and keeps only the
-# sums; the backward walks the half-steps back, 3 ops each, recovering each iterate from its sums.
+# sinkhorn: P = exp(logits), then `iters` rounds of (row normalisation, column normalisation), in fp32 (fp64
+# stays fp64). The last step normalises columns, so columns sum to 1 exactly and rows to within the convergence
+# error. sinkhorn_ref iterates on log P, L ← L − logsumexp over each row, then over each column, and exponentiates
+# at the end, so it is finite at any logit spread. The fast paths take only the first round in the log domain (a
+# row softmax, then a column log-softmax) and the rest on P itself: after a row normalisation each row's largest
+# entry is ≥ 1/n, and dividing by column sums ≤ n leaves it ≥ 1/n² (columns likewise), so every sum they divide
+# by lies in [1/n², n] and none can underflow to 0, whatever the spread. On the CPU the cost is the count of small
+# ops, not their arithmetic, so the torch path is one autograd node: the matrices are laid out tokens last,
+# (n, n, M), where every row or column sum adds n contiguous vectors of length M; the forward normalises in place
+# and keeps only the sums; the backward walks the half-steps back, 3 ops each, recovering each iterate from its sums.
+
+def _sinkhorn_check(logits, iters):
+    if logits.ndim < 2 or logits.shape[-1] != logits.shape[-2]:
+        raise ValueError(f"sinkhorn needs logits[..., n, n]; got shape {tuple(logits.shape)}")
+    if iters < 1:
+        raise ValueError(f"sinkhorn needs iters >= 1 rounds of row and column normalisation; got {iters}")
+
 
 def sinkhorn_ref(logits, iters=20):
-    lf = logits.float()
-    P = torch.exp(lf - lf.amax(dim=(-2, -1), keepdim=True))
+    _sinkhorn_check(logits, iters)
+    L = logits.to(torch.promote_types(logits.dtype, torch.float32))
     for _ in range(iters):
+        L = L - L.logsumexp(-1, keepdim=True)
+        L = L - L.logsumexp(-2, keepdim=True)
+    return L.exp()
+
+
+def _sinkhorn_plain(logits, iters):
+    """The torch path's math as plain autograd ops: what its double backward differentiates."""
+    L = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    P = L.log_softmax(-1).log_softmax(-2).exp()  # the first round in the log domain
+    for _ in range(iters - 1):
         P = P / P.sum(-1, keepdim=True)
         P = P / P.sum(-2, keepdim=True)
     return P
 
 
-SINKHORN_FLOOR = 1e-30  # the torch path's floor on column sums
-
-
-def _sinkhorn_plain(logits, iters):
-    """The torch path's math as plain autograd ops: what its double backward differentiates."""
-    P = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    for k in range(iters):
-        if k:
-            P = P / P.sum(-1, keepdim=True)
-        P = P / P.sum(-2, keepdim=True).clamp_min(SINKHORN_FLOOR)
-    return P
-
-
 class _SinkhornTorch(torch.autograd.Function):
-    """P (n, n, M), entry [i, j, m]: P⁰ = softmax over j of the logits, then column, row, column, … scalings.
-    For Y = X / s (s the row or column sums of X), ∂X = (∂Y − Σ ∂Y ⊙ Y) / s summed along that axis, so
-    Z = ∂Y ⊙ Y steps back as ∂X ⊙ X = Z − Y·ΣZ with no division; the softmax ends it: ∂logits = Z⁰ − P⁰·Σ_j Z⁰."""
+    """P (n, n, M), entry [i, j, m]: the logits' row log-softmax A, then P¹ = exp(A − logsumexp_i A) (columns), then
+    row, column, … scalings. For Y = X / s (s the row or column sums of X), ∂X = (∂Y − Σ ∂Y ⊙ Y) / s summed along
+    that axis, so Z = ∂Y ⊙ Y steps back as ∂X ⊙ X = Z − Y·ΣZ with no division; the same step takes Z back through
+    the column log-softmax (Z is then ∂A), and the row log-softmax ends it: ∂logits = Z − exp(A)·Σ_j Z."""
 
     @staticmethod
     def forward(ctx, logits, iters):
         n = logits.shape[-1]
         L = logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, n, n).permute(1, 2, 0)
-        P = torch.softmax(L.contiguous(), dim=1)
-        row_sums, col_sums = [], P.new_empty(iters, n, P.shape[-1])  # col_sums[k]: column j of every matrix
-        for k in range(iters):
-            if k:
-                row_sums.append(P.sum(1, keepdim=True))  # (n, 1, M): row i of every matrix
-                P.div_(row_sums[-1])
-            P.div_(torch.sum(P, 0, out=col_sums[k]).clamp_min_(SINKHORN_FLOOR))
+        P = torch.log_softmax(L.contiguous(), dim=1)  # A: rows in the log domain
+        col_sums = P.new_empty(iters, n, P.shape[-1])  # col_sums[k]: column j of every matrix
+        P.sub_(torch.logsumexp(P, 0, out=col_sums[0])).exp_()  # columns in the log domain: P¹
+        col_sums[0].exp_()
+        row_sums = []
+        for k in range(1, iters):
+            row_sums.append(P.sum(1, keepdim=True))  # (n, 1, M): row i of every matrix
+            P.div_(row_sums[-1])
+            P.div_(torch.sum(P, 0, out=col_sums[k]))
         ctx.save_for_backward(logits, P, col_sums, *row_sums)
         ctx.iters, ctx.shape = iters, logits.shape
         return P.permute(2, 0, 1).reshape(logits.shape)
@@ -294,20 +308,18 @@ class _SinkhornTorch(torch.autograd.Function):
         with autocast_off(dP.device.type):
             Y = P.clone()  # each half-step's output, recovered from the last by multiplying its sums back in
             Z = dP.to(P.dtype).reshape(-1, n, n).permute(1, 2, 0).contiguous().mul_(Y)  # ∂Y ⊙ Y, tokens last
-            unfloored = col_sums > SINKHORN_FLOOR  # a floored column sum is a constant: no gradient through it
             for k in reversed(range(ctx.iters)):
-                Z.addcmul_(Z.sum(0).mul_(unfloored[k]), Y, value=-1.0)
+                Z.addcmul_(Z.sum(0), Y, value=-1.0)
                 Y.mul_(col_sums[k])
                 if k:
                     Z.addcmul_(Z.sum(1, keepdim=True), Y, value=-1.0)
                     Y.mul_(row_sums[k - 1])
-            dL = Z.addcmul_(Z.sum(1, keepdim=True), Y, value=-1.0)  # softmax: P⁰ ⊙ (∂P⁰ − Σ_j ∂P⁰ ⊙ P⁰)
+            dL = Z.addcmul_(Z.sum(1, keepdim=True), Y, value=-1.0)  # Y is now exp(A), the row softmax
         return dL.permute(2, 0, 1).reshape(ctx.shape).to(logits.dtype), None
 
 
 def sinkhorn_torch(logits, iters=20):
-    if iters < 1:
-        return sinkhorn_ref(logits, iters)
+    _sinkhorn_check(logits, iters)
     return _SinkhornTorch.apply(logits, iters)
 
 
@@ -1061,12 +1073,12 @@ def softmax_triton(x):
 # -----------------------------------------------------------------------------
 # sparsemax in Triton
 
-# τ without a sort: f(τ) = Σ_j [z_j − τ]₊ − 1 falls monotonically in τ, f(max z − 1) ≥ 0 (the largest
-# entry alone gives 1) and f(max z) = −1, so τ lies in [max z − 1, max z]. Each program holds BLOCK_R rows
-# in registers and halves that bracket _SPARSEMAX_HALVINGS times (one pass over the row each, 2^-24 of
-# the unit bracket is below fp32 resolution of the scores), keeping f(lo) ≥ 0. Then S = {z_j > lo}
-# contains the support and τ = (Σ_S z − 1)/|S| exactly; an entry wrongly in S lies within the final bracket
-# width of τ, so it moves τ by less than that width. The backward needs only p: S = {p > 0}.
+# τ without a sort, on z − max z (as every path, see sparsemax_ref): f(τ) = Σ_j [z_j − τ]₊ − 1 falls
+# monotonically in τ, f(−1) ≥ 0 (the largest entry alone gives 1) and f(0) = −1, so τ lies in [−1, 0]. Each
+# program holds BLOCK_R rows in registers and halves that bracket _SPARSEMAX_HALVINGS times (one pass over the
+# row each; 2^-24 is fp32's resolution on the unit bracket), keeping f(lo) ≥ 0. Then S = {z_j > lo} contains
+# the support and τ = (Σ_S z − 1)/|S| exactly; an entry wrongly in S lies within the final bracket width of τ,
+# so it moves τ by less than that width. The backward needs only p: S = {p > 0}.
 _SPARSEMAX_HALVINGS = 24
 
 
@@ -1089,7 +1101,8 @@ if HAS_TRITON:
         offs = rows[:, None].to(tl.int64) * N + cols[None, :]
         z = tl.load(z_ptr + offs, mask=visible, other=-float("inf")).to(tl.float32)
         z = tl.where(rows[:, None] < n_rows, z, 0.0)  # rows past the end stay finite: no NaN in unused lanes
-        hi = tl.max(z, axis=1)
+        z = z - tl.max(z, axis=1)[:, None]
+        hi = tl.zeros((BLOCK_R,), dtype=tl.float32)
         lo = hi - 1.0
         for _ in range(HALVINGS):
             mid = 0.5 * (lo + hi)
@@ -1164,21 +1177,30 @@ def sparsemax_triton(z, causal=False):
 
 if HAS_TRITON:
     @triton.jit
+    def _sinkhorn_log_normalise(x, AXIS: tl.constexpr, real):
+        # x − logsumexp(x) along AXIS (2: rows, 1: columns) on the real lines; a padding line, all −inf, stays −inf
+        top = tl.where(real, tl.max(x, axis=AXIS), 0.0)
+        total = tl.where(real, tl.sum(tl.exp(x - tl.expand_dims(top, AXIS)), axis=AXIS), 1.0)
+        return x - tl.expand_dims(top + tl.log(total), AXIS)
+
+    @triton.jit
     def _sinkhorn_load(l_ptr, M, n, BLOCK_M: tl.constexpr, BN: tl.constexpr):
-        # BLOCK_M matrices per program as a [BLOCK_M, BN, BN] tile; padding entries get logit -inf (P = 0)
+        # BLOCK_M matrices per program as a [BLOCK_M, BN, BN] tile; padding entries get logit −inf (P = 0). The first
+        # round runs in the log domain, as in sinkhorn_torch: A = row log-softmax, P1 = exp(column log-normalised A)
         mats = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         idx = tl.arange(0, BN)
         entry = (idx[None, :, None] < n) & (idx[None, None, :] < n)
         offs = mats[:, None, None].to(tl.int64) * n * n + idx[None, :, None] * n + idx[None, None, :]
         mask = entry & (mats[:, None, None] < M)
         x = tl.where(entry, tl.load(l_ptr + offs, mask=mask, other=0.0).to(tl.float32), -float("inf"))
-        P0 = tl.exp(x - tl.max(tl.max(x, axis=2), axis=1)[:, None, None])
-        return P0, offs, mask, mats, idx
+        A = _sinkhorn_log_normalise(x, 2, idx[None, :] < n)
+        P1 = tl.exp(_sinkhorn_log_normalise(A, 1, idx[None, :] < n))
+        return tl.exp(A), P1, offs, mask, mats, idx
 
     @triton.jit
     def _sinkhorn_fwd_kernel(l_ptr, p_ptr, M, n, ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr):
-        P, offs, mask, mats, idx = _sinkhorn_load(l_ptr, M, n, BLOCK_M, BN)
-        for _ in range(ITERS):
+        _, P, offs, mask, mats, idx = _sinkhorn_load(l_ptr, M, n, BLOCK_M, BN)
+        for _ in range(ITERS - 1):
             P = P / tl.where(idx[None, :] < n, tl.sum(P, axis=2), 1.0)[:, :, None]  # rows
             P = P / tl.where(idx[None, :] < n, tl.sum(P, axis=1), 1.0)[:, None, :]  # columns
         tl.store(p_ptr + offs, P, mask=mask)
@@ -1188,11 +1210,11 @@ if HAS_TRITON:
                              BLOCK_M: tl.constexpr, BN: tl.constexpr):
         # Recompute the iterates, keeping each normaliser (row sums r_k, column sums c_k) in a scratch
         # buffer, then walk back: for Y = X / rowsum(X), dX = (dY − rowsum(dY⊙Y)) / r and X = Y·r
-        # (columns alike). The last step is P0 = exp(logits − max): dlogits = dP0 ⊙ P0.
-        P0, offs, mask, mats, idx = _sinkhorn_load(l_ptr, M, n, BLOCK_M, BN)
-        sums = sums_ptr + mats[:, None].to(tl.int64) * (2 * ITERS * BN) + idx[None, :]
-        P = P0
-        for k in range(ITERS):
+        # (columns alike), down to P1. With Z = dP1 ⊙ P1 (the gradient of log P1), the column log-softmax
+        # gives dA = Z − P1·colsum(Z) and the row log-softmax dlogits = dA − exp(A)·rowsum(dA).
+        P0, P, offs, mask, mats, idx = _sinkhorn_load(l_ptr, M, n, BLOCK_M, BN)
+        sums = sums_ptr + mats[:, None].to(tl.int64) * (2 * (ITERS - 1) * BN) + idx[None, :]
+        for k in range(ITERS - 1):
             r = tl.where(idx[None, :] < n, tl.sum(P, axis=2), 1.0)
             tl.store(sums + (2 * k) * BN, r)
             P = P / r[:, :, None]
@@ -1201,15 +1223,17 @@ if HAS_TRITON:
             P = P / c[:, None, :]
         tl.debug_barrier()
         dP = tl.load(dp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        for kk in range(ITERS):
-            k = ITERS - 1 - kk
+        for kk in range(ITERS - 1):
+            k = ITERS - 2 - kk
             c = tl.load(sums + (2 * k + 1) * BN)
             dP = (dP - tl.sum(dP * P, axis=1)[:, None, :]) / c[:, None, :]
             P = P * c[:, None, :]
             r = tl.load(sums + (2 * k) * BN)
             dP = (dP - tl.sum(dP * P, axis=2)[:, :, None]) / r[:, :, None]
             P = P * r[:, :, None]
-        tl.store(dl_ptr + offs, (dP * P0).to(dl_ptr.dtype.element_ty), mask=mask)
+        Z = dP * P
+        dA = Z - P * tl.sum(Z, axis=1)[:, None, :]
+        tl.store(dl_ptr + offs, (dA - P0 * tl.sum(dA, axis=2)[:, :, None]).to(dl_ptr.dtype.element_ty), mask=mask)
 
 
 def _sinkhorn_blocks(n):
@@ -1240,7 +1264,7 @@ def _sinkhorn_bwd(dP: torch.Tensor, logits: torch.Tensor, iters: int) -> torch.T
     M = L.shape[0]
     block_m, bn = _sinkhorn_blocks(n)
     grid = triton.cdiv(M, block_m)
-    sums = torch.empty(grid * block_m, 2 * iters, bn, device=L.device, dtype=torch.float32)
+    sums = torch.empty(grid * block_m, 2 * (iters - 1), bn, device=L.device, dtype=torch.float32)
     dL = torch.empty_like(L)
     _sinkhorn_bwd_kernel[(grid,)](L, dP.reshape(M, n, n).contiguous(), dL, sums, M, n, ITERS=iters,
                                   BLOCK_M=block_m, BN=bn)
@@ -1266,8 +1290,7 @@ _sinkhorn_fwd.register_autograd(_sinkhorn_backward, setup_context=_sinkhorn_setu
 
 
 def sinkhorn_triton(logits, iters=20):
-    if logits.ndim < 2 or logits.shape[-1] != logits.shape[-2]:
-        raise ValueError(f"sinkhorn needs logits[..., n, n]; got shape {tuple(logits.shape)}")
+    _sinkhorn_check(logits, iters)
     return _sinkhorn_fwd(logits, iters)
 
 

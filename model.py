@@ -111,14 +111,28 @@ class RMSNorm(nn.Module):
 
 
 ROPE_SCALINGS = ("none", "pi", "ntk", "yarn")
+YARN_FAST_TURNS, YARN_SLOW_TURNS = 32, 1  # YaRN's beta_fast, beta_slow (the paper's β, α): the ramp's ends in turns
+
+
+def yarn_correction_range(head_dim, base, train_length):
+    """YaRN's ramp ends (low, high) as pair indices, as the authors' code finds them. Pair i turns
+    r_i = L θ_i / 2π times within L = train_length; since θ_i = base^(−2i/d), the (fractional) pair that turns
+    r times is p(r) = d·ln(L / (2π r)) / (2 ln base). low = ⌊p(32)⌋, high = ⌈p(1)⌉, clamped to [0, d − 1]."""
+    def pair(turns):
+        return head_dim * math.log(train_length / (2 * math.pi * turns)) / (2 * math.log(base))
+    return max(math.floor(pair(YARN_FAST_TURNS)), 0), min(math.ceil(pair(YARN_SLOW_TURNS)), head_dim - 1)
 
 
 def rope_frequencies(head_dim, base, scaling="none", factor=1.0, train_length=None):
     """RoPE's θ_i = base^(−2i/d), i < d/2, adapted to a context `factor` = s times longer than train_length:
     pi    θ_i / s (position interpolation, Chen et al. 2023);
-    ntk   base → base·s^(d/(d−2)): θ_0 is kept and θ_{d/2−1} is divided by s (NTK-aware scaling);
-    yarn  (1 − γ_i) θ_i / s + γ_i θ_i with γ_i = clamp((r_i − 1) / (32 − 1), 0, 1) and r_i = L θ_i / 2π
-          the turns of pair i within L = train_length (YaRN's NTK-by-parts, Peng et al. 2023)."""
+    ntk   static NTK-aware scaling: base → base·α^(d/(d−2)) with α = s fixed, so θ_0 is kept and θ_{d/2−1} is
+          divided by s at every length (dynamic NTK instead grows α with the length of the sequence at hand);
+    yarn  YaRN's NTK-by-parts (Peng et al. 2023) as the authors' code computes it: (1 − γ_i) θ_i / s + γ_i θ_i,
+          γ_i = 1 − clamp((i − low) / (high − low), 0, 1) linear in the pair index i between the pairs that turn
+          32 times (low) and once (high) within L = train_length (yarn_correction_range; a step if low = high).
+          In the turns r_i = L θ_i / 2π this is γ = log₃₂ r_i, up to the rounding of low and high; the paper's
+          text ramps linearly in r instead, (r_i − 1)/31, which the released code and configs do not follow."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim  # fp32: "none" is RoPE's cache as ever
     if scaling == "ntk":
         base = base * factor ** (head_dim / (head_dim - 2))
@@ -128,18 +142,20 @@ def rope_frequencies(head_dim, base, scaling="none", factor=1.0, train_length=No
     elif scaling == "yarn":
         if train_length is None:
             raise ValueError("rope_scaling='yarn' needs train_length, the context the model was trained on")
-        turns = train_length * theta / (2 * math.pi)
-        gamma = ((turns - 1) / (32 - 1)).clamp(0, 1)
+        low, high = yarn_correction_range(head_dim, base, train_length)
+        ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)
+        gamma = 1 - ramp.clamp(0, 1)
         theta = theta * (1 / factor + gamma * (1 - 1 / factor))  # = (1 − γ) θ / s + γ θ, exactly θ at s = 1
     return theta
 
 
 def rope_cache(length, head_dim, base, device=None, scaling="none", factor=1.0, train_length=None):
-    """cos, sin of the angles t·θ_i (rope_frequencies), each [length, head_dim/2]. YaRN also multiplies both
-    by 0.1·ln(s) + 1, so that q·k, rotated on both sides, is scaled by its attention temperature."""
+    """cos, sin of the angles t·θ_i (rope_frequencies), each [length, head_dim/2]. YaRN also multiplies both by
+    m = 0.1·ln(s) + 1 (1 for s ≤ 1), as the authors' code does: q and k are both rotated with them, so q·k is
+    scaled by m², the paper's attention temperature 1/t with sqrt(1/t) = 0.1·ln(s) + 1."""
     theta = rope_frequencies(head_dim, base, scaling, factor, train_length).to(device)
     angles = torch.outer(torch.arange(length, dtype=torch.float32, device=device), theta)
-    if scaling == "yarn":
+    if scaling == "yarn" and factor > 1:
         scale = 0.1 * math.log(factor) + 1
         return angles.cos() * scale, angles.sin() * scale
     return angles.cos(), angles.sin()
@@ -666,6 +682,9 @@ class HyperConnection(nn.Module):
         kromhc    H_res = ⊗_i [[p_i, 1−p_i], [1−p_i, p_i]], p = σ(H̃_res), n = 2^m   (doubly stochastic)
         shc       H_res = J + U_Z U_c diag(tanh s) V_cᵀ U_Zᵀ, U_c, V_c = expm(skew)  (rows, cols sum 1, ‖·‖₂ = 1)
         markov    H_res = expm(Σ_c softplus(θ_c)(P_c − I)) over cyclic permutations (doubly stochastic)
+    Every kind, hc included, squashes H_pre into (0, 1)ⁿ and H_post into (0, 2)ⁿ with σ and 2σ, as mHC does
+    (arXiv 2512.24880); the original HC (Zhu et al. 2024, arXiv 2409.19606) leaves its read and write weights
+    free, static weights + α·tanh(x̃ φ). The choice is deliberate: so hc differs from the other kinds in H_res alone.
     The coefficients and the mixing run in fp32 with autocast off; F runs under the caller's autocast.
     forward reads and writes X in two autograd nodes with hand-written backwards (HCRead, HCWrite);
     mixing_matrices computes the same H's in plain ops, for analysis and tests.

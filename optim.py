@@ -102,7 +102,11 @@ def _live_groups(optimizer, *buffers):
 
 
 class SGD(torch.optim.Optimizer):
-    """SGD with momentum: m <- mu m + g;  u = g + mu m (nesterov) or u = m."""
+    """SGD with momentum: m <- mu m + g;  u = g + mu m (nesterov) or u = m.
+    Weight decay is decoupled, as everywhere here: p <- p (1 - lr wd) outside the momentum. torch.optim.SGD's
+    weight_decay is L2 instead: g <- g + wd p before the momentum, so m carries past decay terms along.
+    The two agree at wd = 0 and, at every wd, at mu = 0. With momentum and lr wd << (1 - mu)^2, the L2 form
+    shrinks p by 1 - lr wd / (1 - mu) per step once m has caught up: 1/(1 - mu) times our decay (10x at 0.9)."""
 
     def __init__(self, params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.0):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay))
@@ -152,16 +156,21 @@ class AdamW(torch.optim.Optimizer):
             denom = torch._foreach_sqrt(vs)  # sqrt(v / (1 - b2^t)) = sqrt(v) / sqrt(1 - b2^t)
             torch._foreach_div_(denom, [math.sqrt(1 - b2**t) for t in ts])
             torch._foreach_add_(denom, group["eps"])
-            if self.lookahead:  # b1 m + (1-b1) g, debiased one step ahead
-                numer, bias1 = torch._foreach_lerp(ms, grads, 1 - b1), [1 - b1 ** (t + 1) for t in ts]
+            lr = group["lr"]
+            if self.lookahead:  # the momentum debiased one step ahead, the gradient for this step
+                torch._foreach_addcdiv_(params, ms, denom, [-lr * b1 / (1 - b1 ** (t + 1)) for t in ts])
+                torch._foreach_addcdiv_(params, grads, denom, [-lr * (1 - b1) / (1 - b1**t) for t in ts])
             else:
-                numer, bias1 = ms, [1 - b1**t for t in ts]
-            torch._foreach_addcdiv_(params, numer, denom, [-group["lr"] / c for c in bias1])
+                torch._foreach_addcdiv_(params, ms, denom, [-lr / (1 - b1**t) for t in ts])
 
 
 class NAdam(AdamW):
-    """NAdam (Dozat 2016, "Incorporating Nesterov Momentum into Adam"): AdamW's m and v, but the numerator looks one step ahead:
-    u = ((b1 m + (1-b1) g) / (1 - b1^(t+1))) / (sqrt(v / (1 - b2^t)) + eps)."""
+    """NAdam (Dozat 2016, "Incorporating Nesterov Momentum into Adam", Algorithm 2 with constant momentum b1):
+    AdamW's m and v, but the numerator looks one step ahead, each term debiased for the step it stands for:
+    u = (b1 m / (1 - b1^(t+1)) + (1-b1) g / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps),
+    m being the updated m_t. It is torch.optim.NAdam with momentum_decay -> inf (its schedule
+    mu_t = b1 (1 - 0.96^(t psi) / 2) then stays at b1) and decoupled_weight_decay=True. At t = 1 the two
+    terms weigh g by 1 + b1 / (1 + b1) (1.47 at b1 = 0.9): NAdam's first step is larger than AdamW's."""
     lookahead = True
 
 
@@ -351,9 +360,15 @@ class Mousse(torch.optim.Optimizer):
 
 
 class GaLore(torch.optim.Optimizer):
-    """GaLore: on steps 1, 1 + update_proj_gap, ... P = top-`rank` singular vectors of g on its smaller
-    side (left if rows <= cols, else right); AdamW moments on the projection r = P^T g (or g P);
-    u = scale * P adam(r) (or adam(r) P^T). Moments are kept across projection refreshes (as GaLore does)."""
+    """GaLore (Zhao et al. 2024): on steps 1, 1 + update_proj_gap, ... P = the top-`rank` singular vectors of g on
+    the side the reference implementation (galore_torch, proj_type 'std') picks: right (P = V_r, r = g P) when
+    rows >= cols, so every square matrix is projected on the right; left (P = U_r, r = P^T g) when rows < cols.
+    AdamW moments on the projection r: adam(r) = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps), and
+    u = scale * adam(r) P^T (or P adam(r)). Moments are kept across projection refreshes (as GaLore does).
+    eps sits inside the projection, on the r-space root as in AdamW; the reference adds it to sqrt(v) before
+    the bias correction, an eps 1/sqrt(1 - b2^t) times larger. Weight decay acts on the whole matrix, outside
+    the projection and before the step: p (1 - lr wd) - lr u, where the reference decays after it,
+    (p - lr u)(1 - lr wd), lr^2 wd u apart per step."""
 
     def __init__(self, params, lr=1e-3, rank=32, update_proj_gap=200, scale=0.25, betas=(0.9, 0.99),
                  eps=1e-8, weight_decay=0.0):
@@ -370,7 +385,7 @@ class GaLore(torch.optim.Optimizer):
                     continue
                 g, state = p.grad, self.state[p]
                 rows, cols = p.shape
-                left = rows <= cols
+                left = rows < cols
                 r = min(group["rank"], rows, cols)
                 if not state:
                     projected = (r, cols) if left else (rows, r)

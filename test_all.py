@@ -32,7 +32,7 @@ if not torch.cuda.is_available():  # Triton kernels run on the CPU in Triton's i
 TRITON_DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]   # where the Triton tests run: compiled on a GPU
 
 from model import (GPT, MIXERS, MLPS, RESIDUALS, Attention, GPTConfig, GatedDelta, HCRead, HCWrite, HyperConnection,
-                   Mamba2, hc_res_init, rope_cache, rope_frequencies)
+                   Mamba2, hc_res_init, rope_cache, rope_frequencies, yarn_correction_range)
 import analyze
 import data
 import init
@@ -352,29 +352,71 @@ def test_kernels_sinkhorn_torch_matches_ref_and_has_gradients():
     assert torch.isfinite(kernels.sinkhorn(huge, kernels="torch")).all()
 
 
+def _kernels_sinkhorn_log_domain(L, iters=20):
+    """Sinkhorn on log P in float64, written here from its definition: iters times, rows then columns, each
+    L ← L − logsumexp(L) along that axis; then P = exp(L)."""
+    L = L.double()
+    for _ in range(iters):
+        L = L - torch.logsumexp(L, -1, keepdim=True)
+        L = L - torch.logsumexp(L, -2, keepdim=True)
+    return L.exp()
+
+
 def test_kernels_sinkhorn_torch_backward_matches_autograd():
-    """The torch path's hand-written backward against autograd through its steps written plainly (fp64, with
-    logits spread so wide that column sums hit the 1e-30 floor), then gradcheck and gradgradcheck (the double
-    backward that analyze.py's Hessian-vector products take)."""
-    def unrolled(L, iters):
-        P = torch.exp(L - torch.logsumexp(L, -1, keepdim=True))
-        for k in range(iters):
-            if k:
-                P = P / P.sum(-1, keepdim=True)
-            P = P / P.sum(-2, keepdim=True).clamp_min(1e-30)
-        return P
+    """The torch path's hand-written backward against autograd through the log-domain Sinkhorn (fp64, with
+    logits spread so wide that whole columns of the row softmax fall below fp32's range), then gradcheck and
+    gradgradcheck (the double backward that analyze.py's Hessian-vector products take)."""
     torch.manual_seed(0)
     for scale in (1.0, 5.0, 200.0):
         L = (torch.randn(6, 4, 4, dtype=torch.float64) * scale).requires_grad_()
         if scale == 200.0:
-            assert torch.softmax(L, -1).sum(-2).min() < 1e-30  # the floor is reached
-        P, want = kernels.sinkhorn(L, iters=7, kernels="torch"), unrolled(L, 7)
+            assert torch.softmax(L, -1).sum(-2).min() < 1e-30  # columns that would be 0 in fp32
+        P, want = kernels.sinkhorn(L, iters=7, kernels="torch"), _kernels_sinkhorn_log_domain(L, 7)
         G = torch.randn_like(P)
-        assert rel_err(P, want) < 1e-12
+        assert P.dtype == torch.float64 and rel_err(P, want) < 1e-12
         assert rel_err(torch.autograd.grad((P * G).sum(), L)[0], torch.autograd.grad((want * G).sum(), L)[0]) < 1e-10
     L = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
     fn = lambda logits: kernels.sinkhorn(logits, iters=4, kernels="torch")
     assert torch.autograd.gradcheck(fn, (L,)) and torch.autograd.gradgradcheck(fn, (L,))
+
+
+def kernels_sinkhorn_check_spreads(fn, device="cpu"):
+    """fn(logits) -> P (fp32, 20 iterations) against the fp64 log-domain Sinkhorn at logit spreads up to 1e3: P
+    and the gradient of ⟨G, P⟩ finite and equal to the reference's, columns summing to 1. On separable logits
+    u_i + v_j + noise, exp(u_i + v_j) is a diagonal scaling, which Sinkhorn's limit removes: P is then doubly
+    stochastic and the limit for the noise alone. Uniform logits that wide make exp(logits) nearly 0/1, with one
+    entry per row: 20 rounds leave its rows unbalanced (the reference's too), so only the agreement is checked."""
+    gen = torch.Generator().manual_seed(0)
+    cases = {"all of row 2 over 104 below the max": (torch.tensor([[[0.0, 0.0], [-110.0, -120.0]]]), None)}
+    for spread in (1e1, 1e2, 1e3):
+        u = (torch.rand(32, 4, 1, generator=gen) - 0.5) * spread / 2
+        v = (torch.rand(32, 1, 4, generator=gen) - 0.5) * spread / 2
+        noise = torch.randn(32, 4, 4, generator=gen) / 2
+        cases[f"separable, spread {spread:g}"] = (u + v + noise, noise)
+        cases[f"uniform, spread {spread:g}"] = ((torch.rand(32, 4, 4, generator=gen) - 0.5) * spread, None)
+    for name, (L, noise) in cases.items():
+        leaf = L.to(device).requires_grad_()
+        P = fn(leaf)
+        G = torch.randn(L.shape, generator=gen)
+        (grad,) = torch.autograd.grad((P * G.to(device)).sum(), leaf)
+        L64 = L.double().requires_grad_()
+        want = _kernels_sinkhorn_log_domain(L64)
+        (want_grad,) = torch.autograd.grad((want * G.double()).sum(), L64)
+        P, grad = P.detach().double().cpu(), grad.double().cpu()
+        assert torch.isfinite(P).all() and torch.isfinite(grad).all(), name
+        assert (P - want).abs().max() < 1e-5 and rel_err(grad, want_grad) < 1e-5, name
+        assert (P.sum(-2) - 1).abs().max() < 1e-6, name
+        if noise is not None:
+            assert (P.sum(-1) - 1).abs().max() < 1e-4, name
+            assert (P - _kernels_sinkhorn_log_domain(noise, 500)).abs().max() < 1e-4, name
+
+
+@pytest.mark.parametrize("path", ["torch", "ref"])
+def test_kernels_sinkhorn_finite_at_any_spread(path):
+    kernels_sinkhorn_check_spreads(lambda logits: kernels.sinkhorn(logits, kernels=path))
+    assert kernels.sinkhorn(torch.randn(2, 3, 3, dtype=torch.float64), kernels=path).dtype == torch.float64
+    with pytest.raises(ValueError, match="iters >= 1"):
+        kernels.sinkhorn(torch.randn(2, 3, 3), iters=0, kernels=path)
 
 
 # -----------------------------------------------------------------------------
@@ -424,6 +466,61 @@ def test_kernels_sparsemax_causal_rows_project_their_visible_prefix(path):
             assert (p[:, t, n_visible:] == 0).all()
     with pytest.raises(ValueError, match="T <= N"):
         kernels.sparsemax(torch.randn(5, 3), causal=True, kernels=path)
+
+
+def _kernels_sparsemax_sorted(z, visible=None):
+    """sparsemax in float64 by the sorted threshold, on rows shifted by their max, written here: with
+    z_(1) ≥ z_(2) ≥ …, k = max{j : 1 + j z_(j) > Σ_{i≤j} z_(i)}, τ = (Σ_{i≤k} z_(i) − 1)/k, p = [z − τ]₊.
+    Columns outside `visible` are −inf: they sort last and get 0."""
+    z = z.double()
+    if visible is not None:
+        z = z.masked_fill(~visible, float("-inf"))
+    z = z - z.max(-1, keepdim=True).values
+    z_sorted = z.sort(-1, descending=True).values
+    cumsum = z_sorted.cumsum(-1)
+    k = (1 + torch.arange(1, z.shape[-1] + 1, dtype=torch.float64) * z_sorted > cumsum).sum(-1, keepdim=True)
+    return (z - (cumsum.gather(-1, k - 1) - 1) / k).clamp_min(0)
+
+
+def kernels_sparsemax_check_offsets_and_ties(fn, device="cpu"):
+    """fn(z, causal) on fp32 scores offset by up to 1e4: the fp64 sorted-threshold sparsemax of the same scores
+    within 1e-6, rows summing to 1 within 1e-6. At exact ties z_j = τ the gradient of ⟨g, p⟩ is the Jacobian on
+    S = {p > 0} (g − mean_S g on S, 0 off it), the derivative for the tied entries moving down: checked by one-sided
+    differences in fp64 along directions that keep them below τ."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 7, 37, generator=gen) * 3
+    T, N = 7, 37
+    visible = torch.ones(T, N, dtype=torch.bool).tril(N - T)
+    for offset in (0.0, 10.0, 100.0, 1e3, 1e4):
+        z = base + offset
+        for causal in (False, True):
+            p = fn(z.to(device), causal).double().cpu()
+            want = _kernels_sparsemax_sorted(z, visible if causal else None)
+            assert (p - want).abs().max() < 1e-6, (offset, causal, (p - want).abs().max())
+            assert (p.sum(-1) - 1).abs().max() < 1e-6, (offset, causal)
+    # ties, exact in binary: [2, 1, 1, 0] has τ = 1 (S = {0}), [3, 2.5, 2.25, 0] has τ = 2.25 (S = {0, 1}); the
+    # directions raise S's entries (and τ with them) or lower the tied ones
+    ties = [([2.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0], [(0, 1.0), (1, -1.0), (2, -1.0), (3, 1.0), (3, -1.0)]),
+            ([3.0, 2.5, 2.25, 0.0], [0.5, -1.0, 2.0, 1.0], [(0, 1.0), (1, 1.0), (2, -1.0), (3, 1.0), (3, -1.0)])]
+    for z, g, directions in ties:
+        z, g = torch.tensor(z), torch.tensor(g)
+        leaf = z.to(device).requires_grad_()
+        (grad,) = torch.autograd.grad((fn(leaf, False) * g.to(device)).sum(), leaf)
+        support = _kernels_sparsemax_sorted(z) > 0
+        want = torch.where(support, g - g[support].mean(), 0)
+        assert torch.equal(grad.cpu(), want), (z, grad, want)
+        f = lambda x: (_kernels_sparsemax_sorted(x) * g.double()).sum().item()
+        eps = 1e-6
+        for j, sign in directions:
+            v = torch.zeros(4, dtype=torch.float64)
+            v[j] = sign
+            one_sided = (f(z.double() + eps * v) - f(z.double())) / eps
+            assert one_sided == pytest.approx((grad.double() @ v).item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("path", ["torch", "ref"])
+def test_kernels_sparsemax_large_offsets_and_ties(path):
+    kernels_sparsemax_check_offsets_and_ties(lambda z, causal: kernels.sparsemax(z, causal, kernels=path))
 
 
 def test_kernels_sparsemax_gradients_by_finite_differences():
@@ -992,6 +1089,11 @@ def test_triton_sinkhorn(n, device):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_sinkhorn_finite_at_any_spread(device):
+    kernels_sinkhorn_check_spreads(kernels.sinkhorn_triton, device)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("shape, causal", [((2, 3, 5, 37), False), ((2, 3, 19, 19), True), ((1, 2, 6, 300), True)])
 def test_triton_sparsemax(shape, causal, device):
     """Bisection for τ in the kernel against the sort in the reference: outputs and gradients, and exact zeros."""
@@ -1005,6 +1107,11 @@ def test_triton_sparsemax(shape, causal, device):
     assert torch.equal(p == 0, p_ref == 0) and (p == 0).float().mean() > 0.5
     pb = kernels.sparsemax_triton(z.bfloat16(), causal)
     assert pb.dtype == torch.bfloat16 and (pb.float() - kernels.sparsemax_ref(z.bfloat16().float(), causal)).abs().max() < 1e-2
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_sparsemax_large_offsets_and_ties(device):
+    kernels_sparsemax_check_offsets_and_ties(kernels.sparsemax_triton, device)
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -1549,6 +1656,31 @@ def test_rope_yarn_keeps_fast_pairs_and_interpolates_slow_ones():
     assert (theta[mid] >= plain[mid] / s * (1 - 1e-6)).all() and (theta[mid] <= plain[mid] * (1 + 1e-6)).all()
     cos, sin = rope_cache(8, d, base, scaling="yarn", factor=s, train_length=L)
     assert torch.allclose(cos ** 2 + sin ** 2, torch.full_like(cos, (0.1 * math.log(s) + 1) ** 2), rtol=1e-5)
+
+
+@pytest.mark.parametrize("d,L,base", [(64, 256, 10000.0), (128, 8192, 500000.0), (16, 32, 10000.0)])
+def test_rope_yarn_ramps_in_the_pair_index_between_the_correction_dims(d, L, base):
+    """YaRN as its authors' code computes it: the pair turning r times within L is d·ln(L/(2π r)) / (2 ln base);
+    the ramp runs linearly in the pair index from ⌊that at r = 32⌋ (γ = 1: θ kept) to ⌈that at r = 1⌉ (γ = 0:
+    θ / s). At d = 64, L = 256 the two are 0.839 → 0 and 12.88 → 13, worked out by hand.
+    Rotated with YaRN's cos and sin, q·k scales by (0.1 ln s + 1)²."""
+    pair = lambda r: d * math.log(L / (2 * math.pi * r)) / (2 * math.log(base))
+    low, high = max(math.floor(pair(32)), 0), min(math.ceil(pair(1)), d - 1)
+    assert yarn_correction_range(d, base, L) == (low, high)
+    if (d, L) == (64, 256):
+        assert (low, high) == (0, 13)
+    plain = torch.tensor([base ** (-2 * i / d) for i in range(d // 2)], dtype=torch.float64)
+    gamma = torch.tensor([1 - min(max((i - low) / max(high - low, 1e-3), 0.0), 1.0) for i in range(d // 2)],
+                         dtype=torch.float64)
+    for s in (2.0, 4.0, 8.0):
+        theta = rope_frequencies(d, base, "yarn", s, train_length=L).double()
+        assert torch.allclose(theta, plain * (gamma + (1 - gamma) / s), rtol=1e-6)
+    q, k = torch.randn(2, 1, 5, 1, d).unbind(0)
+    score = lambda c, s_: (kernels.rope_ref(q, c, s_) * kernels.rope_ref(k, c, s_)).sum(-1)
+    cos, sin = rope_cache(5, d, base, scaling="yarn", factor=4.0, train_length=L)
+    angles = torch.outer(torch.arange(5.0), rope_frequencies(d, base, "yarn", 4.0, train_length=L))
+    temperature = (0.1 * math.log(4.0) + 1) ** 2
+    assert torch.allclose(score(cos, sin), temperature * score(angles.cos(), angles.sin()), rtol=1e-5)
 
 
 @pytest.mark.parametrize("scaling", ["none", "pi", "ntk", "yarn"])
@@ -2639,7 +2771,7 @@ def init_step_natural_norm(make_optimizer, optimizer_name, fan_out, fan_in, lr, 
 
 LR_CASES = {  # name for spectral_lr_scale, optimizer factory, keyword args, expected ‖ΔW‖_nat / lr
     "adamw": ("adamw", lambda ps, lr: optim.AdamW(ps, lr=lr), {}, 128.0),
-    "nadam": ("nadam", lambda ps, lr: optim.NAdam(ps, lr=lr), {}, 128.0),
+    "nadam": ("nadam", lambda ps, lr: optim.NAdam(ps, lr=lr), {}, 128.0 * (1 + 0.9 / 1.9)),  # step 1: (1 + b1/(1+b1)) g
     "lion": ("lion", lambda ps, lr: optim.Lion(ps, lr=lr), {}, 128.0),
     "tiger": ("tiger", lambda ps, lr: optim.Tiger(ps, lr=lr), {}, 128.0),
     "signsgd": ("signsgd", lambda ps, lr: optim.SignSGD(ps, lr=lr), {}, 128.0),
@@ -2941,6 +3073,32 @@ def test_optim_sgd_rule(shape):
         optim_check(optim_run(optim.SGD, p0, gs, lr=LR, momentum=mu, nesterov=nesterov, weight_decay=WD), ref)
 
 
+def test_optim_sgd_decay_is_decoupled_where_torch_sgd_is_l2():
+    """Against torch.optim.SGD: the same trajectory at wd = 0 and at momentum 0; with momentum, torch adds wd p to
+    g before the momentum (L2), which puts lr mu wd p0 between the two after one Nesterov step (two plain ones),
+    and in the long run (g = 0) shrinks p by the larger root of x^2 - (1 + mu - lr wd) x + mu per step, where
+    ours shrinks it by 1 - lr wd."""
+    shape, mu = (5, 3), 0.9
+    p0, gs = torch.randn(shape, dtype=torch.float64), optim_grad_sequence(shape, T, 1)
+    for momentum, nesterov, wd in ((mu, True, 0.0), (mu, False, 0.0), (0.0, False, WD)):  # torch: Nesterov needs mu > 0
+        kw = dict(lr=LR, momentum=momentum, nesterov=nesterov, weight_decay=wd)
+        optim_check(optim_run(optim.SGD, p0, gs, **kw), optim_run(torch.optim.SGD, p0, gs, **kw))
+    for nesterov in (True, False):
+        kw = dict(lr=LR, momentum=mu, nesterov=nesterov, weight_decay=WD)
+        steps = 1 if nesterov else 2
+        ours, l2 = optim_run(optim.SGD, p0, gs[:steps], **kw), optim_run(torch.optim.SGD, p0, gs[:steps], **kw)
+        assert torch.allclose(ours[-1] - l2[-1], LR * mu * WD * p0, rtol=1e-10, atol=1e-14)
+    lr, wd = 0.01, 0.01
+    zeros = [torch.zeros(3, dtype=torch.float64)] * 400
+    kw = dict(lr=lr, momentum=mu, nesterov=False, weight_decay=wd)
+    ours, l2 = (optim_run(cls, torch.ones(3, dtype=torch.float64), zeros, **kw) for cls in (optim.SGD, torch.optim.SGD))
+    b = 1 + mu - lr * wd
+    root = (b + math.sqrt(b * b - 4 * mu)) / 2
+    assert ours[-1][0].item() == pytest.approx((1 - lr * wd) ** 400, rel=1e-12)
+    assert (l2[-1] / l2[-2])[0].item() == pytest.approx(root, rel=1e-9)
+    assert 1 - root == pytest.approx(lr * wd / (1 - mu), rel=0.05)   # the docstring's 1/(1 - mu) times our decay
+
+
 @pytest.mark.parametrize("cls,beta", [(optim.SignSGD, 0.0), (optim.SignSGD, 0.8), (optim.Tiger, 0.965)])
 def test_optim_sign_momentum_rules(cls, beta):
     shape = (6, 4)
@@ -2971,7 +3129,7 @@ def optim_ref_adam(p0, gs, betas, eps, nesterov):
     for t, g in enumerate(gs, start=1):
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
-        numerator = (b1 * m + (1 - b1) * g) / (1 - b1 ** (t + 1)) if nesterov else m / (1 - b1**t)
+        numerator = b1 * m / (1 - b1 ** (t + 1)) + (1 - b1) * g / (1 - b1**t) if nesterov else m / (1 - b1**t)
         u = numerator / (torch.sqrt(v / (1 - b2**t)) + eps)
         p = p * (1 - LR * WD) - LR * u
         ref.append(p)
@@ -2987,7 +3145,8 @@ def test_optim_adamw_and_nadam_rules(shape):
 
 
 def test_optim_nadam_differs_from_adamw_by_the_lookahead_term():
-    # with wd = 0 the step difference is -lr [(b1 m + (1-b1) g)/(1 - b1^(t+1)) - m/(1 - b1^t)] / (sqrt(v_hat) + eps)
+    # with wd = 0 the step difference is
+    # -lr [b1 m/(1 - b1^(t+1)) + (1-b1) g/(1 - b1^t) - m/(1 - b1^t)] / (sqrt(v_hat) + eps)
     shape, (b1, b2), eps = (5, 5), (0.9, 0.99), 1e-8
     p0, gs = torch.randn(shape, dtype=torch.float64), optim_grad_sequence(shape, T, 5)
     pa = [p0] + optim_run(optim.AdamW, p0, gs, lr=LR, betas=(b1, b2), eps=eps)
@@ -2995,12 +3154,49 @@ def test_optim_nadam_differs_from_adamw_by_the_lookahead_term():
     m, v = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
     for t, g in enumerate(gs, start=1):
         m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
-        gap = (b1 * m + (1 - b1) * g) / (1 - b1 ** (t + 1)) - m / (1 - b1**t)
+        gap = b1 * m / (1 - b1 ** (t + 1)) + (1 - b1) * g / (1 - b1**t) - m / (1 - b1**t)
         expected = -LR * gap / (torch.sqrt(v / (1 - b2**t)) + eps)
         diff = (pn[t] - pn[t - 1]) - (pa[t] - pa[t - 1])
         assert torch.allclose(diff, expected, rtol=1e-9, atol=1e-12)
-        if t > 1:  # at t = 1 both numerators equal g; afterwards the rules differ
-            assert diff.abs().max() > 1e-4
+        assert diff.abs().max() > 1e-4  # at t = 1 too: NAdam's numerator is then (1 + b1/(1 + b1)) g, AdamW's g
+
+
+def optim_ref_dozat_nadam(p0, gs, mu, nu, eps, lr, wd):
+    """Dozat (2016), Algorithm 2, line by line in float64 with constant momentum mu (so every product of
+    mu_i is a power of mu), after decoupled decay p <- p (1 - lr wd):
+        g_hat = g / (1 - mu^t);  m = mu m + (1 - mu) g;  m_hat = m / (1 - mu^(t+1))
+        n = nu n + (1 - nu) g^2;  n_hat = n / (1 - nu^t);  m_bar = (1 - mu) g_hat + mu m_hat
+        p <- p - lr m_bar / (sqrt(n_hat) + eps)"""
+    p, m, n, out = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0), []
+    for t, g in enumerate(gs, start=1):
+        p = p * (1 - lr * wd)
+        g_hat = g / (1 - mu**t)
+        m = mu * m + (1 - mu) * g
+        m_hat = m / (1 - mu ** (t + 1))
+        n = nu * n + (1 - nu) * g * g
+        n_hat = n / (1 - nu**t)
+        m_bar = (1 - mu) * g_hat + mu * m_hat
+        p = p - lr * m_bar / (torch.sqrt(n_hat) + eps)
+        out.append(p)
+    return out
+
+
+def test_optim_nadam_is_dozat_algorithm_2_and_torch_nadam_at_constant_momentum():
+    """NAdam against Dozat's Algorithm 2 (fp64, constant momentum) and against torch.optim.NAdam with
+    momentum_decay -> inf (its momentum schedule then stays at b1) and decoupled weight decay."""
+    (b1, b2), eps = (0.9, 0.99), 1e-8
+    # step 1 from p = 0, eps = 0: m_bar = (1 - b1) g/(1 - b1) + b1 (1 - b1) g/(1 - b1^2) = (1 + b1/(1 + b1)) g
+    g = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    p = optim_run(optim.NAdam, torch.zeros(3, dtype=torch.float64), [g], lr=1.0, betas=(b1, b2), eps=0.0)[0]
+    assert torch.allclose(p, -(1 + b1 / (1 + b1)) * g.sign(), rtol=1e-14)
+    shape = (6, 4)
+    p0, gs = torch.randn(shape, dtype=torch.float64), optim_grad_sequence(shape, T, 6)
+    kw = dict(lr=LR, betas=(b1, b2), eps=eps, weight_decay=WD)
+    ours = optim_run(optim.NAdam, p0, gs, **kw)
+    optim_check(ours, optim_ref_dozat_nadam(p0, gs, b1, b2, eps, LR, WD))
+    # torch's NAdam keeps its step count and momentum product in fp32 tensors, hence 1e-6
+    optim_check(optim_run(torch.optim.NAdam, p0, gs, momentum_decay=1e12, decoupled_weight_decay=True, **kw), ours,
+                tol=1e-6)
 
 
 # -----------------------------------------------------------------------------
@@ -3107,11 +3303,11 @@ def test_optim_mousse_with_identity_preconditioners_is_muon():
                     optim_run(optim.Muon, p0, gs, lr=LR, scale="spectral"), tol=1e-5)
 
 
-@pytest.mark.parametrize("shape", [(4, 6), (6, 4)])
+@pytest.mark.parametrize("shape", [(4, 6), (6, 4), (5, 5)])
 def test_optim_galore_rule(shape):
     rank, gap, scale, (b1, b2), eps = 2, 5, 0.25, (0.9, 0.99), 1e-8
     rows, cols = shape
-    left = rows <= cols
+    left = rows < cols
     p0, gs = torch.randn(shape, dtype=torch.float64), optim_grad_sequence(shape, T, 12)
     p, ref = p0.clone(), []
     m = v = torch.zeros((rank, cols) if left else (rows, rank), dtype=torch.float64)
@@ -3130,6 +3326,54 @@ def test_optim_galore_rule(shape):
     optim_check(got, ref, tol=1e-9)
 
 
+def optim_ref_galore_torch_step(p, g, state, lr, rank, scale, b1, b2, eps, wd):
+    """One step of the reference GaLoreAdamW (galore_torch, proj_type 'std'), transcribed in float64: the right
+    factor when rows >= cols, else the left; Adam with step size lr sqrt(1 - b2^t)/(1 - b1^t) and eps on sqrt(v);
+    weight decay after the update. state: dict(t, P, m, v), P fixed at the first step (the gap is longer)."""
+    right = p.shape[0] >= p.shape[1]
+    if not state:
+        U, _, Vh = torch.linalg.svd(g, full_matrices=False)
+        state.update(t=0, P=Vh[:rank] if right else U[:, :rank])
+    state["t"] += 1
+    t, P = state["t"], state["P"]
+    low = g @ P.T if right else P.T @ g
+    m = b1 * state.get("m", 0) + (1 - b1) * low
+    v = b2 * state.get("v", 0) + (1 - b2) * low * low
+    state.update(m=m, v=v)
+    norm_grad = m / (torch.sqrt(v) + eps)
+    p = p - lr * math.sqrt(1 - b2**t) / (1 - b1**t) * scale * (norm_grad @ P if right else P @ norm_grad)
+    return p - lr * wd * p
+
+
+@pytest.mark.parametrize("shape", [(24, 24), (24, 16), (16, 24)])
+def test_optim_galore_projects_on_the_reference_side(shape):
+    """Against the reference GaLoreAdamW transcribed: the same trajectory at eps = 0 and wd = 0 (square matrices
+    projected on the right: the update's rows lie in the span of the top right singular vectors); then one step
+    each with the documented differences: eps added after the bias correction (at t = 1 ours with eps is the
+    reference with eps sqrt(1 - b2)), and weight decay before the update (lr^2 wd u apart)."""
+    rank, scale, (b1, b2) = 4, 0.25, (0.9, 0.99)
+    p0, gs = torch.randn(shape, dtype=torch.float64), optim_grad_sequence(shape, T, 15)
+    ref_kw = dict(lr=LR, rank=rank, scale=scale, b1=b1, b2=b2)
+    kw = dict(lr=LR, rank=rank, update_proj_gap=1000, scale=scale, betas=(b1, b2))
+    p, state, ref = p0, {}, []
+    for g in gs:
+        p = optim_ref_galore_torch_step(p, g, state, eps=0.0, wd=0.0, **ref_kw)
+        ref.append(p)
+    ours = optim_run(optim.GaLore, p0, gs, eps=0.0, **kw)
+    optim_check(ours, ref, tol=1e-10)
+    if shape[0] >= shape[1]:
+        V = torch.linalg.svd(gs[0])[2][:rank].T
+        assert ((ours[0] - p0) @ (torch.eye(shape[1], dtype=torch.float64) - V @ V.T)).abs().max() < 1e-12
+    eps = 1e-2
+    assert torch.allclose(optim_run(optim.GaLore, p0, gs[:1], eps=eps, **kw)[0],
+                          optim_ref_galore_torch_step(p0, gs[0], {}, eps=eps * math.sqrt(1 - b2), wd=0.0, **ref_kw),
+                          rtol=1e-12, atol=1e-14)
+    u = (ours[0] - p0) / -LR
+    decayed = optim_run(optim.GaLore, p0, gs[:1], eps=0.0, weight_decay=WD, **kw)[0]
+    ref_decayed = optim_ref_galore_torch_step(p0, gs[0], {}, eps=0.0, wd=WD, **ref_kw)
+    assert torch.allclose(decayed - ref_decayed, -LR * LR * WD * u, rtol=1e-8, atol=1e-14)
+
+
 @pytest.mark.parametrize("shape", [(4, 6), (6, 4)])
 def test_optim_galore_full_rank_is_adamw(shape):
     # Adam is element-wise, so it commutes only with signed permutations: make the first gradient (the
@@ -3140,7 +3384,7 @@ def test_optim_galore_full_rank_is_adamw(shape):
     first = torch.zeros(shape, dtype=torch.float64)
     perm = torch.randperm(max(shape), generator=torch.Generator().manual_seed(14))
     for i in range(min(shape)):
-        first[(i, perm[i]) if rows <= cols else (perm[i], i)] = (-1) ** i * (1.0 + i)
+        first[(i, perm[i]) if rows < cols else (perm[i], i)] = (-1) ** i * (1.0 + i)
     gs[0] = first
     p0 = torch.randn(shape, dtype=torch.float64)
     kw = dict(lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=WD)
