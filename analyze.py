@@ -517,7 +517,7 @@ def gdn2_gates(model, idx):
         clipped = kernels.gdn2_decay_clip(g, k, b, kernels="torch")
         a, c = k.double(), (b * k).double()
         rho = kernels.gdn2_log_rho(k, b).squeeze(-1).double().exp()
-        transition = torch.eye(a.size(-1), dtype=torch.float64) - a.unsqueeze(-1) * c.unsqueeze(-2)
+        transition = torch.eye(a.size(-1), dtype=torch.float64, device=a.device) - a.unsqueeze(-1) * c.unsqueeze(-2)
         before = torch.linalg.matrix_norm(transition * g.double().exp().unsqueeze(-2), ord=2)
         after = torch.linalg.matrix_norm(transition * clipped.double().exp().unsqueeze(-2), ord=2)
         layers.append({"name": name, "variant": mixer.variant, "clip_in_model": mixer.clip,

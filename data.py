@@ -457,7 +457,7 @@ class BatchSampler:
 
     def next_batch(self):
         starts = torch.randint(len(self.tokens) - self.block_size - 1, (self.batch_size,),
-                               generator=self.generator).tolist()
+                               generator=self.generator).numpy()  # a CPU generator: no device involved
         window = np.stack([np.asarray(self.tokens[s:s + self.block_size + 1], dtype=np.int64) for s in starts])
         window = torch.from_numpy(window)
         return window[:, :-1], window[:, 1:]

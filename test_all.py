@@ -5,6 +5,7 @@ Every test compares against something independent of the code under test (a toke
 dense Hessian, torch's own implementation, a closed form, a fact about the data) and can fail.
 """
 import ast
+import collections
 import dataclasses
 import datetime
 import functools
@@ -18,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import types
 
 import numpy as np
@@ -3555,7 +3557,7 @@ def test_lr_multiplier_schedules_closed_forms():
 def test_train_smoke_then_sample(tmp_path):
     out = str(tmp_path / "run")
     proc = run_train(*TINY, "--max_iters=40", "--eval_interval=20", "--log_interval=10", "--num_samples=1",
-                     "--max_new_tokens=50", f"--out_dir={out}")
+                     "--max_new_tokens=50", "--peak_tflops=0.5", f"--out_dir={out}")  # a stated peak: MFU printed
     rows = log_rows(out)
     vals = [r["val"] for r in rows if "val" in r]
     assert vals[-1] < vals[0] - 0.3, vals
@@ -3782,6 +3784,65 @@ def test_ddp_two_processes_on_cpu(tmp_path):
     vals = [r["val"] for r in log_rows(out) if "val" in r]
     assert vals[-1] < vals[0] - 0.3
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 30
+
+
+def test_mfu_peaks_by_exact_gpu_name_and_dtype(monkeypatch):
+    """MFU's peak: a listed GPU's own entry by its exact name (an H100 PCIe is not an SXM, an L40 not an L4),
+    its TF32 peak (about half the bf16 one, as the datasheets have it) for a float32 run; none on a CPU or an
+    unlisted GPU unless --peak_tflops states one."""
+    peak = lambda name, bf16=True, stated=0.0: (monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name),
+                                                train.peak_flops("cuda", bf16, stated))[1]
+    assert peak("NVIDIA H100 PCIe") < peak("NVIDIA H100 NVL") < peak("NVIDIA H100 80GB HBM3")
+    assert peak("NVIDIA L40") != peak("NVIDIA L4") and peak("NVIDIA A10") != peak("NVIDIA A100-SXM4-80GB")
+    for name in train.GPU_PEAKS:
+        assert peak(name, bf16=False) == pytest.approx(peak(name) / 2, rel=0.05), name
+    assert peak("NVIDIA GeForce GTX 1080") is None and peak("NVIDIA GeForce GTX 1080", stated=8.9) == 8.9e12
+    assert train.peak_flops("cpu", False, 0.0) is None and train.peak_flops("cpu", False, 1.5) == 1.5e12
+
+
+def test_a_cuda_device_becomes_the_current_one_with_tf32(monkeypatch):
+    """--device=cuda:1 without torchrun: the run's device becomes the current CUDA device (Triton launches there),
+    and float32 matmuls may use TF32."""
+    chosen, flags = [], (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        train.use_cuda_device("cuda:1")
+        assert chosen == ["cuda:1"] and torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+def test_tokens_per_second_leaves_out_evals_and_the_first_step(tmp_path, monkeypatch):
+    """An eval that takes 2 s (a stand-in) and a first step that takes 2 s (compile's place) are not in the
+    tokens/s of the log lines: every window is far shorter than either."""
+    slow_eval, evaluate = lambda *args: (time.sleep(2.0), evaluate(*args))[1], train.evaluate
+    monkeypatch.setattr(train, "evaluate", slow_eval)
+    original_step = optim.CombinedOptimizer.step
+    calls = []
+    monkeypatch.setattr(optim.CombinedOptimizer, "step",
+                        lambda self: (calls.append(1), len(calls) == 1 and time.sleep(2.0), original_step(self))[2])
+    train.main([*TINY, "--max_iters=6", "--log_interval=2", "--eval_interval=4", f"--out_dir={tmp_path}"])
+    tokens_per_iter = 4 * 32
+    rates = [r["tokens_per_s"] for r in log_rows(tmp_path) if "loss" in r]
+    assert len(rates) == 3 and all(rate > 2 * tokens_per_iter / 1.0 for rate in rates), rates
+
+
+def test_training_steps_between_log_lines_make_no_host_sync(tmp_path, monkeypatch):
+    """Tensor.item, bool, float, int and tolist (the calls that wait for the device) are counted over a 10-step
+    and a 20-step run with one log line and the same two evals each: the 10 extra steps add none."""
+    counts = collections.Counter()
+    for name in ("item", "__bool__", "__float__", "__int__", "tolist"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _f=original, _n=name: (counts.update([_n]),
+                                                                                        _f(self, *a))[1])
+    totals = []
+    for steps in (10, 20):
+        counts.clear()
+        train.main([*TINY, f"--max_iters={steps}", f"--log_interval={steps}", f"--eval_interval={steps}",
+                    f"--out_dir={tmp_path / str(steps)}"])
+        totals.append(dict(counts))
+    assert totals[0] == totals[1], totals
 
 
 # --------------------------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ wsd_decay_frac = 0.2           # wsd: fraction of the steps spent decaying (0: a
 device = "auto"                # auto (cuda > mps > cpu) | cpu | cuda | cuda:1 | mps
 dtype = "auto"                 # auto: bfloat16 autocast on CUDA, float32 elsewhere
 compile = None                 # None: torch.compile on CUDA only; True / False force it
+peak_tflops = 0.0              # the peak MFU is measured against; 0: GPU_PEAKS for a listed GPU, no MFU elsewhere
 # sampling at the end (and with sample_only)
 num_samples = 2                # samples printed at the end; 0 for none
 max_new_tokens = 300           # tokens per sample
@@ -99,7 +100,7 @@ RANGES = {"eval_interval": ">= 1", "eval_iters": ">= 1", "log_interval": ">= 1",
           "precond_every": ">= 1", "mousse_alpha": "> 0", "galore_rank": ">= 1", "galore_gap": ">= 1",
           "galore_scale": "> 0", "aux_lr": ">= 0", "grad_clip": ">= 0", "max_iters": ">= 0", "lr_decay_iters": ">= 0",
           "warmup_iters": ">= 0", "wsd_decay_frac": "in [0, 1]", "num_samples": ">= 0", "max_new_tokens": ">= 0",
-          "temperature": ">= 0", "top_k": ">= 1",
+          "temperature": ">= 0", "top_k": ">= 1", "peak_tflops": ">= 0",
           "block_size": ">= 1", "n_layer": ">= 1", "n_head": ">= 1", "n_embd": ">= 1", "hc_streams": ">= 1",
           "mamba_headdim": ">= 1"}
 
@@ -214,22 +215,47 @@ def pick_device(name):
     return "cpu"
 
 
-GPU_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
-                 "A10G": 70e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
+# Dense (no sparsity) tensor-core peaks per GPU, from NVIDIA's datasheets (half their sparse figures), by the exact
+# name torch.cuda.get_device_name() reports: (bfloat16, TF32) FLOP/s. A float32 run (TF32 matmuls) counts against
+# the TF32 peak. A GPU not listed gets no MFU unless --peak_tflops states its peak.
+GPU_PEAKS = {
+    "NVIDIA B200": (2250e12, 1100e12),
+    "NVIDIA H200": (989e12, 495e12), "NVIDIA H200 NVL": (835e12, 418e12),
+    "NVIDIA H100 80GB HBM3": (989e12, 495e12), "NVIDIA H100 NVL": (835e12, 418e12),
+    "NVIDIA H100 PCIe": (756e12, 378e12),
+    "NVIDIA A100-SXM4-80GB": (312e12, 156e12), "NVIDIA A100-SXM4-40GB": (312e12, 156e12),
+    "NVIDIA A100 80GB PCIe": (312e12, 156e12), "NVIDIA A100-PCIE-40GB": (312e12, 156e12),
+    "NVIDIA L40S": (362e12, 183e12), "NVIDIA L40": (181e12, 90.5e12), "NVIDIA L4": (121e12, 60e12),
+    "NVIDIA A10": (125e12, 62.5e12), "NVIDIA RTX A6000": (155e12, 77.4e12),
+    "NVIDIA RTX 6000 Ada Generation": (364e12, 182e12),
+    "NVIDIA GeForce RTX 4090": (165e12, 82.6e12), "NVIDIA GeForce RTX 3090": (71e12, 35.6e12),
+}
 
 
-def peak_flops(device_type):
-    """The device's dense peak: a table for GPUs, and on the CPU a float32 matmul rate measured now."""
+def peak_flops(device_type, use_bf16, stated_tflops):
+    """The FLOP/s that MFU is measured against: the stated peak, else for a listed GPU its dense peak in the
+    dtype in use; None (no MFU) on a CPU or an unlisted GPU, where no honest peak is known."""
+    if stated_tflops:
+        return stated_tflops * 1e12
+    if device_type != "cuda":
+        return None
+    peaks = GPU_PEAKS.get(torch.cuda.get_device_name())
+    return None if peaks is None else peaks[0 if use_bf16 else 1]
+
+
+def use_cuda_device(dev):
+    """Make dev (cuda or cuda:N) the current CUDA device, since Triton launches on the current device and stream,
+    and let float32 matmuls use TF32 tensor cores, as nanoGPT does."""
+    torch.cuda.set_device(dev)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
+def synchronize(device_type):
     if device_type == "cuda":
-        name = torch.cuda.get_device_name()
-        return next((v for k, v in GPU_PEAK_BF16.items() if k in name), None)
-    a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))  # leaves the global RNG alone
-    b = a @ a
-    t0, n = time.perf_counter(), 0
-    while time.perf_counter() - t0 < 0.2:
-        a @ b
-        n += 1
-    return 2 * 512 ** 3 * n / (time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    elif device_type == "mps":
+        torch.mps.synchronize()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -321,9 +347,10 @@ def main(args):
         dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo")
         if dev.startswith("cuda"):
             dev = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-            torch.cuda.set_device(dev)
     master = rank == 0
     device_type = dev.split(":")[0]
+    if device_type == "cuda":
+        use_cuda_device(dev)
 
     if c.sample_only:
         ckpt = data.load_checkpoint(ckpt_path)
@@ -378,7 +405,7 @@ def main(args):
     total_iters = c.lr_decay_iters or c.max_iters
     tokens_per_iter = c.gradient_accumulation_steps * world * c.batch_size * config.block_size
     flops_per_iter = raw_model.flops_per_token(config.block_size) * tokens_per_iter / world
-    peak = peak_flops(device_type)
+    peak = peak_flops(device_type, use_bf16, c.peak_tflops)
     if c.analyze_every:  # one fixed training batch, so the spectra logged at different steps are comparable
         import analyze
         analysis_batch = tuple(t.to(dev) for t in
@@ -395,14 +422,16 @@ def main(args):
         print(f"{c.dataset}: {len(train_tokens):,} train tokens, vocab {meta['vocab_size']} | model "
               f"{raw_model.num_params() / 1e6:.2f}M params, mixer {config.mixer}, residual {config.residual} | "
               f"{c.optimizer} | {dev}{' bf16' if use_bf16 else ''} | {tokens_per_iter:,} tokens/iter ({world} x "
-              f"{c.gradient_accumulation_steps} x {c.batch_size} x {config.block_size})")
+              f"{c.gradient_accumulation_steps} x {c.batch_size} x {config.block_size}) | "
+              + (f"MFU against {peak / 1e12:g} TFLOP/s" if peak else "no MFU (no known peak: --peak_tflops)"))
         if ckpt is not None:
             print(f"resuming at iter {iter_num}" + (f"; changed: {', '.join(changes)}" if changes else ""))
 
     # 6. the loop: an eval (and checkpoint) every eval_interval steps and at the end, a log line every log_interval
-    t_start, t_last, tokens_since = time.time() - elapsed, time.time(), 0
+    t_start, first_iter = time.time() - elapsed, iter_num
     last_eval = iter_num if ckpt is not None else -1  # the checkpoint already holds the eval at its step
-    loss_sum = torch.zeros((), device=dev)  # the training loss since the last log line, kept on the device
+    loss_sum, steps_since_log = torch.zeros((), device=dev), 0  # the loss stays on the device until a log line
+    window_start, window_tokens = time.time(), 0  # tokens/s counts training steps only: not compile, not evals
     gpt.train()
     while True:
         if (iter_num % c.eval_interval == 0 or iter_num >= c.max_iters) and iter_num != last_eval:
@@ -427,6 +456,7 @@ def main(args):
                     "rng": {"torch": torch.get_rng_state(),
                             "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}})
             saved_iter = iter_num
+            window_start, window_tokens = time.time(), 0
         if iter_num >= c.max_iters:
             break
 
@@ -448,23 +478,29 @@ def main(args):
         opt.step()
         opt.zero_grad(set_to_none=True)
         iter_num += 1
-        tokens_since += tokens_per_iter
+        steps_since_log += 1
+        if iter_num == first_iter + 1:  # the first step compiles and warms up: the window opens after it
+            synchronize(device_type)
+            window_start, window_tokens = time.time(), 0
+        else:
+            window_tokens += tokens_per_iter
 
         if iter_num % c.log_interval == 0 and master:
-            now = time.time()
-            mean_loss = loss_sum.item() / (tokens_since // tokens_per_iter)  # the step's only host sync
+            mean_loss = loss_sum.item() / steps_since_log  # the loop's only host sync between evals
             if not math.isfinite(mean_loss):
                 raise FloatingPointError(diverged(f"training loss {mean_loss}", iter_num, ckpt_path, saved_iter,
                                                   c.learning_rate, c.grad_clip))
-            tok_s = tokens_since / (now - t_last)
-            mfu = flops_per_iter * tok_s / tokens_per_iter / peak if peak else float("nan")
-            eta = (c.max_iters - iter_num) * tokens_per_iter / tok_s
+            tok_s = window_tokens / (time.time() - window_start) if window_tokens else None
+            mfu = flops_per_iter * tok_s / tokens_per_iter / peak if tok_s and peak else None
             lr = opt.param_groups[0]["lr"]
-            print(f"iter {iter_num}: loss {mean_loss:.4f}, lr {lr:.2e}, {tok_s:,.0f} tokens/s, mfu {100 * mfu:.1f}%, "
-                  f"eta {eta:.0f}s")
+            speed = "timing from the next line on"  # the window opened after this step
+            if tok_s:
+                speed = f"{tok_s:,.0f} tokens/s" + (f", mfu {100 * mfu:.1f}%" if mfu else "") + \
+                    f", eta {(c.max_iters - iter_num) * tokens_per_iter / tok_s:.0f}s"
+            print(f"iter {iter_num}: loss {mean_loss:.4f}, lr {lr:.2e}, {speed}")
             append_log(log_path, {"step": iter_num, "loss": mean_loss, "lr": lr, "tokens_per_s": tok_s, "mfu": mfu})
-            t_last, tokens_since = now, 0
             loss_sum.zero_()
+            steps_since_log = 0
 
     # 7. the end: the loss curve, and samples
     if master:
