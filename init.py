@@ -36,8 +36,9 @@ What "spectral" sets, and what it leaves alone:
   their change: training moves the last hidden state along the head's rows, so a head with
   ‖W‖_nat ≫ 1 turns an O(1) feature change into an O(sqrt(n_embd / V)) logit change. Measured
   (10 AdamW steps on one batch, widths 64 → 512, head lr scaled as below): with an n_embd^-½ head
-  the loss after 10 steps fell from 1.49 at width 64 to 0.11 at 512; with this head, 2.31 to 1.45. Its learning rate needs the same
-  optim.spectral_lr_scale as the hidden matrices (fan_in = n_embd). A tied lm_head is the embedding matrix
+  the loss after 10 steps fell from 1.49 at width 64 to 0.11 at 512; with this head, 2.31 to 1.45.
+  Its learning rate needs the same optim.spectral_lr_scale as the hidden matrices (fan_in = n_embd).
+  A tied lm_head is the embedding matrix
   and gets the embedding's init: "stable" equals the head's std when V ≥ n_embd; "exact" (std 1) would
   give logits of RMS sqrt(n_embd), so that pair is refused.
 - the residual modules' maps (in_residual: the hyper-connections), norm gains, convolutions, A_log, dt_bias, D:
@@ -63,7 +64,8 @@ def in_residual(name):
 
 def spectral_std(fan_out, fan_in, exact=False):
     """Std of a dense matrix with ‖W‖_nat ≈ 1 at init.
-    exact: σ (sqrt(fan_out) + sqrt(fan_in)) = sqrt(fan_out / fan_in)  ⇒  σ = fan_in^-½ · sqrt(fan_out) / (sqrt(fan_in) + sqrt(fan_out)),
+    exact: σ (sqrt(fan_out) + sqrt(fan_in)) = sqrt(fan_out / fan_in)
+           ⇒  σ = fan_in^-½ · sqrt(fan_out) / (sqrt(fan_in) + sqrt(fan_out)),
            so ‖W‖_nat → 1;
     approx (the paper's Parametrization 1): σ = fan_in^-½ · min(1, sqrt(fan_out / fan_in)), which gives
            ‖W‖_nat ≈ 1 + min(r, 1/r) with r = sqrt(fan_out / fan_in): between 1 and 2 (2 for square)."""

@@ -418,20 +418,21 @@ class OptimizerKind(NamedTuple):
 
 
 # train.py's --optimizer. A new one is its class above and one row here.
+BETAS = ("beta1", "beta2")
 OPTIMIZERS = {
     "sgd": OptimizerKind(SGD, False, "gradient", 0.1, {"momentum": "momentum"}),
     "signsgd": OptimizerKind(SignSGD, False, "adam", 1e-4, {}),
-    "adamw": OptimizerKind(AdamW, False, "adam", 1e-3, {"betas": ("beta1", "beta2")}),
-    "nadam": OptimizerKind(NAdam, False, "adam", 1e-3, {"betas": ("beta1", "beta2")}),
-    "lion": OptimizerKind(Lion, False, "adam", 1e-4, {"betas": ("beta1", "beta2")}),
+    "adamw": OptimizerKind(AdamW, False, "adam", 1e-3, {"betas": BETAS}),
+    "nadam": OptimizerKind(NAdam, False, "adam", 1e-3, {"betas": BETAS}),
+    "lion": OptimizerKind(Lion, False, "adam", 1e-4, {"betas": BETAS}),
     "tiger": OptimizerKind(Tiger, False, "adam", 1e-4, {}),
-    "muon": OptimizerKind(Muon, True, "msign", 0.02, {"momentum": "momentum", "scale": "muon_scale",
-                                                        "ns_coeffs": "ns_coeffs"}),
-    "shampoo": OptimizerKind(Shampoo, True, "adam", 1e-3, {"betas": ("beta1", "beta2"),
-                                                             "precond_every": "precond_every"}),
+    "muon": OptimizerKind(Muon, True, "msign", 0.02,
+                          {"momentum": "momentum", "scale": "muon_scale", "ns_coeffs": "ns_coeffs"}),
+    "shampoo": OptimizerKind(Shampoo, True, "adam", 1e-3, {"betas": BETAS, "precond_every": "precond_every"}),
     "mousse": OptimizerKind(Mousse, True, "msign", 0.02, {"momentum": "momentum", "alpha": "mousse_alpha",
-                                                            "precond_every": "precond_every", "ns_coeffs": "ns_coeffs"}),
-    "galore": OptimizerKind(GaLore, True, "low_rank_adam", 1e-2, {"betas": ("beta1", "beta2"), "rank": "galore_rank",
+                                                            "precond_every": "precond_every",
+                                                            "ns_coeffs": "ns_coeffs"}),
+    "galore": OptimizerKind(GaLore, True, "low_rank_adam", 1e-2, {"betas": BETAS, "rank": "galore_rank",
                                                                     "update_proj_gap": "galore_gap",
                                                                     "scale": "galore_scale"}),
 }
@@ -439,7 +440,8 @@ OPTIMIZERS = {
 
 def optimizer_kind(name):
     if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)} (or add it to optim.OPTIMIZERS)")
+        raise ValueError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)} "
+                         f"(or add it to optim.OPTIMIZERS)")
     return OPTIMIZERS[name]
 
 
@@ -507,15 +509,16 @@ def spectral_lr_scale(fan_out, fan_in, optimizer, scale="jordan", base_width=BAS
       is a smaller share of ‖u‖₂ at larger widths, so measured ‖ΔW‖_nat still falls slowly with the
       width at these sizes (about width^-0.2 over 64 → 1024 after 10 steps), toward its limit.
     - galore (AdamW on a fixed rank-r projection, r < fan_out, fan_in): ‖u‖₂ = sqrt(r · max(fan_out, fan_in)),
-      so s ∝ sqrt(fan_out / (fan_in · max(fan_out, fan_in))):   s = sqrt(base_width · min(fan_out, fan_in)) / fan_in.
+      so s ∝ sqrt(fan_out / (fan_in · max(fan_out, fan_in))):
+      s = sqrt(base_width · min(fan_out, fan_in)) / fan_in.
     - msign-based (muon, mousse): u = c · msign(·) with ‖msign‖₂ ≈ 1 and c the optimizer's own shape
       factor (Muon's `scale` option: jordan max(1, fan_out/fan_in)^½, moonlight 0.2·max(fan_out, fan_in)^½,
       spectral (fan_out/fan_in)^½; Mousse always uses spectral), so   s = sqrt(fan_out/fan_in) / c,
       normalised by c at base_width × base_width: jordan gives min(1, sqrt(fan_out/fan_in)), spectral
       (and Mousse) 1, moonlight sqrt(fan_out/fan_in) · sqrt(base_width / max(fan_out, fan_in)).
     - sgd: u = G. When every layer meets the condition, the backward signal δ = ∂L/∂h has
-      ‖δ‖₂ = Θ(1/sqrt(fan_out)) and x has ‖x‖₂ = Θ(sqrt(fan_in)), so ‖G‖₂ = Θ(sqrt(fan_in/fan_out)) and
-      s ∝ fan_out / fan_in (the paper's η_l):   s = fan_out / fan_in.
+      ‖δ‖₂ = Θ(1/sqrt(fan_out)) and x has ‖x‖₂ = Θ(sqrt(fan_in)),
+      so ‖G‖₂ = Θ(sqrt(fan_in/fan_out)) and s ∝ fan_out / fan_in (the paper's η_l):   s = fan_out / fan_in.
       The backward signal is this size when the lm_head meets the condition too: its δ into the last
       layer has norm ‖Wᵀ(p − y)‖ ≈ sqrt(V / n_embd), which shrinks like 1/sqrt(width) only while
       n_embd > V (characters); with V ≫ n_embd (BPE) it is O(1) and plain SGD transfers less cleanly
@@ -651,7 +654,8 @@ if __name__ == "__main__":
             super().__init__()
             self.norm1, self.norm2 = torch.nn.Parameter(torch.ones(d)), torch.nn.Parameter(torch.ones(d))
             self.q_proj, self.k_proj, self.v_proj, self.out_proj = (torch.nn.Linear(d, d, bias=False) for _ in range(4))
-            self.in_proj, self.mlp_out_proj = torch.nn.Linear(d, 4 * d, bias=False), torch.nn.Linear(4 * d, d, bias=False)
+            self.in_proj = torch.nn.Linear(d, 4 * d, bias=False)
+            self.mlp_out_proj = torch.nn.Linear(4 * d, d, bias=False)
 
     model = torch.nn.Module()
     model.wte = torch.nn.Embedding(65, d)
