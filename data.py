@@ -292,8 +292,8 @@ def fetch_fineweb(n_train, folder=FINEWEB_DIR):
         try:
             fetched = hf_hub_download(FINEWEB_REPO, name, repo_type="dataset", local_dir=staging)
         except LocalEntryNotFoundError:  # no connection (or HF_HUB_OFFLINE=1), and nothing cached
-            raise DataError(f"cannot reach the hub ({constants.ENDPOINT}) for {name}: check the "
-                            f"network, or copy the shards into {folder}") from None
+            raise DataError(f"cannot reach the hub ({constants.ENDPOINT}) for {name}: check the network (and "
+                            f"HF_HUB_OFFLINE), or copy the shards into {folder}") from None
         except EntryNotFoundError:
             raise DataError(f"the hub's {FINEWEB_REPO} has no {name}: the dataset has fewer training shards, "
                             f"use a smaller --shards") from None

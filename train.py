@@ -400,9 +400,9 @@ def mixer_activations(cfg, letter, act, T):
     activations (2 under bf16 autocast), 4 for the fp32 decays and states the kernels keep; None without a formula."""
     d, H = cfg.n_embd, cfg.n_head
     hs = d // H
-    if letter == "A":  # the projections' input, q and k before QK-norm, sdpa's q, k, v, output, out_proj's input
+    if letter == "A":  # the projections' input, q and k (and before QK-norm), sdpa's q, k, v, output, out_proj's input
         weights = 2 * H * T if cfg.attention != "sdpa" else 0  # explicit scores and weights: (T x T) per head
-        return act * (d * (6 + 2 * cfg.qk_norm) + weights)
+        return act * (d * (8 + 2 * cfg.qk_norm) + weights)
     if letter == "G":
         (dk, dv, conv, rows, _), c = gated_delta_sizes(cfg), cfg.gdn_chunk_size
         # in_proj's input and output, the conv output and its SiLU, normalised q and k, the gates b and w, the
