@@ -46,7 +46,7 @@ eval_iters = 20                # validation batches per eval (a fixed set, the s
 log_interval = 50              # steps between training-loss lines
 analyze_every = 0              # > 0: every N iters append weight/Hessian/noise-scale spectra to out_dir/analysis.jsonl
 seed = 1337                    # seeds the init and the training batches
-dry_run = False                # print the run's size, FLOPs, memory and estimated GPU time, then exit (writes nothing)
+dry_run = False                # print the run's size, FLOPs, memory and estimated GPU time, then exit: no out_dir
 wandb_log = False              # also log to Weights & Biases (pip install wandb); log.jsonl is written either way
 wandb_project = "specgpt"      # wandb's project
 wandb_run_name = ""            # wandb's run name ("": wandb picks one)
@@ -421,7 +421,8 @@ def mixer_activations(cfg, letter, act, T):
 
 
 def activation_bytes(cfg, batch_size, act):
-    """What one micro-batch keeps for backward, by formula (approximate: eager mode; compile keeps less):
+    """What one micro-batch keeps for backward, by formula (approximate, eager mode: the tests find it ~10% under
+    autograd's saved tensors on the Triton path; torch.compile keeps less):
     per layer the fp32 inputs of its two norms (the residual stream), the MLP's input, activation and out_proj
     input, the mixer's (mixer_activations); at the head the final norm's input and, at the loss's peak, the
     logits in act bytes and twice in fp32 (the upcast and its log-softmax). None if a mixer has no formula."""
@@ -436,7 +437,8 @@ def activation_bytes(cfg, batch_size, act):
 
 
 def dataset_vocab_size(dataset, tokenizer):
-    """The vocabulary a run of dataset gets: GPT-2's for token shards (nothing read), else the prepared data's."""
+    """The vocabulary a run of dataset gets: GPT-2's for token shards (nothing read), else the prepared data's
+    (a text not prepared yet is prepared now, into data/, as training would)."""
     if data.is_shard_pattern(dataset):
         return data.GPT2Tokenizer().meta()["vocab_size"]
     return data.load_dataset(dataset, tokenizer)[2]["vocab_size"]
@@ -467,7 +469,7 @@ def dry_run_report(settings, world):
         terms = " + ".join(f"{k} {v:,}" for k, v in parts.items() if v)
         closed = f"= the closed form: {terms}" if sum(parts.values()) == n_params else \
             f"but the closed form gives {sum(parts.values()):,} = {terms} (a layer changed: update param_formula)"
-    act = 2 if c.dtype == "bfloat16" or c.dtype == "auto" else 4  # "auto": bf16 autocast on the GPUs priced here
+    act = 4 if c.dtype == "float32" else 2  # "auto": bf16 autocast, as on the GPUs priced here
     tokens_per_iter = c.gradient_accumulation_steps * world * c.batch_size * config.block_size
     train_tokens = tokens_per_iter * c.max_iters
     eval_tokens = (c.max_iters // c.eval_interval + 1) * c.eval_iters * c.batch_size * config.block_size * world
@@ -489,7 +491,7 @@ def dry_run_report(settings, world):
         memory_line = f"{sum(memory.values()) / 2**30:.1f} GiB a process, by formula " + \
             f"({'bf16 autocast' if act == 2 else 'fp32'}):\n            " + \
             ", ".join(f"{k} {size(v)}" for k, v in memory.items() if v)
-    lines = [f"dry run: nothing is trained or written; the model is built on the meta device",
+    lines = ["dry run: nothing is trained or written; the model is built on the meta device",
              f"model       mixer {config.mixer}, {config.n_layer} layers x {config.n_embd}, {config.n_head} heads, "
              f"block {config.block_size}, vocab {config.vocab_size} ({config.padded_vocab_size} rows), {c.optimizer}",
              f"parameters  {n_params:,} {closed}",
