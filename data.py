@@ -555,8 +555,8 @@ if __name__ == "__main__":
     try:
         if sys.argv[1:2] == ["fineweb10B"]:
             usage = "python data.py fineweb10B --shards=N [--dir=folder]"
-            options = parse_config(sys.argv[2:], {"shards": 0, "dir": FINEWEB_DIR}, usage,
-                                   {"shards": "training shards to fetch (~100M tokens each)", "dir": "the folder"})
+            help_texts = {"shards": "training shards to fetch (~100M tokens each)", "dir": "the folder they go to"}
+            options = parse_config(sys.argv[2:], {"shards": 0, "dir": FINEWEB_DIR}, usage, help_texts)
             if "shards" not in options:
                 raise DataError(f"give the number of training shards to fetch: {usage}")
             files = fetch_fineweb(options["shards"], options.get("dir", FINEWEB_DIR))

@@ -529,7 +529,8 @@ def main(args):
     if rank == 0 and gpu_hint(args, dev):
         print(gpu_hint(args, dev))
     if c.dry_run:  # what the run would cost, then stop: no process group, no data read, nothing written
-        print(dry_run_report(settings, world))
+        if rank == 0:
+            print(dry_run_report(settings, world))
         return
     if ddp:
         import torch.distributed as dist
