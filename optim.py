@@ -228,8 +228,8 @@ def _inverse_root(S, exponent, eps, relative):
     """S^(-exponent) of a symmetric PSD matrix by eigh, eigenvalues floored first at eps (relative=False)
     or at eps * the largest eigenvalue (relative=True)."""
     lam, Q = torch.linalg.eigh(S)
-    floor = eps * lam.max().item() if relative else eps
-    lam = lam.clamp_min(max(floor, 1e-30))
+    floor = (eps * lam.max()).clamp_min(1e-30) if relative else max(eps, 1e-30)  # a tensor: no host sync
+    lam = lam.clamp_min(floor)
     return (Q * lam.pow(-exponent)) @ Q.mT
 
 

@@ -58,8 +58,9 @@ def set_gptconfig_defaults(changes):
 
 # Every GPTConfig key the tests rely on, written out: a model in a test is make_config(...) (or tiny_config),
 # never GPTConfig's defaults, so changing a default changes no test.
-TEST_MODEL = dict(vocab_size=84, block_size=256, n_layer=4, n_head=4, n_embd=128, mixer="A", mlp="relu2", residual="res",
-                  hc_streams=4, rope_base=10000.0, rope="fixed", rope_scaling="none", rope_factor=1.0, qk_norm=False,
+TEST_MODEL = dict(vocab_size=84, vocab_multiple=1, block_size=256, n_layer=4, n_head=4, n_embd=128, mixer="A",
+                  mlp="relu2", residual="res", hc_streams=4, rope_base=10000.0, rope="fixed", rope_scaling="none",
+                  rope_factor=1.0, qk_norm=False,
                   tie_embeddings=True, bias=False, dropout=0.0, attention="sdpa", gdn_variant="gdn2", gdn_clip=True,
                   gdn_expand_v=1, conv_size=4, mamba_d_state=64, mamba_expand=2, mamba_headdim=32,
                   mamba_discretization="euler", chunk_size=64, gdn_chunk_size=16, kernels="auto", init="gpt2")
@@ -142,6 +143,128 @@ def test_shard_round_trip_and_bad_header(tmp_path):
         f.write(np.int32(12345).tobytes())
     with pytest.raises(data.DataError, match="bad shard header"):
         data.read_shard(path)
+
+
+def test_shard_tokens_read_several_shards_as_one_sequence(tmp_path):
+    """Slices of ShardTokens (within a shard, across two, across all, open-ended, empty) equal those of the
+    concatenated array, and BatchSampler draws the same windows from either."""
+    rng = np.random.default_rng(0)
+    shards = [rng.integers(0, 50257, size=n) for n in (50, 7, 120)]
+    for i, tokens in enumerate(shards):
+        data.write_shard(str(tmp_path / f"x_train_{i:03d}.bin"), tokens)
+    data.write_shard(str(tmp_path / "x_val_000.bin"), shards[0])
+    train, val, meta = data.load_dataset(str(tmp_path / "x_train_*.bin"))
+    whole = np.concatenate(shards)
+    assert isinstance(train, data.ShardTokens) and len(train) == meta["train_tokens"] == 177
+    for a, b in [(0, 10), (45, 60), (49, 58), (0, 177), (170, None), (60, 60), (-5, None)]:
+        assert np.array_equal(train[a:b], whole[a:b]), (a, b)
+    samplers = [data.BatchSampler(tokens, 8, 16, seed=3) for tokens in (train, whole)]
+    for _ in range(5):
+        (x1, y1), (x2, y2) = (s.next_batch() for s in samplers)
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+
+
+class LoopbackHub:
+    """A Hugging Face hub on 127.0.0.1 for the fetch tests: it serves files (name -> bytes) of one dataset repo
+    at /datasets/<repo>/resolve/main/<name> as the hub does (HEAD with the commit, ETag and size headers, GET with
+    the bytes, 404 with X-Error-Code: EntryNotFound), and records every request."""
+
+    def __init__(self, repo, files):
+        import http.server
+        import threading
+        hub = self
+        self.files, self.requests, self.prefix = files, [], f"/datasets/{repo}/resolve/main/"
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_HEAD(self):
+                self.answer(send_body=False)
+
+            def do_GET(self):
+                self.answer(send_body=True)
+
+            def answer(self, send_body):
+                hub.requests.append((self.command, self.path.rsplit("/", 1)[-1]))
+                body = hub.files.get(self.path[len(hub.prefix):]) if self.path.startswith(hub.prefix) else None
+                if body is None:
+                    self.send_response(404)
+                    self.send_header("X-Error-Code", "EntryNotFound")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("X-Repo-Commit", "0" * 40)
+                self.send_header("ETag", f'"{hashlib.sha1(body).hexdigest()}"')
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if send_body:
+                    self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def fetch(tmp_path, *args, endpoint, prelude="pass", env=None):
+    """python data.py fineweb10B args... against the hub at endpoint (its client's cache in tmp_path), run after
+    the Python statements prelude, with env added to the environment."""
+    env = dict(os.environ, HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DISABLE_TELEMETRY="1",
+               NO_PROXY="127.0.0.1", no_proxy="127.0.0.1", **(env or {}))
+    code = f"import runpy, sys; {prelude}; sys.argv = {['data.py', 'fineweb10B', *args]!r}; " \
+           f"runpy.run_path({os.path.join(ROOT, 'data.py')!r}, run_name='__main__')"
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def one_line_error(proc, message):
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and message in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_fetch_fineweb_through_a_loopback_hub(tmp_path):
+    """python data.py fineweb10B --shards=N runs the hub client's real download code against a hub on 127.0.0.1:
+    it fetches the validation shard and N training shards byte for byte, skips the whole ones on a second run
+    (no request), fetches a truncated one again, and stops with one line, leaving no partial shard, when the
+    hub serves a corrupt shard, lacks a file, is unreachable, or huggingface_hub is not installed."""
+    rng = np.random.default_rng(0)
+    names = ["fineweb_val_000000.bin", "fineweb_train_000001.bin", "fineweb_train_000002.bin"]
+    made = tmp_path / "made"
+    made.mkdir()
+    for name, n in zip(names, (300, 500, 700)):
+        data.write_shard(str(made / name), rng.integers(0, 50257, size=n))
+    served = {name: (made / name).read_bytes() for name in names}
+    hub = LoopbackHub(data.FINEWEB_REPO, dict(served))
+    folder = tmp_path / "fineweb10B"
+
+    proc = fetch(tmp_path, "--shards=2", f"--dir={folder}", endpoint=hub.url)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(folder)) == sorted(names)  # and no staging folder left behind
+    assert all((folder / name).read_bytes() == served[name] for name in names)
+    assert sorted(name for method, name in hub.requests if method == "GET") == sorted(names)
+
+    hub.requests.clear()
+    (folder / names[1]).write_bytes(served[names[1]][:-10])  # a shard cut short
+    assert fetch(tmp_path, "--shards=2", f"--dir={folder}", endpoint=hub.url).returncode == 0
+    assert [name for method, name in hub.requests if method == "GET"] == [names[1]]
+    assert (folder / names[1]).read_bytes() == served[names[1]]
+
+    hub.files["fineweb_train_000003.bin"] = served[names[2]][:-10]  # the hub serves a shard cut short
+    one_line_error(fetch(tmp_path, "--shards=3", f"--dir={folder}", endpoint=hub.url),
+                   "the downloaded fineweb_train_000003.bin is not a whole shard")
+    assert not (folder / "fineweb_train_000003.bin").exists()
+    del hub.files["fineweb_train_000003.bin"]
+    one_line_error(fetch(tmp_path, "--shards=3", f"--dir={folder}", endpoint=hub.url),
+                   f"the hub's {data.FINEWEB_REPO} has no fineweb_train_000003.bin")
+    one_line_error(fetch(tmp_path, "--shards=1", f"--dir={tmp_path / 'offline'}", endpoint=hub.url,
+                         env={"HF_HUB_OFFLINE": "1"}), f"cannot reach the hub ({hub.url})")
+    one_line_error(fetch(tmp_path, "--shards=1", f"--dir={tmp_path / 'offline'}", endpoint=hub.url,
+                         prelude="sys.modules['huggingface_hub'] = None"), "pip install huggingface_hub")
+    one_line_error(fetch(tmp_path, "--shards=0", endpoint=hub.url), "--shards=0: fetch at least one training shard")
+    one_line_error(fetch(tmp_path, endpoint=hub.url), "give the number of training shards")
+    assert not list((tmp_path / "offline").glob("*.bin")) and not (tmp_path / "data").exists()
 
 
 @pytest.mark.parametrize("name", list(data.TOKENIZERS))
@@ -3769,6 +3892,245 @@ def test_analyze_cli_shares_train_parser(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and "is not a readable checkpoint" in lines[0], proc.stderr
     assert not (tmp_path / "analysis").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# the presets in config/, the dry run that prices them, wandb, and the GPU default
+
+PRESETS = sorted(name for name in os.listdir(os.path.join(ROOT, "config")) if name.endswith(".py"))
+PEAK_BF16 = {"A100": 312e12, "H100": 989e12, "H200": 989e12}  # the vendors' dense bf16 peaks (H100: SXM)
+
+
+def preset_config(name, **overrides):
+    """A preset's model: train.py's defaults, then the file, then overrides; the vocabulary of its data."""
+    defaults = {**train.RUN_DEFAULTS, **train.model_defaults()}
+    settings = {**defaults, **data.parse_config([os.path.join(ROOT, "config", name)], defaults, "", {})}
+    shards = data.is_shard_pattern(settings["dataset"])
+    vocab = 50257 if shards else data.load_dataset(settings["dataset"])[2]["vocab_size"]
+    return settings, GPTConfig(vocab_size=vocab, **{**{k: settings[k] for k in train.model_defaults()}, **overrides})
+
+
+def test_presets_are_the_ones_the_docs_name():
+    assert {"shakespeare_char_gpu.py", "gpt2_small_fineweb.py", "gpt2_small_fineweb_hybrid.py"} <= set(PRESETS)
+    assert os.path.basename(train.GPU_PRESET) in PRESETS
+
+
+def parse_size(text):
+    number, unit = text.split()
+    return float(number) * {"GiB": 2**30, "MiB": 2**20}[unit]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_dry_run_prices_every_preset_and_writes_nothing(name, tmp_path):
+    """python train.py config/X.py --dry_run=True, run from an empty folder: the parameters it prints are the
+    built model's and equal its closed form; tokens, FLOPs, optimizer state and time follow from them (the time at
+    40% of the vendors' peaks, marked as an estimate); nothing is written, not even out_dir."""
+    settings, cfg = preset_config(name)
+    proc = run_train(os.path.join(ROOT, "config", name), "--dry_run=True", cwd=tmp_path)
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+    report = dict(line.split(None, 1) for line in proc.stdout.splitlines() if line[:1].isalpha() and " " in line)
+    with torch.device("meta"):
+        gpt = GPT(cfg)
+    n = sum(p.numel() for p in gpt.parameters())
+    assert report["parameters"].startswith(f"{n:,} = the closed form: "), report["parameters"]
+    d, L, hs = cfg.n_embd, cfg.n_layer, cfg.n_embd // cfg.n_head
+    if cfg.mixer == "A" and cfg.mlp == "relu2" and cfg.tie_embeddings:  # V·d + L(4d² + 8d² + 2d + 2·hs) + d
+        assert n == cfg.padded_vocab_size * d + L * (12 * d * d + 2 * d + 2 * hs * cfg.qk_norm) + d
+        attention_flops = 12 * L * cfg.block_size * d  # PaLM's 6 N + 12 L T d
+        assert gpt.flops_per_token() == 6 * (n - (2 * L + 1) * d - 2 * hs * L * cfg.qk_norm) + attention_flops
+    if "fineweb" in name:  # GPT-2 small's size (the hybrid's within 1% of it), 50257 tokens padded to 50304
+        with torch.device("meta"):
+            n_attention = GPT(preset_config("gpt2_small_fineweb.py")[1]).num_params()
+        assert cfg.padded_vocab_size == 50304 and abs(n / n_attention - 1) < 0.01 and 123e6 < n_attention < 125e6
+        tokens = settings["batch_size"] * settings["gradient_accumulation_steps"] * cfg.block_size
+        assert tokens == 524_288 and f"{tokens:,} a step" in report["tokens"]
+    flops_token, flops_run = (float(x) for x in re.findall(r"([\d.e+]+) a token .* ([\d.e+]+) for the run",
+                                                             report["FLOPs"])[0])
+    assert flops_token == pytest.approx(gpt.flops_per_token(cfg.block_size), rel=1e-2)
+    for gpu, peak in PEAK_BF16.items():
+        value, unit = re.search(rf"{gpu} ([\d.]+) (h|min|s)", report["time"]).groups()
+        seconds = float(value) * {"h": 3600, "min": 60, "s": 1}[unit]
+        assert seconds == pytest.approx(flops_run / (0.4 * peak), rel=0.06), (gpu, report["time"])
+    assert "estimates" in report["time"] and "not measurements" in report["time"]
+    memory = proc.stdout.split("memory", 1)[1]
+    block = sum(p.numel() for k, p in gpt.named_parameters() if optim.is_block_matrix(k, p))
+    state = {"muon": 4 * block + 8 * (n - block)}[settings["optimizer"]]  # Muon's momentum; AdamW's m and v
+    for label, want in (("weights", 4 * n), ("gradients", 4 * n), (f"{settings['optimizer']} state", state)):
+        got = parse_size(re.search(rf"{label} ([\d.]+ [GM]iB)", memory).group(1))
+        assert got == pytest.approx(want, rel=0.02), (label, got, want)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_models_take_a_real_step_on_the_cpu(name):
+    """Each preset's model at its full width and depth, on a batch of 1 x 64 tokens (not its batch and context:
+    CPU time), takes a forward and backward pass: the loss is finite and near ln(vocabulary rows), a uniform
+    guess, as it is at init; every parameter gets a finite gradient."""
+    _, cfg = preset_config(name, block_size=64, kernels="torch")
+    torch.manual_seed(0)
+    gpt = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (1, 65))
+    _, loss = gpt(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    assert math.isfinite(loss.item()) and abs(loss.item() - math.log(cfg.padded_vocab_size)) < 0.5, loss.item()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in gpt.parameters())
+
+
+def test_param_closed_form_equals_num_params_for_every_kind():
+    """train.param_formula (written from the layers' shapes) against the built model's count, for every mixer,
+    MLP and residual kind, the G variants, RoPE kinds, biases, untied heads and a padded vocabulary."""
+    cases = [dict(mixer=m) for m in MIXERS] + [dict(mlp=m) for m in MLPS] + [dict(residual=r) for r in RESIDUALS]
+    cases += [dict(mixer="G", gdn_variant=v, gdn_expand_v=2) for v in ("deltanet", "gdn", "kda", "gdn2")]
+    cases += [dict(rope="learned", qk_norm=True), dict(rope="lie"), dict(mixer="GMA", bias=True, tie_embeddings=False),
+              dict(mixer="M", mamba_expand=1, mamba_d_state=16, conv_size=3, vocab_multiple=64),
+              dict(mixer="MAAA", residual="kromhc", hc_streams=2, mlp="swiglu", n_embd=96)]
+    for case in cases:
+        cfg = make_config(**{**dict(vocab_size=37, n_layer=3, mamba_headdim=16), **case})
+        with torch.device("meta"):
+            count = GPT(cfg).num_params()
+        assert sum(train.param_formula(cfg).values()) == count, case
+
+
+def saved_activation_bytes(cfg, batch_size):
+    """What autograd keeps for backward in one forward pass (fp32, CPU), each storage once, weights excluded."""
+    torch.manual_seed(0)
+    gpt = GPT(cfg)
+    weights = {t.untyped_storage().data_ptr() for t in [*gpt.parameters(), *gpt.buffers()]}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size + 1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        gpt(idx[:, :-1], idx[:, 1:])
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("mixer", list(MIXERS))
+def test_activation_formula_counts_what_autograd_keeps(mixer):
+    """train.activation_bytes in fp32 against the bytes autograd's saved-tensor hooks see in a forward pass on the
+    Triton path (in the interpreter: the kernels a GPU runs). The formula leaves out what it does not itemise
+    (norms' statistics, the conv's tail, the chunk kernels' smaller buffers): it may undercount by ~10%."""
+    cfg = make_config(vocab_size=96, block_size=128, n_layer=2, n_head=4, n_embd=128, mixer=mixer, qk_norm=True,
+                      kernels="triton", mamba_headdim=32)
+    formula = train.activation_bytes(cfg, 2, act=4)
+    # the formula counts the loss's peak (logits in fp32 twice and in act bytes); autograd keeps one fp32 copy
+    measured = saved_activation_bytes(cfg, 2) + 2 * cfg.block_size * 8 * cfg.padded_vocab_size
+    assert 0.85 < formula / measured < 1.1, (formula, measured)
+
+
+def test_dry_run_optimizer_state_on_meta_matches_a_real_step():
+    """The dry run prices optimizer state by one step on meta tensors: for every optimizer its bytes equal those
+    after a real step on the CPU."""
+    for name in optim.OPTIMIZERS:
+        sizes = []
+        for device in ("cpu", "meta"):
+            with torch.device(device):
+                gpt = GPT(tiny_config(mixer="GA"))
+            opt = optim.build_optimizer(gpt, name, lr=1e-3, weight_decay=0.1)
+            for p in gpt.parameters():
+                p.grad = torch.randn_like(p) if device == "cpu" else torch.empty_like(p)
+            opt.step()
+            sizes.append(optim.state_bytes(opt))
+        assert sizes[0] == sizes[1] > 0, name
+
+
+def test_cuda_without_a_config_names_the_gpu_preset(monkeypatch, capsys, tmp_path):
+    """On CUDA (faked: is_available patched), python train.py with no config file trains the CPU baby model as on
+    every device, and says so, naming the GPU preset; with a config file, or on the CPU, it says nothing."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert train.pick_device("auto") == "cuda"
+    out = str(tmp_path / "never")
+    train.main(["--dry_run=True", "--max_iters=10", f"--out_dir={out}"])
+    shown = capsys.readouterr().out
+    assert f"python train.py {train.GPU_PRESET}" in shown and "baby model" in shown
+    assert "6 layers" not in shown and "4 layers x 128" in shown  # the run itself is still the baby model
+    assert os.path.isfile(os.path.join(ROOT, train.GPU_PRESET))
+    train.main([os.path.join(ROOT, train.GPU_PRESET), "--dry_run=True", f"--out_dir={out}"])
+    shown = capsys.readouterr().out
+    assert "baby model" not in shown and "6 layers x 384" in shown
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    train.main(["--dry_run=True", f"--out_dir={out}"])
+    assert "baby model" not in capsys.readouterr().out and not os.path.exists(out)
+
+
+def test_vocab_multiple_pads_rows_that_generation_never_samples():
+    """vocab_multiple rounds the embedding and head rows up; the logits keep the padded width; sampling at a
+    temperature that makes every allowed token near-equally likely never returns a padding id (27 of 64 rows)."""
+    torch.manual_seed(0)
+    gpt = GPT(tiny_config(vocab_size=37, vocab_multiple=64))
+    assert gpt.wte.weight.shape[0] == gpt.lm_head.weight.shape[0] == 64
+    assert tiny_config(vocab_size=37).padded_vocab_size == 37 and tiny_config(vocab_size=64, vocab_multiple=64) \
+        .padded_vocab_size == 64
+    assert gpt(torch.zeros(1, 4, dtype=torch.long))[0].shape == (1, 4, 64)
+    out = gpt.generate(torch.zeros(4, 1, dtype=torch.long), 60, temperature=1e4)
+    assert out.max() < 37 and len(out.unique()) > 25
+    with pytest.raises(ValueError, match="vocab_multiple=0"):
+        tiny_config(vocab_multiple=0)
+
+
+def wandb_history(run_file):
+    """The history rows of a wandb offline run file ({step: {key: value}}), read with wandb's own protobuf
+    messages. The file is a LevelDB-style log (wandb's format): a 7-byte header (":W&B", 2 bytes of magic, a
+    version byte), then 32 KiB blocks of records, each 4 bytes CRC-32, 2 bytes length (little-endian), 1 byte
+    type (1 whole, 2 first, 3 middle, 4 last piece) and the payload; the payloads make one Record each."""
+    from wandb.proto import wandb_internal_pb2
+    raw, rows, piece, pos = open(run_file, "rb").read(), {}, b"", 7
+    assert raw[:4] == b":W&B"
+    while pos + 7 <= len(raw):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a record header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(raw[pos + 4:pos + 6], "little"), raw[pos + 6]
+        piece += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record.FromString(piece)
+            piece = b""
+            if record.WhichOneof("record_type") == "history":
+                row = {item.nested_key[0] if item.nested_key else item.key: json.loads(item.value_json)
+                       for item in record.history.item}
+                rows.setdefault(row.pop("_step"), {}).update(row)
+    return rows
+
+
+def test_wandb_offline_run_logs_what_log_jsonl_holds(tmp_path):
+    """--wandb_log=True in wandb's offline mode: the run's file (in out_dir/wandb) holds, at each step, the
+    train and val loss, lr, tokens/s, MFU and grad norm that log.jsonl holds, under wandb's names."""
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *TINY, "--max_iters=20",
+                           "--eval_interval=10", "--log_interval=5", "--wandb_log=True", "--wandb_project=test",
+                           f"--out_dir={out}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_files = list(out.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(run_files) == 1, list(out.rglob("*"))
+    history = wandb_history(run_files[0])
+    names = {"loss": "train/loss", "val": "val/loss"}
+    rows = log_rows(str(out))
+    assert {"loss", "val", "lr", "tokens_per_s", "mfu", "grad_norm"} <= {k for r in rows for k in r}
+    for row in rows:
+        for key, value in row.items():
+            if key != "step":
+                assert history[row["step"]][names.get(key, key)] == pytest.approx(value), (row, key)
+
+
+def test_wandb_and_huggingface_hub_are_imported_only_when_asked(tmp_path, monkeypatch):
+    """A plain run imports neither optional package; --wandb_log=True without wandb installed is a one-line error
+    before anything is written."""
+    code = (f"import runpy, sys; sys.argv = ['train.py', *{TINY!r}, '--max_iters=2', '--eval_interval=2', "
+            f"'--out_dir={tmp_path / 'plain'}']; runpy.run_path({os.path.join(ROOT, 'train.py')!r}, "
+            f"run_name='__main__'); print(sorted(m for m in ('wandb', 'huggingface_hub') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout[-500:] + proc.stderr
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    out = tmp_path / "never"
+    with pytest.raises(ValueError, match="--wandb_log=True needs the wandb package: pip install wandb"):
+        train.main([*TINY, "--wandb_log=True", f"--out_dir={out}"])
+    assert not out.exists()
 
 
 def test_ddp_two_processes_on_cpu(tmp_path):

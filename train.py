@@ -4,6 +4,7 @@ Train a specgpt model.
     python train.py                                  # baby GPT on shakespeare_char, ~2 minutes on a CPU
     python train.py --mixer=GGGA --optimizer=muon    # flip any config key with --key=value
     python train.py my_config.py --max_iters=500     # a config file (plain Python assignments), then overrides
+    python train.py config/gpt2_small_fineweb.py --dry_run=True   # a preset's size, memory and GPU time; no run
     python train.py --init_from=resume               # continue out_dir/ckpt.pt exactly where it stopped
     python train.py --sample_only=True --start="ROMEO:"   # sample from out_dir/ckpt.pt
     torchrun --nproc_per_node=2 train.py             # data-parallel (DDP) on 2 processes
@@ -15,6 +16,7 @@ atomically at every eval, only while the loss and weights are finite) holds the 
 the config, the RNG and sampler states, so a resumed CPU run continues bit for bit.
 """
 import difflib
+import glob
 import inspect
 import json
 import math
@@ -44,6 +46,10 @@ eval_iters = 20                # validation batches per eval (a fixed set, the s
 log_interval = 50              # steps between training-loss lines
 analyze_every = 0              # > 0: every N iters append weight/Hessian/noise-scale spectra to out_dir/analysis.jsonl
 seed = 1337                    # seeds the init and the training batches
+dry_run = False                # print the run's size, FLOPs, memory and estimated GPU time, then exit: no out_dir
+wandb_log = False              # also log to Weights & Biases (pip install wandb); log.jsonl is written either way
+wandb_project = "specgpt"      # wandb's project
+wandb_run_name = ""            # wandb's run name ("": wandb picks one)
 # data
 dataset = "shakespeare_char"   # shakespeare_char | shakespeare | path/to/file.txt | 'dir/*_train_*.bin'
 tokenizer = "auto"             # data.TOKENIZERS; auto: the dataset's own (gpt2: shakespeare, shards; else char)
@@ -102,7 +108,9 @@ RANGES = {"eval_interval": ">= 1", "eval_iters": ">= 1", "log_interval": ">= 1",
           "warmup_iters": ">= 0", "wsd_decay_frac": "in [0, 1]", "num_samples": ">= 0", "max_new_tokens": ">= 0",
           "temperature": ">= 0", "top_k": ">= 1", "peak_tflops": ">= 0",
           "block_size": ">= 1", "n_layer": ">= 1", "n_head": ">= 1", "n_embd": ">= 1", "hc_streams": ">= 1",
-          "mamba_headdim": ">= 1"}
+          "mamba_headdim": ">= 1", "vocab_multiple": ">= 1"}
+# with no config file on a GPU, train.py still trains the CPU baby model, and names this preset (see gpu_hint)
+GPU_PRESET = "config/shakespeare_char_gpu.py"
 
 
 def model_defaults():
@@ -215,6 +223,15 @@ def pick_device(name):
     return "cpu"
 
 
+def gpu_hint(args, device):
+    """The line for a GPU user of plain `python train.py`: the run is the CPU baby model, and GPU_PRESET is the one
+    sized for a GPU. The same command trains the same model on every device, so its numbers compare."""
+    if device.startswith("cuda") and not any(not a.startswith("--") or a.startswith("--config=") for a in args):
+        return (f"note: no config file, so this is the CPU baby model (seconds of GPU work); sized for a GPU: "
+                f"python train.py {GPU_PRESET}")
+    return None
+
+
 # Dense (no sparsity) tensor-core peaks per GPU, from NVIDIA's datasheets (half their sparse figures), by the exact
 # name torch.cuda.get_device_name() reports: (bfloat16, TF32) FLOP/s. A float32 run (TF32 matmuls) counts against
 # the TF32 peak. A GPU not listed gets no MFU unless --peak_tflops states its peak.
@@ -302,9 +319,25 @@ def diverged(what, iter_num, ckpt_path, saved_iter, learning_rate, grad_clip):
     return f"{what} at iter {iter_num}: stopped, {kept}; {hint}"
 
 
-def append_log(path, row):
+# log.jsonl's keys as they are named in wandb (the others keep their names)
+WANDB_KEYS = {"loss": "train/loss", "val": "val/loss"}
+
+
+def import_wandb():
+    try:
+        import wandb
+    except ImportError:
+        raise data.ConfigError("--wandb_log=True needs the wandb package: pip install wandb (or drop --wandb_log)") \
+            from None
+    return wandb
+
+
+def append_log(path, row, wandb_run=None):
+    """One row of out_dir/log.jsonl, and of the wandb run when there is one."""
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
+    if wandb_run:
+        wandb_run.log({WANDB_KEYS.get(k, k): v for k, v in row.items() if k != "step"}, step=row["step"])
 
 
 def plot_losses(log_path, png_path):
@@ -327,6 +360,183 @@ def plot_losses(log_path, png_path):
 
 
 # ----------------------------------------------------------------------------------------------------
+# the dry run: what a run costs, from its settings alone (the model is built on the meta device: no memory, no
+# data read). Parameters by closed form, checked against the model; memory by formula; time as an estimate.
+
+ESTIMATE_MFU = 0.4   # the model FLOPs utilisation the time estimates assume
+ESTIMATE_GPUS = {"A100": "NVIDIA A100-SXM4-80GB", "H100": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200"}
+
+
+def gated_delta_sizes(cfg):
+    """The G mixer's head sizes dk, dv, its convolved channels (q, k, v), in_proj's rows and its decay rows."""
+    H = cfg.n_head
+    dk = cfg.n_embd // H
+    dv = dk * cfg.gdn_expand_v
+    erase, write, decay = {"gdn2": (H * dk, H * dv, H * dk), "kda": (H, 0, H * dk), "gdn": (H, 0, H),
+                           "deltanet": (H, 0, 0)}[cfg.gdn_variant]
+    conv = H * (2 * dk + dv)
+    return dk, dv, conv, conv + H * dv + erase + write + decay, decay
+
+
+def mixer_params(cfg, letter):
+    """Parameters of one mixer, written out from its layers (None for a letter without a formula here)."""
+    d, H, bias = cfg.n_embd, cfg.n_head, cfg.bias
+    hs = d // H
+    if letter == "A":  # q, k, v, out projections; QK-norm gains; trainable RoPE frequencies (and basis)
+        rope = {"fixed": 0, "learned": d // 2, "lie": d // 2 + H * hs * hs}[cfg.rope]
+        return 4 * (d + bias) * d + 2 * hs * cfg.qk_norm + rope
+    if letter == "G":  # in_proj (q, k, v, gate, erase, write, decay rows), conv, A_log, dt_bias, o_norm, out_proj
+        dk, dv, conv, rows, decay = gated_delta_sizes(cfg)
+        return (d + bias) * rows + conv * cfg.conv_size + (H + decay if decay else 0) + dv + (H * dv + bias) * d
+    if letter == "M":  # in_proj (z, x, B, C, dt rows), conv with bias, A_log, dt_bias, D, norm, out_proj
+        inner, N = cfg.mamba_expand * d, cfg.mamba_d_state
+        heads, conv = inner // cfg.mamba_headdim, inner + 2 * N
+        return (d + bias) * (inner + conv + heads) + conv * (cfg.conv_size + 1) + 3 * heads + inner + (inner + bias) * d
+    return None
+
+
+def mlp_hidden(cfg):
+    return 8 * ((8 * cfg.n_embd // 3 + 7) // 8) if model.MLPS[cfg.mlp][1] else 4 * cfg.n_embd
+
+
+def residual_params(cfg):
+    """Parameters of one residual module (two per block): the hyper-connections' map φ, α and b."""
+    n = cfg.hc_streams
+    h_res = {"hc": n * n, "mhc": n * n, "mhc-lite": math.factorial(n), "kromhc": n.bit_length() - 1,
+             "shc": (n - 1) ** 2, "markov": sum(math.comb(n, k) * math.factorial(k - 1) for k in range(2, n + 1))}
+    if cfg.residual == "res":
+        return 0
+    return None if cfg.residual not in h_res else (n * cfg.n_embd + 1) * (2 * n + h_res[cfg.residual]) + 3
+
+
+def param_formula(cfg):
+    """{part: parameters} by closed form; None for a part whose kind has no formula above."""
+    d, L, gated = cfg.n_embd, cfg.n_layer, model.MLPS[cfg.mlp][1]
+    h = mlp_hidden(cfg)
+    mixers = [mixer_params(cfg, cfg.mixer[i % len(cfg.mixer)]) for i in range(L)]
+    residual = residual_params(cfg)
+    return {"embedding": cfg.padded_vocab_size * d * (1 if cfg.tie_embeddings else 2),
+            "mixers": None if None in mixers else sum(mixers),
+            "MLPs": L * ((1 + gated) * (d + cfg.bias) * h + (h + cfg.bias) * d),
+            "norms": (2 * L + 1) * d, "residuals": None if residual is None else 2 * L * residual}
+
+
+def mixer_activations(cfg, letter, act, T):
+    """Bytes per token that one mixer keeps for the backward pass (eager mode, each tensor once): act bytes for
+    activations (2 under bf16 autocast), 4 for the fp32 decays and states the kernels keep; None without a formula."""
+    d, H = cfg.n_embd, cfg.n_head
+    hs = d // H
+    if letter == "A":  # the projections' input, q and k (and before QK-norm), sdpa's q, k, v, output, out_proj's input
+        weights = 2 * H * T if cfg.attention != "sdpa" else 0  # explicit scores and weights: (T x T) per head
+        return act * (d * (8 + 2 * cfg.qk_norm) + weights)
+    if letter == "G":
+        (dk, dv, conv, rows, _), c = gated_delta_sizes(cfg), cfg.gdn_chunk_size
+        # in_proj's input and output, the conv output and its SiLU, normalised q and k, the gates b and w, the
+        # output norm's input, the gated product's two factors, out_proj's input ...
+        activations = d + rows + 2 * conv + 2 * H * dk + H * (dk + dv) + 4 * H * dv
+        # ... and in fp32 the decays g, the chunk kernel's pair weights, Y, U and the states entering each chunk
+        return act * activations + 4 * (H * dk + 2 * H * c + H * (dk + dv) + H * dk * dv // c)
+    if letter == "M":
+        inner, N, c = cfg.mamba_expand * d, cfg.mamba_d_state, cfg.chunk_size
+        heads, conv = inner // cfg.mamba_headdim, inner + 2 * N
+        # in_proj's input and output, the conv output and its SiLU, y and SiLU(z), the norm's input, out_proj's
+        # input; in fp32 the chunks' C·Bᵀ and the states entering each chunk
+        activations = d + (inner + conv + heads) + 2 * conv + 4 * inner
+        return act * activations + 4 * (c + heads * cfg.mamba_headdim * N // c)
+    return None
+
+
+def activation_bytes(cfg, batch_size, act):
+    """What one micro-batch keeps for backward, by formula (approximate, eager mode: the tests find it ~10% under
+    autograd's saved tensors on the Triton path; torch.compile keeps less):
+    per layer the fp32 inputs of its two norms (the residual stream), the MLP's input, activation and out_proj
+    input, the mixer's (mixer_activations); at the head the final norm's input and, at the loss's peak, the
+    logits in act bytes and twice in fp32 (the upcast and its log-softmax). None if a mixer has no formula."""
+    T, d, L = cfg.block_size, cfg.n_embd, cfg.n_layer
+    mixers = [mixer_activations(cfg, cfg.mixer[i % len(cfg.mixer)], act, T) for i in range(L)]
+    if None in mixers:
+        return None
+    mlp = act * (d + (4 if model.MLPS[cfg.mlp][1] else 2) * mlp_hidden(cfg))
+    streams = cfg.hc_streams + 1 if cfg.residual != "res" else 0  # a hyper-connection keeps X and F's output
+    per_token = sum(mixers) + L * (4 * 2 * d + mlp + 2 * 4 * streams * d) + 4 * d + (act + 8) * cfg.padded_vocab_size
+    return batch_size * T * per_token
+
+
+def dataset_vocab_size(dataset, tokenizer):
+    """The vocabulary a run of dataset gets: GPT-2's for token shards (nothing read), else the prepared data's
+    (a text not prepared yet is prepared now, into data/, as training would)."""
+    if data.is_shard_pattern(dataset):
+        return data.GPT2Tokenizer().meta()["vocab_size"]
+    return data.load_dataset(dataset, tokenizer)[2]["vocab_size"]
+
+
+def size(nbytes):
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def duration(seconds):
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min" if seconds >= 60 else \
+        f"{seconds:.0f} s"
+
+
+def dry_run_report(settings, world):
+    """The dry run's lines: the model and its parameters against the closed form, the tokens, the FLOPs, the
+    memory of one process (weights, gradients, optimizer state, activations) and the GPU time (estimates)."""
+    c = SimpleNamespace(**settings)
+    vocab_size = dataset_vocab_size(c.dataset, c.tokenizer)
+    config = GPTConfig(vocab_size=vocab_size, **{k: settings[k] for k in model_defaults()})
+    with torch.device("meta"):  # full size, no memory
+        gpt = GPT(config)
+    n_params = gpt.num_params()
+    parts = param_formula(config)
+    if None in parts.values():
+        closed = f"(no closed form for the {', '.join(k for k, v in parts.items() if v is None)}: see param_formula)"
+    else:
+        terms = " + ".join(f"{k} {v:,}" for k, v in parts.items() if v)
+        closed = f"= the closed form: {terms}" if sum(parts.values()) == n_params else \
+            f"but the closed form gives {sum(parts.values()):,} = {terms} (a layer changed: update param_formula)"
+    act = 4 if c.dtype == "float32" else 2  # "auto": bf16 autocast, as on the GPUs priced here
+    tokens_per_iter = c.gradient_accumulation_steps * world * c.batch_size * config.block_size
+    train_tokens = tokens_per_iter * c.max_iters
+    eval_tokens = (c.max_iters // c.eval_interval + 1) * c.eval_iters * c.batch_size * config.block_size * world
+    flops_token = gpt.flops_per_token(config.block_size)
+    flops = flops_token * (train_tokens + eval_tokens / 3)  # an eval is the forward third of a training step
+    opt = optim.build_optimizer(gpt, c.optimizer, lr=c.learning_rate, weight_decay=c.weight_decay, aux_lr=c.aux_lr,
+                                aux_betas=(c.beta1, c.beta2), spectral_lr=c.spectral_lr, **optimizer_options(c))
+    for p in gpt.parameters():
+        p.grad = torch.empty_like(p)
+    opt.step()  # on meta tensors: creates the state's tensors, computes nothing
+    matmul_weights = sum(m.weight.numel() for m in gpt.modules() if isinstance(m, torch.nn.Linear))
+    memory = {"weights": 4 * n_params, "their bf16 copies": 2 * matmul_weights if act == 2 else 0,
+              "gradients": 4 * n_params, f"{c.optimizer} state": optim.state_bytes(opt),
+              f"activations ({c.batch_size} x {config.block_size})": activation_bytes(config, c.batch_size, act)}
+    seconds = {gpu: flops / (ESTIMATE_MFU * GPU_PEAKS[name][0] * world) for gpu, name in ESTIMATE_GPUS.items()}
+    if None in memory.values():
+        memory_line = "no formula for the activations of one of the mixers (see mixer_activations)"
+    else:
+        memory_line = f"{sum(memory.values()) / 2**30:.1f} GiB a process, by formula " + \
+            f"({'bf16 autocast' if act == 2 else 'fp32'}):\n            " + \
+            ", ".join(f"{k} {size(v)}" for k, v in memory.items() if v)
+    lines = ["dry run: nothing is trained or written; the model is built on the meta device",
+             f"model       mixer {config.mixer}, {config.n_layer} layers x {config.n_embd}, {config.n_head} heads, "
+             f"block {config.block_size}, vocab {config.vocab_size} ({config.padded_vocab_size} rows), {c.optimizer}",
+             f"parameters  {n_params:,} {closed}",
+             f"tokens      {tokens_per_iter:,} a step ({world} x {c.gradient_accumulation_steps} x {c.batch_size} x "
+             f"{config.block_size}) x {c.max_iters:,} steps = {train_tokens:.3g} ({train_tokens / n_params:.1f} a "
+             f"parameter)",
+             f"FLOPs       {flops_token:.3g} a token (6N = {6 * n_params:.3g}), {flops:.3g} for the run, its "
+             f"{eval_tokens:.3g} eval tokens included",
+             f"memory      {memory_line}",
+             f"time        estimates at {ESTIMATE_MFU:.0%} MFU, not measurements: " +
+             ", ".join(f"{gpu} {duration(t)}" for gpu, t in seconds.items()) + (f", {world} GPUs" if world > 1 else "")]
+    if data.is_shard_pattern(c.dataset):
+        found = len(glob.glob(c.dataset))
+        lines.append(f"data        {found} files match {c.dataset}" if found else f"data        no files match "
+                     f"{c.dataset} yet: python data.py fineweb10B --shards=N fetches N x ~100M tokens")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
 
 def main(args):
     # 1. settings: defaults, then config files, then --key=value; every value is checked here
@@ -342,6 +552,12 @@ def main(args):
     ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     dev = pick_device(c.device)
+    if rank == 0 and gpu_hint(args, dev):
+        print(gpu_hint(args, dev))
+    if c.dry_run:  # what the run would cost, then stop: no process group, no data read, nothing written
+        if rank == 0:
+            print(dry_run_report(settings, world))
+        return
     if ddp:
         import torch.distributed as dist
         dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo")
@@ -365,6 +581,7 @@ def main(args):
     check_out_dir(c.out_dir)
     train_tokens, val_tokens, meta = data.load_dataset(c.dataset, c.tokenizer)
     ckpt = data.load_checkpoint(ckpt_path) if c.init_from == "resume" else None
+    wandb = import_wandb() if c.wandb_log and master else None
     model_cfg, changes = {k: settings[k] for k in model_defaults()}, []
     if ckpt is not None:
         check_same_vocabulary(meta, c.dataset, ckpt["meta"], ckpt["config"].get("dataset"))
@@ -426,6 +643,8 @@ def main(args):
               + (f"MFU against {peak / 1e12:g} TFLOP/s" if peak else "no MFU (no known peak: --peak_tflops)"))
         if ckpt is not None:
             print(f"resuming at iter {iter_num}" + (f"; changed: {', '.join(changes)}" if changes else ""))
+    wandb_run = wandb.init(project=c.wandb_project, name=c.wandb_run_name or None, config=settings,
+                           dir=c.out_dir) if wandb else None
 
     # 6. the loop: an eval (and checkpoint) every eval_interval steps and at the end, a log line every log_interval
     t_start, first_iter = time.time() - elapsed, iter_num
@@ -448,7 +667,7 @@ def main(args):
             if master:
                 print(f"iter {iter_num}: val loss {val_loss:.4f} (best {best_val:.4f}), "
                       f"{time.time() - t_start:.1f}s elapsed")
-                append_log(log_path, {"step": iter_num, "val": val_loss, "time": time.time() - t_start})
+                append_log(log_path, {"step": iter_num, "val": val_loss, "time": time.time() - t_start}, wandb_run)
                 data.save_checkpoint(ckpt_path, {
                     "model": raw_model.state_dict(), "optimizer": opt.state_dict(), "config": settings, "meta": meta,
                     "iter_num": iter_num, "best_val_loss": best_val, "val_loss": val_loss,
@@ -473,8 +692,8 @@ def main(args):
                 _, loss = gpt(x, y)
                 (loss / c.gradient_accumulation_steps).backward()
             loss_sum += loss.detach().float() / c.gradient_accumulation_steps
-        if c.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(gpt.parameters(), c.grad_clip)
+        # the gradient's global norm (logged), clipped to grad_clip; grad_clip 0 scales by exactly 1
+        grad_norm = torch.nn.utils.clip_grad_norm_(gpt.parameters(), c.grad_clip if c.grad_clip > 0 else math.inf)
         opt.step()
         opt.zero_grad(set_to_none=True)
         iter_num += 1
@@ -486,7 +705,8 @@ def main(args):
             window_tokens += tokens_per_iter
 
         if iter_num % c.log_interval == 0 and master:
-            mean_loss = loss_sum.item() / steps_since_log  # the loop's only host sync between evals
+            loss_total, norm = torch.stack([loss_sum, grad_norm.float()]).tolist()  # the loop's only host sync
+            mean_loss = loss_total / steps_since_log
             if not math.isfinite(mean_loss):
                 raise FloatingPointError(diverged(f"training loss {mean_loss}", iter_num, ckpt_path, saved_iter,
                                                   c.learning_rate, c.grad_clip))
@@ -497,8 +717,9 @@ def main(args):
             if tok_s:
                 speed = f"{tok_s:,.0f} tokens/s" + (f", mfu {100 * mfu:.1f}%" if mfu else "") + \
                     f", eta {(c.max_iters - iter_num) * tokens_per_iter / tok_s:.0f}s"
-            print(f"iter {iter_num}: loss {mean_loss:.4f}, lr {lr:.2e}, {speed}")
-            append_log(log_path, {"step": iter_num, "loss": mean_loss, "lr": lr, "tokens_per_s": tok_s, "mfu": mfu})
+            print(f"iter {iter_num}: loss {mean_loss:.4f}, lr {lr:.2e}, grad norm {norm:.3f}, {speed}")
+            append_log(log_path, {"step": iter_num, "loss": mean_loss, "lr": lr, "tokens_per_s": tok_s, "mfu": mfu,
+                                  "grad_norm": norm}, wandb_run)
             loss_sum.zero_()
             steps_since_log = 0
 
@@ -513,6 +734,8 @@ def main(args):
         if c.num_samples > 0 and c.max_new_tokens > 0:
             print_samples(raw_model, data.tokenizer_from_meta(meta), c.start, dev, c.num_samples, c.max_new_tokens,
                           c.temperature, c.top_k)
+        if wandb_run:
+            wandb_run.finish()
     if ddp:
         torch.distributed.destroy_process_group()
 
