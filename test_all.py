@@ -204,11 +204,11 @@ def test_text_files_must_be_utf8_text(tmp_path):
 
 def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
     path = str(tmp_path / "x.png")
-    data.atomic_write(path, lambda tmp: open(tmp, "w").write("old"))
+    data.atomic_write(path, lambda f: f.write(b"old"))
 
-    def fail_midway(tmp):
-        with open(tmp, "w") as f:
-            f.write("half")
+    def fail_midway(f):
+        f.write(b"half")
+        f.flush()
         raise OSError("disk full")
 
     with pytest.raises(OSError):
