@@ -772,7 +772,7 @@ def _pyplot():
 def _save(plt, fig, path):
     """Write the figure to a temporary name, then rename: a crash never leaves half a PNG."""
     fig.tight_layout()
-    data.atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110))
+    data.atomic_write(path, lambda f: fig.savefig(f, dpi=110, format="png"))
     plt.close(fig)
 
 
@@ -1155,7 +1155,7 @@ def run_analysis(model, batches, out_dir, sections=DEFAULT_SECTIONS, opts=None, 
         inputs[name] = (section_summary, arrays)
         if arrays:
             data.atomic_write(os.path.join(out_dir, f"{name}.npz"),
-                              lambda tmp: np.savez(tmp, **{k.replace(".", "/"): v for k, v in arrays.items()}))
+                              lambda f: np.savez(f, **{k.replace(".", "/"): v for k, v in arrays.items()}))
         if section.plot:
             section.plot(section_summary, arrays, os.path.join(out_dir, f"{name}.png"))
     _write_json(os.path.join(out_dir, "summary.json"), summary)
@@ -1190,8 +1190,7 @@ def analyze_during_training(model, batch, step, out_dir, micro_batches=4, hessia
             for key, value in section.during_training(twin, x, y, step, settings).items():
                 record[key] = {**record.get(key, {}), **value} if isinstance(value, dict) else value
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "analysis.jsonl"), "a") as f:
-        f.write(json.dumps(_jsonable(record)) + "\n")
+    data.append_line(os.path.join(out_dir, "analysis.jsonl"), json.dumps(_jsonable(record)))
     return record
 
 
@@ -1199,8 +1198,7 @@ def plot_training_analysis(jsonl_path, png_path):
     """Natural spectral norm and stable rank of every matrix, the top Hessian eigenvalue and the noise
     scale against the step, from analyze_during_training's JSONL."""
     plt = _pyplot()
-    with open(jsonl_path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records, _ = data.read_jsonl(jsonl_path)
     steps = [r["step"] for r in records]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     names = list(records[0]["weights"])
@@ -1253,13 +1251,6 @@ def steps_to_target(log_rows, target):
     return None
 
 
-def _read_log(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip().endswith("}")]
-
-
 def batch_scan(batch_sizes, target, out_dir, max_iters=4000, analyze_batch=0, analyze_every=25,
                train_args=(), verbose=True):
     """Train train.py's model at each batch size B (sequences) with a constant lr (wsd without decay)
@@ -1277,7 +1268,7 @@ def batch_scan(batch_sizes, target, out_dir, max_iters=4000, analyze_batch=0, an
         args = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"),
                 f"--out_dir={run_dir}", f"--batch_size={B}", f"--max_iters={max_iters}", "--schedule=wsd",
                 "--wsd_decay_frac=0.0", f"--eval_interval={max(5, round(320 / B))}", f"--eval_iters={max(2, 256 // B)}",
-                "--log_interval=1000000", "--num_samples=0", *train_args]
+                "--log_interval=1000000", "--num_samples=0", "--overwrite=True", *train_args]
         if B == analyze_batch:
             args.append(f"--analyze_every={analyze_every}")
         os.makedirs(run_dir, exist_ok=True)
@@ -1285,19 +1276,19 @@ def batch_scan(batch_sizes, target, out_dir, max_iters=4000, analyze_batch=0, an
             proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err_file)
             steps = None
             while steps is None and proc.poll() is None:
-                steps = steps_to_target(_read_log(os.path.join(run_dir, "log.jsonl")), target)
+                steps = steps_to_target(data.read_jsonl(os.path.join(run_dir, "log.jsonl"))[0], target)
                 if steps is None:
                     time.sleep(1.0)
             proc.terminate()
             proc.wait()
-        steps = steps or steps_to_target(_read_log(os.path.join(run_dir, "log.jsonl")), target)
+        steps = steps or steps_to_target(data.read_jsonl(os.path.join(run_dir, "log.jsonl"))[0], target)
         if steps is None:
             err = open(os.path.join(run_dir, "stderr.txt")).read().strip()
             raise ValueError(f"batch size {B} did not reach val loss {target} in {max_iters} steps "
                              f"({err.splitlines()[-1] if err else 'no error'}): raise max_iters or the target")
         runs.append({"batch_size": B, "steps": steps, "examples": steps * B})
         if B == analyze_batch:
-            noise = _read_log(os.path.join(run_dir, "analysis.jsonl"))
+            noise = data.read_jsonl(os.path.join(run_dir, "analysis.jsonl"))[0]
         if verbose:
             print(f"B = {B}: val loss {target} after {steps:.1f} steps, {steps * B:.0f} sequences", flush=True)
         result = {"target": target, "analyze_batch": analyze_batch, "runs": runs, "noise": noise}
@@ -1414,7 +1405,7 @@ def read_schedule_run(run_dir):
     """(lrs relative to the peak, eval steps, val losses) from a train.py run logged with --log_interval=1."""
     if not os.path.isfile(os.path.join(run_dir, "log.jsonl")):
         raise ValueError(f"no {run_dir}/log.jsonl: give train.py run folders (train with --out_dir=... --log_interval=1)")
-    rows = _read_log(os.path.join(run_dir, "log.jsonl"))
+    rows = data.read_jsonl(os.path.join(run_dir, "log.jsonl"))[0]
     lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
     if not lr or sorted(lr) != list(range(1, max(lr) + 1)):
         raise ValueError(f"{run_dir}/log.jsonl lacks the lr of every step: train with --log_interval=1")
@@ -1492,6 +1483,10 @@ OPTIONS = {  # analysis options; every GPTConfig key is also accepted (fresh ini
     "mpl_predict": "",                 # run folders whose loss curves the fitted law predicts
     "lengths": "",                     # e.g. 1,2,4,8: instead of the sections, length_extrapolation at these multiples of block_size
 }
+# the allowed values of the numeric options (data.in_range)
+RANGES = {"seed": "in [0, 2**63)", "batch_size": ">= 1", "micro_batches": ">= 1", "hessian_batches": ">= 1",
+          "top_k": ">= 1", "power_iters": ">= 1", "n_probes": ">= 1", "lanczos_iters": ">= 1", "n_slq": ">= 1",
+          "scan_target": "> 0", "scan_max_iters": ">= 1", "scan_analyze_batch": ">= 0"}
 
 
 def parse_args(argv):
@@ -1506,7 +1501,21 @@ def parse_args(argv):
                               file_keys={*model_keys, "dataset", "tokenizer"},
                               allowed={k: " | ".join(v) for k, v in model_module.config_choices().items()})
     opts = {**OPTIONS, **{k: v for k, v in given.items() if k in OPTIONS}}
+    data.check_ranges(opts, RANGES)
     return opts, {k: v for k, v in given.items() if k not in OPTIONS}
+
+
+def parse_list(opts, key, kind):
+    """The comma-separated numbers of opts[key], each a kind (int or float) above 0, or a one-line error."""
+    try:
+        values = [kind(v) for v in opts[key].split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        example = "4,8,16" if kind is int else "1,2,4,8"
+        raise ValueError(f"--{key}={opts[key]!r} is not valid: give numbers above 0 separated by commas, e.g. "
+                         f"--{key}={example}")
+    return values
 
 
 def load_model(opts, model_overrides):
@@ -1515,7 +1524,7 @@ def load_model(opts, model_overrides):
     if opts["ckpt"]:
         if model_overrides:
             raise ValueError(f"model keys {sorted(model_overrides)} cannot change a checkpoint's model: drop them")
-        ckpt = data.load_checkpoint(opts["ckpt"])
+        ckpt = data.load_checkpoint(opts["ckpt"], "--ckpt")
         model = GPT(GPTConfig.from_dict(ckpt["config"]))
         data.load_weights(model, ckpt, opts["ckpt"])
         return model, ckpt["config"].get("dataset", opts["dataset"]), ckpt["config"].get("tokenizer", opts["tokenizer"])
@@ -1528,7 +1537,8 @@ def load_model(opts, model_overrides):
 def main_scan(opts):
     """--scan_batch_sizes=4,8,16: batch_scan, the critical-batch fit, scan.png and a table."""
     out_dir = opts["out_dir"] or os.path.join("out", "scan")
-    batch_sizes = [int(b) for b in opts["scan_batch_sizes"].split(",")]
+    batch_sizes = parse_list(opts, "scan_batch_sizes", int)
+    data.check_writable_folder(out_dir, "out_dir")
     scan = batch_scan(batch_sizes, opts["scan_target"], out_dir, opts["scan_max_iters"], opts["scan_analyze_batch"],
                       train_args=opts["scan_train_args"].split())
     report_scan(scan, out_dir)
@@ -1562,7 +1572,8 @@ def main_mpl(opts):
     fit_dirs = [d for d in opts["mpl_fit"].split(",") if d]
     predict_dirs = [d for d in opts["mpl_predict"].split(",") if d]
     out_dir = opts["out_dir"] or os.path.join("out", "mpl")
-    os.makedirs(out_dir, exist_ok=True)
+    data.check_writable_folder(out_dir, "out_dir")
+    data.make_folder(out_dir, "out_dir")
     result = mpl_predict(fit_dirs, predict_dirs, os.path.join(out_dir, "mpl.png"))
     print("multi-power law fitted to " + ", ".join(fit_dirs) + f" (rms {result['fit_rms']:.4f}): " +
           ", ".join(f"{k} {v:.4g}" for k, v in result["params"].items()))
@@ -1585,12 +1596,13 @@ def main(argv):
     if opts["split"] not in ("train", "val"):
         raise ValueError(f"--split={opts['split']!r} is not valid: use train or val")
     device = opts["device"] if opts["device"] != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    factors = parse_list(opts, "lengths", float) if opts["lengths"] else None
+    out_dir = opts["out_dir"] or os.path.join(os.path.dirname(opts["ckpt"]) if opts["ckpt"] else "out", "analysis")
+    data.check_writable_folder(out_dir, "out_dir")
     model, dataset, tokenizer = load_model(opts, model_overrides)
     model = analysis_model(model.to(device))
     train_tokens, val_tokens, _ = data.load_dataset(dataset, tokenizer)
-    out_dir = opts["out_dir"] or os.path.join(os.path.dirname(opts["ckpt"]) if opts["ckpt"] else "out", "analysis")
-    if opts["lengths"]:
-        factors = [float(f) for f in opts["lengths"].split(",")]
+    if factors:
         rows = length_extrapolation(model, val_tokens if opts["split"] == "val" else train_tokens, factors,
                                     batch_size=opts["batch_size"])
         os.makedirs(out_dir, exist_ok=True)
@@ -1612,5 +1624,5 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ValueError, data.DataError) as e:
+    except (ValueError, data.DiskFullError) as e:  # bad input, or a full disk: one line that says what to fix
         sys.exit(f"analyze.py: {e}")

@@ -20,15 +20,20 @@ The other files specgpt reads live here too, below the model and the tools that 
 import ast
 import base64
 import difflib
+import errno
 import glob
 import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
+import traceback
+import types
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -43,15 +48,46 @@ class DataError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------------
-# writing files so that a crash never leaves a half-written one behind
+# writing files so that a crash, a kill or a full disk never leaves a half-written one behind
+
+class DiskFullError(OSError):
+    """A write that found the device (or the user's quota) full, reported as one line naming the file."""
+
+
+def is_disk_full(error):
+    """Whether error, or an error it was raised from or during, is ENOSPC or EDQUOT (torch.save raises its
+    own RuntimeError while the OSError of the failed write is still being handled)."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+@contextmanager
+def full_disk_reported(path):
+    """Inside, a write that finds the disk full becomes one DiskFullError line naming path."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        if not is_disk_full(e):
+            raise
+        kept = f"; the previous {os.path.basename(path)} is kept" if os.path.exists(path) else ""
+        raise DiskFullError(f"no space left on device writing {path}: free some space or point --out_dir at "
+                            f"another disk{kept}") from None
+
 
 def atomic_write(path, write):
-    """write(tmp) writes the file at the temporary path tmp (same folder and extension as path); then
-    tmp is renamed to path. Every file specgpt writes goes through here."""
+    """write(f) writes the file through f, the open binary file of a temporary name beside path (the same
+    extension), which is then flushed to the disk and renamed to path: a crash, a kill or a full disk keeps the
+    previous file whole. Every file specgpt writes goes through here (log lines: append_line)."""
     root, ext = os.path.splitext(path)
     tmp = f"{root}.tmp{os.getpid()}{ext}"
     try:
-        write(tmp)
+        with full_disk_reported(path), open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes reach the disk before the new name does
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -59,10 +95,120 @@ def atomic_write(path, write):
 
 
 def atomic_write_bytes(path, data):
-    def write(tmp):
-        with open(tmp, "wb") as f:
-            f.write(data)
-    atomic_write(path, write)
+    atomic_write(path, lambda f: f.write(data))
+
+
+def remove_orphan_temporaries(folder):
+    """Deletes the temporaries (atomic_write's name.tmp<pid>.ext) that processes killed mid-write left in folder."""
+    for name in os.listdir(folder):
+        match = re.fullmatch(r".+\.tmp(\d+)(\.\w+)?", name)
+        if match and not process_alive(int(match.group(1))):
+            os.remove(os.path.join(folder, name))
+
+
+def append_line(path, line, sync=False):
+    """Appends line and a newline to path with one write, so that the line is whole or absent: a write that the
+    disk cut short is undone. sync: flush it to the disk before returning."""
+    encoded = (line + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        with full_disk_reported(path):
+            size = os.fstat(fd).st_size
+            if os.write(fd, encoded) != len(encoded):
+                os.ftruncate(fd, size)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if sync:
+                os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path):
+    """(rows, torn): the JSON rows of the lines of path (none if there is no file), and how many lines were
+    not JSON and skipped (a last line cut short by a crash or a full disk)."""
+    if not os.path.exists(path):
+        return [], 0
+    rows, torn = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                torn += bool(line.strip())
+    return rows, torn
+
+
+# ----------------------------------------------------------------------------------------------------
+# a run's folder: one process writes it at a time
+
+def process_alive(pid):
+    """Whether a process with this pid runs on this host (signal 0 only asks)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def lock_holder(path):
+    """Who holds the lock file at path, as text ("pid 123 on host h"), or None when there is no lock or its
+    process is dead. A lock from another host counts as held: its process cannot be looked up from here."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None
+    pid, _, host = text.strip().partition(" ")
+    if pid.isdigit() and host == socket.gethostname() and not process_alive(int(pid)):
+        return None
+    return f"pid {pid} on host {host}" if pid.isdigit() else "an unreadable lock"
+
+
+def check_unlocked(folder):
+    """A one-line error when a live process holds folder/.lock."""
+    path = os.path.join(folder, ".lock")
+    holder = lock_holder(path)
+    if holder is not None:
+        raise ConfigError(f"{folder} is in use by another run ({holder}): wait for it to end, or use another "
+                          f"--out_dir (if no run is using it, delete {path})")
+
+
+def take_lock(folder):
+    """Creates folder/.lock (atomically, O_EXCL) holding this process's pid and host, or fails with one line
+    naming the run that holds it; a lock whose process has died is taken over. Returns the lock's path."""
+    path = os.path.join(folder, ".lock")
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            check_unlocked(folder)
+            take_over_stale_lock(path)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()} {socket.gethostname()}\n")
+        return path
+
+
+def take_over_stale_lock(path):
+    """Removes a dead process's lock. It is first renamed aside, which only one of two processes taking it
+    over at once achieves; a lock that turns out to be live (the other one's, just made) is put back."""
+    aside = f"{path}.{os.getpid()}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    if lock_holder(aside) is None:
+        os.remove(aside)
+    else:
+        os.rename(aside, path)
+
+
+def release_lock(path):
+    """Deletes the lock take_lock made, if it is still this process's."""
+    if lock_holder(path) == f"pid {os.getpid()} on host {socket.gethostname()}":
+        os.remove(path)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -337,9 +483,13 @@ def prepare_text(text, tokenizer_name, out_dir, source, val_fraction=0.1):
                         f"65,536 that uint16 token files hold: use another --tokenizer (e.g. gpt2)")
     tokens = np.array(tokenizer.encode(text), dtype=np.int64)
     n_train = int(len(tokens) * (1 - val_fraction))
+    if n_train == 0 or n_train == len(tokens):
+        raise DataError(f"{source} holds only {len(tokens)} token{'s' * (len(tokens) > 1)}: too few for a training "
+                        f"split and a validation split (its last {val_fraction:.0%}); give a longer text")
     os.makedirs(out_dir, exist_ok=True)
-    atomic_write(os.path.join(out_dir, "train.bin"), tokens[:n_train].astype(np.uint16).tofile)
-    atomic_write(os.path.join(out_dir, "val.bin"), tokens[n_train:].astype(np.uint16).tofile)
+    remove_orphan_temporaries(out_dir)  # of a preparation killed before
+    for name, split in (("train.bin", tokens[:n_train]), ("val.bin", tokens[n_train:])):
+        atomic_write(os.path.join(out_dir, name), lambda f: f.write(memoryview(split.astype(np.uint16))))
     meta.update(source=source, train_tokens=n_train, val_tokens=len(tokens) - n_train, text_chars=len(text))
     atomic_write_bytes(os.path.join(out_dir, "meta.json"), json.dumps(meta, indent=1).encode())
     return meta
@@ -406,11 +556,23 @@ def load_shards(pattern):
     if not val_files or val_files == train_files:
         raise DataError(f"no validation shards for {pattern!r}: put files named like the training shards "
                         f"with 'val' in place of 'train' beside them")
-    join = lambda files: ShardTokens([read_shard(f) for f in files]) if len(files) > 1 else read_shard(files[0])
-    train, val = join(train_files), join(val_files)
-    meta = {"tokenizer": "gpt2", "vocab_size": 50257, "source": pattern,
+    vocab_size = GPT2Tokenizer().meta()["vocab_size"]
+    train, val = (join_shards(files, vocab_size) for files in (train_files, val_files))
+    meta = {"tokenizer": "gpt2", "vocab_size": vocab_size, "source": pattern,
             "train_tokens": len(train), "val_tokens": len(val)}
     return train, val, meta
+
+
+def join_shards(files, vocab_size):
+    """The tokens of files, one after another, after checking that every id is below vocab_size (one pass over
+    each shard: an id beyond the model's embedding would otherwise fail at the first batch that holds it)."""
+    shards = [read_shard(f) for f in files]
+    for path, tokens in zip(files, shards):
+        top = int(tokens.max()) if tokens.size else 0
+        if top >= vocab_size:
+            raise DataError(f"{path} holds token id {top}, beyond the {vocab_size:,} ids of GPT-2's vocabulary: "
+                            f"the shard was made with another tokenizer, regenerate it with GPT-2's")
+    return ShardTokens(shards) if len(shards) > 1 else shards[0]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -445,23 +607,96 @@ def parse_config(args, defaults, usage, descriptions, file_keys=None, allowed=No
         if arg.startswith("--config="):
             arg = arg[len("--config="):]
         if not arg.startswith("--"):
-            if not os.path.isfile(arg):
-                raise ConfigError(f"config file {arg!r} not found: give a path to a .py file of assignments")
-            exec(open(arg).read(), {}, file_values := {})
-            pairs = [(k, v) for k, v in file_values.items()
-                     if not k.startswith("_") and (file_keys is None or k in file_keys)]
+            pairs = [(k, v) for k, v in read_config_file(arg).items() if file_keys is None or k in file_keys]
         else:
             key, eq, text = arg[2:].partition("=")
             if not eq:
                 raise ConfigError(f"argument {arg!r} is not of the form --key=value")
-            pairs = [(key, parse_value(text))]
+            value = parse_value(text)  # a string key keeps what was typed: --lengths=1,2,4 is text, not a tuple
+            pairs = [(key, text if isinstance(defaults.get(key), str) and not isinstance(value, str) else value)]
         for key, value in pairs:
             if key not in defaults:
-                close = difflib.get_close_matches(key, defaults, n=3)
+                close = similar_keys(key, defaults)
                 hint = f"did you mean {' or '.join('--' + k for k in close)}? " if close else ""
                 raise ConfigError(f"unknown config key {key!r}; {hint}valid keys: {', '.join(defaults)}")
             given[key] = check_type(key, value, defaults[key])
     return given
+
+
+def read_config_file(path):
+    """{name: value} of the assignments a config file (plain Python) makes; the modules, functions and classes it
+    imports or defines, and names starting with _, are not keys. A syntax error or a failing line is one line."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} not found: give a path to a .py file of assignments")
+    with open(path) as f:
+        source = f.read()
+    try:
+        code = compile(source, path, "exec")
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path}, line {e.lineno}: {e.msg}: a config file holds Python assignments "
+                          f"such as max_iters = 500") from None
+    values = {}  # one namespace, as a module has: a line may use the names the lines above it made
+    try:
+        exec(code, values)
+    except Exception as e:
+        line = next((frame.lineno for frame in reversed(traceback.extract_tb(e.__traceback__))
+                     if frame.filename == path), "?")
+        raise ConfigError(f"config file {path}, line {line}: {type(e).__name__}: {e}") from None
+    return {k: v for k, v in values.items()
+            if not k.startswith("_") and not isinstance(v, types.ModuleType) and not callable(v)}
+
+
+def similar_keys(key, keys):
+    """Up to three keys like key: spelled alike, with key's letters as their words' initials (lr: learning_rate),
+    or with key as one of their words (lr: min_lr)."""
+    initials = [k for k in keys if "".join(word[0] for word in k.split("_")) == key]
+    words = [k for k in keys if key in k.split("_")]
+    return list(dict.fromkeys(initials + difflib.get_close_matches(key, keys, n=3) + words))[:3]
+
+
+def bound(text):
+    """A bound of a range rule: a number, or a power of two written 2**k."""
+    base, power, exponent = text.partition("**")
+    return float(base) ** int(exponent) if power else float(text)
+
+
+def in_range(value, rule):
+    """Whether value satisfies rule: ">= a", "> a", or an interval "in [a, b)" ([ ]: closed, ( ): open)."""
+    if rule.startswith("in "):
+        low_bracket, low, high, high_bracket = re.fullmatch(r"in ([\[(])(.+), (.+)([\])])", rule).groups()
+        above = value >= bound(low) if low_bracket == "[" else value > bound(low)
+        below = value <= bound(high) if high_bracket == "]" else value < bound(high)
+        return above and below
+    op, limit = rule.split()
+    return value >= bound(limit) if op == ">=" else value > bound(limit)
+
+
+def check_ranges(values, ranges):
+    """A one-line error for the first of values outside its rule in ranges ({key: rule of in_range})."""
+    for key, rule in ranges.items():
+        if key in values and not in_range(values[key], rule):
+            op, limit = rule.split(maxsplit=1)
+            allowed = {">=": f"at least {limit}", ">": f"a value above {limit}"}.get(op, f"a value {rule}")
+            raise ConfigError(f"--{key}={values[key]!r} is not valid: use {allowed}")
+
+
+def check_writable_folder(path, flag):
+    """path (given as --flag) must be a folder that exists or can be made, and be writable."""
+    path = os.path.abspath(path)
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"--{flag}={path!r}: {existing} is a file, not a folder: point --{flag} elsewhere")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--{flag}={path!r}: the folder {existing} is not writable: point --{flag} elsewhere")
+
+
+def make_folder(path, flag):
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create --{flag}={path!r} ({e.strerror}): point --{flag} elsewhere") from None
 
 
 def parse_value(text):
@@ -495,13 +730,18 @@ def check_type(key, value, default):
 # checkpoints: {"model", "optimizer", "config", "meta", "iter_num", ...}, written by train.py
 
 def save_checkpoint(path, state):
-    atomic_write(path, lambda tmp: torch.save(state, tmp))  # a crash mid-write keeps the previous one
+    atomic_write(path, lambda f: torch.save(state, f))  # a crash or a full disk keeps the previous one
 
 
-def load_checkpoint(path):
-    """The checkpoint dict at path, or a one-line error when it is missing, unreadable or not specgpt's."""
+def load_checkpoint(path, flag="--out_dir"):
+    """The checkpoint dict at path, or a one-line error when it is missing, unreadable or not specgpt's
+    (flag: the argument that gave path, named in the error)."""
+    if os.path.isdir(path):
+        inside = os.path.join(path, "ckpt.pt")
+        raise ConfigError(f"{path} is a folder, not a checkpoint: point {flag} at a checkpoint file"
+                          + (f", e.g. {flag}={inside}" if os.path.isfile(inside) else ""))
     if not os.path.isfile(path):
-        raise ConfigError(f"no checkpoint at {path}: train first, or point --out_dir at a run")
+        raise ConfigError(f"no checkpoint at {path}: train first, or point {flag} at a run")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, not a torch file, or holding objects weights_only refuses

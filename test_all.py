@@ -8,6 +8,7 @@ import ast
 import collections
 import dataclasses
 import datetime
+import errno
 import functools
 import hashlib
 import inspect
@@ -17,6 +18,8 @@ import json
 import math
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -326,11 +329,11 @@ def test_text_files_must_be_utf8_text(tmp_path):
 
 def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
     path = str(tmp_path / "x.png")
-    data.atomic_write(path, lambda tmp: open(tmp, "w").write("old"))
+    data.atomic_write(path, lambda f: f.write(b"old"))
 
-    def fail_midway(tmp):
-        with open(tmp, "w") as f:
-            f.write("half")
+    def fail_midway(f):
+        f.write(b"half")
+        f.flush()
         raise OSError("disk full")
 
     with pytest.raises(OSError):
@@ -3798,6 +3801,17 @@ def test_bad_values_are_one_line_errors_before_anything_is_created(tmp_path):
     shard = tmp_path / "bad_train_000.bin"
     shard.write_bytes(np.zeros(300, dtype=np.int32).tobytes())
     data.write_shard(str(tmp_path / "bad_val_000.bin"), np.arange(100))
+    data.write_shard(str(tmp_path / "foreign_train_000.bin"), [5, 60000, 7] * 100)  # an id past GPT-2's 50,257
+    data.write_shard(str(tmp_path / "foreign_val_000.bin"), np.arange(300))
+    one_char = tmp_path / "one_char.txt"
+    one_char.write_text("x")
+    no_newline = tmp_path / "no_newline.txt"
+    no_newline.write_text("to be or not to be " * 60)  # the default --start "\n" is not in its vocabulary
+    syntax_error, stray_text = tmp_path / "syntax.py", tmp_path / "stray.py"
+    syntax_error.write_text("max_iters = = 3\n")
+    stray_text.write_text("max_iters = 3\nthese words are no assignment\n")
+    failing = tmp_path / "failing.py"
+    failing.write_text("max_iters = 3\nwarmup_iters = undefined_name\n")
     out = tmp_path / "never"
     cases = [(["--block_size=-1"], "--block_size=-1 is not valid: use at least 1"),
              (["--n_layer=0"], "--n_layer=0 is not valid"),
@@ -3817,7 +3831,25 @@ def test_bad_values_are_one_line_errors_before_anything_is_created(tmp_path):
              ([f"--out_dir={a_file}/run"], "is a file, not a folder"),
              (["--out_dir=/proc/self/specgpt_run"], "is not writable"),
              ([f"--dataset={tiny}", "--block_size=64"], "the validation split of"),
-             ([f"--dataset={latin1}"], "is not UTF-8 (byte 0xe9 at offset 3)")]
+             ([f"--dataset={latin1}"], "is not UTF-8 (byte 0xe9 at offset 3)"),
+             # the values of issue 26, each a one-line error before anything is created
+             ([f"--device=cuda:{torch.cuda.device_count()}"], "this machine has"),
+             ([f"--dataset={one_char}"], "holds only 1 token"),
+             ([f"--dataset={one_char}"], "holds only 1 token"),  # again: nothing bad was cached the first time
+             (["--seed=4611686018427387904000"], "--seed=4611686018427387904000 is not valid: use a value in [0, 2"),
+             (["--weight_decay=-1"], "--weight_decay=-1.0 is not valid: use at least 0"),
+             (["--momentum=5"], "--momentum=5.0 is not valid"),
+             (["--learning_rate=0.001", "--min_lr=0.045"], "--min_lr=0.045 is above --learning_rate=0.001"),
+             (["--rope_base=-5"], "--rope_base=-5.0 is not valid: use a value above 0"),
+             ([str(syntax_error)], f"config file {syntax_error}, line 1: invalid syntax"),
+             ([str(stray_text)], f"config file {stray_text}, line 2: invalid syntax"),
+             ([str(failing)], f"config file {failing}, line 2: NameError"),
+             (["--lr=0.01"], "did you mean --learning_rate"),
+             (["--block_size=300000", "--device=cpu"], "hours on cpu even at its peak"),
+             (["--optimizer=adamw", "--beta2=1.5"], "--beta2=1.5 is not valid"),
+             ([f"--dataset={no_newline}", "--num_samples=1"], "--start='\\n' (the samples' prompt) does not fit"),
+             (["--start=", "--num_samples=1"], "--start='' (the samples' prompt) is empty"),
+             ([f"--dataset={tmp_path}/foreign_train_*.bin"], "holds token id 60000, beyond the 50,257 ids")]
     for args, message in cases:
         if not any(a.startswith("--out_dir=") for a in args):
             args = [*args, f"--out_dir={out}"]
@@ -3866,6 +3898,10 @@ def test_parse_config_types_and_files(tmp_path):
     assert parse(f"--config={config}", file_keys={"n"}) == {"n": 7}
     with pytest.raises(ValueError, match="unknown config key 'max_iters'"):
         parse(str(config))
+    imports = tmp_path / "imports.py"  # what a config file imports or defines is no key; what it computes is
+    imports.write_text("import math\nfrom os import path\ndef helper():\n    return 1\nclass K:\n    pass\n"
+                       "n = helper() + 2 ** 3\nlr = math.pi / 4\nname = path.basename('a/b')\n")
+    assert parse(str(imports)) == {"n": 9, "lr": math.pi / 4, "name": "b"}
 
 
 def test_analyze_cli_shares_train_parser(tmp_path):
@@ -4120,9 +4156,10 @@ def test_wandb_offline_run_logs_what_log_jsonl_holds(tmp_path):
 def test_wandb_and_huggingface_hub_are_imported_only_when_asked(tmp_path, monkeypatch):
     """A plain run imports neither optional package; --wandb_log=True without wandb installed is a one-line error
     before anything is written."""
-    code = (f"import runpy, sys; sys.argv = ['train.py', *{TINY!r}, '--max_iters=2', '--eval_interval=2', "
-            f"'--out_dir={tmp_path / 'plain'}']; runpy.run_path({os.path.join(ROOT, 'train.py')!r}, "
-            f"run_name='__main__'); print(sorted(m for m in ('wandb', 'huggingface_hub') if m in sys.modules))")
+    code = (f"import runpy, sys\nsys.argv = ['train.py', *{TINY!r}, '--max_iters=2', '--eval_interval=2', "
+            f"'--out_dir={tmp_path / 'plain'}']\ntry:\n    runpy.run_path({os.path.join(ROOT, 'train.py')!r}, "
+            f"run_name='__main__')\nexcept SystemExit as stop:\n    assert not stop.code, stop.code\n"
+            f"print(sorted(m for m in ('wandb', 'huggingface_hub') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout[-500:] + proc.stderr
@@ -4186,8 +4223,8 @@ def test_tokens_per_second_leaves_out_evals_and_the_first_step(tmp_path, monkeyp
                         lambda self: (calls.append(1), len(calls) == 1 and time.sleep(2.0), original_step(self))[2])
     train.main([*TINY, "--max_iters=6", "--log_interval=2", "--eval_interval=4", f"--out_dir={tmp_path}"])
     tokens_per_iter = 4 * 32
-    rates = [r["tokens_per_s"] for r in log_rows(tmp_path) if "loss" in r]
-    assert len(rates) == 3 and all(rate > 2 * tokens_per_iter / 1.0 for rate in rates), rates
+    rates = [r["tokens_per_s"] for r in log_rows(tmp_path) if "loss" in r]  # at iters 1 (the first step), 2, 4, 6
+    assert rates[0] is None and len(rates) == 4 and all(rate > 2 * tokens_per_iter / 1.0 for rate in rates[1:]), rates
 
 
 def test_training_steps_between_log_lines_make_no_host_sync(tmp_path, monkeypatch):
@@ -4205,6 +4242,355 @@ def test_training_steps_between_log_lines_make_no_host_sync(tmp_path, monkeypatc
                     f"--out_dir={tmp_path / str(steps)}"])
         totals.append(dict(counts))
     assert totals[0] == totals[1], totals
+
+
+# --------------------------------------------------------------------------------------------------
+# nothing lost: a guarded, locked out_dir; a full disk; Ctrl-C and SIGTERM; every value checked first
+
+def file_digests(folder):
+    """{name: sha256 of its bytes} of every file in folder."""
+    return {name: hashlib.sha256(open(os.path.join(folder, name), "rb").read()).hexdigest()
+            for name in sorted(os.listdir(folder))}
+
+
+def start_train(*args):
+    """python -u train.py args... as a running subprocess, its stdout and stderr pipes open."""
+    return subprocess.Popen([sys.executable, "-u", os.path.join(ROOT, "train.py"), *args], cwd=ROOT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_a_new_run_never_replaces_another_runs_results(tmp_path):
+    """The README's flip-a-key example, started where a run is, refuses with one line naming the three ways out
+    and leaves every file byte-identical; with --overwrite=True the new run replaces the old one whole (the log
+    holds only the new run's rows)."""
+    out = str(tmp_path / "run")
+    run_train(*TINY, "--max_iters=20", "--eval_interval=10", f"--out_dir={out}")
+    before = file_digests(out)
+    proc = run_train(*TINY, "--mixer=GGGA", "--residual=mhc", f"--out_dir={out}", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert all(way in lines[0] for way in ("--init_from=resume", "another --out_dir", "--overwrite=True")), lines
+    assert file_digests(out) == before
+    assert train.main([*TINY, "--max_iters=3", "--eval_interval=3", "--overwrite=True", f"--out_dir={out}"]) == 0
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 3
+    assert max(r["step"] for r in log_rows(out)) == 3 and file_digests(out)["loss.png"] != before["loss.png"]
+
+
+def test_two_runs_started_together_on_one_out_dir_one_refuses(tmp_path):
+    """Two train.py processes started at once on one out_dir: one trains to the end, the other refuses with one
+    line (the folder is in use, or holds the first one's run); the log is one run's, each row once, in order."""
+    out = str(tmp_path / "run")
+    procs = [start_train(*TINY, "--max_iters=200", "--eval_interval=100", "--log_interval=50", f"--out_dir={out}")
+             for _ in range(2)]
+    outputs = [(*proc.communicate(timeout=600), proc.returncode) for proc in procs]
+    assert sorted(code for _, _, code in outputs) == [0, 1], outputs
+    refusal = next(stderr for _, stderr, code in outputs if code == 1).strip().splitlines()
+    assert len(refusal) == 1 and ("is in use by another run" in refusal[0] or "holds a run" in refusal[0]), refusal
+    rows = log_rows(out)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 50, 100, 150, 200]  # the first step, every 50th, the last
+    assert [r["step"] for r in rows if "val" in r] == [0, 100, 200]
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl", "loss.png"]  # no lock left, no temporary
+
+
+def test_a_dead_runs_lock_and_temporaries_are_taken_over_a_live_ones_refused(tmp_path):
+    """out_dir/.lock of a live process (here a sleeping one) or of another host refuses a run with one line
+    naming the holder and changes nothing; a lock whose process is dead is taken over, and the temporaries that
+    dead processes left are deleted, those of live ones kept. The lock is gone when the run ends."""
+    out = tmp_path / "run"
+    out.mkdir()
+    host = socket.gethostname()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        for holder in (f"{sleeper.pid} {host}", f"{dead.pid} another-host"):
+            (out / ".lock").write_text(holder + "\n")
+            with pytest.raises(ValueError) as error:
+                train.main([*TINY, "--max_iters=2", f"--out_dir={out}"])
+            pid, where = holder.split()
+            assert f"in use by another run (pid {pid} on host {where})" in str(error.value), error.value
+            assert "\n" not in str(error.value) and os.listdir(out) == [".lock"]
+        (out / ".lock").write_text(f"{dead.pid} {host}\n")
+        orphans, live = [f"ckpt.tmp{dead.pid}.pt", f"log.tmp{dead.pid}.jsonl"], f"loss.tmp{sleeper.pid}.png"
+        for name in [*orphans, live]:
+            (out / name).write_bytes(b"half a file")
+        assert train.main([*TINY, "--max_iters=2", "--eval_interval=2", f"--out_dir={out}"]) == 0
+        assert sorted(os.listdir(out)) == sorted(["ckpt.pt", "log.jsonl", "loss.png", live])
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_sample_only_takes_no_lock_and_follows_the_seed(tmp_path, capsys):
+    """Sampling only reads: it runs while another process holds the lock; the same --seed gives the same
+    samples, another seed other ones."""
+    out = tmp_path / "run"
+    train.main([*TINY, "--max_iters=2", "--eval_interval=2", f"--out_dir={out}"])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        (out / ".lock").write_text(f"{sleeper.pid} {socket.gethostname()}\n")
+        capsys.readouterr()
+        samples = []
+        for seed in (5, 5, 6):
+            train.main(["--sample_only=True", f"--out_dir={out}", "--num_samples=2", "--max_new_tokens=40",
+                        f"--seed={seed}", "--temperature=1.0"])
+            samples.append(capsys.readouterr().out)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert samples[0].count("--- sample") == 2 and samples[0] == samples[1] != samples[2]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, where every write fails with ENOSPC")
+def test_every_writer_meets_a_full_disk_as_one_line_keeping_the_previous_file(tmp_path):
+    """data.atomic_write with its temporary linked to /dev/full (a real ENOSPC from the kernel) for each kind of
+    file specgpt writes: one DiskFullError line naming the condition and the path, the previous file kept, no
+    temporary left."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig = plt.figure()
+    writers = {"ckpt.pt": lambda f: torch.save({"w": torch.randn(300, 300)}, f),
+               "loss.png": lambda f: fig.savefig(f, format="png"),
+               "train.bin": lambda f: f.write(memoryview(np.arange(60000, dtype=np.uint16))),
+               "meta.json": lambda f: f.write(b"{}"),
+               "weights.npz": lambda f: np.savez(f, a=np.ones(1000))}
+    for name, write in writers.items():
+        path = tmp_path / name
+        path.write_bytes(b"the previous file")
+        stem, ext = os.path.splitext(path)
+        os.symlink("/dev/full", f"{stem}.tmp{os.getpid()}{ext}")
+        with pytest.raises(data.DiskFullError) as error:
+            data.atomic_write(str(path), write)
+        assert str(error.value).startswith(f"no space left on device writing {path}: free some space"), error.value
+        assert f"the previous {name} is kept" in str(error.value) and "\n" not in str(error.value)
+        assert path.read_bytes() == b"the previous file"
+    plt.close(fig)
+    assert sorted(os.listdir(tmp_path)) == sorted(writers)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, where every write fails with ENOSPC")
+def test_a_full_disk_stops_train_py_in_one_line_and_it_resumes_from_the_kept_checkpoint(tmp_path):
+    """End to end: the checkpoint's temporary of a running train.py is linked to /dev/full, so torch.save meets
+    a real ENOSPC: one line on stderr, exit 1, no traceback, the previous checkpoint byte-identical; the run then
+    resumes from it, and the log rows written after it (an eval's) are dropped."""
+    out = str(tmp_path / "run")
+    run_train(*TINY, "--max_iters=20", "--eval_interval=10", "--lr_decay_iters=40", f"--out_dir={out}")
+    before = file_digests(out)["ckpt.pt"]
+    proc = start_train("--init_from=resume", "--max_iters=40", f"--out_dir={out}")
+    os.symlink("/dev/full", os.path.join(out, f"ckpt.tmp{proc.pid}.pt"))  # long before its first checkpoint
+    _, stderr = proc.communicate(timeout=600)
+    lines = stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert f"no space left on device writing {out}/ckpt.pt" in lines[0] and "previous ckpt.pt is kept" in lines[0]
+    assert file_digests(out)["ckpt.pt"] == before and sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl", "loss.png"]
+    run_train("--init_from=resume", "--max_iters=40", f"--out_dir={out}")
+    assert [r["step"] for r in log_rows(out) if "val" in r] == [0, 10, 20, 30, 40]
+
+
+def test_a_log_line_is_whole_or_absent_on_a_full_disk(tmp_path, monkeypatch):
+    """data.append_line when the disk fills: a write cut short (half the line written) is undone, a write that
+    fails outright leaves the file as it was; both are one DiskFullError line naming the path. On /dev/full (a
+    real ENOSPC) the same."""
+    path = tmp_path / "log.jsonl"
+    data.append_line(str(path), '{"step": 1}')
+    before, inode, real_write = path.read_bytes(), os.stat(path).st_ino, os.write
+
+    def half_written(fd, buffer):
+        return real_write(fd, buffer[:len(buffer) // 2] if os.fstat(fd).st_ino == inode else buffer)
+
+    def not_written(fd, buffer):
+        if os.fstat(fd).st_ino == inode:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, buffer)
+    for fake in (half_written, not_written):
+        monkeypatch.setattr(os, "write", fake)
+        with pytest.raises(data.DiskFullError) as error:
+            data.append_line(str(path), json.dumps({"step": 2, "loss": 3.25}))
+        monkeypatch.undo()
+        assert str(error.value).startswith(f"no space left on device writing {path}") and "\n" not in str(error.value)
+        assert path.read_bytes() == before
+    if os.path.exists("/dev/full"):
+        with pytest.raises(data.DiskFullError, match="no space left on device writing /dev/full"):
+            data.append_line("/dev/full", "{}")
+
+
+def test_resume_drops_a_torn_last_log_line_and_says_so(tmp_path):
+    """A last log line cut short (as a full disk left one before log lines were written whole) does not block
+    resume: it is dropped with a note, and the log runs on, every row JSON."""
+    out = str(tmp_path / "run")
+    train.main([*TINY, "--max_iters=20", "--lr_decay_iters=30", "--log_interval=5", "--eval_interval=10",
+                f"--out_dir={out}"])
+    with open(os.path.join(out, "log.jsonl"), "a") as f:
+        f.write('{"step": 25, "loss": 3.1, "lr": 0.0')
+    proc = run_train("--init_from=resume", "--max_iters=30", f"--out_dir={out}")
+    assert f"note: dropped 1 line of {out}/log.jsonl cut short" in proc.stdout
+    rows = log_rows(out)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 5, 10, 15, 20, 21, 25, 30]
+    assert [r["step"] for r in rows if "val" in r] == [0, 10, 20, 30]
+
+
+def test_a_signal_stops_after_the_step_with_a_checkpoint_that_resumes_bit_exact(tmp_path):
+    """SIGINT (Ctrl-C) and SIGTERM sent mid-run: the run ends its step, writes a checkpoint at it and the loss
+    curve, prints one line naming the step and how to continue, and exits 128 + the signal's number with nothing
+    on stderr; `--init_from=resume --out_dir=...` alone then runs to the end with the training losses of an
+    uninterrupted run, bit for bit (dropout's RNG included), and the same evals at the same steps."""
+    common = [*TINY, "--max_iters=200", "--eval_interval=50", "--log_interval=1", "--dropout=0.1"]
+    straight = str(tmp_path / "straight")
+    run_train(*common, f"--out_dir={straight}")
+    losses = lambda folder: {(r["step"], key): r[key] for r in log_rows(folder) for key in ("loss", "val") if key in r}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        out = str(tmp_path / sig.name)
+        proc = start_train(*common, f"--out_dir={out}")
+        for line in proc.stdout:
+            if line.startswith("iter 5: loss"):
+                break
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 128 + sig and stderr == "", (sig, proc.returncode, stderr)
+        stopped_at = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"]
+        last = stdout.strip().splitlines()[-1]
+        assert 5 <= stopped_at < 200 and last.startswith(f"interrupted at iter {stopped_at}: "), (stopped_at, last)
+        assert f"--init_from=resume --out_dir={out}" in last
+        assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl", "loss.png"]
+        run_train("--init_from=resume", f"--out_dir={out}")
+        assert losses(out) == losses(straight), sig
+
+
+def test_stop_signals_first_asks_then_stops_at_once_and_restores_the_handlers():
+    """The first signal is recorded, a second raises KeyboardInterrupt (under DDP, again_stops=False, it is only
+    recorded); the previous handlers are back afterwards."""
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with train.stop_signals() as received:
+        signal.raise_signal(signal.SIGTERM)
+        assert received == [signal.SIGTERM]
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    with train.stop_signals(again_stops=False) as received:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+        assert received == [signal.SIGINT, signal.SIGINT]
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_resume_keeps_its_settings_and_changes_the_schedule_only_when_asked(tmp_path, capsys):
+    """A resumed run takes its settings from its checkpoint (here a learning rate, a floor and a log interval that
+    are not the defaults). Another max_iters without --lr_decay_iters is refused in one line that offers both
+    choices, changing nothing; --lr_decay_iters=20 keeps the schedule (the lr stays at min_lr past it);
+    --lr_decay_iters=40 stretches the cosine, as its closed form says, and the banner says so."""
+    keep, stretch = str(tmp_path / "keep"), str(tmp_path / "stretch")
+    for out in (keep, stretch):
+        train.main([*TINY, "--max_iters=20", "--eval_interval=10", "--log_interval=1", "--learning_rate=0.01",
+                    "--min_lr=0.001", f"--out_dir={out}"])
+    before = file_digests(keep)
+    with pytest.raises(ValueError) as error:
+        train.main(["--init_from=resume", "--max_iters=40", f"--out_dir={keep}"])
+    message = str(error.value)
+    assert "--lr_decay_iters=20" in message and "--lr_decay_iters=40" in message and "\n" not in message, message
+    assert file_digests(keep) == before
+    train.main(["--init_from=resume", "--max_iters=40", "--lr_decay_iters=20", f"--out_dir={keep}"])
+    lrs = {r["step"]: r["lr"] for r in log_rows(keep) if "lr" in r}
+    assert sorted(lrs) == list(range(1, 41)) and all(lrs[s] == pytest.approx(0.001, rel=1e-12) for s in range(21, 41))
+    capsys.readouterr()
+    train.main(["--init_from=resume", "--max_iters=40", "--lr_decay_iters=40", f"--out_dir={stretch}"])
+    banner = capsys.readouterr().out
+    assert "cosine to 0.001 over 40 iters" in banner and "max_iters 20 -> 40, lr_decay_iters 0 -> 40" in banner
+    lrs = {r["step"]: r["lr"] for r in log_rows(stretch) if "lr" in r}
+    warmup, floor = 5, 0.1  # TINY's warmup; min_lr / learning_rate
+    for step in range(21, 41):  # the lr of a step is set at iteration step - 1
+        cosine = floor + 0.5 * (1 + math.cos(math.pi * (step - 1 - warmup) / (40 - warmup))) * (1 - floor)
+        assert lrs[step] == pytest.approx(0.01 * cosine, rel=1e-12), step
+
+
+def test_a_short_run_logs_at_once_and_the_eta_counts_the_evals(tmp_path):
+    """A run shorter than log_interval logs its first and last steps; evals_left (the ETA's count of the evals to
+    come) against counting them one by one."""
+    out = str(tmp_path / "run")
+    train.main([*TINY, "--max_iters=7", "--log_interval=50", "--eval_interval=5", f"--out_dir={out}"])
+    assert [r["step"] for r in log_rows(out) if "loss" in r] == [1, 7]
+    for max_iters, interval in itertools.product(range(30), range(1, 12)):
+        for it in range(1, max_iters + 1):  # the log line of step it comes before the eval at step it
+            counted = sum(1 for s in range(it, max_iters + 1) if s % interval == 0 or s == max_iters)
+            assert train.evals_left(it, max_iters, interval) == counted, (it, max_iters, interval)
+
+
+def generated_bad_values():
+    """Bad values derived from train.py's own rules, as (sort, key, value text): for every key whose default is not
+    a string, a value of another type (a string default takes any text); for every rule of RANGES, a value just
+    outside each bound and the bound itself where the rule excludes it; for every key of choices(), a near miss
+    of an allowed value."""
+    defaults = {**train.RUN_DEFAULTS, **train.model_defaults()}
+    other_type = {bool: "maybe", int: "2.5", float: "fast", type(None): "3"}
+    cases = [("type", key, other_type[type(default)]) for key, default in defaults.items()
+             if not isinstance(default, str)]
+    for key, rule in train.RANGES.items():
+        integer = isinstance(defaults[key], int)
+        number = lambda text: (2 ** int(text[3:]) if text.startswith("2**") else float(text))
+        number_of_key = lambda text: int(number(text)) if integer else number(text)
+        below = lambda b: b - 1 if integer else math.nextafter(b, -math.inf)
+        above = lambda b: b + 1 if integer else math.nextafter(b, math.inf)
+        if rule.startswith("in "):
+            low_bracket, low, high, high_bracket = re.fullmatch(r"in ([\[(])(.+), (.+)([\])])", rule).groups()
+            low, high = number_of_key(low), number_of_key(high)
+            values = [below(low), above(high)] + [low] * (low_bracket == "(") + [high] * (high_bracket == ")")
+        else:
+            op, bound = rule.split()
+            values = [below(number_of_key(bound))] + [number_of_key(bound)] * (op == ">")
+        cases += [("range", key, repr(value)) for value in values]
+    for key, allowed in train.choices().items():
+        near = allowed[0][:-1] if len(allowed[0]) > 1 else allowed[0].lower()
+        assert near not in allowed, (key, near)
+        cases.append(("choice", key, near))
+    return cases
+
+
+def test_every_rule_of_train_py_refuses_its_bad_values_in_one_line(tmp_path):
+    """Each generated bad value (generated_bad_values) through train.main: a ValueError of one line naming the key,
+    and no out_dir; one of each sort, the cross-key rule and a broken config file end to end through python
+    train.py, all at once: one line on stderr, exit 1, no traceback, no out_dir."""
+    cases = generated_bad_values()
+    assert {sort for sort, _, _ in cases} == {"type", "range", "choice"} and len(cases) > 100
+    out = tmp_path / "never"
+    for sort, key, value in cases:
+        with pytest.raises(ValueError) as error:
+            train.main([f"--{key}={value}", f"--out_dir={out}"])
+        assert key in str(error.value) and "\n" not in str(error.value), (sort, key, value, str(error.value))
+        assert not out.exists(), (key, value)
+    broken = tmp_path / "broken.py"
+    broken.write_text("max_iters = = 3\n")
+    first = {sort: [f"--{key}={value}"] for sort, key, value in reversed(cases)}  # the first case of each sort
+    picked = [first["type"], first["range"], first["choice"]]
+    picked += [["--learning_rate=0.001", "--min_lr=0.01"], [str(broken)]]
+    procs = [start_train(*args, f"--out_dir={out}") for args in picked]
+    for args, proc in zip(picked, procs):
+        _, stderr = proc.communicate(timeout=600)
+        lines = stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), (args, stderr)
+    assert not out.exists()
+
+
+def test_analyze_bad_values_are_one_line_errors_before_anything_is_written(tmp_path):
+    """analyze.py's bad values of issue 26, each a one-line error before any output; its lists, as documented."""
+    opts, _ = analyze.parse_args(["--lengths=1,2,4,8", "--scan_batch_sizes=4,8"])
+    assert analyze.parse_list(opts, "lengths", float) == [1, 2, 4, 8]  # text, not a tuple's repr
+    assert analyze.parse_list(opts, "scan_batch_sizes", int) == [4, 8]
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "ckpt.pt").write_bytes(b"unread")
+    out = tmp_path / "never"
+    for args, message in [(["--power_iters=0"], "--power_iters=0 is not valid: use at least 1"),
+                          (["--batch_size=0"], "--batch_size=0 is not valid: use at least 1"),
+                          (["--lengths=1,x"], "--lengths='1,x' is not valid"),
+                          (["--scan_batch_sizes=4,0"], "--scan_batch_sizes='4,0' is not valid"),
+                          ([f"--ckpt={folder}"], f"{folder} is a folder, not a checkpoint: point --ckpt at a "
+                                                 f"checkpoint file, e.g. --ckpt={folder}/ckpt.pt"),
+                          (["--out_dir=/proc/self/specgpt_analysis"], "is not writable: point --out_dir elsewhere")]:
+        if not args[-1].startswith("--out_dir="):
+            args = [*args, f"--out_dir={out}"]
+        with pytest.raises(ValueError) as error:
+            analyze.main(args)
+        assert message in str(error.value) and "\n" not in str(error.value), (args, error.value)
+        assert not out.exists()
 
 
 # --------------------------------------------------------------------------------------------------

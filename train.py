@@ -6,6 +6,7 @@ Train a specgpt model.
     python train.py my_config.py --max_iters=500     # a config file (plain Python assignments), then overrides
     python train.py config/gpt2_small_fineweb.py --dry_run=True   # a preset's size, memory and GPU time; no run
     python train.py --init_from=resume               # continue out_dir/ckpt.pt exactly where it stopped
+    python train.py --overwrite=True                 # a new run in place of the one in out_dir
     python train.py --sample_only=True --start="ROMEO:"   # sample from out_dir/ckpt.pt
     torchrun --nproc_per_node=2 train.py             # data-parallel (DDP) on 2 processes
 
@@ -13,7 +14,10 @@ The config keys are the run settings below and every field of model.GPTConfig (t
 MODEL_DEFAULTS differ from GPTConfig's defaults). Every value is checked before anything is written: a
 wrong key, type or value stops with a one-line error. The checkpoint out_dir/ckpt.pt (written
 atomically at every eval, only while the loss and weights are finite) holds the model, the optimizer,
-the config, the RNG and sampler states, so a resumed CPU run continues bit for bit.
+the config, the RNG and sampler states, so a resumed CPU run continues bit for bit; a resumed run takes its
+settings from the checkpoint, except those given again. A new run never replaces the run in out_dir unasked,
+and out_dir/.lock keeps a second process out while one trains there. Ctrl-C (or SIGTERM) stops the run after
+the step it is in, with a checkpoint to resume from.
 """
 import difflib
 import glob
@@ -21,10 +25,10 @@ import inspect
 import json
 import math
 import os
-import re
+import signal
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import fields
 from types import SimpleNamespace
 
@@ -40,6 +44,7 @@ from model import GPT, GPTConfig
 # the comment beside each is its --help text)
 out_dir = "out"                # folder for ckpt.pt, log.jsonl, loss.png
 init_from = "scratch"          # where the run starts: from scratch, or resume out_dir/ckpt.pt
+overwrite = False              # a new run may replace the run in out_dir (its checkpoint, log and plots)
 sample_only = False            # load out_dir/ckpt.pt, print samples, exit
 eval_interval = 250            # steps between evals (each eval writes the checkpoint)
 eval_iters = 20                # validation batches per eval (a fixed set, the same at every eval)
@@ -99,8 +104,13 @@ RUN_DEFAULTS = {k: v for k, v in globals().items()
 MODEL_DEFAULTS = {"block_size": 64, "mixer": "MAAA", "mamba_expand": 1, "mamba_d_state": 16, "qk_norm": True}
 # model keys that may change on resume: they change how the same weights compute or train, not the weights
 RESUME_CHANGEABLE = ("kernels", "attention", "chunk_size", "dropout", "rope_scaling", "rope_factor")
-# the allowed values of each numeric key: ">= a", "> a", or an interval "in [a, b)" ([ ]: closed, ( ): open)
+# run settings that describe this command, not the run: a resumed run takes the others from its checkpoint
+COMMAND_KEYS = ("out_dir", "init_from", "overwrite", "sample_only")
+# the files a run writes in out_dir
+RUN_FILES = ("ckpt.pt", "log.jsonl", "loss.png", "analysis.jsonl", "analysis.png")
+# the allowed values of each numeric key (data.in_range): ">= a", "> a", or an interval "in [a, b)"
 RANGES = {"eval_interval": ">= 1", "eval_iters": ">= 1", "log_interval": ">= 1", "analyze_every": ">= 0",
+          "seed": "in [0, 2**63)",
           "batch_size": ">= 1", "gradient_accumulation_steps": ">= 1", "learning_rate": "> 0", "min_lr": ">= 0",
           "weight_decay": ">= 0", "beta1": "in [0, 1)", "beta2": "in [0, 1)", "momentum": "in [0, 1)",
           "precond_every": ">= 1", "mousse_alpha": "> 0", "galore_rank": ">= 1", "galore_gap": ">= 1",
@@ -108,9 +118,11 @@ RANGES = {"eval_interval": ">= 1", "eval_iters": ">= 1", "log_interval": ">= 1",
           "warmup_iters": ">= 0", "wsd_decay_frac": "in [0, 1]", "num_samples": ">= 0", "max_new_tokens": ">= 0",
           "temperature": ">= 0", "top_k": ">= 1", "peak_tflops": ">= 0",
           "block_size": ">= 1", "n_layer": ">= 1", "n_head": ">= 1", "n_embd": ">= 1", "hc_streams": ">= 1",
-          "mamba_headdim": ">= 1", "vocab_multiple": ">= 1"}
+          "mamba_headdim": ">= 1", "vocab_multiple": ">= 1", "rope_base": "> 0", "dropout": "in [0, 1)"}
 # with no config file on a GPU, train.py still trains the CPU baby model, and names this preset (see gpu_hint)
 GPU_PRESET = "config/shakespeare_char_gpu.py"
+# one training step that would take longer than this at the device's peak FLOP/s is a typo, not a run
+MAX_STEP_SECONDS = 3600
 
 
 def model_defaults():
@@ -132,58 +144,78 @@ def config_help():
     return {**data.source_comments(inspect.getsource(GPTConfig)), **data.source_comments(open(__file__).read())}
 
 
-def in_range(value, rule):
-    """Whether value satisfies one of RANGES' rules."""
-    if rule.startswith("in "):
-        low_bracket, low, high, high_bracket = re.fullmatch(r"in ([\[(])(.+), (.+)([\])])", rule).groups()
-        above = value >= float(low) if low_bracket == "[" else value > float(low)
-        below = value <= float(high) if high_bracket == "]" else value < float(high)
-        return above and below
-    op, bound = rule.split()
-    return value >= float(bound) if op == ">=" else value > float(bound)
-
-
 def one_of(allowed):
     return ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
 
 
 def check_settings(c):
-    """The ranges and choices of every key (GPTConfig checks the model's other rules) and the device."""
-    for key, rule in RANGES.items():
-        if key in c and not in_range(c[key], rule):
-            allowed = {">=": "at least", ">": "above"}.get(rule.split()[0], rule)
-            raise data.ConfigError(f"--{key}={c[key]!r} is not valid: use {allowed} {rule.split(maxsplit=1)[1]}"
-                                   if not rule.startswith("in ") else f"--{key}={c[key]!r} is not valid: use a value "
-                                   f"{rule}")
+    """The ranges and choices of every key (GPTConfig checks the model's other rules), the rules between keys,
+    and the device."""
+    data.check_ranges(c, RANGES)
     for key, allowed in choices().items():
         if key in c and key != "mixer" and c[key] not in allowed:
             close = difflib.get_close_matches(str(c[key]), allowed, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise data.ConfigError(f"--{key}={c[key]!r} is not valid: use {one_of(allowed)}{hint}")
-    if c["device"] != "auto":
-        try:
-            torch.device(c["device"])
-        except RuntimeError:
-            raise data.ConfigError(f"--device={c['device']!r} is not a device: use auto, cpu, cuda, cuda:1 or mps") from None
+    if c["min_lr"] > c["learning_rate"]:
+        raise data.ConfigError(f"--min_lr={c['min_lr']!r} is above --learning_rate={c['learning_rate']!r}: the "
+                               f"schedule decays from the learning rate down to min_lr; use a smaller --min_lr")
+    check_device(c["device"])
 
 
-def check_out_dir(path):
-    """out_dir must be a folder that exists or can be made, and be writable."""
-    path = os.path.abspath(path)
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise data.ConfigError(f"--out_dir={path!r}: {existing} is a file, not a folder: point --out_dir elsewhere")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise data.ConfigError(f"--out_dir={path!r}: the folder {existing} is not writable: point --out_dir elsewhere")
-
-
-def make_out_dir(path):
+def check_device(name):
+    """name must be auto or a device of this machine: cpu, cuda (cuda:N) or mps."""
+    if name == "auto":
+        return
     try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise data.ConfigError(f"cannot create --out_dir={path!r} ({e.strerror}): point --out_dir elsewhere") from None
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise data.ConfigError(f"--device={name!r} is not a device: use auto, cpu, cuda, cuda:1 or mps")
+    gpus = torch.cuda.device_count()
+    if device.type == "cuda" and (device.index or 0) >= gpus:
+        have = f"{gpus} CUDA GPU{'s' * (gpus > 1)} (cuda:0 .. cuda:{gpus - 1})" if gpus else "no CUDA GPU"
+        raise data.ConfigError(f"--device={name!r}: this machine has {have}: use --device=auto or cpu")
+    if device.type == "mps" and not mps_available():
+        raise data.ConfigError(f"--device={name!r}: this machine has no MPS (Apple GPU): use --device=auto or cpu")
+
+
+def check_run_folder(out_dir, init_from, overwrite):
+    """A new run never replaces the run in out_dir (its checkpoint) unasked."""
+    if init_from == "scratch" and not overwrite and os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+        raise data.ConfigError(f"--out_dir={out_dir!r} holds a run (ckpt.pt): continue it with --init_from=resume, "
+                               f"start this one in another --out_dir, or replace it with --overwrite=True")
+
+
+def prepare_run_folder(out_dir, resume_iter):
+    """A new run (resume_iter None) deletes the files of the run it replaces; a resumed one keeps the rows of its
+    logs up to its checkpoint's step, dropping (and saying so) lines that a crash or a full disk cut short."""
+    for name in RUN_FILES:
+        path = os.path.join(out_dir, name)
+        if resume_iter is None and os.path.exists(path):
+            os.remove(path)
+        elif resume_iter is not None and name.endswith(".jsonl") and os.path.exists(path):
+            rows, torn = data.read_jsonl(path)
+            kept = "".join(json.dumps(row) + "\n" for row in rows if row["step"] <= resume_iter)
+            data.atomic_write_bytes(path, kept.encode())
+            if torn:
+                print(f"note: dropped {torn} line{'s' * (torn > 1)} of {path} cut short by a crash or a full disk")
+
+
+def resumed_settings(saved, given):
+    """A resumed run's settings: its checkpoint's (the defaults for keys newer than the checkpoint, and for
+    COMMAND_KEYS), then those given now; the model keys as resumed_model_config allows. Returns (settings,
+    descriptions of the changes)."""
+    settings, changes = {}, []
+    for key, default in RUN_DEFAULTS.items():
+        settings[key] = default if key in COMMAND_KEYS else saved.get(key, default)
+        if key in given and given[key] != settings[key]:
+            if key not in COMMAND_KEYS:
+                changes.append(f"{key} {settings[key]!r} -> {given[key]!r}")
+            settings[key] = given[key]
+    model_config, model_changes = resumed_model_config(saved, given)
+    return {**settings, **model_config}, changes + model_changes
 
 
 def resumed_model_config(saved, given):
@@ -203,6 +235,17 @@ def resumed_model_config(saved, given):
     return config, changes
 
 
+def check_schedule_length(saved, settings, given):
+    """Resuming with another max_iters would silently move the end of the lr schedule (a cosine stretched past
+    its floor climbs back up): a new length must be asked for with --lr_decay_iters."""
+    before = saved.get("lr_decay_iters") or saved.get("max_iters")
+    now = settings["lr_decay_iters"] or settings["max_iters"]
+    if now != before and "lr_decay_iters" not in given:
+        raise data.ConfigError(f"--max_iters={settings['max_iters']} would change the lr schedule's length from "
+                               f"{before} to {now} iters: keep it with --lr_decay_iters={before} (past it the lr "
+                               f"stays at min_lr), or stretch it with --lr_decay_iters={now}")
+
+
 def check_same_vocabulary(meta, dataset, saved_meta, saved_dataset):
     if any(meta.get(k) != saved_meta.get(k) for k in ("tokenizer", "vocab_size", "chars")):
         raise data.ConfigError(f"--dataset={dataset!r} has a {meta['tokenizer']} vocabulary of {meta['vocab_size']} "
@@ -210,17 +253,39 @@ def check_same_vocabulary(meta, dataset, saved_meta, saved_dataset):
                                f"of {saved_meta['vocab_size']}: resume with --dataset={saved_dataset!r}")
 
 
+def check_prompt(start, tokenizer, dataset):
+    """The samples' prompt must be at least one token of the vocabulary."""
+    try:
+        ids = tokenizer.encode(start)
+    except data.DataError as e:
+        raise data.ConfigError(f"--start={start!r} (the samples' prompt) does not fit the vocabulary of {dataset} "
+                               f"({e}): give a prompt made of its characters, or --num_samples=0") from None
+    if not ids:
+        raise data.ConfigError(f"--start={start!r} (the samples' prompt) is empty: give at least one character")
+
+
+def check_step_time(flops_per_iter, peak, device):
+    """One step that would take over MAX_STEP_SECONDS even at the device's peak is refused: a block_size or
+    batch_size far beyond what the device can train."""
+    if peak and flops_per_iter / peak > MAX_STEP_SECONDS:
+        raise data.ConfigError(f"one step of this run is {flops_per_iter:.1e} FLOPs, over "
+                               f"{flops_per_iter / peak / 3600:,.0f} hours on {device} even at its peak of "
+                               f"{peak:.1e} FLOP/s: use a smaller --block_size, --batch_size or model")
+
+
 # ----------------------------------------------------------------------------------------------------
 # device, precision, MFU
+
+def mps_available():
+    return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+
 
 def pick_device(name):
     if name != "auto":
         return name
     if torch.cuda.is_available():
         return "cuda"
-    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
+    return "mps" if mps_available() else "cpu"
 
 
 def gpu_hint(args, device):
@@ -258,6 +323,18 @@ def peak_flops(device_type, use_bf16, stated_tflops):
         return None
     peaks = GPU_PEAKS.get(torch.cuda.get_device_name())
     return None if peaks is None else peaks[0 if use_bf16 else 1]
+
+
+def matmul_rate():
+    """A float32 matmul rate of this machine measured now (0.2 s): an optimistic speed for check_step_time only,
+    as MFU against it would swing with the machine's load."""
+    a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))  # leaves the global RNG alone
+    b = a @ a
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.2:
+        a @ b
+        n += 1
+    return 2 * 512 ** 3 * n / (time.perf_counter() - t0)
 
 
 def use_cuda_device(dev):
@@ -332,12 +409,62 @@ def import_wandb():
     return wandb
 
 
-def append_log(path, row, wandb_run=None):
-    """One row of out_dir/log.jsonl, and of the wandb run when there is one."""
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+def append_log(path, row, wandb_run=None, sync=False):
+    """One row of out_dir/log.jsonl (whole or not at all: data.append_line), and of the wandb run if there is one."""
+    data.append_line(path, json.dumps(row), sync=sync)
     if wandb_run:
         wandb_run.log({WANDB_KEYS.get(k, k): v for k, v in row.items() if k != "step"}, step=row["step"])
+
+
+def save_run(path, raw_model, opt, sampler, master, settings, meta, **progress):
+    """Writes the checkpoint: the model, the optimizer, the settings, the RNG and every process's sampler state
+    (so that a resumed run sees the batches it would have seen), and progress (iter_num, losses, time). Under
+    DDP every process calls it: the sampler states are gathered."""
+    samplers = [sampler.state_dict()]
+    if torch.distributed.is_initialized():
+        samplers = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(samplers, sampler.state_dict())
+    if master:
+        cuda = next(raw_model.parameters()).device.type == "cuda"
+        data.save_checkpoint(path, {
+            "model": raw_model.state_dict(), "optimizer": opt.state_dict(), "config": settings, "meta": meta,
+            "sampler": samplers, "rng": {"torch": torch.get_rng_state(),
+                                         "cuda": torch.cuda.get_rng_state() if cuda else None}, **progress})
+
+
+@contextmanager
+def stop_signals(again_stops=True):
+    """While inside, SIGINT (Ctrl-C) and SIGTERM append their number to the list this yields, and the loop
+    stops after the step it is in; a second signal raises KeyboardInterrupt (stop at once, saving nothing), unless
+    again_stops is False: torchrun passes each signal it gets on to every process (which got Ctrl-C already)."""
+    received = []
+
+    def handle(signum, frame):
+        if received and again_stops:
+            raise KeyboardInterrupt
+        received.append(signum)
+    previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def stop_requested(received, ddp, device):
+    """Whether a signal asked the run to stop; under DDP, whether one reached any process (each calls this at
+    the same steps, so that all stop after the same one)."""
+    if not ddp:
+        return bool(received)
+    flag = torch.tensor([float(bool(received))], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def evals_left(iter_num, max_iters, eval_interval):
+    """The evals still to come at the log line of step iter_num (its own eval comes after it): at each multiple
+    of eval_interval from iter_num to max_iters, and at max_iters."""
+    return max_iters // eval_interval - (iter_num - 1) // eval_interval + (max_iters % eval_interval != 0)
 
 
 def plot_losses(log_path, png_path):
@@ -345,7 +472,7 @@ def plot_losses(log_path, png_path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = [json.loads(line) for line in open(log_path)] if os.path.exists(log_path) else []
+    rows, _ = data.read_jsonl(log_path)
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, label in (("loss", "train"), ("val", "val")):
         pts = [(r["step"], r[key]) for r in rows if key in r]
@@ -355,7 +482,7 @@ def plot_losses(log_path, png_path):
     ax.set_ylabel("loss")
     ax.legend()
     fig.tight_layout()
-    data.atomic_write(png_path, fig.savefig)
+    data.atomic_write(png_path, lambda f: fig.savefig(f, format="png"))
     plt.close(fig)
 
 
@@ -539,14 +666,27 @@ def dry_run_report(settings, world):
 # ----------------------------------------------------------------------------------------------------
 
 def main(args):
-    # 1. settings: defaults, then config files, then --key=value; every value is checked here
+    """Trains (or samples, with sample_only). Returns the exit status: 0, or 128 + the number of the signal
+    that stopped the run (130 for Ctrl-C)."""
+    with ExitStack() as cleanup:  # the out_dir lock, the signal handlers, DDP: released however it ends
+        return run(args, cleanup)
+
+
+def run(args, cleanup):
+    # 1. settings: defaults (a resumed run: its checkpoint's settings), then config files, then --key=value;
+    # every value is checked here
     defaults = {**RUN_DEFAULTS, **model_defaults()}
     allowed = {**RANGES, **{key: " | ".join(values) for key, values in choices().items()}}
     given = data.parse_config(args, defaults, __doc__, config_help(), allowed=allowed)
-    settings = {**defaults, **given}
+    settings, ckpt, changes = {**defaults, **given}, None, []
+    ckpt_path, log_path = os.path.join(settings["out_dir"], "ckpt.pt"), os.path.join(settings["out_dir"], "log.jsonl")
+    if settings["init_from"] == "resume" and not settings["sample_only"]:
+        ckpt = data.load_checkpoint(ckpt_path)
+        settings, changes = resumed_settings(ckpt["config"], given)
     check_settings(settings)
+    if ckpt is not None:
+        check_schedule_length(ckpt["config"], settings, given)
     c = SimpleNamespace(**settings)
-    ckpt_path, log_path = os.path.join(c.out_dir, "ckpt.pt"), os.path.join(c.out_dir, "log.jsonl")
 
     # 2. device and processes
     ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
@@ -557,10 +697,11 @@ def main(args):
     if c.dry_run:  # what the run would cost, then stop: no process group, no data read, nothing written
         if rank == 0:
             print(dry_run_report(settings, world))
-        return
+        return 0
     if ddp:
         import torch.distributed as dist
         dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo")
+        cleanup.callback(dist.destroy_process_group)
         if dev.startswith("cuda"):
             dev = f"cuda:{int(os.environ['LOCAL_RANK'])}"
     master = rank == 0
@@ -571,28 +712,33 @@ def main(args):
     if c.sample_only:
         ckpt = data.load_checkpoint(ckpt_path)
         model_cfg, _ = resumed_model_config(ckpt["config"], given)
+        tokenizer = data.tokenizer_from_meta(ckpt["meta"])
+        check_prompt(c.start, tokenizer, ckpt["config"].get("dataset"))
         gpt = GPT(GPTConfig(vocab_size=ckpt["meta"]["vocab_size"], **model_cfg)).to(dev)
         data.load_weights(gpt, ckpt, ckpt_path)
-        print_samples(gpt, data.tokenizer_from_meta(ckpt["meta"]), c.start, dev, c.num_samples, c.max_new_tokens,
-                      c.temperature, c.top_k)
-        return
+        torch.manual_seed(c.seed)
+        print_samples(gpt, tokenizer, c.start, dev, c.num_samples, c.max_new_tokens, c.temperature, c.top_k)
+        return 0
 
-    # 3. data, and the checkpoint to resume from (everything that can fail on bad input fails before a write)
-    check_out_dir(c.out_dir)
+    # 3. the run's folder, the data, and the checkpoint's fit (everything that can fail on bad input fails before
+    # a write)
+    data.check_writable_folder(c.out_dir, "out_dir")
+    if master:  # (the other processes would find the lock that rank 0 takes in step 5)
+        data.check_unlocked(c.out_dir)
+        check_run_folder(c.out_dir, c.init_from, c.overwrite)
     train_tokens, val_tokens, meta = data.load_dataset(c.dataset, c.tokenizer)
-    ckpt = data.load_checkpoint(ckpt_path) if c.init_from == "resume" else None
     wandb = import_wandb() if c.wandb_log and master else None
-    model_cfg, changes = {k: settings[k] for k in model_defaults()}, []
     if ckpt is not None:
         check_same_vocabulary(meta, c.dataset, ckpt["meta"], ckpt["config"].get("dataset"))
-        model_cfg, changes = resumed_model_config(ckpt["config"], given)
-    settings.update(model_cfg, vocab_size=meta["vocab_size"])
-    config = GPTConfig(vocab_size=meta["vocab_size"], **model_cfg)
+    settings.update(vocab_size=meta["vocab_size"])
+    config = GPTConfig(vocab_size=meta["vocab_size"], **{key: settings[key] for key in model_defaults()})
     for split, tokens in (("training", train_tokens), ("validation", val_tokens)):
         if len(tokens) < config.block_size + 2:
             raise data.ConfigError(f"the {split} split of {c.dataset} has only {len(tokens)} tokens (the validation "
                                    f"split is the last 10% of a text), fewer than block_size + 2 = "
                                    f"{config.block_size + 2}: use more text or a smaller --block_size")
+    if c.num_samples > 0 and c.max_new_tokens > 0:
+        check_prompt(c.start, data.tokenizer_from_meta(meta), c.dataset)
 
     # 4. model and optimizer, and the state of a resumed run
     torch.manual_seed(c.seed)
@@ -602,6 +748,7 @@ def main(args):
                                 **optimizer_options(c))
     train_sampler = data.BatchSampler(train_tokens, c.batch_size, config.block_size, seed=c.seed + rank)
     iter_num, best_val, val_loss, elapsed, saved_iter = 0, float("inf"), float("nan"), 0.0, None
+    last_eval = -1  # the step of the last eval
     if ckpt is not None:
         data.load_weights(raw_model, ckpt, ckpt_path)
         opt.load_state_dict(ckpt["optimizer"])
@@ -611,6 +758,7 @@ def main(args):
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
         iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
         val_loss, elapsed, saved_iter = ckpt.get("val_loss", best_val), ckpt.get("elapsed", 0.0), iter_num
+        last_eval = ckpt.get("val_iter", iter_num)  # a checkpoint written at a stop may predate its step's eval
     use_bf16 = c.dtype == "bfloat16" or (c.dtype == "auto" and device_type == "cuda")
     autocast = torch.autocast(device_type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
     gpt = raw_model
@@ -623,23 +771,24 @@ def main(args):
     tokens_per_iter = c.gradient_accumulation_steps * world * c.batch_size * config.block_size
     flops_per_iter = raw_model.flops_per_token(config.block_size) * tokens_per_iter / world
     peak = peak_flops(device_type, use_bf16, c.peak_tflops)
+    check_step_time(flops_per_iter, peak or (matmul_rate() if device_type == "cpu" else None), dev)
     if c.analyze_every:  # one fixed training batch, so the spectra logged at different steps are comparable
         import analyze
         analysis_batch = tuple(t.to(dev) for t in
                                data.BatchSampler(train_tokens, c.batch_size, config.block_size, seed=1).next_batch())
 
-    # 5. the run's folder: a new run starts a new log; a resumed one drops what was logged after its checkpoint
+    # 5. the run's folder, locked: a new run clears it; a resumed one drops what was logged after its checkpoint
     if master:
-        make_out_dir(c.out_dir)
-        if ckpt is None and os.path.exists(log_path):
-            os.remove(log_path)
-        elif ckpt is not None and os.path.exists(log_path):
-            kept = [line for line in open(log_path) if line.strip() and json.loads(line)["step"] <= iter_num]
-            data.atomic_write_bytes(log_path, "".join(kept).encode())
+        data.make_folder(c.out_dir, "out_dir")
+        cleanup.callback(data.release_lock, data.take_lock(c.out_dir))
+        check_run_folder(c.out_dir, c.init_from, c.overwrite)  # again: a run may have ended there since step 3
+        data.remove_orphan_temporaries(c.out_dir)
+        prepare_run_folder(c.out_dir, iter_num if ckpt is not None else None)
         print(f"{c.dataset}: {len(train_tokens):,} train tokens, vocab {meta['vocab_size']} | model "
               f"{raw_model.num_params() / 1e6:.2f}M params, mixer {config.mixer}, residual {config.residual} | "
-              f"{c.optimizer} | {dev}{' bf16' if use_bf16 else ''} | {tokens_per_iter:,} tokens/iter ({world} x "
-              f"{c.gradient_accumulation_steps} x {c.batch_size} x {config.block_size}) | "
+              f"{c.optimizer}, lr {c.learning_rate:g} {c.schedule} to {c.min_lr:g} over {total_iters} iters "
+              f"(warmup {c.warmup_iters}) | {dev}{' bf16' if use_bf16 else ''} | {tokens_per_iter:,} tokens/iter "
+              f"({world} x {c.gradient_accumulation_steps} x {c.batch_size} x {config.block_size}) | "
               + (f"MFU against {peak / 1e12:g} TFLOP/s" if peak else "no MFU (no known peak: --peak_tflops)"))
         if ckpt is not None:
             print(f"resuming at iter {iter_num}" + (f"; changed: {', '.join(changes)}" if changes else ""))
@@ -647,35 +796,33 @@ def main(args):
                            dir=c.out_dir) if wandb else None
 
     # 6. the loop: an eval (and checkpoint) every eval_interval steps and at the end, a log line every log_interval
-    t_start, first_iter = time.time() - elapsed, iter_num
-    last_eval = iter_num if ckpt is not None else -1  # the checkpoint already holds the eval at its step
+    # steps (and after the first and the last); a signal stops it after the step it is in, with a checkpoint
+    received = cleanup.enter_context(stop_signals(again_stops=not ddp))
+    t_start, first_step = time.time() - elapsed, iter_num + 1
     loss_sum, steps_since_log = torch.zeros((), device=dev), 0  # the loss stays on the device until a log line
-    window_start, window_tokens = time.time(), 0  # tokens/s counts training steps only: not compile, not evals
+    # tokens/s times training steps only: its window opens after the first step (compile, warm-up), evals apart
+    window_start, window_tokens, paused, eval_seconds = time.time(), 0, 0.0, 0.0
+    stopped = False
     gpt.train()
     while True:
         if (iter_num % c.eval_interval == 0 or iter_num >= c.max_iters) and iter_num != last_eval:
+            t_eval = time.time()
             val_loss, last_eval = evaluate(raw_model, val_tokens, c.batch_size, config.block_size, c.eval_iters, dev,
                                            autocast), iter_num
             if not math.isfinite(val_loss) or not all_finite(raw_model):
                 raise FloatingPointError(diverged(f"val loss {val_loss} (or a weight not finite)", iter_num,
                                                   ckpt_path, saved_iter, c.learning_rate, c.grad_clip))
             best_val = min(best_val, val_loss)
-            samplers = [train_sampler.state_dict()]
-            if ddp:  # every rank's sampler position, so a resumed DDP run sees the same batches
-                samplers = [None] * world
-                torch.distributed.all_gather_object(samplers, train_sampler.state_dict())
             if master:
                 print(f"iter {iter_num}: val loss {val_loss:.4f} (best {best_val:.4f}), "
                       f"{time.time() - t_start:.1f}s elapsed")
-                append_log(log_path, {"step": iter_num, "val": val_loss, "time": time.time() - t_start}, wandb_run)
-                data.save_checkpoint(ckpt_path, {
-                    "model": raw_model.state_dict(), "optimizer": opt.state_dict(), "config": settings, "meta": meta,
-                    "iter_num": iter_num, "best_val_loss": best_val, "val_loss": val_loss,
-                    "elapsed": time.time() - t_start, "sampler": samplers,
-                    "rng": {"torch": torch.get_rng_state(),
-                            "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}})
+                append_log(log_path, {"step": iter_num, "val": val_loss, "time": time.time() - t_start}, wandb_run,
+                           sync=True)  # on the disk before the checkpoint after it
+            save_run(ckpt_path, raw_model, opt, train_sampler, master, settings, meta, iter_num=iter_num,
+                     best_val_loss=best_val, val_loss=val_loss, val_iter=last_eval, elapsed=time.time() - t_start)
             saved_iter = iter_num
-            window_start, window_tokens = time.time(), 0
+            eval_seconds = time.time() - t_eval
+            paused += eval_seconds
         if iter_num >= c.max_iters:
             break
 
@@ -698,51 +845,72 @@ def main(args):
         opt.zero_grad(set_to_none=True)
         iter_num += 1
         steps_since_log += 1
-        if iter_num == first_iter + 1:  # the first step compiles and warms up: the window opens after it
+        if iter_num == first_step:  # the first step compiles and warms up: the window opens after it
             synchronize(device_type)
-            window_start, window_tokens = time.time(), 0
+            window_start, window_tokens, paused = time.time(), 0, 0.0
         else:
             window_tokens += tokens_per_iter
 
-        if iter_num % c.log_interval == 0 and master:
+        log_now = iter_num % c.log_interval == 0 or iter_num in (first_step, c.max_iters)
+        stopped = (log_now or not ddp) and stop_requested(received, ddp, dev)
+        if (log_now or stopped) and master:
             loss_total, norm = torch.stack([loss_sum, grad_norm.float()]).tolist()  # the loop's only host sync
             mean_loss = loss_total / steps_since_log
             if not math.isfinite(mean_loss):
                 raise FloatingPointError(diverged(f"training loss {mean_loss}", iter_num, ckpt_path, saved_iter,
                                                   c.learning_rate, c.grad_clip))
-            tok_s = window_tokens / (time.time() - window_start) if window_tokens else None
+            now = time.time()
+            tok_s = window_tokens / max(now - window_start - paused, 1e-9) if window_tokens else None
             mfu = flops_per_iter * tok_s / tokens_per_iter / peak if tok_s and peak else None
             lr = opt.param_groups[0]["lr"]
-            speed = "timing from the next line on"  # the window opened after this step
+            speed = "tokens/s from the next line on"  # the window opens after the first step
             if tok_s:
-                speed = f"{tok_s:,.0f} tokens/s" + (f", mfu {100 * mfu:.1f}%" if mfu else "") + \
-                    f", eta {(c.max_iters - iter_num) * tokens_per_iter / tok_s:.0f}s"
+                eta = ((c.max_iters - iter_num) * tokens_per_iter / tok_s
+                       + evals_left(iter_num, c.max_iters, c.eval_interval) * eval_seconds)
+                speed = f"{tok_s:,.0f} tokens/s" + (f", mfu {100 * mfu:.1f}%" if mfu else "") + f", eta {eta:.0f}s"
             print(f"iter {iter_num}: loss {mean_loss:.4f}, lr {lr:.2e}, grad norm {norm:.3f}, {speed}")
             append_log(log_path, {"step": iter_num, "loss": mean_loss, "lr": lr, "tokens_per_s": tok_s, "mfu": mfu,
                                   "grad_norm": norm}, wandb_run)
+            window_start, window_tokens, paused = now, 0, 0.0
             loss_sum.zero_()
             steps_since_log = 0
+        if stopped:
+            if not all_finite(raw_model):
+                raise FloatingPointError(diverged("a weight not finite", iter_num, ckpt_path, saved_iter,
+                                                  c.learning_rate, c.grad_clip))
+            save_run(ckpt_path, raw_model, opt, train_sampler, master, settings, meta, iter_num=iter_num,
+                     best_val_loss=best_val, val_loss=val_loss, val_iter=last_eval, elapsed=time.time() - t_start)
+            break
 
-    # 7. the end: the loss curve, and samples
+    # 7. the end: the loss curve, and samples (or, after a signal, how to continue)
     if master:
         plot_losses(log_path, os.path.join(c.out_dir, "loss.png"))
         if c.analyze_every:
             analyze.plot_training_analysis(os.path.join(c.out_dir, "analysis.jsonl"),
                                            os.path.join(c.out_dir, "analysis.png"))
-        print(f"done: val loss {val_loss:.4f} after {iter_num} iters, {time.time() - t_start:.1f}s; "
-              f"checkpoint {ckpt_path}")
-        if c.num_samples > 0 and c.max_new_tokens > 0:
-            print_samples(raw_model, data.tokenizer_from_meta(meta), c.start, dev, c.num_samples, c.max_new_tokens,
-                          c.temperature, c.top_k)
+        if stopped:
+            out = "" if c.out_dir == RUN_DEFAULTS["out_dir"] else f" --out_dir={c.out_dir}"
+            print(f"interrupted at iter {iter_num}: saved {ckpt_path}; continue with python train.py "
+                  f"--init_from=resume{out}")
+        else:
+            print(f"done: val loss {val_loss:.4f} after {iter_num} iters, {time.time() - t_start:.1f}s; "
+                  f"checkpoint {ckpt_path}")
         if wandb_run:
             wandb_run.finish()
-    if ddp:
-        torch.distributed.destroy_process_group()
+    if stopped:
+        return 128 + (received[0] if received else signal.SIGTERM)
+    if master and c.num_samples > 0 and c.max_new_tokens > 0:
+        print_samples(raw_model, data.tokenizer_from_meta(meta), c.start, dev, c.num_samples, c.max_new_tokens,
+                      c.temperature, c.top_k)
+    return 0
 
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1:])
-    except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: one line that says what to fix
+        sys.exit(main(sys.argv[1:]))
+    except (ValueError, FileNotFoundError, FloatingPointError, data.DiskFullError) as e:  # one line: what to fix
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C before the loop, or a second one in it
+        print("interrupted: stopped at once; the last checkpoint written, if any, is kept", file=sys.stderr)
+        sys.exit(130)
