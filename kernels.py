@@ -849,8 +849,11 @@ if HAS_TRITON:
 
 
 def _rms_norm_blocks(n_cols):
+    """(BLOCK_R, BLOCK_C, num_warps): a tile of 4096 values, or one row when it is longer, 32 values a thread up to
+    rows of 8192 (mHC's four streams of 2048; the backward holds five such tiles, and at 64 a thread it spilled)"""
     block_c = triton.next_power_of_2(n_cols)
-    return max(1, min(64, 4096 // block_c)), block_c
+    block_r = max(1, min(64, 4096 // block_c))
+    return block_r, block_c, 8 if block_r * block_c > 4096 else 4
 
 
 @torch.library.custom_op("specgpt::rms_norm_fwd", mutates_args=())
@@ -860,9 +863,9 @@ def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[to
     n_rows, n_cols = x2.shape
     y = torch.empty_like(x2)
     rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
-    block_r, block_c = _rms_norm_blocks(n_cols)
+    block_r, block_c, warps = _rms_norm_blocks(n_cols)
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-        x2, weight.contiguous(), y, rstd, n_rows, n_cols, eps, BLOCK_R=block_r, BLOCK_C=block_c)
+        x2, weight.contiguous(), y, rstd, n_rows, n_cols, eps, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return y.reshape(x.shape), rstd
 
 
@@ -878,11 +881,11 @@ def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     n_rows, n_cols = x2.shape
     dy2 = dy.reshape(n_rows, n_cols).contiguous()
     dx = torch.empty_like(x2)
-    block_r, block_c = _rms_norm_blocks(n_cols)
+    block_r, block_c, warps = _rms_norm_blocks(n_cols)
     n_prog = _programs_for(x2, triton.cdiv(n_rows, block_r))
     dw_partial = torch.empty(n_prog, n_cols, device=x2.device, dtype=torch.float32)
     _rms_norm_bwd_kernel[(n_prog,)](x2, weight.contiguous(), rstd, dy2, dx, dw_partial, n_rows, n_cols,
-                                    BLOCK_R=block_r, BLOCK_C=block_c)
+                                    BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return dx.reshape(x.shape), dw_partial.sum(0).to(weight.dtype)
 
 
@@ -2059,18 +2062,30 @@ def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16)
 # ssd in Triton: the five forward kernels of mamba_ssm's chunked scan (Dao & Gu 2024, the Mamba-2 paper), with
 # a = within-chunk cumulative dt·A, h_in[c] = the state entering chunk c, ngroups = 1:
 #   1 chunk cumsum   a_r = Σ_{i≤r} dt_i A
-#   2 chunk state    states[c] = Σ_s exp(a_last − a_s) dt_s x_s B_sᵀ            (the chunk's own end state)
+#   2 chunk state    states[c] = Σ_s exp(a_last − a_s) dt_s x_sᵀ B_s            (the chunk's own end state)
 #   3 state passing  h_in[c+1] = exp(a_last[c]) h_in[c] + states[c]             (sequential over chunks)
 #   4 chunk C·Bᵀ     CB_rs = C_r·B_s
 #   5 chunk scan     y_r = Σ_{s≤r} CB_rs exp(a_r − a_s) dt_s x_s + exp(a_r) h_in C_r + D x_r
-# Backward: dh_out[c] = Σ_r exp(a_r) dy_r C_rᵀ (kernel 2's shape again), a reverse state pass giving the
-# gradient dS_next[c] of each chunk's end state, and one kernel per (chunk, head) for dx, ddt, dB, dC, dA, dD.
+# The forward keeps nothing but its inputs: the backward reruns kernels 1–4 for a, CB and h_in (h_in alone is p·n
+# fp32 numbers per chunk and head, four bf16 activations' worth at Mamba2's p = 32, n = 64, chunk 64), then
+#   6 dh_out     dh_out[c] = Σ_r exp(a_r) dy_rᵀ C_r                                (kernel 2's shape)
+#   7 reverse state passing: dS_next[c], the gradient of chunk c's end state, and ∂L/∂a_last[c]
+#   8 dx         per (chunk, head, block of p): dx, and the terms of ddt that read x
+#   9 pairs      per (chunk, head): the terms of ddt from the pair weights L and from a_last
+#  10 dCB        per (chunk, group of heads): ∂L/∂CB = Σ_h L⊙(dy xdtᵀ)
+#  11 dB, dC     per (chunk, group of heads, block of n), and the term of ddt from reading h_in
+# Dots take their operands in the inputs' dtype and accumulate in fp32: bf16 inputs (x, B, C, dy) go in as loaded
+# and the fp32 factors that meet them (decays, dt, states) are rounded to bf16 there; fp32 inputs take IEEE or
+# TF32 dots (_dot_precision). Cumulative decays, states and accumulators stay fp32. Every grid puts batch ×
+# chunks (× heads) on axis 0 (up to 2³¹ − 1 programs), and only small counts (blocks of p or n) on axis 1.
 if HAS_TRITON:
     @triton.jit
     def _ssd_chunk_cumsum_kernel(dt_ptr, A_ptr, a_ptr, l, h, n_chunks, Cs,
                                  BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
-        bi, c = tl.program_id(0), tl.program_id(1)
-        hs = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+        # one program per (batch·chunk, block of heads)
+        pid_bc = tl.program_id(0)
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         rs = tl.arange(0, BLOCK_C)
         pos = c * Cs + rs
         dt = tl.load(dt_ptr + (bi * l + pos[None, :]).to(tl.int64) * h + hs[:, None],
@@ -2081,65 +2096,72 @@ if HAS_TRITON:
                  mask=(hs[:, None] < h) & (rs[None, :] < Cs))
 
     @triton.jit
-    def _ssd_segment_decays(dt, A, rs, Cs):
-        # L_rs = exp(Σ_{s<i≤r} dt_i A) for s ≤ r < Cs (0 elsewhere) and E_s = exp(Σ_{s<i} dt_i A) (to the chunk end),
-        # each a sum of the steps in between, not a difference of cumulative sums (which would lose the small
-        # exponents' digits next to a decay of −1000)
+    def _ssd_pair_decays(dt, A, rs, Cs):
+        # L_rs = exp(Σ_{s<i≤r} dt_i A) for s ≤ r < Cs, 0 elsewhere: a sum of the steps in between, not a difference
+        # of cumulative sums (which would lose the small exponents' digits next to a decay of −1000)
         steps = tl.where(rs[:, None] > rs[None, :], (dt * A)[:, None], 0.0)           # [i, s]: dt_i A where i > s
         causal = (rs[:, None] >= rs[None, :]) & (rs[:, None] < Cs)
-        L = tl.exp(tl.where(causal, tl.cumsum(steps, axis=0), -float("inf")))
-        return L, tl.exp(tl.sum(steps, axis=0))
+        return tl.exp(tl.where(causal, tl.cumsum(steps, axis=0), -float("inf")))
+
+    @triton.jit
+    def _ssd_end_decays(dt_ptr, A, bi, l, h, hi, pos, last):
+        # E_s = exp(Σ_{s<i<Cs} dt_i A), the decay from token s to the chunk end, again a sum of the steps in between:
+        # a reversed cumulative sum of dt_{s+1} A (0 past the chunk's or the sequence's last token)
+        dt_next = tl.load(dt_ptr + (bi * l + pos + 1).to(tl.int64) * h + hi, mask=(pos < last) & (pos + 1 < l),
+                          other=0.0).to(tl.float32)
+        return tl.exp(tl.cumsum(dt_next * A, axis=0, reverse=True))
 
     @triton.jit
     def _ssd_chunk_outer_kernel(x_ptr, y_ptr, dt_ptr, A_ptr, a_ptr, out_ptr, l, h, p, n, n_chunks, Cs,
                                 FROM_START: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        # out[b, c, h] = Σ_s scale_s x_sᵀ y_s  ([p, n]), x [b,l,h,p], y [b,l,1,n]. Kernel 2 (chunk state) with
-        # x = x, y = B, scale_s = exp(a_last − a_s)·dt_s; the backward's dh_out with x = dy, y = C, scale_s = exp(a_s).
-        pid_pn, pid_bc, hi = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        # out[b, c, h] = Σ_s scale_s x_sᵀ y_s ([p, n]), x [b,l,h,p], y [b,l,1,n]. Kernel 2 (chunk state) with x = x,
+        # y = B, scale_s = exp(a_last − a_s)·dt_s; the backward's dh_out with x = dy, y = C, scale_s = exp(a_s).
+        # One program per (batch·chunk·head, block of p × block of n); x goes into the dot as loaded, scale·y is
+        # rounded to x's dtype
+        pid_bch, pid_pn = tl.program_id(0), tl.program_id(1)
+        hi, bi, c = pid_bch % h, pid_bch // h // n_chunks, pid_bch // h % n_chunks
         n_nb = tl.cdiv(n, BLOCK_N)
         ps = (pid_pn // n_nb) * BLOCK_P + tl.arange(0, BLOCK_P)
         ns = (pid_pn % n_nb) * BLOCK_N + tl.arange(0, BLOCK_N)
-        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, BLOCK_C)
         pos = c * Cs + rs
         valid = (rs < Cs) & (pos < l)
-        a_base = a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs
-        a = tl.load(a_base + rs, mask=rs < Cs, other=0.0)
         if FROM_START:
-            scale = tl.exp(a)
+            scale = tl.exp(tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + rs, mask=rs < Cs, other=0.0))
         else:
             dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
-            L, E = _ssd_segment_decays(dt, tl.load(A_ptr + hi).to(tl.float32), rs, Cs)
-            scale = E * dt
+            scale = _ssd_end_decays(dt_ptr, tl.load(A_ptr + hi).to(tl.float32), bi, l, h, hi, pos, c * Cs + Cs - 1) * dt
         xT = tl.load(x_ptr + ((bi * l + pos[None, :]).to(tl.int64) * h + hi) * p + ps[:, None],
-                     mask=valid[None, :] & (ps[:, None] < p), other=0.0).to(tl.float32)          # [BLOCK_P, BLOCK_C]
+                     mask=valid[None, :] & (ps[:, None] < p), other=0.0)                        # [BLOCK_P, BLOCK_C]
         y = tl.load(y_ptr + (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :],
-                    mask=valid[:, None] & (ns[None, :] < n), other=0.0).to(tl.float32)           # [BLOCK_C, BLOCK_N]
-        acc = tl.dot(xT, y * scale[:, None], input_precision=DOT)
-        tl.store(out_ptr + (((bi * n_chunks + c) * h + hi).to(tl.int64) * p + ps[:, None]) * n + ns[None, :], acc,
+                    mask=valid[:, None] & (ns[None, :] < n), other=0.0).to(tl.float32)          # [BLOCK_C, BLOCK_N]
+        acc = tl.dot(xT, (y * scale[:, None]).to(xT.dtype), input_precision=DOT)
+        tl.store(out_ptr + (pid_bch.to(tl.int64) * p + ps[:, None]) * n + ns[None, :], acc,
                  mask=(ps[:, None] < p) & (ns[None, :] < n))
 
     @triton.jit
     def _ssd_state_passing_kernel(states_ptr, a_ptr, h0_ptr, entering_ptr, hT_ptr, h, dim, n_chunks, Cs,
                                   HAS_INITIAL: tl.constexpr, BLOCK: tl.constexpr):
-        # sequential over chunks for a BLOCK-slice of the flattened p·n state
-        ms = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        bi, hi = tl.program_id(1), tl.program_id(2)
+        # sequential over chunks for a BLOCK-slice of the flattened p·n state; one program per (batch·head, slice)
+        pid_bh = tl.program_id(0)
+        bi, hi = pid_bh // h, pid_bh % h
+        ms = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = ms < dim
         hs = tl.zeros((BLOCK,), dtype=tl.float32)
         if HAS_INITIAL:
-            hs = tl.load(h0_ptr + (bi * h + hi).to(tl.int64) * dim + ms, mask=mask, other=0.0).to(tl.float32)
+            hs = tl.load(h0_ptr + pid_bh.to(tl.int64) * dim + ms, mask=mask, other=0.0).to(tl.float32)
         for c in range(n_chunks):
             offs = ((bi * n_chunks + c) * h + hi).to(tl.int64) * dim + ms
             tl.store(entering_ptr + offs, hs, mask=mask)
-            a_last = tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + Cs - 1)
+            a_last = tl.load(a_ptr + (pid_bh * n_chunks + c).to(tl.int64) * Cs + Cs - 1)
             hs = tl.exp(a_last) * hs + tl.load(states_ptr + offs, mask=mask, other=0.0)
-        tl.store(hT_ptr + (bi * h + hi).to(tl.int64) * dim + ms, hs, mask=mask)
+        tl.store(hT_ptr + pid_bh.to(tl.int64) * dim + ms, hs, mask=mask)
 
     @triton.jit
     def _ssd_bmm_kernel(C_ptr, B_ptr, CB_ptr, l, n, n_chunks, Cs, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
                         DOT: tl.constexpr):
+        # CB = C Bᵀ within each chunk (shared by the heads); one program per batch·chunk
         pid_bc = tl.program_id(0)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, BLOCK_C)
@@ -2150,17 +2172,20 @@ if HAS_TRITON:
             ns = n0 + tl.arange(0, BLOCK_N)
             offs = (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :]
             m = valid[:, None] & (ns[None, :] < n)
-            Cm = tl.load(C_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            Bm = tl.load(B_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            acc += tl.dot(Cm, tl.trans(Bm), input_precision=DOT)
+            Cm = tl.load(C_ptr + offs, mask=m, other=0.0)
+            Bm = tl.load(B_ptr + offs, mask=m, other=0.0)
+            acc += tl.dot(Cm, tl.trans(Bm).to(Cm.dtype), input_precision=DOT)
         tl.store(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :], acc,
                  mask=(rs[:, None] < Cs) & (rs[None, :] < Cs))
 
     @triton.jit
     def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, A_ptr, a_ptr, CB_ptr, C_ptr, entering_ptr, D_ptr, y_ptr,
-                               l, h, p, n, n_chunks, Cs, HAS_D: tl.constexpr,
-                               BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        pid_p, pid_bc, hi = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                               l, h, p, n, n_chunks, Cs, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # y = (CB⊙L⊙dt_s) x + exp(a)⊙(C h_inᵀ) + D x, one program per (batch·chunk·head, block of p); x and C go
+        # into the dots as loaded, the pair weights CB⊙L⊙dt and the state h_in are rounded to their dtype
+        pid_bch, pid_p = tl.program_id(0), tl.program_id(1)
+        hi, pid_bc = pid_bch % h, pid_bch // h
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
         rs = tl.arange(0, BLOCK_C)
@@ -2170,243 +2195,347 @@ if HAS_TRITON:
         dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
         x_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
         x_mask = valid[:, None] & (ps[None, :] < p)
-        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-        L, E = _ssd_segment_decays(dt, tl.load(A_ptr + hi).to(tl.float32), rs, Cs)
+        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+        L = _ssd_pair_decays(dt, tl.load(A_ptr + hi).to(tl.float32), rs, Cs)
         CB = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
                      mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
-        y = tl.dot(CB * L, x * dt[:, None], input_precision=DOT)
-        state_base = entering_ptr + ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n
+        y = tl.dot((CB * L * dt[None, :]).to(x.dtype), x, input_precision=DOT)
+        state_base = entering_ptr + pid_bch.to(tl.int64) * p * n
         y_off = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
         for n0 in range(0, n, BLOCK_N):
             ns = n0 + tl.arange(0, BLOCK_N)
             Cm = tl.load(C_ptr + (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :],
-                         mask=valid[:, None] & (ns[None, :] < n), other=0.0).to(tl.float32)
-            h_inT = tl.load(state_base + ps[None, :] * n + ns[:, None], mask=(ps[None, :] < p) & (ns[:, None] < n), other=0.0)
-            y_off += tl.dot(Cm, h_inT, input_precision=DOT)
+                         mask=valid[:, None] & (ns[None, :] < n), other=0.0)
+            h_inT = tl.load(state_base + ps[None, :] * n + ns[:, None], mask=(ps[None, :] < p) & (ns[:, None] < n),
+                            other=0.0)
+            y_off += tl.dot(Cm, h_inT.to(Cm.dtype), input_precision=DOT)
         y += tl.exp(a)[:, None] * y_off
         if HAS_D:
-            y += tl.load(D_ptr + hi).to(tl.float32) * x
+            y += tl.load(D_ptr + hi).to(tl.float32) * x.to(tl.float32)
         tl.store(y_ptr + x_offs, y.to(y_ptr.dtype.element_ty), mask=x_mask)
 
     @triton.jit
     def _ssd_state_passing_bwd_kernel(dh_out_ptr, entering_ptr, a_ptr, dhT_ptr, dS_next_ptr, dh0_ptr, da_last_ptr,
                                       h, dim, n_chunks, Cs, BLOCK: tl.constexpr):
         # reverse of kernel 3: dS_next[c] = ds (gradient of chunk c's end state); ds ← dh_out[c] + exp(a_last[c]) ds;
-        # and ∂L/∂a_last[c] from the passed-through state, ⟨ds, exp(a_last) h_in[c]⟩ (partial over this slice)
-        pid_m, bi, hi = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        # and ∂L/∂a_last[c] from the passed-through state, ⟨ds, exp(a_last) h_in[c]⟩ (partial over this slice).
+        # One program per (batch·head, slice of the p·n state)
+        pid_bh, pid_m = tl.program_id(0), tl.program_id(1)
+        bi, hi = pid_bh // h, pid_bh % h
         ms = pid_m * BLOCK + tl.arange(0, BLOCK)
         mask = ms < dim
-        ds = tl.load(dhT_ptr + (bi * h + hi).to(tl.int64) * dim + ms, mask=mask, other=0.0).to(tl.float32)
+        ds = tl.load(dhT_ptr + pid_bh.to(tl.int64) * dim + ms, mask=mask, other=0.0).to(tl.float32)
         for cc in range(n_chunks):
             c = n_chunks - 1 - cc
             offs = ((bi * n_chunks + c) * h + hi).to(tl.int64) * dim + ms
             tl.store(dS_next_ptr + offs, ds, mask=mask)
-            decay = tl.exp(tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + Cs - 1))
+            decay = tl.exp(tl.load(a_ptr + (pid_bh * n_chunks + c).to(tl.int64) * Cs + Cs - 1))
             h_in = tl.load(entering_ptr + offs, mask=mask, other=0.0)
-            tl.store(da_last_ptr + (((bi * h + hi) * n_chunks + c) * tl.num_programs(0) + pid_m).to(tl.int64),
+            tl.store(da_last_ptr + ((pid_bh * n_chunks + c) * tl.num_programs(1) + pid_m).to(tl.int64),
                      tl.sum(ds * h_in, axis=0) * decay)
             ds = tl.load(dh_out_ptr + offs, mask=mask, other=0.0) + decay * ds
-        tl.store(dh0_ptr + (bi * h + hi).to(tl.int64) * dim + ms, ds, mask=mask)
+        tl.store(dh0_ptr + pid_bh.to(tl.int64) * dim + ms, ds, mask=mask)
 
     @triton.jit
-    def _ssd_chunk_bwd_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, CB_ptr, D_ptr, a_ptr, entering_ptr, dS_next_ptr,
-                              da_last_ptr, dy_ptr, dx_ptr, ddt_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, l, h, p, n, n_chunks, Cs,
-                              HAS_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                              DOT: tl.constexpr):
-        # one program per (batch·chunk, head, block of p), the state dimension n in blocks of BLOCK_N. Every gradient
-        # but dx is a sum over p, so dt, dA, dB, dC and dD are written as partial sums per p block (summed outside).
-        # With xdt = dt⊙x, L_rs = exp(a_r − a_s) (s ≤ r), M = CB⊙L⊙(dy xdtᵀ), E_s = exp(a_last − a_s):
-        #   dxdt = (CB⊙L)ᵀ dy + E⊙(B dS_nextᵀ);  dC = (L⊙dy xdtᵀ) B + exp(a)⊙(dy h_in);
-        #   dB = (L⊙dy xdtᵀ)ᵀ C + E⊙(xdt dS_next);
-        #   ∂L/∂a_r = Σ_s M_rs − Σ_s M_sr + exp(a_r) dy_r·h_in C_r − E_r xdt_r·dS_next B_r (+ end-state terms at a_last),
-        #   and dt·A's gradient is Σ_{r ≥ i} ∂L/∂a_r, summed below without the terms that cancel in it.
-        pid_bc, hi, pid_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    def _ssd_chunk_bwd_dx_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, CB_ptr, D_ptr, dS_next_ptr, dy_ptr, dx_ptr, ddt_ptr,
+                                 dA_ptr, dD_ptr, b, l, h, p, n, n_chunks, Cs, HAS_D: tl.constexpr,
+                                 BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                                 DOT: tl.constexpr):
+        # One program per (batch·chunk·head, block of p). With xdt = dt⊙x, L_rs = exp(a_r − a_s) (s ≤ r) and
+        # E_s = exp(a_last − a_s):
+        #   dxdt = (CB⊙L)ᵀ dy + E⊙(B dS_nextᵀ),   dx = dt⊙dxdt + D dy,   ∂L/∂dt_s ∋ Σ_p dxdt_sp x_sp,
+        # and the end state's term of ∂L/∂(dt_i A): a token's share of it, exp(a_last − a_s), depends on dt_i A for
+        # s < i, Σ_{s<i} E_s Σ_p (B dS_nextᵀ ⊙ xdt)_sp. ddt, dA and dD are sums over p, written per p block.
+        pid_bch, pid_p = tl.program_id(0), tl.program_id(1)
+        hi, pid_bc = pid_bch % h, pid_bch // h
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, BLOCK_C)
         ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
         pos = c * Cs + rs
         valid = (rs < Cs) & (pos < l)
-        part = pid_p.to(tl.int64) * (tl.num_programs(0) // n_chunks)   # partial sums: batch index offset by p block
-        a_base = a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs
-        a = tl.load(a_base + rs, mask=rs < Cs, other=0.0)
         dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
+        A = tl.load(A_ptr + hi).to(tl.float32)
         x_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
         x_mask = valid[:, None] & (ps[None, :] < p)
-        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-        xdt = x * dt[:, None]
-        A = tl.load(A_ptr + hi).to(tl.float32)
-        L, E = _ssd_segment_decays(dt, A, rs, Cs)
-        CB = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
-                     mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
-        CBL = CB * L
-        dyX = tl.dot(dy, tl.trans(xdt), input_precision=DOT)
-        LdyX = L * dyX
-        B_dS = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)             # B dS_nextᵀ, summed over n blocks
-        off_term = tl.zeros((BLOCK_C,), dtype=tl.float32)                  # dy_r·h_in C_r
-        st_base = ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n
+        dy = tl.load(dy_ptr + x_offs, mask=x_mask, other=0.0)
+        CBL = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
+                      mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0) * _ssd_pair_decays(dt, A, rs, Cs)
+        dxdt = tl.dot(tl.trans(CBL).to(dy.dtype), dy, input_precision=DOT)
+        B_dS = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)                   # B dS_nextᵀ, summed over n blocks
+        st_base = dS_next_ptr + pid_bch.to(tl.int64) * p * n
         for n0 in range(0, n, BLOCK_N):
             ns = n0 + tl.arange(0, BLOCK_N)
-            bc_offs = (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :]
-            bc_mask = valid[:, None] & (ns[None, :] < n)
-            Bm = tl.load(B_ptr + bc_offs, mask=bc_mask, other=0.0).to(tl.float32)
-            Cm = tl.load(C_ptr + bc_offs, mask=bc_mask, other=0.0).to(tl.float32)
-            st_offs = st_base + ps[:, None] * n + ns[None, :]
-            st_mask = (ps[:, None] < p) & (ns[None, :] < n)
-            h_in = tl.load(entering_ptr + st_offs, mask=st_mask, other=0.0)
-            dSn = tl.load(dS_next_ptr + st_offs, mask=st_mask, other=0.0)
-            dy_h = tl.dot(dy, h_in, input_precision=DOT)                   # [C, BLOCK_N]
-            B_dS += tl.dot(Bm, tl.trans(dSn), input_precision=DOT)
-            off_term += tl.sum(dy_h * Cm, axis=1)
-            dC = tl.dot(LdyX, Bm, input_precision=DOT) + tl.exp(a)[:, None] * dy_h
-            dB = tl.dot(tl.trans(LdyX), Cm, input_precision=DOT) + E[:, None] * tl.dot(xdt, dSn, input_precision=DOT)
-            part_offs = (((part + bi) * l + pos[:, None]) * h + hi) * n + ns[None, :]
-            tl.store(dB_ptr + part_offs, dB, mask=bc_mask)
-            tl.store(dC_ptr + part_offs, dC, mask=bc_mask)
-        dxdt = tl.dot(tl.trans(CBL), dy, input_precision=DOT) + E[:, None] * B_dS
+            Bm = tl.load(B_ptr + (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :],
+                         mask=valid[:, None] & (ns[None, :] < n), other=0.0)
+            dSnT = tl.load(st_base + ps[None, :] * n + ns[:, None], mask=(ps[None, :] < p) & (ns[:, None] < n),
+                           other=0.0)
+            B_dS += tl.dot(Bm.to(dy.dtype), dSnT.to(dy.dtype), input_precision=DOT)
+        E = _ssd_end_decays(dt_ptr, A, bi, l, h, hi, pos, c * Cs + Cs - 1)
+        dxdt += E[:, None] * B_dS
+        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
         dx = dxdt * dt[:, None]
         if HAS_D:
-            D = tl.load(D_ptr + hi).to(tl.float32)
-            dx += D * dy
-            tl.store(dD_ptr + (part * n_chunks + pid_bc) * h + hi, tl.sum(tl.sum(dy * x, axis=1), axis=0))
-        # ∂L/∂(dt_i A) = Σ_{r ≥ i} ∂L/∂a_r, gathered term by term so that nothing cancels: the pair weights L_rs
-        # depend on dt_i A for s < i ≤ r (pairs spanning i); a token's share of the chunk's end state for s < i;
-        # the read of the entering state exp(a_r) for r ≥ i; the passed-on state exp(a_last) for every i
-        M = CBL * dyX
-        to_end = E * tl.sum(B_dS * xdt, axis=1)
-        spanning = tl.sum(tl.where(rs[:, None] > rs[None, :], tl.cumsum(M, axis=1), 0.0), axis=0)  # [j] spans j, j+1
-        spanning = tl.sum(tl.where(rs[:, None] == rs[None, :] - 1, spanning[:, None], 0.0), axis=0)
-        reads = tl.sum(tl.where(rs[:, None] >= rs[None, :], (tl.exp(a) * off_term)[:, None], 0.0), axis=0)
-        writes = tl.sum(tl.where(rs[:, None] < rs[None, :], to_end[:, None], 0.0), axis=0)
-        d_dtA = spanning + reads + writes
-        if pid_p == 0:  # the passed-on state's term is whole, added by one p block
-            d_dtA += tl.load(da_last_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64))
-        tl.store(dx_ptr + x_offs, dx, mask=x_mask)
-        tl.store(ddt_ptr + ((part + bi) * l + pos) * h + hi, tl.sum(dxdt * x, axis=1) + A * d_dtA, mask=valid)
-        tl.store(dA_ptr + (part * n_chunks + pid_bc) * h + hi, tl.sum(dt * d_dtA, axis=0))
+            dx += tl.load(D_ptr + hi).to(tl.float32) * dy.to(tl.float32)
+            tl.store(dD_ptr + (pid_p * n_chunks * b + pid_bc) * h + hi, tl.sum(tl.sum(dy.to(tl.float32) * x, 1), 0))
+        tl.store(dx_ptr + x_offs, dx.to(dx_ptr.dtype.element_ty), mask=x_mask)
+        to_end = E * dt * tl.sum(B_dS * x, axis=1)
+        writes = tl.sum(tl.where(rs[:, None] < rs[None, :], to_end[:, None], 0.0), axis=0)      # [i] = Σ_{s<i}
+        slot = pid_p.to(tl.int64) * b + bi
+        tl.store(ddt_ptr + (slot * l + pos) * h + hi, tl.sum(dxdt * x, axis=1) + A * writes, mask=valid)
+        tl.store(dA_ptr + (slot * n_chunks + c) * h + hi, tl.sum(dt * writes, axis=0))
+
+    @triton.jit
+    def _ssd_chunk_dyx(x_ptr, dy_ptr, bi, c, hi, l, h, p, Cs, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                       DOT: tl.constexpr):
+        # [r, s] = dy_r·x_s over one chunk and head, summed over p in blocks
+        rs = tl.arange(0, BLOCK_C)
+        pos = c * Cs + rs
+        valid = (rs < Cs) & (pos < l)
+        dyxT = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
+        for p0 in range(0, p, BLOCK_P):
+            ps = p0 + tl.arange(0, BLOCK_P)
+            offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
+            mask = valid[:, None] & (ps[None, :] < p)
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0)
+            dyxT += tl.dot(dy, tl.trans(tl.load(x_ptr + offs, mask=mask, other=0.0)).to(dy.dtype), input_precision=DOT)
+        return dyxT
+
+    @triton.jit
+    def _ssd_chunk_bwd_pairs_kernel(x_ptr, dt_ptr, A_ptr, CB_ptr, da_last_ptr, dy_ptr, ddt_ptr, dA_ptr, l, h, p,
+                                    n_chunks, Cs, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # One program per batch·chunk·head: two terms of ∂L/∂(dt_i A), gathered term by term so that nothing
+        # cancels. The pair weights L_rs depend on dt_i A for s < i ≤ r: Σ over the pairs spanning i of
+        # M = CB⊙L⊙(dy xdtᵀ); the passed-on state exp(a_last) depends on every i.
+        pid_bch = tl.program_id(0)
+        hi, pid_bc = pid_bch % h, pid_bch // h
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        rs = tl.arange(0, BLOCK_C)
+        pos = c * Cs + rs
+        valid = (rs < Cs) & (pos < l)
+        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
+        A = tl.load(A_ptr + hi).to(tl.float32)
+        M = _ssd_chunk_dyx(x_ptr, dy_ptr, bi, c, hi, l, h, p, Cs, BLOCK_P, BLOCK_C, DOT) * dt[None, :]
+        M *= tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
+                     mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0) * _ssd_pair_decays(dt, A, rs, Cs)
+        before = tl.cumsum(M, axis=1) - M                                        # [r, i] = Σ_{s<i} M_rs
+        d_dtA = tl.sum(tl.where(rs[:, None] >= rs[None, :], before, 0.0), axis=0)   # [i] = Σ_{r≥i} Σ_{s<i}
+        d_dtA += tl.load(da_last_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64))
+        tl.store(ddt_ptr + (bi * l + pos).to(tl.int64) * h + hi, A * d_dtA, mask=valid)
+        tl.store(dA_ptr + pid_bch.to(tl.int64), tl.sum(dt * d_dtA, axis=0))
+
+    @triton.jit
+    def _ssd_chunk_bwd_dcb_kernel(x_ptr, dt_ptr, A_ptr, dy_ptr, dCB_ptr, b, l, h, p, n_chunks, Cs, heads_per_program,
+                                  BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # ∂L/∂CB = Σ_h L⊙(dy xdtᵀ) (dy xdtᵀ summed over p), summed over a group of heads: one program per
+        # (batch·chunk, group of heads), the groups added outside. dB and dC take it from there, once per chunk.
+        n_groups = tl.cdiv(h, heads_per_program)
+        pid_bc, group = tl.program_id(0) // n_groups, tl.program_id(0) % n_groups
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        rs = tl.arange(0, BLOCK_C)
+        pos = c * Cs + rs
+        valid = (rs < Cs) & (pos < l)
+        dCB = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
+        for hi in range(group * heads_per_program, tl.minimum(group * heads_per_program + heads_per_program, h)):
+            dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
+            dyxT = _ssd_chunk_dyx(x_ptr, dy_ptr, bi, c, hi, l, h, p, Cs, BLOCK_P, BLOCK_C, DOT)
+            dCB += _ssd_pair_decays(dt, tl.load(A_ptr + hi).to(tl.float32), rs, Cs) * dyxT * dt[None, :]
+        tl.store(dCB_ptr + ((group * b + bi) * n_chunks + c).to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
+                 dCB, mask=(rs[:, None] < Cs) & (rs[None, :] < Cs))
+
+    @triton.jit
+    def _ssd_chunk_bwd_dbc_kernel(x_ptr, B_ptr, C_ptr, a_ptr, dt_ptr, A_ptr, entering_ptr, dS_next_ptr, dCB_ptr,
+                                  dy_ptr, ddt_ptr, dA_ptr, dB_ptr, dC_ptr, b, l, h, p, n, n_chunks, Cs,
+                                  heads_per_program, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # One program per (batch·chunk·group of heads, block of n):
+        #   dC = ∂L/∂CB B + Σ_h exp(a)⊙(dy h_in),   dB = (∂L/∂CB)ᵀ C + Σ_h (E⊙dt⊙x) dS_next,
+        # summed over the group's heads (the groups are added outside), the ∂L/∂CB terms added by group 0; and per
+        # head the read of the entering state's term of ∂L/∂(dt_i A): exp(a_r) depends on dt_i A for r ≥ i,
+        # Σ_{r≥i} exp(a_r) dy_r·h_in C_r (this n block's part)
+        n_groups = tl.cdiv(h, heads_per_program)
+        pid_bc, group, pid_n = tl.program_id(0) // n_groups, tl.program_id(0) % n_groups, tl.program_id(1)
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        rs = tl.arange(0, BLOCK_C)
+        ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        pos = c * Cs + rs
+        valid = (rs < Cs) & (pos < l)
+        dB = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)
+        dC = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)
+        for hi in range(group * heads_per_program, tl.minimum(group * heads_per_program + heads_per_program, h)):
+            dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
+            A = tl.load(A_ptr + hi).to(tl.float32)
+            to_end = _ssd_end_decays(dt_ptr, A, bi, l, h, hi, pos, c * Cs + Cs - 1) * dt
+            dy_h = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)                 # dy h_in, summed over p blocks
+            st_base = (pid_bc * h + hi).to(tl.int64) * p * n
+            for p0 in range(0, p, BLOCK_P):
+                ps = p0 + tl.arange(0, BLOCK_P)
+                x_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
+                x_mask = valid[:, None] & (ps[None, :] < p)
+                st_offs = st_base + ps[:, None] * n + ns[None, :]
+                st_mask = (ps[:, None] < p) & (ns[None, :] < n)
+                dy = tl.load(dy_ptr + x_offs, mask=x_mask, other=0.0)
+                x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+                dy_h += tl.dot(dy, tl.load(entering_ptr + st_offs, mask=st_mask, other=0.0).to(dy.dtype),
+                               input_precision=DOT)
+                dB += tl.dot((to_end[:, None] * x).to(dy.dtype),
+                             tl.load(dS_next_ptr + st_offs, mask=st_mask, other=0.0).to(dy.dtype), input_precision=DOT)
+            a = tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + rs, mask=rs < Cs, other=0.0)
+            dy_h *= tl.exp(a)[:, None]
+            dC += dy_h
+            Cm = tl.load(C_ptr + (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :],
+                         mask=valid[:, None] & (ns[None, :] < n), other=0.0).to(tl.float32)
+            d_dtA = tl.cumsum(tl.sum(dy_h * Cm, axis=1), axis=0, reverse=True)    # [i] = Σ_{r≥i}
+            slot = pid_n.to(tl.int64) * b + bi
+            tl.store(ddt_ptr + (slot * l + pos) * h + hi, A * d_dtA, mask=valid)
+            tl.store(dA_ptr + (slot * n_chunks + c) * h + hi, tl.sum(dt * d_dtA, axis=0))
+        bc_offs = (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :]
+        bc_mask = valid[:, None] & (ns[None, :] < n)
+        if group == 0:
+            dCB = tl.load(dCB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
+                          mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
+            Cm = tl.load(C_ptr + bc_offs, mask=bc_mask, other=0.0)
+            dC += tl.dot(dCB.to(Cm.dtype), tl.load(B_ptr + bc_offs, mask=bc_mask, other=0.0).to(Cm.dtype),
+                         input_precision=DOT)
+            dB += tl.dot(tl.trans(dCB).to(Cm.dtype), Cm, input_precision=DOT)
+        slot = group.to(tl.int64) * b + bi
+        tl.store(dB_ptr + (slot * l + pos[:, None]) * n + ns[None, :], dB, mask=bc_mask)
+        tl.store(dC_ptr + (slot * l + pos[:, None]) * n + ns[None, :], dC, mask=bc_mask)
 
 
 def _dot_precision(x):
-    """tl.dot precision: IEEE fp32 (as the references), unless the inputs are bf16/fp16 anyway or torch is
-    allowed TF32 for fp32 matmuls (torch.set_float32_matmul_precision("high")): then TF32 tensor cores.
-    (Triton's interpreter computes every dot in full fp32 whatever this says.)"""
+    """tl.dot's precision for fp32 inputs: IEEE fp32 (as the references), unless torch is allowed TF32 for fp32
+    matmuls (torch.set_float32_matmul_precision("high")): then TF32 tensor cores. bf16/fp16 inputs go into the dots
+    in their own dtype, where the flag does nothing. (Triton's interpreter computes every dot in fp32.)"""
     if x.dtype != torch.float32 or torch.get_float32_matmul_precision() != "highest":
         return "tf32"
     return "ieee"
 
 
-def _ssd_blocks(p, n, Cs):
-    # tl.dot wants every dimension ≥ 16; the state dimension n is walked in blocks of at most 32 where a kernel loops
-    return max(16, triton.next_power_of_2(p)), max(16, triton.next_power_of_2(n)), max(16, triton.next_power_of_2(Cs))
+SSD_TRITON_MAX_CHUNK = 64   # longer chunks exceed a block's registers in the backward kernels
+SSD_HEADS_PER_PROGRAM = 8   # heads one dB/dC program sums over: partial sums for h/8 groups, not for every head
 
 
-def _ssd_bwd_block_p(block_p):
-    # the backward chunk kernel splits p over programs in blocks of 32 and runs unpipelined (num_stages=1): whole,
-    # p = 128 took 200 KB of shared memory (144 KB unpipelined), over sm_80's 163 KB and sm_86/89's 99 KB
-    return min(block_p, 32)
+def _ssd_blocks(x, n, Cs):
+    """(BLOCK_P, BLOCK_N, BLOCK_C, num_warps) for x [b,l,h,p]: tl.dot wants every dimension ≥ 16; p and n are
+    walked in blocks of 32 for bf16 dots, 16 for fp32 ones (whose operands take twice the registers, and IEEE dots
+    run on FMA units that hold a thread's whole reduction slice), a chunk of up to 64 in one tile over 8 warps."""
+    most = 32 if x.dtype != torch.float32 else 16
+    block = lambda d, most: max(16, min(most, triton.next_power_of_2(d)))
+    BC = block(Cs, 64)
+    return block(x.shape[-1], most), block(n, most), BC, 8 if BC == 64 else 4
 
-
-@torch.library.custom_op("specgpt::ssd_fwd", mutates_args=())
-def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-             D: Optional[torch.Tensor], chunk_size: int, initial_state: Optional[torch.Tensor]) -> tuple[
-                 torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, h_T, CB, a, entering): the chunk quantities after y and h_T are kept for the backward."""
+def _ssd_chunk_states(x, dt, A, B, C, Cs, initial_state):
+    """Kernels 1–4: (a, CB, entering, h_T); the forward and the backward (which recomputes them) share this."""
     b, l, h, p = x.shape
     n = B.shape[-1]
-    Cs = chunk_size
     N = triton.cdiv(l, Cs)
-    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
-    BP, BN, BC = _ssd_blocks(p, n, Cs)
+    BP, BN, BC, warps = _ssd_blocks(x, n, Cs)
     dot = _dot_precision(x)
     f32 = dict(device=x.device, dtype=torch.float32)
     a = torch.empty(b, h, N, Cs, **f32)
-    _ssd_chunk_cumsum_kernel[(b, N, triton.cdiv(h, 8))](dt, A, a, l, h, N, Cs, BLOCK_H=8, BLOCK_C=BC)
+    _ssd_chunk_cumsum_kernel[(b * N, triton.cdiv(h, 8))](dt, A, a, l, h, N, Cs, BLOCK_H=8, BLOCK_C=BC)
     states = torch.empty(b, N, h, p, n, **f32)
-    _ssd_chunk_outer_kernel[(triton.cdiv(p, BP) * triton.cdiv(n, min(BN, 32)), b * N, h)](
-        x, B, dt, A, a, states, l, h, p, n, N, Cs, FROM_START=False, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
-        DOT=dot, num_warps=8)
+    _ssd_chunk_outer_kernel[(b * N * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))](
+        x, B, dt, A, a, states, l, h, p, n, N, Cs, FROM_START=False, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot,
+        num_warps=warps)
     entering = torch.empty(b, N, h, p, n, **f32)
     h_T = torch.empty(b, h, p, n, **f32)
     block = min(1024, triton.next_power_of_2(p * n))
     h0 = initial_state.contiguous() if initial_state is not None else h_T
-    _ssd_state_passing_kernel[(triton.cdiv(p * n, block), b, h)](
+    _ssd_state_passing_kernel[(b * h, triton.cdiv(p * n, block))](
         states, a, h0, entering, h_T, h, p * n, N, Cs, HAS_INITIAL=initial_state is not None, BLOCK=block)
     CB = torch.empty(b, N, Cs, Cs, **f32)
-    _ssd_bmm_kernel[(b * N,)](C, B, CB, l, n, N, Cs, BLOCK_C=BC, BLOCK_N=min(BN, 32), DOT=dot)
+    _ssd_bmm_kernel[(b * N,)](C, B, CB, l, n, N, Cs, BLOCK_C=BC, BLOCK_N=BN, DOT=dot)
+    return a, CB, entering, h_T
+
+
+@torch.library.custom_op("specgpt::ssd_fwd", mutates_args=())
+def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             D: Optional[torch.Tensor], chunk_size: int,
+             initial_state: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h_T)"""
+    b, l, h, p = x.shape
+    n = B.shape[-1]
+    Cs = chunk_size
+    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
+    a, CB, entering, h_T = _ssd_chunk_states(x, dt, A, B, C, Cs, initial_state)
+    BP, BN, BC, warps = _ssd_blocks(x, n, Cs)
     y = torch.empty_like(x)
-    _ssd_chunk_scan_kernel[(triton.cdiv(p, BP), b * N, h)](
-        x, dt, A, a, CB, C, entering, D if D is not None else A, y, l, h, p, n, N, Cs, HAS_D=D is not None,
-        BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC, DOT=dot, num_warps=8)
-    return y, h_T, CB, a, entering
+    _ssd_chunk_scan_kernel[(b * triton.cdiv(l, Cs) * h, triton.cdiv(p, BP))](
+        x, dt, A, a, CB, C, entering, D if D is not None else A, y, l, h, p, n, triton.cdiv(l, Cs), Cs,
+        HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=_dot_precision(x), num_warps=warps)
+    return y, h_T
 
 
 @_ssd_fwd.register_fake
 def _(x, dt, A, B, C, D, chunk_size, initial_state):
     b, l, h, p = x.shape
-    n = B.shape[-1]
-    N = -(-l // chunk_size)
-    f32 = dict(dtype=torch.float32)
-    return (x.new_empty(x.shape), x.new_empty(b, h, p, n, **f32), x.new_empty(b, N, chunk_size, chunk_size, **f32),
-            x.new_empty(b, h, N, chunk_size, **f32), x.new_empty(b, N, h, p, n, **f32))
+    return x.new_empty(x.shape), x.new_empty(b, h, p, B.shape[-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("specgpt::ssd_bwd", mutates_args=())
 def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
-             B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], CB: torch.Tensor, a: torch.Tensor,
-             entering: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                               torch.Tensor, torch.Tensor, torch.Tensor]:
+             B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+             chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                       torch.Tensor, torch.Tensor]:
     """(dx, ddt, dA, dB, dC, dD, d initial_state); dD comes back in fp32 (zeros without D)."""
     b, l, h, p = x.shape
     n = B.shape[-1]
     Cs = chunk_size
     N = triton.cdiv(l, Cs)
-    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
-    BP, BN, BC = _ssd_blocks(p, n, Cs)
+    x, dt, A, B, C, dy = (t.contiguous() for t in (x, dt, A, B, C, dy))
+    a, CB, entering, _ = _ssd_chunk_states(x, dt, A, B, C, Cs, initial_state)
+    BP, BN, BC, warps = _ssd_blocks(x, n, Cs)
+    dot = _dot_precision(x)
     f32 = dict(device=x.device, dtype=torch.float32)
-    dy = dy.contiguous()
     dh_out = torch.empty(b, N, h, p, n, **f32)
-    _ssd_chunk_outer_kernel[(triton.cdiv(p, BP) * triton.cdiv(n, min(BN, 32)), b * N, h)](
-        dy, C, dt, A, a, dh_out, l, h, p, n, N, Cs, FROM_START=True, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
-        DOT=_dot_precision(x), num_warps=8)
+    _ssd_chunk_outer_kernel[(b * N * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))](
+        dy, C, dt, A, a, dh_out, l, h, p, n, N, Cs, FROM_START=True, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot,
+        num_warps=warps)
     block = min(1024, triton.next_power_of_2(p * n))
     n_mb = triton.cdiv(p * n, block)
-    dS_next = torch.empty(b, N, h, p, n, **f32)
-    dh0 = torch.empty(b, h, p, n, **f32)
+    dS_next, dh0 = torch.empty(b, N, h, p, n, **f32), torch.empty(b, h, p, n, **f32)
     da_last = torch.empty(b, h, N, n_mb, **f32)
-    _ssd_state_passing_bwd_kernel[(n_mb, b, h)](dh_out, entering, a, dh_T.contiguous(), dS_next, dh0, da_last, h,
-                                                p * n, N, Cs, BLOCK=block)
-    bp = _ssd_bwd_block_p(BP)
-    n_pb = triton.cdiv(p, bp)
-    dx = torch.empty(b, l, h, p, **f32)
-    ddt = torch.empty(n_pb, b, l, h, **f32)
-    dB_h, dC_h = torch.empty(n_pb, b, l, h, n, **f32), torch.empty(n_pb, b, l, h, n, **f32)
-    dA_p, dD_p = torch.empty(n_pb, b, N, h, **f32), torch.zeros(n_pb, b, N, h, **f32)
-    _ssd_chunk_bwd_kernel[(b * N, h, n_pb)](
-        x, dt, A, B, C, CB, D if D is not None else A, a, entering, dS_next, da_last.sum(-1).contiguous(), dy,
-        dx, ddt, dB_h, dC_h, dA_p, dD_p, l, h, p, n, N, Cs, HAS_D=D is not None, BLOCK_P=bp, BLOCK_N=min(BN, 32),
-        BLOCK_C=BC, DOT=_dot_precision(x), num_warps=8, num_stages=1)
-    return (dx.to(x.dtype), ddt.sum(0).to(dt.dtype), dA_p.sum((0, 1, 2)).to(A.dtype),
-            dB_h.sum((0, 3)).unsqueeze(2).to(B.dtype), dC_h.sum((0, 3)).unsqueeze(2).to(C.dtype), dD_p.sum((0, 1, 2)),
-            dh0)
+    _ssd_state_passing_bwd_kernel[(b * h, n_mb)](dh_out, entering, a, dh_T.contiguous(), dS_next, dh0, da_last, h,
+                                                 p * n, N, Cs, BLOCK=block)
+    # partial sums: ddt and dA per block of p (kernel 8), one more (kernel 9) and per block of n (kernel 10);
+    # dD per block of p; dB and dC per group of heads
+    n_pb, n_nb, n_hg = triton.cdiv(p, BP), triton.cdiv(n, BN), triton.cdiv(h, SSD_HEADS_PER_PROGRAM)
+    dx = torch.empty_like(x)
+    ddt, dA = torch.empty(n_pb + 1 + n_nb, b, l, h, **f32), torch.empty(n_pb + 1 + n_nb, b, N, h, **f32)
+    dD = torch.zeros(n_pb, b, N, h, **f32)
+    _ssd_chunk_bwd_dx_kernel[(b * N * h, n_pb)](
+        x, dt, A, B, CB, D if D is not None else A, dS_next, dy, dx, ddt, dA, dD, b, l, h, p, n, N, Cs,
+        HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot, num_warps=warps)
+    _ssd_chunk_bwd_pairs_kernel[(b * N * h,)](x, dt, A, CB, da_last.sum(-1).contiguous(), dy, ddt[n_pb], dA[n_pb],
+                                              l, h, p, N, Cs, BLOCK_P=BP, BLOCK_C=BC, DOT=dot, num_warps=warps)
+    dCB = torch.empty(n_hg, b, N, Cs, Cs, **f32)
+    _ssd_chunk_bwd_dcb_kernel[(b * N * n_hg,)](x, dt, A, dy, dCB, b, l, h, p, N, Cs, SSD_HEADS_PER_PROGRAM,
+                                                BLOCK_P=BP, BLOCK_C=BC, DOT=dot, num_warps=warps, num_stages=1)
+    dB, dC = torch.empty(n_hg, b, l, n, **f32), torch.empty(n_hg, b, l, n, **f32)
+    _ssd_chunk_bwd_dbc_kernel[(b * N * n_hg, n_nb)](
+        x, B, C, a, dt, A, entering, dS_next, dCB.sum(0), dy, ddt[n_pb + 1:], dA[n_pb + 1:], dB, dC,
+        b, l, h, p, n, N, Cs, SSD_HEADS_PER_PROGRAM, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot, num_warps=8,
+        num_stages=1)
+    return (dx, ddt.sum(0).to(dt.dtype), dA.sum((0, 1, 2)).to(A.dtype), dB.sum(0).unsqueeze(2).to(B.dtype),
+            dC.sum(0).unsqueeze(2).to(C.dtype), dD.sum((0, 1, 2)), dh0)
 
 
 @_ssd_bwd.register_fake
-def _(dy, dh_T, x, dt, A, B, C, D, CB, a, entering, chunk_size):
+def _(dy, dh_T, x, dt, A, B, C, D, initial_state, chunk_size):
     return (*(t.new_empty(t.shape) for t in (x, dt, A, B, C)), A.new_empty(A.shape, dtype=torch.float32),
             dh_T.new_empty(dh_T.shape, dtype=torch.float32))
 
 
 def _ssd_setup(ctx, inputs, output):
     x, dt, A, B, C, D, ctx.chunk_size, initial_state = inputs
-    y, h_T, *kept = output
-    ctx.save_for_backward(x, dt, A, B, C, D, *kept)
-    ctx.mark_non_differentiable(*kept)
+    ctx.save_for_backward(x, dt, A, B, C, D, initial_state)
     ctx.has_initial = initial_state is not None
 
 
-def _ssd_backward(ctx, dy, dh_T, *d_kept):
-    x, dt, A, B, C, D, CB, a, entering = ctx.saved_tensors
-    dx, ddt, dA, dB, dC, dD, dh0 = _ssd_bwd(dy, dh_T, x, dt, A, B, C, D, CB, a, entering, ctx.chunk_size)
+def _ssd_backward(ctx, dy, dh_T):
+    x, dt, A, B, C, D, initial_state = ctx.saved_tensors
+    dx, ddt, dA, dB, dC, dD, dh0 = _ssd_bwd(dy, dh_T, x, dt, A, B, C, D, initial_state, ctx.chunk_size)
     return (dx, ddt, dA, dB, dC, dD.to(D.dtype) if D is not None else None, None,
             dh0 if ctx.has_initial else None)
 
@@ -2414,14 +2543,11 @@ def _ssd_backward(ctx, dy, dh_T, *d_kept):
 _ssd_fwd.register_autograd(_ssd_backward, setup_context=_ssd_setup)
 
 
-SSD_TRITON_MAX_CHUNK = 64   # longer chunks exceed a block's shared memory in the backward kernel
-
-
 def ssd_triton(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
     _ssd_check(x, dt, A, B, C, D, initial_state)
     if not 1 <= chunk_size <= SSD_TRITON_MAX_CHUNK:
         raise ValueError(f"ssd: the Triton path takes chunk_size from 1 to {SSD_TRITON_MAX_CHUNK}, got {chunk_size}")
-    return _ssd_fwd(x, dt, A, B, C, D, chunk_size, initial_state)[:2]
+    return _ssd_fwd(x, dt, A, B, C, D, chunk_size, initial_state)
 
 
 # -----------------------------------------------------------------------------
@@ -2435,18 +2561,29 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 120: 101376}   #
 _TRITON_DTYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64"}
 
 
+def _record_launches(step, on_launch):
+    """Run step() with every Triton launch handed to on_launch(kernel, grid, args, kwargs) instead of run (compiled
+    kernels and the interpreter's alike)."""
+    from unittest import mock
+
+    def record(self, *args, grid, warmup, **kwargs):
+        on_launch(self, tuple(grid), args, kwargs)
+
+    with mock.patch.object(type(_rms_norm_fwd_kernel), "run", record):
+        step()
+
+
 def triton_launches(step):
     """Run step() (Triton ops on CPU tensors, forward and backward) with launches recorded, not run; returns
     [(kernel, signature, constexprs, options)], one per distinct launch. Outputs are uninitialised memory."""
-    from unittest import mock
     import inspect
     launches = {}
 
-    def record(self, *args, grid, warmup, **kwargs):
+    def record(kernel, grid, args, kwargs):
         options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-        bound = inspect.signature(self.fn).bind(*args, **kwargs).arguments
+        bound = inspect.signature(kernel.fn).bind(*args, **kwargs).arguments
         signature, constexprs = {}, {}
-        for param in self.params:
+        for param in kernel.params:
             value = bound[param.name]
             if param.is_constexpr or value is None:
                 signature[param.name], constexprs[param.name] = "constexpr", value
@@ -2456,12 +2593,30 @@ def triton_launches(step):
                 signature[param.name] = "fp32"
             else:
                 signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
-        key = (self.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
-        launches.setdefault(key, (self, signature, constexprs, options))
+        key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
+        launches.setdefault(key, (kernel, signature, constexprs, options))
 
-    with mock.patch.object(triton.runtime.jit.JITFunction, "run", record):
-        step()
+    _record_launches(step, record)
     return list(launches.values())
+
+
+def triton_grids(step):
+    """[(kernel name, grid)] for every launch step() makes, run under FakeTensorMode, so any shape costs nothing
+    (step makes its inputs there). Each Triton op's custom ops run their own bodies instead of their fake
+    functions: the wrappers choose their grids as on a GPU, and the kernels are recorded, never run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    ops = [op for op in globals().values() if isinstance(op, torch._library.custom_ops.CustomOpDef)]
+    fakes = {op: op._abstract_fn for op in ops}
+    grids = []
+    try:
+        for op in ops:
+            op.register_fake(op._init_fn)
+        with FakeTensorMode():
+            _record_launches(step, lambda kernel, grid, args, kwargs: grids.append((kernel.fn.__name__, grid)))
+    finally:
+        for op, fake in fakes.items():
+            op.register_fake(fake)
+    return grids
 
 
 @functools.lru_cache(maxsize=None)
