@@ -15,8 +15,8 @@ kernels.py: every op the model needs that has a fast path, one section per op.
                       q,k,g,b [B,T,H,K]; v,w [B,T,H,V]; S [B,H,K,V]                ref, torch, triton
     ssd               (x, dt, A, B, C, D=None, chunk_size=64, initial_state=None) -> (y, h_T)
                       x [b,l,h,p]; dt [b,l,h]; A, D [h]; B, C [b,l,1,n]; h [b,h,p,n]  ref, torch, triton
-Helpers: gdn2_log_rho(k, b) = log ‖I − k(b⊙k)ᵀ‖₂ (what the clip uses), gdn_log_decay(decay_logits, A_log, dt_bias)
-(the gated variants' g), zoh_input_scale(dt, A) (ZOH for ssd).
+Helpers: gdn2_log_rho(k, b) = log ‖I − k(b⊙k)ᵀ‖₂ (what the clip uses), gdn_log_decay(decay_logits, A_log,
+dt_bias) (the gated variants' g), zoh_input_scale(dt, A) (ZOH for ssd).
 * teaching kernels, never called by the model (both tested): softmax's Triton path is the fused-softmax walkthrough
 of `python kernels.py`; gdn2_decay_clip's standalone Triton kernel is the clip alone, which gdn2_gates' kernel fuses.
 
@@ -55,7 +55,8 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" or "tr
         pass
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "ref")
-TRITON_OPS = frozenset({"rms_norm", "rope", "softmax", "sparsemax", "sinkhorn", "gdn2_decay_clip", "gdn2_gates", "gdn2", "ssd"})  # have <op>_triton
+TRITON_OPS = frozenset({"rms_norm", "rope", "softmax", "sparsemax", "sinkhorn", "gdn2_decay_clip", "gdn2_gates",
+                        "gdn2", "ssd"})  # the ops with an <op>_triton
 
 
 def _path(op, kernels, x):
@@ -98,26 +99,28 @@ def _double_backward(forward, inputs, cotangents):
 
 
 # -----------------------------------------------------------------------------
-# rms_norm: y = x / sqrt(mean(x²) + eps) * weight, in fp32, cast back
+# rms_norm: y = g / sqrt(mean(g²) + eps) * weight with g = x, or g = x ⊙ silu(gate) (Mamba2's gated norm, one op so
+# that autograd keeps x and gate, not silu(gate) and the product too); in fp32, cast back to x's dtype
 
-def rms_norm_ref(x, weight, eps=1e-6):
-    xf = x.float()
+def rms_norm_ref(x, weight, eps=1e-6, gate=None):
+    xf = x.float() if gate is None else x.float() * F.silu(gate.float())
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return y.to(x.dtype)
 
 
-def rms_norm_torch(x, weight, eps=1e-6):
+def rms_norm_torch(x, weight, eps=1e-6, gate=None):
     dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 is computed in fp32, fp64 stays fp64
-    return F.rms_norm(x.to(dtype), (x.shape[-1],), weight.to(dtype), eps).to(x.dtype)
+    g = x.to(dtype) if gate is None else x.to(dtype) * F.silu(gate.to(dtype))
+    return F.rms_norm(g, (x.shape[-1],), weight.to(dtype), eps).to(x.dtype)
 
 
-def rms_norm(x, weight, eps=1e-6, kernels="auto"):
+def rms_norm(x, weight, eps=1e-6, gate=None, kernels="auto"):
     path = _path("rms_norm", kernels, x)
     if path == "triton":
-        return rms_norm_triton(x, weight, eps)
+        return rms_norm_triton(x, weight, eps, gate)
     if path == "ref":
-        return rms_norm_ref(x, weight, eps)
-    return rms_norm_torch(x, weight, eps)
+        return rms_norm_ref(x, weight, eps, gate)
+    return rms_norm_torch(x, weight, eps, gate)
 
 
 # -----------------------------------------------------------------------------
@@ -641,11 +644,13 @@ def _ssd_check(x, dt, A, B, C, D, initial_state):
     if dt.shape != (b, l, h) or A.shape != (h,):
         raise ValueError(f"ssd: dt must be [b,l,h] = {(b, l, h)} and A [h], got {tuple(dt.shape)}, {tuple(A.shape)}")
     if B.ndim != 4 or B.shape[:3] != (b, l, 1) or C.shape != B.shape:
-        raise ValueError(f"ssd: B and C must be [b,l,1,n] (ngroups = 1), got {tuple(B.shape)}, {tuple(C.shape)}; use B.unsqueeze(2)")
+        raise ValueError(f"ssd: B and C must be [b,l,1,n] (ngroups = 1), got {tuple(B.shape)}, {tuple(C.shape)}; "
+                         "use B.unsqueeze(2)")
     if D is not None and D.shape != (h,):
         raise ValueError(f"ssd: D must be [h] = ({h},) or None, got {tuple(D.shape)}")
     if initial_state is not None and initial_state.shape != (b, h, p, B.shape[-1]):
-        raise ValueError(f"ssd: initial_state must be [b,h,p,n] = {(b, h, p, B.shape[-1])}, got {tuple(initial_state.shape)}")
+        raise ValueError(f"ssd: initial_state must be [b,h,p,n] = {(b, h, p, B.shape[-1])}, "
+                         f"got {tuple(initial_state.shape)}")
 
 
 @_fp32
@@ -701,8 +706,8 @@ class _SSDChunks(torch.autograd.Function):
     With G = ∂/∂S' (dS_T for the last chunk, then chunk by chunk backwards):
         ∂S = e^{a_C} G + (e^a⊙dy)ᵀ C,   ∂X = Wᵀ dy + ℓ⊙(B Gᵀ),   dW = dy Xᵀ,
         ∂C = (Σ_h dW⊙L) B + Σ_h e^a⊙(dy S),   ∂B = (Σ_h dW⊙L)ᵀ C + Σ_h (ℓ⊙X) G,
-        ∂(dt A)_i = Σ_{r≥i} Σ_{s<i} (dW⊙W)_rs + Σ_{r≥i} ∂a_r (the reads', ℓ's and e^{a_C}'s direct terms):
-    the first sum runs over the pairs whose segment a_r − a_s contains i, so nothing cancels there.
+        ∂(dt A)_i = Σ_{r≥i} Σ_{s<i} (dW⊙W)_rs + Σ_{r≥i} ∂a_r (the reads', ℓ's and e^{a_C}'s direct
+    terms): the first sum runs over the pairs whose segment a_r − a_s contains i, so nothing cancels there.
     Under create_graph (Hessian-vector products) the backward differentiates _ssd_chunks' ops instead."""
 
     @staticmethod
@@ -811,23 +816,28 @@ def _programs_for(x, rows):
 
 if HAS_TRITON:
     @triton.jit
-    def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, eps,
+    def _rms_norm_fwd_kernel(x_ptr, gate_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, eps, HAS_GATE: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # one program normalises BLOCK_R rows; the whole row sits in registers, sums in fp32
+        # one program normalises BLOCK_R rows of g = x (⊙ silu(gate)); the whole row sits in registers, sums in fp32
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_C)
         mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
         offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            z = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            g *= z * tl.sigmoid(z)
         w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-        tl.store(y_ptr + offs, (x * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+        rstd = 1.0 / tl.sqrt(tl.sum(g * g, axis=1) / n_cols + eps)
+        tl.store(y_ptr + offs, (g * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(rstd_ptr + rows, rstd, mask=rows < n_rows)
 
     @triton.jit
-    def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols,
-                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # dx = rstd·(dy⊙w − x̂·mean(dy⊙w⊙x̂)); each program also sums dy⊙x̂ over its rows into one dw partial
+    def _rms_norm_bwd_kernel(x_ptr, gate_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dgate_ptr, dw_partial_ptr, n_rows,
+                             n_cols, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # dg = rstd·(dy⊙w − ĝ·mean(dy⊙w⊙ĝ)) with ĝ = rstd·g; g = x gives dx = dg, g = x⊙silu(z) gives
+        # dx = dg⊙silu(z) and dz = dg⊙x⊙silu'(z), silu'(z) = σ(z)(1 + z(1 − σ(z))). Each program also sums
+        # dy⊙ĝ over its rows into one dw partial
         pid, n_prog = tl.program_id(0), tl.num_programs(0)
         cols = tl.arange(0, BLOCK_C)
         w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
@@ -837,78 +847,95 @@ if HAS_TRITON:
             mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
             offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
             x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            g = x
+            if HAS_GATE:
+                z = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                g = x * z * tl.sigmoid(z)
             dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)
-            x_hat = x * rstd[:, None]
+            g_hat = g * rstd[:, None]
             dyw = dy * w[None, :]
-            mean_term = tl.sum(dyw * x_hat, axis=1) / n_cols
-            dx = rstd[:, None] * (dyw - x_hat * mean_term[:, None])
-            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-            dw += tl.sum(dy * x_hat, axis=0)
+            dg = rstd[:, None] * (dyw - g_hat * (tl.sum(dyw * g_hat, axis=1) / n_cols)[:, None])
+            dw += tl.sum(dy * g_hat, axis=0)
+            if HAS_GATE:
+                sig = tl.sigmoid(z)
+                tl.store(dgate_ptr + offs, (dg * x * sig * (1 + z * (1 - sig))).to(dgate_ptr.dtype.element_ty),
+                         mask=mask)
+                dg *= z * sig
+            tl.store(dx_ptr + offs, dg.to(dx_ptr.dtype.element_ty), mask=mask)
         tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=cols < n_cols)
 
 
 def _rms_norm_blocks(n_cols):
-    """(BLOCK_R, BLOCK_C, num_warps): a tile of 4096 values, or one row when it is longer, 32 values a thread up to
-    rows of 8192 (mHC's four streams of 2048; the backward holds five such tiles, and at 64 a thread it spilled)"""
+    """(BLOCK_R, BLOCK_C, num_warps): a tile of 4096 values, or one row when it is longer, spread 16 values a thread
+    (at most 16 warps) so that the backward's tiles stay in registers: no spills up to rows of 8192, or of 4096
+    with a gate"""
     block_c = triton.next_power_of_2(n_cols)
     block_r = max(1, min(64, 4096 // block_c))
-    return block_r, block_c, 8 if block_r * block_c > 4096 else 4
+    return block_r, block_c, min(16, max(4, block_r * block_c // 512))
 
 
 @torch.library.custom_op("specgpt::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd): the normalised x and each row's 1/rms, which the backward reuses."""
+def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  gate: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): the normalised x (⊙ silu(gate)) and each row's 1/rms, which the backward reuses."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     n_rows, n_cols = x2.shape
+    gate2 = x2 if gate is None else gate.reshape(n_rows, n_cols).contiguous()
     y = torch.empty_like(x2)
     rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
     block_r, block_c, warps = _rms_norm_blocks(n_cols)
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-        x2, weight.contiguous(), y, rstd, n_rows, n_cols, eps, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+        x2, gate2, weight.contiguous(), y, rstd, n_rows, n_cols, eps, HAS_GATE=gate is not None, BLOCK_R=block_r,
+        BLOCK_C=block_c, num_warps=warps)
     return y.reshape(x.shape), rstd
 
 
 @_rms_norm_fwd.register_fake
-def _(x, weight, eps):
+def _(x, weight, eps, gate):
     return x.new_empty(x.shape), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("specgpt::rms_norm_bwd", mutates_args=())
-def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                  rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                  gate: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dgate); dgate is empty without a gate."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     n_rows, n_cols = x2.shape
+    gate2 = x2 if gate is None else gate.reshape(n_rows, n_cols).contiguous()
     dy2 = dy.reshape(n_rows, n_cols).contiguous()
     dx = torch.empty_like(x2)
+    dgate = torch.empty_like(gate2) if gate is not None else x2.new_empty(0)
     block_r, block_c, warps = _rms_norm_blocks(n_cols)
     n_prog = _programs_for(x2, triton.cdiv(n_rows, block_r))
     dw_partial = torch.empty(n_prog, n_cols, device=x2.device, dtype=torch.float32)
-    _rms_norm_bwd_kernel[(n_prog,)](x2, weight.contiguous(), rstd, dy2, dx, dw_partial, n_rows, n_cols,
-                                    BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
-    return dx.reshape(x.shape), dw_partial.sum(0).to(weight.dtype)
+    _rms_norm_bwd_kernel[(n_prog,)](x2, gate2, weight.contiguous(), rstd, dy2, dx, dgate, dw_partial, n_rows, n_cols,
+                                    HAS_GATE=gate is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    return dx.reshape(x.shape), dw_partial.sum(0).to(weight.dtype), dgate if gate is None else dgate.view(gate.shape)
 
 
 @_rms_norm_bwd.register_fake
-def _(dy, x, weight, rstd):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+def _(dy, x, weight, rstd, gate):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty(gate.shape if gate is not None else 0)
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, weight, eps = inputs
-    ctx.save_for_backward(x, weight, output[1])
+    x, weight, eps, gate = inputs
+    ctx.save_for_backward(x, weight, output[1], gate)
     ctx.mark_non_differentiable(output[1])
 
 
 def _rms_norm_backward(ctx, dy, d_rstd):
-    return *_rms_norm_bwd(dy, *ctx.saved_tensors), None
+    x, weight, rstd, gate = ctx.saved_tensors
+    dx, dweight, dgate = _rms_norm_bwd(dy, x, weight, rstd, gate)
+    return dx, dweight, None, dgate if gate is not None else None
 
 
 _rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 
 
-def rms_norm_triton(x, weight, eps=1e-6):
-    return _rms_norm_fwd(x, weight, eps)[0]
+def rms_norm_triton(x, weight, eps=1e-6, gate=None):
+    return _rms_norm_fwd(x, weight, eps, gate)[0]
 
 
 # -----------------------------------------------------------------------------
@@ -961,7 +988,8 @@ def _rope_backward(ctx, dy):
     dx = _rope_rotate(dy, cos, sin, -ctx.sin_sign)
     dcos = dsin = None
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # cos/sin are usually buffers; cheap in torch
-        x_even, x_odd, dy_even, dy_odd = x[..., 0::2].float(), x[..., 1::2].float(), dy[..., 0::2].float(), dy[..., 1::2].float()
+        x_even, x_odd = x[..., 0::2].float(), x[..., 1::2].float()
+        dy_even, dy_odd = dy[..., 0::2].float(), dy[..., 1::2].float()
         dcos = (dy_even * x_even + dy_odd * x_odd).sum((0, 2)).to(cos.dtype)
         dsin = (dy_odd * x_even - dy_even * x_odd).sum((0, 2)).to(sin.dtype)
     return dx, dcos, dsin, None
@@ -2128,7 +2156,8 @@ if HAS_TRITON:
         pos = c * Cs + rs
         valid = (rs < Cs) & (pos < l)
         if FROM_START:
-            scale = tl.exp(tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + rs, mask=rs < Cs, other=0.0))
+            a = tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + rs, mask=rs < Cs, other=0.0)
+            scale = tl.exp(a)
         else:
             dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
             scale = _ssd_end_decays(dt_ptr, tl.load(A_ptr + hi).to(tl.float32), bi, l, h, hi, pos, c * Cs + Cs - 1) * dt
@@ -2182,8 +2211,8 @@ if HAS_TRITON:
     def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, A_ptr, a_ptr, CB_ptr, C_ptr, entering_ptr, D_ptr, y_ptr,
                                l, h, p, n, n_chunks, Cs, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        # y = (CB⊙L⊙dt_s) x + exp(a)⊙(C h_inᵀ) + D x, one program per (batch·chunk·head, block of p); x and C go
-        # into the dots as loaded, the pair weights CB⊙L⊙dt and the state h_in are rounded to their dtype
+        # y = (CB⊙L⊙dt_s) x + exp(a)⊙(C h_inᵀ) + D x, one program per (batch·chunk·head, block of p); x and C
+        # go into the dots as loaded, the pair weights CB⊙L⊙dt and the state h_in are rounded to their dtype
         pid_bch, pid_p = tl.program_id(0), tl.program_id(1)
         hi, pid_bc = pid_bch % h, pid_bch // h
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
@@ -2244,8 +2273,8 @@ if HAS_TRITON:
         # One program per (batch·chunk·head, block of p). With xdt = dt⊙x, L_rs = exp(a_r − a_s) (s ≤ r) and
         # E_s = exp(a_last − a_s):
         #   dxdt = (CB⊙L)ᵀ dy + E⊙(B dS_nextᵀ),   dx = dt⊙dxdt + D dy,   ∂L/∂dt_s ∋ Σ_p dxdt_sp x_sp,
-        # and the end state's term of ∂L/∂(dt_i A): a token's share of it, exp(a_last − a_s), depends on dt_i A for
-        # s < i, Σ_{s<i} E_s Σ_p (B dS_nextᵀ ⊙ xdt)_sp. ddt, dA and dD are sums over p, written per p block.
+        # and the end state's term of ∂L/∂(dt_i A): a token's share of it, exp(a_last − a_s), depends on dt_i A
+        # for s < i, Σ_{s<i} E_s Σ_p (B dS_nextᵀ ⊙ xdt)_sp. ddt, dA and dD are sums over p, written per p block.
         pid_bch, pid_p = tl.program_id(0), tl.program_id(1)
         hi, pid_bc = pid_bch % h, pid_bch // h
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
@@ -2562,20 +2591,30 @@ _TRITON_DTYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16
 
 
 def _record_launches(step, on_launch):
-    """Run step() with every Triton launch handed to on_launch(kernel, grid, args, kwargs) instead of run (compiled
-    kernels and the interpreter's alike)."""
+    """Run step() under FakeTensorMode (step makes its tensors there, so any shape is free) with every Triton launch
+    handed to on_launch(kernel, grid, args, kwargs) instead of run. Each Triton op's custom ops run their own bodies
+    there, not their fake functions, so the wrappers choose their launches as they would on a GPU."""
     from unittest import mock
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    ops = [op for op in globals().values() if isinstance(op, torch._library.custom_ops.CustomOpDef)]
+    fakes = {op: op._abstract_fn for op in ops}
 
     def record(self, *args, grid, warmup, **kwargs):
         on_launch(self, tuple(grid), args, kwargs)
 
-    with mock.patch.object(type(_rms_norm_fwd_kernel), "run", record):
-        step()
+    try:
+        for op in ops:
+            op.register_fake(op._init_fn)
+        with FakeTensorMode(), mock.patch.object(type(_rms_norm_fwd_kernel), "run", record):
+            step()
+    finally:
+        for op, fake in fakes.items():
+            op.register_fake(fake)
 
 
 def triton_launches(step):
-    """Run step() (Triton ops on CPU tensors, forward and backward) with launches recorded, not run; returns
-    [(kernel, signature, constexprs, options)], one per distinct launch. Outputs are uninitialised memory."""
+    """[(kernel, signature, constexprs, options)], one per distinct launch that step() (Triton ops forward and
+    backward) makes, recorded on fake tensors (_record_launches)."""
     import inspect
     launches = {}
 
@@ -2601,22 +2640,29 @@ def triton_launches(step):
 
 
 def triton_grids(step):
-    """[(kernel name, grid)] for every launch step() makes, run under FakeTensorMode, so any shape costs nothing
-    (step makes its inputs there). Each Triton op's custom ops run their own bodies instead of their fake
-    functions: the wrappers choose their grids as on a GPU, and the kernels are recorded, never run."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    ops = [op for op in globals().values() if isinstance(op, torch._library.custom_ops.CustomOpDef)]
-    fakes = {op: op._abstract_fn for op in ops}
+    """[(kernel name, grid)] for every launch step() makes, recorded on fake tensors (_record_launches)."""
     grids = []
-    try:
-        for op in ops:
-            op.register_fake(op._init_fn)
-        with FakeTensorMode():
-            _record_launches(step, lambda kernel, grid, args, kwargs: grids.append((kernel.fn.__name__, grid)))
-    finally:
-        for op, fake in fakes.items():
-            op.register_fake(fake)
+    _record_launches(step, lambda kernel, grid, args, kwargs: grids.append((kernel.fn.__name__, grid)))
     return grids
+
+
+def kept_bytes(step):
+    """Bytes autograd keeps for the backward while step() runs under FakeTensorMode (step builds its module and
+    inputs there, so any shape is free, and returns the module): each saved tensor's storage counted once (views
+    and the tensors several ops save share one), the module's parameters left out."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+    kept = {}
+
+    def pack(t):
+        kept[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
+        return t
+
+    with FakeTensorMode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module = step()
+    for param in module.parameters():
+        kept.pop(StorageWeakRef(param.untyped_storage()), None)
+    return sum(kept.values())
 
 
 @functools.lru_cache(maxsize=None)
@@ -2650,7 +2696,7 @@ def _compile_job(i):
 
 
 def triton_resources(launches, archs=(80, 89, 90), workers=None):
-    """One row per (launch, arch): dict(kernel, arch, constexprs, num_warps, shared, limit, regs, stack). The
+    """One row per (launch, arch): dict(kernel, arch, constexprs, num_warps, dtype, shared, limit, regs, stack). The
     compiles run in `workers` forked processes (default: one per CPU core)."""
     import concurrent.futures
     import multiprocessing
@@ -2662,7 +2708,8 @@ def triton_resources(launches, archs=(80, 89, 90), workers=None):
     else:
         results = [_compile_job(i) for i in range(len(_COMPILE_JOBS))]
     return [dict(kernel=kernel.fn.__name__, arch=arch, constexprs=constexprs, num_warps=options.get("num_warps", 4),
-                 shared=shared, limit=SHARED_LIMIT[arch], regs=regs, stack=stack)
+                 dtype="bf16" if "*bf16" in signature.values() else "fp32", shared=shared, limit=SHARED_LIMIT[arch],
+                 regs=regs, stack=stack)
             for (kernel, signature, constexprs, options, arch), (shared, regs, stack) in zip(_COMPILE_JOBS, results)]
 
 
@@ -2678,33 +2725,39 @@ def _example_steps(B=1, T=256, H=4, K=32, V=32, heads_ssd=8, p=32, n=64, chunk=6
     f32 = torch.float32
     C = H * K
     return {
-        "rms_norm": lambda: backward(rms_norm_triton(leaf(B, T, C), leaf(C, dt=f32))),
+        "rms_norm": lambda: [backward(rms_norm_triton(leaf(B, T, C), leaf(C, dt=f32), 1e-6, gate))
+                             for gate in (None, leaf(B, T, C))],
         "rope": lambda: backward(rope_triton(leaf(B, T, H, K), torch.ones(T, K // 2), torch.zeros(T, K // 2))),
         "softmax": lambda: backward(softmax_triton(leaf(B * H * T, T))),
         "sinkhorn": lambda: backward(sinkhorn_triton(leaf(B, T, 4, 4, dt=f32))),
-        "gdn2_decay_clip": lambda: backward(gdn2_decay_clip_triton(leaf(B, T, H, K, dt=f32), leaf(B, T, H, K), leaf(B, T, H, K))),
-        "gdn2_gates": lambda: [backward(gdn2_gates_triton(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, K), leaf(H, dt=f32),
-                                                         leaf(H * K, dt=f32), clip)) for clip in (True, False)],
+        "gdn2_decay_clip": lambda: backward(gdn2_decay_clip_triton(leaf(B, T, H, K, dt=f32), leaf(B, T, H, K),
+                                                                   leaf(B, T, H, K))),
+        "gdn2_gates": lambda: [backward(gdn2_gates_triton(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, K),
+                                                          leaf(H, dt=f32), leaf(H * K, dt=f32), clip))
+                               for clip in (True, False)],
         "gdn2": lambda: [backward(fn(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, V), leaf(B, T, H, K, dt=f32),
                                      leaf(B, T, H, K), leaf(B, T, H, V), None, leaf(B, H, K, V, dt=f32)))
                          for fn in (gdn2_recurrent_triton, gdn2_chunked_triton)],
-        "ssd": lambda: backward(ssd_triton(leaf(B, T, heads_ssd, p), leaf(B, T, heads_ssd, dt=f32), leaf(heads_ssd, dt=f32),
-                                           leaf(B, T, 1, n), leaf(B, T, 1, n), leaf(heads_ssd, dt=f32), chunk,
-                                           leaf(B, heads_ssd, p, n, dt=f32))),
+        "ssd": lambda: backward(ssd_triton(leaf(B, T, heads_ssd, p), leaf(B, T, heads_ssd, dt=f32),
+                                           leaf(heads_ssd, dt=f32), leaf(B, T, 1, n), leaf(B, T, 1, n),
+                                           leaf(heads_ssd, dt=f32), chunk, leaf(B, heads_ssd, p, n, dt=f32))),
     }
 
 
-def triton_resource_table(archs=(80, 89, 90), **dims):
-    """Print shared memory / registers / stack per kernel and arch at the given dims (see _example_steps)."""
-    steps = _example_steps(**dims)
-    launches = triton_launches(lambda: [step() for step in steps.values()])
-    rows = triton_resources(launches, archs)
-    print(f"{'kernel':34s} {'constexprs':64s} warps " + " ".join(f"{'sm_' + str(a) + ' smem/regs/stack':>24s}" for a in archs))
+def triton_resource_table(archs=(80, 89, 90), dtypes=(torch.float32, torch.bfloat16), **dims):
+    """Print shared memory / registers / stack bytes (spilled registers) per kernel and arch for fwd+bwd of every
+    Triton op at the given dims (see _example_steps) in each dtype; a '!' marks shared memory over the arch's limit."""
+    steps = [step for dtype in dtypes for step in _example_steps(dtype=dtype, **dims).values()]
+    rows = triton_resources(triton_launches(lambda: [step() for step in steps]), archs)
+    print(f"{'kernel':34s} {'dtype':5s} {'constexprs':56s} warps "
+          + " ".join(f"{'sm_' + str(a) + ' smem/regs/stack':>22s}" for a in archs))
     for i in range(0, len(rows), len(archs)):
         group = rows[i:i + len(archs)]
         consts = ",".join(f"{k}={v}" for k, v in group[0]["constexprs"].items() if v is not None)
-        cells = [f"{r['shared'] / 1024:6.1f}K{'!' if r['shared'] > r['limit'] else ' '}/{r['regs']}/{r['stack']}" for r in group]
-        print(f"{group[0]['kernel']:34s} {consts[:64]:64s} {group[0]['num_warps']:5d} " + " ".join(f"{c:>24s}" for c in cells))
+        cells = [f"{r['shared'] / 1024:6.1f}K{'!' if r['shared'] > r['limit'] else ' '}/{r['regs']}/{r['stack']}"
+                 for r in group]
+        print(f"{group[0]['kernel']:34s} {group[0]['dtype']:5s} {consts[:56]:56s} {group[0]['num_warps']:5d} "
+              + " ".join(f"{c:>22s}" for c in cells))
     return rows
 
 
@@ -2715,9 +2768,9 @@ def triton_resource_table(archs=(80, 89, 90), **dims):
 # kernels run in Triton's interpreter (TRITON_INTERPRET=1), which is slow, so shapes are tiny there.
 
 # dense HBM bandwidth of common GPUs in GB/s (spec sheets), for RMSNorm's "% of peak"
-_GPU_PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 NVL": 3900, "H100 PCIe": 2000, "H100": 3350, "A100-SXM4-80GB": 2039,
-                  "A100 80GB PCIe": 1935, "A100": 1555, "L40S": 864, "L4": 300, "A10G": 600, "RTX 4090": 1008,
-                  "RTX 3090": 936, "V100": 900, "T4": 320}
+_GPU_PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 NVL": 3900, "H100 PCIe": 2000, "H100": 3350,
+                  "A100-SXM4-80GB": 2039, "A100 80GB PCIe": 1935, "A100": 1555, "L40S": 864, "L4": 300, "A10G": 600,
+                  "RTX 4090": 1008, "RTX 3090": 936, "V100": 900, "T4": 320}
 
 
 def triton_report(device):
@@ -2738,10 +2791,11 @@ def triton_report(device):
     block_n = triton.next_power_of_2(N)
     print("\n== softmax_triton, the fused softmax of the Triton tutorial ==")
     print(f"x is [{R}, {N}]. Each row fits in one block of BLOCK_N = next_power_of_2({N}) = {block_n} lanes; the\n"
-          f"{block_n - N} lanes past the row end load -inf, so they add exp(-inf) = 0 to the sum. A persistent grid of\n"
-          f"{_programs_for(x, R)} programs walks the rows (program i takes rows i, i + P, ...). Per row: one load, max,\n"
-          f"exp(x - max), sum, divide, one store: HBM traffic 2·R·N·4 bytes, where the unfused torch version reads\n"
-          f"and writes the [R, N] tensor about 4 times. Backward: dx = y·(dy − Σ dy·y), again one pass over y and dy.")
+          f"{block_n - N} lanes past the row end load -inf, so they add exp(-inf) = 0 to the sum. A persistent grid\n"
+          f"of {_programs_for(x, R)} programs walks the rows (program i takes rows i, i + P, ...). Per row: one load,\n"
+          f"max, exp(x - max), sum, divide, one store: HBM traffic 2·R·N·4 bytes, where the unfused torch version\n"
+          f"reads and writes the [R, N] tensor about 4 times. Backward: dx = y·(dy − Σ dy·y), again one pass over\n"
+          f"y and dy.")
     y = softmax_triton(x)
     print(f"row sums {[round(s, 6) for s in y.sum(-1).tolist()]}; max |softmax_triton − softmax_ref| = "
           f"{(y - softmax_ref(x)).abs().max().item():.1e}")
@@ -2775,19 +2829,24 @@ def triton_report(device):
     cases = [
         ("rms_norm", lambda x, w: rms_norm_triton(x, w, 1e-6), lambda x, w: rms_norm_ref(x, w, 1e-6),
          (randn(B, T, 3 * K + 5), randn(3 * K + 5))),
+        ("rms_norm gated", rms_norm_triton, rms_norm_ref, (randn(B, T, 3 * K + 5), randn(3 * K + 5), 1e-6,
+                                                           randn(B, T, 3 * K + 5))),
         ("rope", rope_triton, rope_ref, (randn(B, T, H, K), angle.cos(), angle.sin())),
         ("softmax", softmax_triton, softmax_ref, (randn(B * T, 3 * K + 5) * 3,)),
-        ("sparsemax causal", lambda z: sparsemax_triton(z, True), lambda z: sparsemax_ref(z, True), (randn(B, H, T, T) * 3,)),
+        ("sparsemax causal", lambda z: sparsemax_triton(z, True), lambda z: sparsemax_ref(z, True),
+         (randn(B, H, T, T) * 3,)),
         ("sinkhorn", sinkhorn_triton, sinkhorn_ref, (randn(B, T, 4, 4) * 2,)),
         ("gdn2_decay_clip", gdn2_decay_clip_triton, gdn2_decay_clip_ref,
          (-rand(B, T, H, K), normalize(randn(B, T, H, K), dim=-1), 2 * rand(B, T, H, K))),
         ("gdn2_gates", gdn2_gates_triton, gdn2_gates_ref,   # decay_logits, erase_logits, k, A_log, dt_bias
-         (randn(B, T, H, K) - 1, 2 * randn(B, T, H, K), normalize(randn(B, T, H, K), dim=-1), 2.7 * rand(H), randn(H * K) - 3)),
+         (randn(B, T, H, K) - 1, 2 * randn(B, T, H, K), normalize(randn(B, T, H, K), dim=-1), 2.7 * rand(H),
+          randn(H * K) - 3)),
         ("gdn2 recurrent", gdn2_recurrent_triton, gdn2_ref, gdn2_in),
         ("gdn2 chunked", gdn2_chunked_triton, gdn2_ref, gdn2_in),
         ("ssd", ssd_triton, lambda x, dt, A, B_, C, D, cs, h0: ssd_ref(x, dt, A, B_, C, D, h0), ssd_in),
     ]
-    print(f"\n== Triton vs <op>_ref on {device}{' (interpreter)' if small else ''}, fp32: max abs / relative RMS error ==")
+    print(f"\n== Triton vs <op>_ref on {device}{' (interpreter)' if small else ''}, fp32: "
+          "max abs / relative RMS error ==")
     print(f"shapes: B={B} T={T} H={H} K={K} V={V}; out* are outputs, d<i> the gradient of input i")
     for name, fn_tri, fn_ref, args in cases:
         errs = errors(fn_tri, fn_ref, args)
@@ -2812,9 +2871,11 @@ def triton_report(device):
          [x4.reshape(B * T, H * D), torch.ones(H * D, device=device)]),
         ("rope", lambda x: rope_triton(x, cos, sin), lambda x: rope_ref(x, cos, sin), [x4]),
         ("softmax", softmax_triton, softmax_torch, [x4.reshape(-1, D)]),
-        ("sparsemax", lambda z: sparsemax_triton(z, True), lambda z: sparsemax_torch(z, True), [randn(B, H, T, T).to(bf16)]),
+        ("sparsemax", lambda z: sparsemax_triton(z, True), lambda z: sparsemax_torch(z, True),
+         [randn(B, H, T, T).to(bf16)]),
         ("sinkhorn", sinkhorn_triton, sinkhorn_torch, [randn(B, T, 4, 4)]),
-        ("gdn2_decay_clip", gdn2_decay_clip_triton, gdn2_decay_clip_torch, gdn2_args[3:4] + gdn2_args[1:2] + gdn2_args[4:5]),
+        ("gdn2_decay_clip", gdn2_decay_clip_triton, gdn2_decay_clip_torch,
+         gdn2_args[3:4] + gdn2_args[1:2] + gdn2_args[4:5]),
         ("gdn2_gates", gdn2_gates_triton, gdn2_gates_torch,
          [randn(B, T, H, D) - 1, randn(B, T, H, D).to(bf16), gdn2_args[1], 2.7 * rand(H), randn(H * D) - 3]),
         ("gdn2", gdn2_triton, gdn2_torch, gdn2_args),
@@ -2885,10 +2946,11 @@ if __name__ == "__main__":
     B, T, H, K, V = 2, 512, 4, 64, 64
     x4 = rand(B, T, H, K)
     theta = torch.arange(T, device=device)[:, None] * 10000.0 ** (-torch.arange(K // 2, device=device) / (K // 2))
-    gates = (rand(B, T, H, K), F.normalize(rand(B, T, H, K), dim=-1), rand(B, T, H, V), rand(B, T, H, K, lo=-1.0, hi=-0.01),
-             rand(B, T, H, K, lo=0.0, hi=1.0), rand(B, T, H, V, lo=0.0, hi=1.0))
+    gates = (rand(B, T, H, K), F.normalize(rand(B, T, H, K), dim=-1), rand(B, T, H, V),
+             rand(B, T, H, K, lo=-1.0, hi=-0.01), rand(B, T, H, K, lo=0.0, hi=1.0), rand(B, T, H, V, lo=0.0, hi=1.0))
     gate_logits = (rand(B, T, H, K) - 1, 2 * rand(B, T, H, K), gates[1], rand(H, lo=0.0, hi=2.7), rand(H * K) - 3)
-    ssd_in = (rand(B, T, H, V), F.softplus(rand(B, T, H) - 2), -rand(H, lo=1.0, hi=4.0), rand(B, T, 1, 32), rand(B, T, 1, 32), rand(H))
+    ssd_in = (rand(B, T, H, V), F.softplus(rand(B, T, H) - 2), -rand(H, lo=1.0, hi=4.0), rand(B, T, 1, 32),
+              rand(B, T, 1, 32), rand(H))
     ops = {
         "rms_norm": lambda kernels: rms_norm(x4, x4[0, 0, 0], 1e-6, kernels=kernels),
         "rope": lambda kernels: rope(x4, theta.cos(), theta.sin(), kernels=kernels),
@@ -2917,31 +2979,41 @@ if __name__ == "__main__":
     print(f"speed at T={T} (best of 3; ratio = token loop time / chunked time)")
     b1, h1, d1 = 1, 2, 32                                         # a small shape next to the main one
     small_gates = (rand(b1, T, h1, d1), F.normalize(rand(b1, T, h1, d1), dim=-1), rand(b1, T, h1, d1),
-                   rand(b1, T, h1, d1, lo=-1.0, hi=-0.01), rand(b1, T, h1, d1, lo=0.0, hi=1.0), rand(b1, T, h1, d1, lo=0.0, hi=1.0))
+                   rand(b1, T, h1, d1, lo=-1.0, hi=-0.01), rand(b1, T, h1, d1, lo=0.0, hi=1.0),
+                   rand(b1, T, h1, d1, lo=0.0, hi=1.0))
     small_ssd = (rand(b1, T, h1, d1), F.softplus(rand(b1, T, h1) - 2), -rand(h1, lo=1.0, hi=4.0),
                  rand(b1, T, 1, 32), rand(b1, T, 1, 32), rand(h1))
     for name, ref_fn, fast_fn, inputs, shape in (
-            ("gdn2", gdn2_ref, gdn2_torch, small_gates, f"B={b1} H={h1} K=V={d1}"), ("gdn2", gdn2_ref, gdn2_torch, gates, f"B={B} H={H} K=V={K}"),
-            ("ssd", ssd_ref, ssd_torch, small_ssd, f"b={b1} h={h1} p={d1} n=32"), ("ssd", ssd_ref, ssd_torch, ssd_in, f"b={B} h={H} p={V} n=32")):
+            ("gdn2", gdn2_ref, gdn2_torch, small_gates, f"B={b1} H={h1} K=V={d1}"),
+            ("gdn2", gdn2_ref, gdn2_torch, gates, f"B={B} H={H} K=V={K}"),
+            ("ssd", ssd_ref, ssd_torch, small_ssd, f"b={b1} h={h1} p={d1} n=32"),
+            ("ssd", ssd_ref, ssd_torch, ssd_in, f"b={B} h={H} p={V} n=32")):
         for path in paths:
             fn = fast_fn if path == "torch" else {"gdn2": gdn2_triton, "ssd": ssd_triton}[name]
             with torch.no_grad():
                 t_ref, t_fast = best_time(lambda: ref_fn(*inputs), 1), best_time(lambda: fn(*inputs))
-            print(f"  {name:5s} {path:6s} {shape:19s} forward:          {t_ref * 1e3:8.1f} ms vs {t_fast * 1e3:7.2f} ms = {t_ref / t_fast:6.1f}x")
+            print(f"  {name:5s} {path:6s} {shape:19s} forward:          {t_ref * 1e3:8.1f} ms vs "
+                  f"{t_fast * 1e3:7.2f} ms = {t_ref / t_fast:6.1f}x")
             leaves = [t.detach().requires_grad_() for t in inputs]
 
             def train_step(f):
                 out, state = f(*leaves)
                 (out.float().sum() + state.sum()).backward()
             t_ref, t_fast = best_time(lambda: train_step(ref_fn), 1), best_time(lambda: train_step(fn))
-            print(f"  {name:5s} {path:6s} {shape:19s} forward+backward: {t_ref * 1e3:8.1f} ms vs {t_fast * 1e3:7.2f} ms = {t_ref / t_fast:6.1f}x")
+            print(f"  {name:5s} {path:6s} {shape:19s} forward+backward: {t_ref * 1e3:8.1f} ms vs "
+                  f"{t_fast * 1e3:7.2f} ms = {t_ref / t_fast:6.1f}x")
 
     triton_report(device)  # the Triton walkthrough, error table and GPU benchmark (defined above)
 
-    # what each kernel needs per block on sm_80 / sm_89 / sm_90 (head dim 64, Mamba p = 64, n = 128, ssd chunk 64),
-    # compiled ahead of time in a fresh process without the interpreter; a '!' marks shared memory over the limit
+    # in fresh processes that import triton without the interpreter (so kernels compile, and Triton's custom ops
+    # run on a CPU's fake tensors): what each kernel needs per block on sm_80 / sm_89 / sm_90 in fp32 and bf16
+    # (head dim 64, Mamba p = 64, n = 128, ssd chunk 64; a '!' marks shared memory over the limit), then what
+    # autograd keeps per mixer (model.kept_activation_table, at a 2048-wide model and GPT-2 small)
     import subprocess
-    print("\n== Triton kernels compiled ahead of time: shared memory / registers / stack bytes (spills) per thread ==")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, "-c", "import triton, kernels; kernels.triton_resource_table(B=1, T=256, H=8, K=64, "
-                    "V=64, heads_ssd=8, p=64, n=128, chunk=64)"], env=env, cwd=os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    print("\n== Triton kernels compiled ahead of time: shared memory / registers / stack bytes (spills) per thread ==")
+    subprocess.run([sys.executable, "-c", "import triton, kernels; kernels.triton_resource_table(B=1, T=256, H=8, "
+                    "K=64, V=64, heads_ssd=8, p=64, n=128, chunk=64)"], env=env, cwd=here)
+    print("\n== What autograd keeps for one mixer's backward ==")
+    subprocess.run([sys.executable, "-c", "import triton, model; model.kept_activation_table()"], env=env, cwd=here)
