@@ -2,7 +2,7 @@
 kernels.py: every op the model needs that has a fast path, one section per op.
 
     op                signature (shapes)                                           paths
-    rms_norm          (x[..., C], weight[C], eps) -> y                             ref, torch, triton
+    rms_norm          (x[..., C], weight[C], eps, gate=None) -> y  (of x ⊙ silu(gate)) ref, torch, triton
     rope              (x[B,T,H,D], cos[T,D/2], sin[T,D/2]) -> y  (interleaved pairs) ref, torch, triton
     softmax           (x[R, N]) -> y                                               ref, torch, triton*
     sparsemax         (z[..., T, N], causal=False) -> p = [z − τ]₊ with Σ p = 1      ref, torch, triton
@@ -28,9 +28,12 @@ PyTorch, the CPU path) where it differs, `<op>_triton` where it exists, and the 
     "triton" -> <op>_triton (ValueError if this op has no Triton path)
     "ref"    -> <op>_ref
 chunk_size is the chunk length of the chunked paths, honoured by torch and Triton alike (a power of two; gdn2's
-Triton kernels take 16 or 32, ssd's at most 64, what fits in a GPU block's shared memory; else a ValueError).
-Reductions and recurrences run in fp32 and results are cast back to the input dtype; the recurrent
-states S_T, h_T come back in fp32. Any sequence length works (chunked paths pad the tail internally).
+Triton kernels take 16 or 32, ssd's at most 64, what fits a GPU block's registers and shared memory; else a
+ValueError). Reductions and recurrences run in fp32 and results are cast back to the input dtype; the recurrent
+states S_T, h_T come back in fp32. Any sequence length works (chunked paths pad the tail internally). The Triton
+kernels' dots take bf16 inputs as they are, accumulating in fp32. After the ops, the checks a CPU can make of a
+GPU run: every launch recorded on fake tensors (its grid, or compiled ahead of time for its registers, spills and
+shared memory), and what autograd keeps for the backward (kept_bytes).
 """
 
 import functools
@@ -2188,22 +2191,30 @@ if HAS_TRITON:
         tl.store(hT_ptr + pid_bh.to(tl.int64) * dim + ms, hs, mask=mask)
 
     @triton.jit
+    def _ssd_chunk_gram(u_ptr, v_ptr, bi, c, l, Cs, stride, width, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                        DOT: tl.constexpr):
+        # [r, s] = u_r·v_s over chunk c's tokens, token t's row of `width` values at (bi·l + t)·stride, summed in
+        # blocks of BLOCK_K; u goes into the dot as loaded, v in u's dtype
+        rs = tl.arange(0, BLOCK_C)
+        pos = c * Cs + rs
+        valid = (rs < Cs) & (pos < l)
+        acc = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
+        for k0 in range(0, width, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            offs = (bi * l + pos[:, None]).to(tl.int64) * stride + ks[None, :]
+            m = valid[:, None] & (ks[None, :] < width)
+            u = tl.load(u_ptr + offs, mask=m, other=0.0)
+            acc += tl.dot(u, tl.trans(tl.load(v_ptr + offs, mask=m, other=0.0)).to(u.dtype), input_precision=DOT)
+        return acc
+
+    @triton.jit
     def _ssd_bmm_kernel(C_ptr, B_ptr, CB_ptr, l, n, n_chunks, Cs, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
                         DOT: tl.constexpr):
         # CB = C Bᵀ within each chunk (shared by the heads); one program per batch·chunk
         pid_bc = tl.program_id(0)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, BLOCK_C)
-        pos = c * Cs + rs
-        valid = (rs < Cs) & (pos < l)
-        acc = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
-        for n0 in range(0, n, BLOCK_N):
-            ns = n0 + tl.arange(0, BLOCK_N)
-            offs = (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :]
-            m = valid[:, None] & (ns[None, :] < n)
-            Cm = tl.load(C_ptr + offs, mask=m, other=0.0)
-            Bm = tl.load(B_ptr + offs, mask=m, other=0.0)
-            acc += tl.dot(Cm, tl.trans(Bm).to(Cm.dtype), input_precision=DOT)
+        acc = _ssd_chunk_gram(C_ptr, B_ptr, bi, c, l, Cs, n, n, BLOCK_N, BLOCK_C, DOT)
         tl.store(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :], acc,
                  mask=(rs[:, None] < Cs) & (rs[None, :] < Cs))
 
@@ -2314,22 +2325,6 @@ if HAS_TRITON:
         tl.store(dA_ptr + (slot * n_chunks + c) * h + hi, tl.sum(dt * writes, axis=0))
 
     @triton.jit
-    def _ssd_chunk_dyx(x_ptr, dy_ptr, bi, c, hi, l, h, p, Cs, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
-                       DOT: tl.constexpr):
-        # [r, s] = dy_r·x_s over one chunk and head, summed over p in blocks
-        rs = tl.arange(0, BLOCK_C)
-        pos = c * Cs + rs
-        valid = (rs < Cs) & (pos < l)
-        dyxT = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
-        for p0 in range(0, p, BLOCK_P):
-            ps = p0 + tl.arange(0, BLOCK_P)
-            offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
-            mask = valid[:, None] & (ps[None, :] < p)
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0)
-            dyxT += tl.dot(dy, tl.trans(tl.load(x_ptr + offs, mask=mask, other=0.0)).to(dy.dtype), input_precision=DOT)
-        return dyxT
-
-    @triton.jit
     def _ssd_chunk_bwd_pairs_kernel(x_ptr, dt_ptr, A_ptr, CB_ptr, da_last_ptr, dy_ptr, ddt_ptr, dA_ptr, l, h, p,
                                     n_chunks, Cs, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
         # One program per batch·chunk·head: two terms of ∂L/∂(dt_i A), gathered term by term so that nothing
@@ -2343,7 +2338,8 @@ if HAS_TRITON:
         valid = (rs < Cs) & (pos < l)
         dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
         A = tl.load(A_ptr + hi).to(tl.float32)
-        M = _ssd_chunk_dyx(x_ptr, dy_ptr, bi, c, hi, l, h, p, Cs, BLOCK_P, BLOCK_C, DOT) * dt[None, :]
+        M = _ssd_chunk_gram(dy_ptr + hi * p, x_ptr + hi * p, bi, c, l, Cs, h * p, p, BLOCK_P, BLOCK_C, DOT)
+        M *= dt[None, :]
         M *= tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
                      mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0) * _ssd_pair_decays(dt, A, rs, Cs)
         before = tl.cumsum(M, axis=1) - M                                        # [r, i] = Σ_{s<i} M_rs
@@ -2366,7 +2362,7 @@ if HAS_TRITON:
         dCB = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
         for hi in range(group * heads_per_program, tl.minimum(group * heads_per_program + heads_per_program, h)):
             dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
-            dyxT = _ssd_chunk_dyx(x_ptr, dy_ptr, bi, c, hi, l, h, p, Cs, BLOCK_P, BLOCK_C, DOT)
+            dyxT = _ssd_chunk_gram(dy_ptr + hi * p, x_ptr + hi * p, bi, c, l, Cs, h * p, p, BLOCK_P, BLOCK_C, DOT)
             dCB += _ssd_pair_decays(dt, tl.load(A_ptr + hi).to(tl.float32), rs, Cs) * dyxT * dt[None, :]
         tl.store(dCB_ptr + ((group * b + bi) * n_chunks + c).to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
                  dCB, mask=(rs[:, None] < Cs) & (rs[None, :] < Cs))
@@ -2580,11 +2576,12 @@ def ssd_triton(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
 
 
 # -----------------------------------------------------------------------------
-# Ahead-of-time resource check: what each kernel needs per block on a GPU, found without one. The wrappers run
-# on CPU tensors with every launch recorded instead of run (kernel, argument dtypes, constexprs, num_warps), so
-# the launch parameters are exactly the ones the wrappers choose; each distinct launch is then compiled by
-# triton.compile for a GPUTarget with the wheel's own ptxas. Needs a process that imported triton itself,
-# without TRITON_INTERPRET (the interpreter's kernels cannot be compiled).
+# What a CPU can prove about a GPU run, found without one. The wrappers run on fake tensors (any shape is free)
+# with every launch recorded instead of run (kernel, grid, argument dtypes, constexprs, num_warps), so the launch
+# parameters are exactly the ones the wrappers choose: triton_grids checks them against CUDA's grid limits, and
+# each distinct launch is compiled by triton.compile for a GPUTarget with the wheel's own ptxas (triton_resources:
+# shared memory, registers, spills; needs a process that imported triton itself, without TRITON_INTERPRET, whose
+# kernels cannot be compiled). kept_bytes counts what autograd keeps for the backward, again on fake tensors.
 
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 120: 101376}   # bytes of shared memory per block
 _TRITON_DTYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64"}
