@@ -261,10 +261,10 @@ def causal_conv(conv, x, cache=None, key="conv"):
 
 
 def conv_taps(x, w, bias, T):
-    """The convolution's last T outputs, y_t = Σ_i w_i ⊙ x_{t−K+1+i} (+ bias), for x (B, S, C), S ≥ T (the S − T
-    inputs before the outputs' own, zeros before those), w (C, K); in fp32. K shifted multiply-adds into slices of
-    y in x's layout (on the CPU their backward is several times faster than the depthwise Conv1d's), reading x
-    itself rather than a padded copy, so autograd keeps nothing but x."""
+    """The convolution's last T outputs, y_t = Σ_i w_i ⊙ x_{t−K+1+i} (+ bias), for x (B, S, C), S ≥ T (the
+    S − T inputs before the outputs' own, zeros before those), w (C, K); in fp32. K shifted multiply-adds into
+    slices of y in x's layout (on the CPU their backward is several times faster than the depthwise Conv1d's),
+    reading x itself rather than a padded copy, so autograd keeps nothing but x."""
     past, K = x.size(1) - T, w.size(1)
     y = x[:, past:] * w[:, K - 1] if bias is None else torch.addcmul(bias, x[:, past:], w[:, K - 1])
     for i in range(K - 1):
@@ -279,7 +279,7 @@ class ConvSiLU(torch.autograd.Function):
     """s = SiLU(causal_conv(conv, x)) over a whole sequence (x (B, T, C), weight (C, 1, K), bias (C,) or None),
     keeping only x and the weights: the backward reruns the convolution's K multiply-adds rather than keep v, its
     output, an activation of x's size. With σ = sigmoid(v),
-        ∂v = ∂s ⊙ σ(1 + v(1 − σ)),   ∂x_t = Σ_i w_i ⊙ ∂v_{t+K−1−i},   ∂w_i = Σ_t ∂v_t ⊙ x_{t−K+1+i},   ∂b = Σ_t ∂v_t,
+        ∂v = ∂s ⊙ σ(1 + v(1 − σ)),  ∂x_t = Σ_i w_i ⊙ ∂v_{t+K−1−i},  ∂w_i = Σ_t ∂v_t ⊙ x_{t−K+1+i},  ∂b = Σ_t ∂v_t,
     in differentiable ops, so double backward (Hessian-vector products) runs through it."""
 
     @staticmethod

@@ -31,8 +31,8 @@ if not torch.cuda.is_available():  # Triton kernels run on the CPU in Triton's i
     os.environ.setdefault("TRITON_INTERPRET", "1")
 TRITON_DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]   # where the Triton tests run: compiled on a GPU
 
-from model import (GPT, Attention, ConvSiLU, GPTConfig, GatedDelta, HCRead, HCWrite, HyperConnection, Mamba2, hc_res_init,
-                   make_mixer, mixer_kept_activations, rope_cache, rope_frequencies)
+from model import (GPT, Attention, ConvSiLU, GPTConfig, GatedDelta, HCRead, HCWrite, HyperConnection, Mamba2,
+                   hc_res_init, make_mixer, mixer_kept_activations, rope_cache, rope_frequencies)
 import analyze
 import data
 import init
@@ -1297,7 +1297,8 @@ def aot_resource_rows():
     launches = {}
     for name, (overrides, T) in AOT_CASES.items():
         def step():
-            cfg = GPTConfig(vocab_size=64, n_layer=len(overrides["mixer"]), kernels="triton", **{"block_size": T, **overrides})
+            cfg = GPTConfig(**{"vocab_size": 64, "n_layer": len(overrides["mixer"]), "kernels": "triton",
+                               "block_size": T, **overrides})
             gpt = GPT(cfg)
             H, K = cfg.n_head, cfg.n_embd // cfg.n_head
             for dtype in (torch.float32, torch.bfloat16):
@@ -1325,7 +1326,8 @@ def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time():
     227 KB) and on sm_80 and sm_90 spills no register (stack bytes per thread 0, cuobjdump's count)."""
     env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")  # "0": compile for real, do not interpret
     program = "import json, triton, test_all; print(json.dumps(test_all.aot_resource_rows()))"
-    run = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    run = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1800)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
     # every Triton kernel in kernels.py was launched by some case (so none escapes the check)
@@ -1365,7 +1367,8 @@ class GpuOpArguments(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         bound = {**dict(zip([a.name for a in func._schema.arguments], args)), **(kwargs or {})}
-        self.calls.append((str(func), {k: v.dtype for k, v in bound.items() if torch.is_tensor(v) and v.is_floating_point()}))
+        floating = {k: v.dtype for k, v in bound.items() if torch.is_tensor(v) and v.is_floating_point()}
+        self.calls.append((str(func), floating))
         return func(*args, **(kwargs or {}))
 
 
@@ -1403,7 +1406,8 @@ def test_gpu_bf16_activations_reach_every_kernel(case):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-@pytest.mark.parametrize("with_initial,with_D,chunk,l", [(False, False, 16, 37), (True, True, 64, 100), (True, True, 32, 150)])
+@pytest.mark.parametrize("with_initial,with_D,chunk,l",
+                         [(False, False, 16, 37), (True, True, 64, 100), (True, True, 32, 150)])
 def test_triton_ssd_bf16_within_its_error_budget(interpreter_bf16_dots, with_initial, with_D, chunk, l, device):
     """ssd's Triton kernels on bf16 x, B, C, dy (dt, A, D, the states in fp32) against the fp64 token loop on the same
     values: every output and gradient within SSD_BF16_BUDGET units of the device's bf16 rounding error u (measured:
@@ -1491,8 +1495,9 @@ GPU_KEPT_SHAPES = [(16, 2048, 2048, 16), (8, 1024, 768, 12)]   # (B, T, n_embd, 
 @pytest.mark.parametrize("B,T,C,H", GPU_KEPT_SHAPES)
 @pytest.mark.parametrize("mixer", ["G", "M"])
 def test_gpu_mixers_keep_at_most_twice_attention(mixer, B, T, C, H):
-    """What autograd keeps for one mixer's backward under bf16 autocast on the Triton path (model.mixer_kept_activations:
-    fake tensors, each saved storage once): G and M each at most twice what attention keeps at the same shape."""
+    """What autograd keeps for one mixer's backward under bf16 autocast on the Triton path
+    (model.mixer_kept_activations: fake tensors, each saved storage once): G and M each at most twice what
+    attention keeps at the same shape."""
     cfg = lambda letter: GPTConfig(n_embd=C, n_head=H, block_size=T, mixer=letter, kernels="triton")
     attention, kept = mixer_kept_activations(cfg("A"), B, T), mixer_kept_activations(cfg(mixer), B, T)
     assert 6 < attention < 12          # q, k, v, their pre-rotation copies, the output, the input: the count works
@@ -1515,8 +1520,9 @@ def test_gpu_launch_grids_fit_cuda_limits(case):
     def step():
         leaf = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, requires_grad=True)
         if op == "ssd":
-            outs = [kernels.ssd_triton(leaf(B, T, H, D), leaf(B, T, H, dtype=torch.float32), leaf(H, dtype=torch.float32),
-                                       leaf(B, T, 1, D), leaf(B, T, 1, D), leaf(H, dtype=torch.float32), 16)]
+            f32 = torch.float32
+            outs = [kernels.ssd_triton(leaf(B, T, H, D), leaf(B, T, H, dtype=f32), leaf(H, dtype=f32),
+                                       leaf(B, T, 1, D), leaf(B, T, 1, D), leaf(H, dtype=f32), 16)]
         else:
             q, k, v, b, w = (leaf(B, T, H, D) for _ in range(5))
             g = leaf(B, T, H, D, dtype=torch.float32)
