@@ -1335,9 +1335,12 @@ def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time():
     assert {row["arch"] for row in rows} == set(AOT_ARCHS) and {row["dtype"] for row in rows} == {"fp32", "bf16"}
     limits = {80: 166912, 89: 101376, 90: 232448}
     over = [(r["kernel"], r["case"], r["arch"], r["constexprs"], r["shared"]) for r in rows if r["shared"] > limits[r["arch"]]]
-    spills = sorted({(r["kernel"], r["dtype"], r["arch"], r["stack"], r["case"], r["constexprs"]) for r in rows
-                     if r["arch"] in AOT_NO_SPILL_ARCHS and r["stack"]})
-    assert not over and not spills, f"over shared memory: {over}; spilled bytes per thread: {spills}"
+    spills = {}
+    for r in rows:
+        if r["arch"] in AOT_NO_SPILL_ARCHS and r["stack"]:
+            spills.setdefault(r["kernel"], set()).add(f"{r['dtype']} sm_{r['arch']} {r['stack']} B ({r['case']})")
+    assert not over and not spills, f"over shared memory: {over}; spilled bytes per thread: " + "; ".join(
+        f"{kernel}: {', '.join(sorted(where))}" for kernel, where in sorted(spills.items()))
 
 
 # --------------------------------------------------------------------------------------------------
