@@ -300,7 +300,7 @@ class ConvSiLU(torch.autograd.Function):
             back = K - 1 - i
             if back < T:
                 dx[:, :T - back].addcmul_(dv[:, back:], w[:, i])
-        dw = torch.stack([(dv[:, K - 1 - i:] * x[:, :T - (K - 1 - i)]).sum((0, 1)) for i in range(K)], dim=-1)
+        dw = torch.stack([(dv[:, K - 1 - i:] * x[:, :max(T - (K - 1 - i), 0)]).sum((0, 1)) for i in range(K)], -1)
         return dx.to(x.dtype), dw.unsqueeze(1).to(weight.dtype), None if bias is None else dv.sum((0, 1))
 
 
@@ -500,7 +500,6 @@ def make_mixer(cfg, layer):
     raise ValueError(f"mixer letter {letter!r} has no module: add it in make_mixer")
 
 
-
 def mixer_kept_activations(cfg, B, T):
     """What autograd keeps for the backward of one cfg.mixer[0] mixer, run on a [B, T, n_embd] input under bf16
     autocast, in units of one bf16 [B, T, n_embd] activation; counted on fake tensors (kernels.kept_bytes), so
@@ -522,6 +521,7 @@ def kept_activation_table(shapes=((16, 2048, 2048, 16), (8, 1024, 768, 12))):
         cfg = lambda mixer: GPTConfig(n_embd=C, n_head=H, block_size=T, mixer=mixer, kernels="triton")
         print(f"  B={B} T={T} n_embd={C} n_head={H}: " +
               "  ".join(f"{m} {mixer_kept_activations(cfg(m), B, T):5.2f}x" for m in "AGM"))
+
 
 # -----------------------------------------------------------------------------
 # Hyper-connections: n parallel residual streams X (B, T, n, C), one HyperConnection per sublayer.

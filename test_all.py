@@ -1908,19 +1908,19 @@ def mixers_conv_reference(u, weight, bias=None):
     y = torch.zeros_like(u)
     for i in range(K):
         shift = K - 1 - i
-        y[:, shift:] += weight[:, 0, i] * u[:, :T - shift]
+        y[:, shift:] += weight[:, 0, i] * u[:, :max(T - shift, 0)]
     return y if bias is None else y + bias
 
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_mixers_conv_silu_recomputes_to_the_same_derivatives(bias):
     # ConvSiLU keeps only x and the weights and writes its backward out: its output against SiLU of the token-shift
-    # reference, its first and second derivatives against finite differences (fp64), at T = 3 shorter than the
-    # convolution's reach and T = 11 longer
-    for T in (3, 11):
+    # reference, its first and second derivatives against finite differences (fp64), with T tokens shorter than
+    # the convolution's reach K and longer
+    for T, K in ((1, 4), (3, 6), (11, 4)):
         gen = torch.Generator().manual_seed(T)
         inputs = [torch.randn(2, T, 5, generator=gen, dtype=torch.float64).requires_grad_(),
-                  torch.randn(5, 1, 4, generator=gen, dtype=torch.float64).requires_grad_(),
+                  torch.randn(5, 1, K, generator=gen, dtype=torch.float64).requires_grad_(),
                   torch.randn(5, generator=gen, dtype=torch.float64).requires_grad_() if bias else None]
         assert rel_err(ConvSiLU.apply(*inputs), F.silu(mixers_conv_reference(*inputs))) < 1e-12
         assert torch.autograd.gradcheck(ConvSiLU.apply, inputs) and torch.autograd.gradgradcheck(ConvSiLU.apply, inputs)
