@@ -25,7 +25,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if not torch.cuda.is_available():  # Triton kernels run on the CPU in Triton's interpreter; must precede importing triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -1319,7 +1321,7 @@ def aot_resource_rows():
     return rows
 
 
-@pytest.mark.aot  # about 5 minutes on 2 cores: run with `python -m pytest -q -m aot test_all.py`
+@pytest.mark.aot  # about 3 minutes on 2 cores: run with `python -m pytest -q -m aot test_all.py`
 def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time():
     """Every Triton kernel, at the launch parameters its wrapper picks for the AOT_CASES models in fp32 and bf16,
     compiles for sm_80, sm_89 and sm_90, fits the arch's shared memory per block (CUDA programming guide: 163 / 99 /
@@ -1361,7 +1363,7 @@ GPU_MATMULS = ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten._scale
 GPU_OPERANDS = {"self", "mat1", "mat2", "batch1", "batch2", "query", "key", "value", "grad_out"}
 
 
-class GpuOpArguments(torch.utils._python_dispatch.TorchDispatchMode):
+class GpuOpArguments(TorchDispatchMode):
     """Records (op name, {argument: dtype}) for every op dispatched while it is on."""
 
     def __init__(self):
@@ -1384,7 +1386,7 @@ def test_gpu_bf16_activations_reach_every_kernel(case):
     overrides, expected_ops = GPU_MIXERS[case]
     cfg = GPTConfig(n_embd=64, n_head=2, block_size=128, kernels="triton", **overrides)
     record = GpuOpArguments()
-    with torch._subclasses.fake_tensor.FakeTensorMode():
+    with FakeTensorMode():
         mixer = make_mixer(cfg, 0)
         x = torch.randn(2, 128, 64, requires_grad=True)
         with record:
