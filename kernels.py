@@ -2,7 +2,7 @@
 kernels.py: every op the model needs that has a fast path, one section per op.
 
     op                signature (shapes)                                           paths
-    rms_norm          (x[..., C], weight[C], eps) -> y                             ref, torch, triton
+    rms_norm          (x[..., C], weight[C], eps, gate=None) -> y  (of x ⊙ silu(gate)) ref, torch, triton
     rope              (x[B,T,H,D], cos[T,D/2], sin[T,D/2]) -> y  (interleaved pairs) ref, torch, triton
     softmax           (x[R, N]) -> y                                               ref, torch, triton*
     sparsemax         (z[..., T, N], causal=False) -> p = [z − τ]₊ with Σ p = 1      ref, torch, triton
@@ -15,8 +15,8 @@ kernels.py: every op the model needs that has a fast path, one section per op.
                       q,k,g,b [B,T,H,K]; v,w [B,T,H,V]; S [B,H,K,V]                ref, torch, triton
     ssd               (x, dt, A, B, C, D=None, chunk_size=64, initial_state=None) -> (y, h_T)
                       x [b,l,h,p]; dt [b,l,h]; A, D [h]; B, C [b,l,1,n]; h [b,h,p,n]  ref, torch, triton
-Helpers: gdn2_log_rho(k, b) = log ‖I − k(b⊙k)ᵀ‖₂ (what the clip uses), gdn_log_decay(decay_logits, A_log, dt_bias)
-(the gated variants' g), zoh_input_scale(dt, A) (ZOH for ssd).
+Helpers: gdn2_log_rho(k, b) = log ‖I − k(b⊙k)ᵀ‖₂ (what the clip uses), gdn_log_decay(decay_logits, A_log,
+dt_bias) (the gated variants' g), zoh_input_scale(dt, A) (ZOH for ssd).
 * teaching kernels, never called by the model (both tested): softmax's Triton path is the fused-softmax walkthrough
 of `python kernels.py`; gdn2_decay_clip's standalone Triton kernel is the clip alone, which gdn2_gates' kernel fuses.
 
@@ -28,9 +28,12 @@ PyTorch, the CPU path) where it differs, `<op>_triton` where it exists, and the 
     "triton" -> <op>_triton (ValueError if this op has no Triton path)
     "ref"    -> <op>_ref
 chunk_size is the chunk length of the chunked paths, honoured by torch and Triton alike (a power of two; gdn2's
-Triton kernels take 16 or 32, ssd's at most 64, what fits in a GPU block's shared memory; else a ValueError).
-Reductions and recurrences run in fp32 and results are cast back to the input dtype; the recurrent
-states S_T, h_T come back in fp32. Any sequence length works (chunked paths pad the tail internally).
+Triton kernels take 16 or 32, ssd's at most 64, what fits a GPU block's registers and shared memory; else a
+ValueError). Reductions and recurrences run in fp32 and results are cast back to the input dtype; the recurrent
+states S_T, h_T come back in fp32. Any sequence length works (chunked paths pad the tail internally). The Triton
+kernels' dots take bf16 inputs as they are, accumulating in fp32. After the ops, the checks a CPU can make of a
+GPU run: every launch recorded on fake tensors (its grid, or compiled ahead of time for its registers, spills and
+shared memory), and what autograd keeps for the backward (kept_bytes).
 """
 
 import contextlib
@@ -56,7 +59,8 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" or "tr
         pass
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "ref")
-TRITON_OPS = frozenset({"rms_norm", "rope", "softmax", "sparsemax", "sinkhorn", "gdn2_decay_clip", "gdn2_gates", "gdn2", "ssd"})  # have <op>_triton
+TRITON_OPS = frozenset({"rms_norm", "rope", "softmax", "sparsemax", "sinkhorn", "gdn2_decay_clip", "gdn2_gates",
+                        "gdn2", "ssd"})  # the ops with an <op>_triton
 
 
 def _path(op, kernels, x):
@@ -106,26 +110,28 @@ def _double_backward(forward, inputs, cotangents):
 
 
 # -----------------------------------------------------------------------------
-# rms_norm: y = x / sqrt(mean(x²) + eps) * weight, in fp32, cast back
+# rms_norm: y = g / sqrt(mean(g²) + eps) * weight with g = x, or g = x ⊙ silu(gate) (Mamba2's gated norm, one op so
+# that autograd keeps x and gate, not silu(gate) and the product too); in fp32, cast back to x's dtype
 
-def rms_norm_ref(x, weight, eps=1e-6):
-    xf = x.float()
+def rms_norm_ref(x, weight, eps=1e-6, gate=None):
+    xf = x.float() if gate is None else x.float() * F.silu(gate.float())
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return y.to(x.dtype)
 
 
-def rms_norm_torch(x, weight, eps=1e-6):
+def rms_norm_torch(x, weight, eps=1e-6, gate=None):
     dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 is computed in fp32, fp64 stays fp64
-    return F.rms_norm(x.to(dtype), (x.shape[-1],), weight.to(dtype), eps).to(x.dtype)
+    g = x.to(dtype) if gate is None else x.to(dtype) * F.silu(gate.to(dtype))
+    return F.rms_norm(g, (x.shape[-1],), weight.to(dtype), eps).to(x.dtype)
 
 
-def rms_norm(x, weight, eps=1e-6, kernels="auto"):
+def rms_norm(x, weight, eps=1e-6, gate=None, kernels="auto"):
     path = _path("rms_norm", kernels, x)
     if path == "triton":
-        return rms_norm_triton(x, weight, eps)
+        return rms_norm_triton(x, weight, eps, gate)
     if path == "ref":
-        return rms_norm_ref(x, weight, eps)
-    return rms_norm_torch(x, weight, eps)
+        return rms_norm_ref(x, weight, eps, gate)
+    return rms_norm_torch(x, weight, eps, gate)
 
 
 # -----------------------------------------------------------------------------
@@ -661,11 +667,13 @@ def _ssd_check(x, dt, A, B, C, D, initial_state):
     if dt.shape != (b, l, h) or A.shape != (h,):
         raise ValueError(f"ssd: dt must be [b,l,h] = {(b, l, h)} and A [h], got {tuple(dt.shape)}, {tuple(A.shape)}")
     if B.ndim != 4 or B.shape[:3] != (b, l, 1) or C.shape != B.shape:
-        raise ValueError(f"ssd: B and C must be [b,l,1,n] (ngroups = 1), got {tuple(B.shape)}, {tuple(C.shape)}; use B.unsqueeze(2)")
+        raise ValueError(f"ssd: B and C must be [b,l,1,n] (ngroups = 1), got {tuple(B.shape)}, {tuple(C.shape)}; "
+                         "use B.unsqueeze(2)")
     if D is not None and D.shape != (h,):
         raise ValueError(f"ssd: D must be [h] = ({h},) or None, got {tuple(D.shape)}")
     if initial_state is not None and initial_state.shape != (b, h, p, B.shape[-1]):
-        raise ValueError(f"ssd: initial_state must be [b,h,p,n] = {(b, h, p, B.shape[-1])}, got {tuple(initial_state.shape)}")
+        raise ValueError(f"ssd: initial_state must be [b,h,p,n] = {(b, h, p, B.shape[-1])}, "
+                         f"got {tuple(initial_state.shape)}")
 
 
 @_fp32
@@ -721,8 +729,8 @@ class _SSDChunks(torch.autograd.Function):
     With G = ∂/∂S' (dS_T for the last chunk, then chunk by chunk backwards):
         ∂S = e^{a_C} G + (e^a⊙dy)ᵀ C,   ∂X = Wᵀ dy + ℓ⊙(B Gᵀ),   dW = dy Xᵀ,
         ∂C = (Σ_h dW⊙L) B + Σ_h e^a⊙(dy S),   ∂B = (Σ_h dW⊙L)ᵀ C + Σ_h (ℓ⊙X) G,
-        ∂(dt A)_i = Σ_{r≥i} Σ_{s<i} (dW⊙W)_rs + Σ_{r≥i} ∂a_r (the reads', ℓ's and e^{a_C}'s direct terms):
-    the first sum runs over the pairs whose segment a_r − a_s contains i, so nothing cancels there.
+        ∂(dt A)_i = Σ_{r≥i} Σ_{s<i} (dW⊙W)_rs + Σ_{r≥i} ∂a_r (the reads', ℓ's and e^{a_C}'s direct
+    terms): the first sum runs over the pairs whose segment a_r − a_s contains i, so nothing cancels there.
     Under create_graph (Hessian-vector products) the backward differentiates _ssd_chunks' ops instead."""
 
     @staticmethod
@@ -831,23 +839,28 @@ def _programs_for(x, rows):
 
 if HAS_TRITON:
     @triton.jit
-    def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, eps,
+    def _rms_norm_fwd_kernel(x_ptr, gate_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, eps, HAS_GATE: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # one program normalises BLOCK_R rows; the whole row sits in registers, sums in fp32
+        # one program normalises BLOCK_R rows of g = x (⊙ silu(gate)); the whole row sits in registers, sums in fp32
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_C)
         mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
         offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            z = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            g *= z * tl.sigmoid(z)
         w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-        tl.store(y_ptr + offs, (x * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+        rstd = 1.0 / tl.sqrt(tl.sum(g * g, axis=1) / n_cols + eps)
+        tl.store(y_ptr + offs, (g * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(rstd_ptr + rows, rstd, mask=rows < n_rows)
 
     @triton.jit
-    def _rms_norm_bwd_kernel(x_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols,
-                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # dx = rstd·(dy⊙w − x̂·mean(dy⊙w⊙x̂)); each program also sums dy⊙x̂ over its rows into one dw partial
+    def _rms_norm_bwd_kernel(x_ptr, gate_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dgate_ptr, dw_partial_ptr, n_rows,
+                             n_cols, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # dg = rstd·(dy⊙w − ĝ·mean(dy⊙w⊙ĝ)) with ĝ = rstd·g; g = x gives dx = dg, g = x⊙silu(z) gives
+        # dx = dg⊙silu(z) and dz = dg⊙x⊙silu'(z), silu'(z) = σ(z)(1 + z(1 − σ(z))). Each program also sums
+        # dy⊙ĝ over its rows into one dw partial
         pid, n_prog = tl.program_id(0), tl.num_programs(0)
         cols = tl.arange(0, BLOCK_C)
         w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
@@ -857,75 +870,95 @@ if HAS_TRITON:
             mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
             offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
             x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            g = x
+            if HAS_GATE:
+                z = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                g = x * z * tl.sigmoid(z)
             dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)
-            x_hat = x * rstd[:, None]
+            g_hat = g * rstd[:, None]
             dyw = dy * w[None, :]
-            mean_term = tl.sum(dyw * x_hat, axis=1) / n_cols
-            dx = rstd[:, None] * (dyw - x_hat * mean_term[:, None])
-            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-            dw += tl.sum(dy * x_hat, axis=0)
+            dg = rstd[:, None] * (dyw - g_hat * (tl.sum(dyw * g_hat, axis=1) / n_cols)[:, None])
+            dw += tl.sum(dy * g_hat, axis=0)
+            if HAS_GATE:
+                sig = tl.sigmoid(z)
+                tl.store(dgate_ptr + offs, (dg * x * sig * (1 + z * (1 - sig))).to(dgate_ptr.dtype.element_ty),
+                         mask=mask)
+                dg *= z * sig
+            tl.store(dx_ptr + offs, dg.to(dx_ptr.dtype.element_ty), mask=mask)
         tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=cols < n_cols)
 
 
 def _rms_norm_blocks(n_cols):
+    """(BLOCK_R, BLOCK_C, num_warps): a tile of 4096 values, or one row when it is longer, spread 16 values a thread
+    (at most 16 warps) so that the backward's tiles stay in registers: no spills up to rows of 8192, or of 4096
+    with a gate"""
     block_c = triton.next_power_of_2(n_cols)
-    return max(1, min(64, 4096 // block_c)), block_c
+    block_r = max(1, min(64, 4096 // block_c))
+    return block_r, block_c, min(16, max(4, block_r * block_c // 512))
 
 
 @torch.library.custom_op("specgpt::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd): the normalised x and each row's 1/rms, which the backward reuses."""
+def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  gate: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): the normalised x (⊙ silu(gate)) and each row's 1/rms, which the backward reuses."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     n_rows, n_cols = x2.shape
+    gate2 = x2 if gate is None else gate.reshape(n_rows, n_cols).contiguous()
     y = torch.empty_like(x2)
     rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
-    block_r, block_c = _rms_norm_blocks(n_cols)
+    block_r, block_c, warps = _rms_norm_blocks(n_cols)
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-        x2, weight.contiguous(), y, rstd, n_rows, n_cols, eps, BLOCK_R=block_r, BLOCK_C=block_c)
+        x2, gate2, weight.contiguous(), y, rstd, n_rows, n_cols, eps, HAS_GATE=gate is not None, BLOCK_R=block_r,
+        BLOCK_C=block_c, num_warps=warps)
     return y.reshape(x.shape), rstd
 
 
 @_rms_norm_fwd.register_fake
-def _(x, weight, eps):
+def _(x, weight, eps, gate):
     return x.new_empty(x.shape), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("specgpt::rms_norm_bwd", mutates_args=())
-def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                  rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                  gate: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dgate); dgate is empty without a gate."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     n_rows, n_cols = x2.shape
+    gate2 = x2 if gate is None else gate.reshape(n_rows, n_cols).contiguous()
     dy2 = dy.reshape(n_rows, n_cols).contiguous()
     dx = torch.empty_like(x2)
-    block_r, block_c = _rms_norm_blocks(n_cols)
+    dgate = torch.empty_like(gate2) if gate is not None else x2.new_empty(0)
+    block_r, block_c, warps = _rms_norm_blocks(n_cols)
     n_prog = _programs_for(x2, triton.cdiv(n_rows, block_r))
     dw_partial = torch.empty(n_prog, n_cols, device=x2.device, dtype=torch.float32)
-    _rms_norm_bwd_kernel[(n_prog,)](x2, weight.contiguous(), rstd, dy2, dx, dw_partial, n_rows, n_cols,
-                                    BLOCK_R=block_r, BLOCK_C=block_c)
-    return dx.reshape(x.shape), dw_partial.sum(0).to(weight.dtype)
+    _rms_norm_bwd_kernel[(n_prog,)](x2, gate2, weight.contiguous(), rstd, dy2, dx, dgate, dw_partial, n_rows, n_cols,
+                                    HAS_GATE=gate is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    return dx.reshape(x.shape), dw_partial.sum(0).to(weight.dtype), dgate if gate is None else dgate.view(gate.shape)
 
 
 @_rms_norm_bwd.register_fake
-def _(dy, x, weight, rstd):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+def _(dy, x, weight, rstd, gate):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty(gate.shape if gate is not None else 0)
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, weight, eps = inputs
-    ctx.save_for_backward(x, weight, output[1])
+    x, weight, eps, gate = inputs
+    ctx.save_for_backward(x, weight, output[1], gate)
     ctx.mark_non_differentiable(output[1])
 
 
 def _rms_norm_backward(ctx, dy, d_rstd):
-    return *_rms_norm_bwd(dy, *ctx.saved_tensors), None
+    x, weight, rstd, gate = ctx.saved_tensors
+    dx, dweight, dgate = _rms_norm_bwd(dy, x, weight, rstd, gate)
+    return dx, dweight, None, dgate if gate is not None else None
 
 
 _rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 
 
-def rms_norm_triton(x, weight, eps=1e-6):
-    return _rms_norm_fwd(x, weight, eps)[0]
+def rms_norm_triton(x, weight, eps=1e-6, gate=None):
+    return _rms_norm_fwd(x, weight, eps, gate)[0]
 
 
 # -----------------------------------------------------------------------------
@@ -978,7 +1011,8 @@ def _rope_backward(ctx, dy):
     dx = _rope_rotate(dy, cos, sin, -ctx.sin_sign)
     dcos = dsin = None
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # cos/sin are usually buffers; cheap in torch
-        x_even, x_odd, dy_even, dy_odd = x[..., 0::2].float(), x[..., 1::2].float(), dy[..., 0::2].float(), dy[..., 1::2].float()
+        x_even, x_odd = x[..., 0::2].float(), x[..., 1::2].float()
+        dy_even, dy_odd = dy[..., 0::2].float(), dy[..., 1::2].float()
         dcos = (dy_even * x_even + dy_odd * x_odd).sum((0, 2)).to(cos.dtype)
         dsin = (dy_odd * x_even - dy_even * x_odd).sum((0, 2)).to(sin.dtype)
     return dx, dcos, dsin, None
@@ -2090,18 +2124,30 @@ def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16)
 # ssd in Triton: the five forward kernels of mamba_ssm's chunked scan (Dao & Gu 2024, the Mamba-2 paper), with
 # a = within-chunk cumulative dt·A, h_in[c] = the state entering chunk c, ngroups = 1:
 #   1 chunk cumsum   a_r = Σ_{i≤r} dt_i A
-#   2 chunk state    states[c] = Σ_s exp(a_last − a_s) dt_s x_s B_sᵀ            (the chunk's own end state)
+#   2 chunk state    states[c] = Σ_s exp(a_last − a_s) dt_s x_sᵀ B_s            (the chunk's own end state)
 #   3 state passing  h_in[c+1] = exp(a_last[c]) h_in[c] + states[c]             (sequential over chunks)
 #   4 chunk C·Bᵀ     CB_rs = C_r·B_s
 #   5 chunk scan     y_r = Σ_{s≤r} CB_rs exp(a_r − a_s) dt_s x_s + exp(a_r) h_in C_r + D x_r
-# Backward: dh_out[c] = Σ_r exp(a_r) dy_r C_rᵀ (kernel 2's shape again), a reverse state pass giving the
-# gradient dS_next[c] of each chunk's end state, and one kernel per (chunk, head) for dx, ddt, dB, dC, dA, dD.
+# The forward keeps nothing but its inputs: the backward reruns kernels 1–4 for a, CB and h_in (h_in alone is p·n
+# fp32 numbers per chunk and head, four bf16 activations' worth at Mamba2's p = 32, n = 64, chunk 64), then
+#   6 dh_out     dh_out[c] = Σ_r exp(a_r) dy_rᵀ C_r                                (kernel 2's shape)
+#   7 reverse state passing: dS_next[c], the gradient of chunk c's end state, and ∂L/∂a_last[c]
+#   8 dx         per (chunk, head, block of p): dx, and the terms of ddt that read x
+#   9 pairs      per (chunk, head): the terms of ddt from the pair weights L and from a_last
+#  10 dCB        per (chunk, group of heads): ∂L/∂CB = Σ_h L⊙(dy xdtᵀ)
+#  11 dB, dC     per (chunk, group of heads, block of n), and the term of ddt from reading h_in
+# Dots take their operands in the inputs' dtype and accumulate in fp32: bf16 inputs (x, B, C, dy) go in as loaded
+# and the fp32 factors that meet them (decays, dt, states) are rounded to bf16 there; fp32 inputs take IEEE or
+# TF32 dots (_dot_precision). Cumulative decays, states and accumulators stay fp32. Every grid puts batch ×
+# chunks (× heads) on axis 0 (up to 2³¹ − 1 programs), and only small counts (blocks of p or n) on axis 1.
 if HAS_TRITON:
     @triton.jit
     def _ssd_chunk_cumsum_kernel(dt_ptr, A_ptr, a_ptr, l, h, n_chunks, Cs,
                                  BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
-        bi, c = tl.program_id(0), tl.program_id(1)
-        hs = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+        # one program per (batch·chunk, block of heads)
+        pid_bc = tl.program_id(0)
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         rs = tl.arange(0, BLOCK_C)
         pos = c * Cs + rs
         dt = tl.load(dt_ptr + (bi * l + pos[None, :]).to(tl.int64) * h + hs[:, None],
@@ -2112,86 +2158,105 @@ if HAS_TRITON:
                  mask=(hs[:, None] < h) & (rs[None, :] < Cs))
 
     @triton.jit
-    def _ssd_segment_decays(dt, A, rs, Cs):
-        # L_rs = exp(Σ_{s<i≤r} dt_i A) for s ≤ r < Cs (0 elsewhere) and E_s = exp(Σ_{s<i} dt_i A) (to the chunk end),
-        # each a sum of the steps in between, not a difference of cumulative sums (which would lose the small
-        # exponents' digits next to a decay of −1000)
+    def _ssd_pair_decays(dt, A, rs, Cs):
+        # L_rs = exp(Σ_{s<i≤r} dt_i A) for s ≤ r < Cs, 0 elsewhere: a sum of the steps in between, not a difference
+        # of cumulative sums (which would lose the small exponents' digits next to a decay of −1000)
         steps = tl.where(rs[:, None] > rs[None, :], (dt * A)[:, None], 0.0)           # [i, s]: dt_i A where i > s
         causal = (rs[:, None] >= rs[None, :]) & (rs[:, None] < Cs)
-        L = tl.exp(tl.where(causal, tl.cumsum(steps, axis=0), -float("inf")))
-        return L, tl.exp(tl.sum(steps, axis=0))
+        return tl.exp(tl.where(causal, tl.cumsum(steps, axis=0), -float("inf")))
+
+    @triton.jit
+    def _ssd_end_decays(dt_ptr, A, bi, l, h, hi, pos, last):
+        # E_s = exp(Σ_{s<i<Cs} dt_i A), the decay from token s to the chunk end, again a sum of the steps in between:
+        # a reversed cumulative sum of dt_{s+1} A (0 past the chunk's or the sequence's last token)
+        dt_next = tl.load(dt_ptr + (bi * l + pos + 1).to(tl.int64) * h + hi, mask=(pos < last) & (pos + 1 < l),
+                          other=0.0).to(tl.float32)
+        return tl.exp(tl.cumsum(dt_next * A, axis=0, reverse=True))
 
     @triton.jit
     def _ssd_chunk_outer_kernel(x_ptr, y_ptr, dt_ptr, A_ptr, a_ptr, out_ptr, l, h, p, n, n_chunks, Cs,
                                 FROM_START: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        # out[b, c, h] = Σ_s scale_s x_sᵀ y_s  ([p, n]), x [b,l,h,p], y [b,l,1,n]. Kernel 2 (chunk state) with
-        # x = x, y = B, scale_s = exp(a_last − a_s)·dt_s; the backward's dh_out with x = dy, y = C, scale_s = exp(a_s).
-        pid_pn, pid_bc, hi = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        # out[b, c, h] = Σ_s scale_s x_sᵀ y_s ([p, n]), x [b,l,h,p], y [b,l,1,n]. Kernel 2 (chunk state) with x = x,
+        # y = B, scale_s = exp(a_last − a_s)·dt_s; the backward's dh_out with x = dy, y = C, scale_s = exp(a_s).
+        # One program per (batch·chunk·head, block of p × block of n); x goes into the dot as loaded, scale·y is
+        # rounded to x's dtype
+        pid_bch, pid_pn = tl.program_id(0), tl.program_id(1)
+        hi, bi, c = pid_bch % h, pid_bch // h // n_chunks, pid_bch // h % n_chunks
         n_nb = tl.cdiv(n, BLOCK_N)
         ps = (pid_pn // n_nb) * BLOCK_P + tl.arange(0, BLOCK_P)
         ns = (pid_pn % n_nb) * BLOCK_N + tl.arange(0, BLOCK_N)
-        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, BLOCK_C)
         pos = c * Cs + rs
         valid = (rs < Cs) & (pos < l)
-        a_base = a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs
-        a = tl.load(a_base + rs, mask=rs < Cs, other=0.0)
         if FROM_START:
+            a = tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + rs, mask=rs < Cs, other=0.0)
             scale = tl.exp(a)
         else:
             dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
-            L, E = _ssd_segment_decays(dt, tl.load(A_ptr + hi).to(tl.float32), rs, Cs)
-            scale = E * dt
+            scale = _ssd_end_decays(dt_ptr, tl.load(A_ptr + hi).to(tl.float32), bi, l, h, hi, pos, c * Cs + Cs - 1) * dt
         xT = tl.load(x_ptr + ((bi * l + pos[None, :]).to(tl.int64) * h + hi) * p + ps[:, None],
-                     mask=valid[None, :] & (ps[:, None] < p), other=0.0).to(tl.float32)          # [BLOCK_P, BLOCK_C]
+                     mask=valid[None, :] & (ps[:, None] < p), other=0.0)                        # [BLOCK_P, BLOCK_C]
         y = tl.load(y_ptr + (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :],
-                    mask=valid[:, None] & (ns[None, :] < n), other=0.0).to(tl.float32)           # [BLOCK_C, BLOCK_N]
-        acc = tl.dot(xT, y * scale[:, None], input_precision=DOT)
-        tl.store(out_ptr + (((bi * n_chunks + c) * h + hi).to(tl.int64) * p + ps[:, None]) * n + ns[None, :], acc,
+                    mask=valid[:, None] & (ns[None, :] < n), other=0.0).to(tl.float32)          # [BLOCK_C, BLOCK_N]
+        acc = tl.dot(xT, (y * scale[:, None]).to(xT.dtype), input_precision=DOT)
+        tl.store(out_ptr + (pid_bch.to(tl.int64) * p + ps[:, None]) * n + ns[None, :], acc,
                  mask=(ps[:, None] < p) & (ns[None, :] < n))
 
     @triton.jit
     def _ssd_state_passing_kernel(states_ptr, a_ptr, h0_ptr, entering_ptr, hT_ptr, h, dim, n_chunks, Cs,
                                   HAS_INITIAL: tl.constexpr, BLOCK: tl.constexpr):
-        # sequential over chunks for a BLOCK-slice of the flattened p·n state
-        ms = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        bi, hi = tl.program_id(1), tl.program_id(2)
+        # sequential over chunks for a BLOCK-slice of the flattened p·n state; one program per (batch·head, slice)
+        pid_bh = tl.program_id(0)
+        bi, hi = pid_bh // h, pid_bh % h
+        ms = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = ms < dim
         hs = tl.zeros((BLOCK,), dtype=tl.float32)
         if HAS_INITIAL:
-            hs = tl.load(h0_ptr + (bi * h + hi).to(tl.int64) * dim + ms, mask=mask, other=0.0).to(tl.float32)
+            hs = tl.load(h0_ptr + pid_bh.to(tl.int64) * dim + ms, mask=mask, other=0.0).to(tl.float32)
         for c in range(n_chunks):
             offs = ((bi * n_chunks + c) * h + hi).to(tl.int64) * dim + ms
             tl.store(entering_ptr + offs, hs, mask=mask)
-            a_last = tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + Cs - 1)
+            a_last = tl.load(a_ptr + (pid_bh * n_chunks + c).to(tl.int64) * Cs + Cs - 1)
             hs = tl.exp(a_last) * hs + tl.load(states_ptr + offs, mask=mask, other=0.0)
-        tl.store(hT_ptr + (bi * h + hi).to(tl.int64) * dim + ms, hs, mask=mask)
+        tl.store(hT_ptr + pid_bh.to(tl.int64) * dim + ms, hs, mask=mask)
 
     @triton.jit
-    def _ssd_bmm_kernel(C_ptr, B_ptr, CB_ptr, l, n, n_chunks, Cs, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _ssd_chunk_gram(u_ptr, v_ptr, bi, c, l, Cs, stride, width, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
                         DOT: tl.constexpr):
-        pid_bc = tl.program_id(0)
-        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        # [r, s] = u_r·v_s over chunk c's tokens, token t's row of `width` values at (bi·l + t)·stride, summed in
+        # blocks of BLOCK_K; u goes into the dot as loaded, v in u's dtype
         rs = tl.arange(0, BLOCK_C)
         pos = c * Cs + rs
         valid = (rs < Cs) & (pos < l)
         acc = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
-        for n0 in range(0, n, BLOCK_N):
-            ns = n0 + tl.arange(0, BLOCK_N)
-            offs = (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :]
-            m = valid[:, None] & (ns[None, :] < n)
-            Cm = tl.load(C_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            Bm = tl.load(B_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            acc += tl.dot(Cm, tl.trans(Bm), input_precision=DOT)
+        for k0 in range(0, width, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            offs = (bi * l + pos[:, None]).to(tl.int64) * stride + ks[None, :]
+            m = valid[:, None] & (ks[None, :] < width)
+            u = tl.load(u_ptr + offs, mask=m, other=0.0)
+            acc += tl.dot(u, tl.trans(tl.load(v_ptr + offs, mask=m, other=0.0)).to(u.dtype), input_precision=DOT)
+        return acc
+
+    @triton.jit
+    def _ssd_bmm_kernel(C_ptr, B_ptr, CB_ptr, l, n, n_chunks, Cs, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+                        DOT: tl.constexpr):
+        # CB = C Bᵀ within each chunk (shared by the heads); one program per batch·chunk
+        pid_bc = tl.program_id(0)
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        rs = tl.arange(0, BLOCK_C)
+        acc = _ssd_chunk_gram(C_ptr, B_ptr, bi, c, l, Cs, n, n, BLOCK_N, BLOCK_C, DOT)
         tl.store(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :], acc,
                  mask=(rs[:, None] < Cs) & (rs[None, :] < Cs))
 
     @triton.jit
     def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, A_ptr, a_ptr, CB_ptr, C_ptr, entering_ptr, D_ptr, y_ptr,
-                               l, h, p, n, n_chunks, Cs, HAS_D: tl.constexpr,
-                               BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        pid_p, pid_bc, hi = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                               l, h, p, n, n_chunks, Cs, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # y = (CB⊙L⊙dt_s) x + exp(a)⊙(C h_inᵀ) + D x, one program per (batch·chunk·head, block of p); x and C
+        # go into the dots as loaded, the pair weights CB⊙L⊙dt and the state h_in are rounded to their dtype
+        pid_bch, pid_p = tl.program_id(0), tl.program_id(1)
+        hi, pid_bc = pid_bch % h, pid_bch // h
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
         rs = tl.arange(0, BLOCK_C)
@@ -2201,243 +2266,332 @@ if HAS_TRITON:
         dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
         x_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
         x_mask = valid[:, None] & (ps[None, :] < p)
-        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-        L, E = _ssd_segment_decays(dt, tl.load(A_ptr + hi).to(tl.float32), rs, Cs)
+        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+        L = _ssd_pair_decays(dt, tl.load(A_ptr + hi).to(tl.float32), rs, Cs)
         CB = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
                      mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
-        y = tl.dot(CB * L, x * dt[:, None], input_precision=DOT)
-        state_base = entering_ptr + ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n
+        y = tl.dot((CB * L * dt[None, :]).to(x.dtype), x, input_precision=DOT)
+        state_base = entering_ptr + pid_bch.to(tl.int64) * p * n
         y_off = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
         for n0 in range(0, n, BLOCK_N):
             ns = n0 + tl.arange(0, BLOCK_N)
             Cm = tl.load(C_ptr + (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :],
-                         mask=valid[:, None] & (ns[None, :] < n), other=0.0).to(tl.float32)
-            h_inT = tl.load(state_base + ps[None, :] * n + ns[:, None], mask=(ps[None, :] < p) & (ns[:, None] < n), other=0.0)
-            y_off += tl.dot(Cm, h_inT, input_precision=DOT)
+                         mask=valid[:, None] & (ns[None, :] < n), other=0.0)
+            h_inT = tl.load(state_base + ps[None, :] * n + ns[:, None], mask=(ps[None, :] < p) & (ns[:, None] < n),
+                            other=0.0)
+            y_off += tl.dot(Cm, h_inT.to(Cm.dtype), input_precision=DOT)
         y += tl.exp(a)[:, None] * y_off
         if HAS_D:
-            y += tl.load(D_ptr + hi).to(tl.float32) * x
+            y += tl.load(D_ptr + hi).to(tl.float32) * x.to(tl.float32)
         tl.store(y_ptr + x_offs, y.to(y_ptr.dtype.element_ty), mask=x_mask)
 
     @triton.jit
     def _ssd_state_passing_bwd_kernel(dh_out_ptr, entering_ptr, a_ptr, dhT_ptr, dS_next_ptr, dh0_ptr, da_last_ptr,
                                       h, dim, n_chunks, Cs, BLOCK: tl.constexpr):
         # reverse of kernel 3: dS_next[c] = ds (gradient of chunk c's end state); ds ← dh_out[c] + exp(a_last[c]) ds;
-        # and ∂L/∂a_last[c] from the passed-through state, ⟨ds, exp(a_last) h_in[c]⟩ (partial over this slice)
-        pid_m, bi, hi = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        # and ∂L/∂a_last[c] from the passed-through state, ⟨ds, exp(a_last) h_in[c]⟩ (partial over this slice).
+        # One program per (batch·head, slice of the p·n state)
+        pid_bh, pid_m = tl.program_id(0), tl.program_id(1)
+        bi, hi = pid_bh // h, pid_bh % h
         ms = pid_m * BLOCK + tl.arange(0, BLOCK)
         mask = ms < dim
-        ds = tl.load(dhT_ptr + (bi * h + hi).to(tl.int64) * dim + ms, mask=mask, other=0.0).to(tl.float32)
+        ds = tl.load(dhT_ptr + pid_bh.to(tl.int64) * dim + ms, mask=mask, other=0.0).to(tl.float32)
         for cc in range(n_chunks):
             c = n_chunks - 1 - cc
             offs = ((bi * n_chunks + c) * h + hi).to(tl.int64) * dim + ms
             tl.store(dS_next_ptr + offs, ds, mask=mask)
-            decay = tl.exp(tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + Cs - 1))
+            decay = tl.exp(tl.load(a_ptr + (pid_bh * n_chunks + c).to(tl.int64) * Cs + Cs - 1))
             h_in = tl.load(entering_ptr + offs, mask=mask, other=0.0)
-            tl.store(da_last_ptr + (((bi * h + hi) * n_chunks + c) * tl.num_programs(0) + pid_m).to(tl.int64),
+            tl.store(da_last_ptr + ((pid_bh * n_chunks + c) * tl.num_programs(1) + pid_m).to(tl.int64),
                      tl.sum(ds * h_in, axis=0) * decay)
             ds = tl.load(dh_out_ptr + offs, mask=mask, other=0.0) + decay * ds
-        tl.store(dh0_ptr + (bi * h + hi).to(tl.int64) * dim + ms, ds, mask=mask)
+        tl.store(dh0_ptr + pid_bh.to(tl.int64) * dim + ms, ds, mask=mask)
 
     @triton.jit
-    def _ssd_chunk_bwd_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, CB_ptr, D_ptr, a_ptr, entering_ptr, dS_next_ptr,
-                              da_last_ptr, dy_ptr, dx_ptr, ddt_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, l, h, p, n, n_chunks, Cs,
-                              HAS_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                              DOT: tl.constexpr):
-        # one program per (batch·chunk, head, block of p), the state dimension n in blocks of BLOCK_N. Every gradient
-        # but dx is a sum over p, so dt, dA, dB, dC and dD are written as partial sums per p block (summed outside).
-        # With xdt = dt⊙x, L_rs = exp(a_r − a_s) (s ≤ r), M = CB⊙L⊙(dy xdtᵀ), E_s = exp(a_last − a_s):
-        #   dxdt = (CB⊙L)ᵀ dy + E⊙(B dS_nextᵀ);  dC = (L⊙dy xdtᵀ) B + exp(a)⊙(dy h_in);
-        #   dB = (L⊙dy xdtᵀ)ᵀ C + E⊙(xdt dS_next);
-        #   ∂L/∂a_r = Σ_s M_rs − Σ_s M_sr + exp(a_r) dy_r·h_in C_r − E_r xdt_r·dS_next B_r (+ end-state terms at a_last),
-        #   and dt·A's gradient is Σ_{r ≥ i} ∂L/∂a_r, summed below without the terms that cancel in it.
-        pid_bc, hi, pid_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    def _ssd_chunk_bwd_dx_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, CB_ptr, D_ptr, dS_next_ptr, dy_ptr, dx_ptr, ddt_ptr,
+                                 dA_ptr, dD_ptr, b, l, h, p, n, n_chunks, Cs, HAS_D: tl.constexpr,
+                                 BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                                 DOT: tl.constexpr):
+        # One program per (batch·chunk·head, block of p). With xdt = dt⊙x, L_rs = exp(a_r − a_s) (s ≤ r) and
+        # E_s = exp(a_last − a_s):
+        #   dxdt = (CB⊙L)ᵀ dy + E⊙(B dS_nextᵀ),   dx = dt⊙dxdt + D dy,   ∂L/∂dt_s ∋ Σ_p dxdt_sp x_sp,
+        # and the end state's term of ∂L/∂(dt_i A): a token's share of it, exp(a_last − a_s), depends on dt_i A
+        # for s < i, Σ_{s<i} E_s Σ_p (B dS_nextᵀ ⊙ xdt)_sp. ddt, dA and dD are sums over p, written per p block.
+        pid_bch, pid_p = tl.program_id(0), tl.program_id(1)
+        hi, pid_bc = pid_bch % h, pid_bch // h
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, BLOCK_C)
         ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
         pos = c * Cs + rs
         valid = (rs < Cs) & (pos < l)
-        part = pid_p.to(tl.int64) * (tl.num_programs(0) // n_chunks)   # partial sums: batch index offset by p block
-        a_base = a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs
-        a = tl.load(a_base + rs, mask=rs < Cs, other=0.0)
         dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
+        A = tl.load(A_ptr + hi).to(tl.float32)
         x_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
         x_mask = valid[:, None] & (ps[None, :] < p)
-        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
-        xdt = x * dt[:, None]
-        A = tl.load(A_ptr + hi).to(tl.float32)
-        L, E = _ssd_segment_decays(dt, A, rs, Cs)
-        CB = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
-                     mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
-        CBL = CB * L
-        dyX = tl.dot(dy, tl.trans(xdt), input_precision=DOT)
-        LdyX = L * dyX
-        B_dS = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)             # B dS_nextᵀ, summed over n blocks
-        off_term = tl.zeros((BLOCK_C,), dtype=tl.float32)                  # dy_r·h_in C_r
-        st_base = ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n
+        dy = tl.load(dy_ptr + x_offs, mask=x_mask, other=0.0)
+        CBL = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
+                      mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0) * _ssd_pair_decays(dt, A, rs, Cs)
+        dxdt = tl.dot(tl.trans(CBL).to(dy.dtype), dy, input_precision=DOT)
+        B_dS = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)                   # B dS_nextᵀ, summed over n blocks
+        st_base = dS_next_ptr + pid_bch.to(tl.int64) * p * n
         for n0 in range(0, n, BLOCK_N):
             ns = n0 + tl.arange(0, BLOCK_N)
-            bc_offs = (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :]
-            bc_mask = valid[:, None] & (ns[None, :] < n)
-            Bm = tl.load(B_ptr + bc_offs, mask=bc_mask, other=0.0).to(tl.float32)
-            Cm = tl.load(C_ptr + bc_offs, mask=bc_mask, other=0.0).to(tl.float32)
-            st_offs = st_base + ps[:, None] * n + ns[None, :]
-            st_mask = (ps[:, None] < p) & (ns[None, :] < n)
-            h_in = tl.load(entering_ptr + st_offs, mask=st_mask, other=0.0)
-            dSn = tl.load(dS_next_ptr + st_offs, mask=st_mask, other=0.0)
-            dy_h = tl.dot(dy, h_in, input_precision=DOT)                   # [C, BLOCK_N]
-            B_dS += tl.dot(Bm, tl.trans(dSn), input_precision=DOT)
-            off_term += tl.sum(dy_h * Cm, axis=1)
-            dC = tl.dot(LdyX, Bm, input_precision=DOT) + tl.exp(a)[:, None] * dy_h
-            dB = tl.dot(tl.trans(LdyX), Cm, input_precision=DOT) + E[:, None] * tl.dot(xdt, dSn, input_precision=DOT)
-            part_offs = (((part + bi) * l + pos[:, None]) * h + hi) * n + ns[None, :]
-            tl.store(dB_ptr + part_offs, dB, mask=bc_mask)
-            tl.store(dC_ptr + part_offs, dC, mask=bc_mask)
-        dxdt = tl.dot(tl.trans(CBL), dy, input_precision=DOT) + E[:, None] * B_dS
+            Bm = tl.load(B_ptr + (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :],
+                         mask=valid[:, None] & (ns[None, :] < n), other=0.0)
+            dSnT = tl.load(st_base + ps[None, :] * n + ns[:, None], mask=(ps[None, :] < p) & (ns[:, None] < n),
+                           other=0.0)
+            B_dS += tl.dot(Bm.to(dy.dtype), dSnT.to(dy.dtype), input_precision=DOT)
+        E = _ssd_end_decays(dt_ptr, A, bi, l, h, hi, pos, c * Cs + Cs - 1)
+        dxdt += E[:, None] * B_dS
+        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
         dx = dxdt * dt[:, None]
         if HAS_D:
-            D = tl.load(D_ptr + hi).to(tl.float32)
-            dx += D * dy
-            tl.store(dD_ptr + (part * n_chunks + pid_bc) * h + hi, tl.sum(tl.sum(dy * x, axis=1), axis=0))
-        # ∂L/∂(dt_i A) = Σ_{r ≥ i} ∂L/∂a_r, gathered term by term so that nothing cancels: the pair weights L_rs
-        # depend on dt_i A for s < i ≤ r (pairs spanning i); a token's share of the chunk's end state for s < i;
-        # the read of the entering state exp(a_r) for r ≥ i; the passed-on state exp(a_last) for every i
-        M = CBL * dyX
-        to_end = E * tl.sum(B_dS * xdt, axis=1)
-        spanning = tl.sum(tl.where(rs[:, None] > rs[None, :], tl.cumsum(M, axis=1), 0.0), axis=0)  # [j] spans j, j+1
-        spanning = tl.sum(tl.where(rs[:, None] == rs[None, :] - 1, spanning[:, None], 0.0), axis=0)
-        reads = tl.sum(tl.where(rs[:, None] >= rs[None, :], (tl.exp(a) * off_term)[:, None], 0.0), axis=0)
-        writes = tl.sum(tl.where(rs[:, None] < rs[None, :], to_end[:, None], 0.0), axis=0)
-        d_dtA = spanning + reads + writes
-        if pid_p == 0:  # the passed-on state's term is whole, added by one p block
-            d_dtA += tl.load(da_last_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64))
-        tl.store(dx_ptr + x_offs, dx, mask=x_mask)
-        tl.store(ddt_ptr + ((part + bi) * l + pos) * h + hi, tl.sum(dxdt * x, axis=1) + A * d_dtA, mask=valid)
-        tl.store(dA_ptr + (part * n_chunks + pid_bc) * h + hi, tl.sum(dt * d_dtA, axis=0))
+            dx += tl.load(D_ptr + hi).to(tl.float32) * dy.to(tl.float32)
+            tl.store(dD_ptr + (pid_p * n_chunks * b + pid_bc) * h + hi, tl.sum(tl.sum(dy.to(tl.float32) * x, 1), 0))
+        tl.store(dx_ptr + x_offs, dx.to(dx_ptr.dtype.element_ty), mask=x_mask)
+        to_end = E * dt * tl.sum(B_dS * x, axis=1)
+        writes = tl.sum(tl.where(rs[:, None] < rs[None, :], to_end[:, None], 0.0), axis=0)      # [i] = Σ_{s<i}
+        slot = pid_p.to(tl.int64) * b + bi
+        tl.store(ddt_ptr + (slot * l + pos) * h + hi, tl.sum(dxdt * x, axis=1) + A * writes, mask=valid)
+        tl.store(dA_ptr + (slot * n_chunks + c) * h + hi, tl.sum(dt * writes, axis=0))
+
+    @triton.jit
+    def _ssd_chunk_bwd_pairs_kernel(x_ptr, dt_ptr, A_ptr, CB_ptr, da_last_ptr, dy_ptr, ddt_ptr, dA_ptr, l, h, p,
+                                    n_chunks, Cs, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # One program per batch·chunk·head: two terms of ∂L/∂(dt_i A), gathered term by term so that nothing
+        # cancels. The pair weights L_rs depend on dt_i A for s < i ≤ r: Σ over the pairs spanning i of
+        # M = CB⊙L⊙(dy xdtᵀ); the passed-on state exp(a_last) depends on every i.
+        pid_bch = tl.program_id(0)
+        hi, pid_bc = pid_bch % h, pid_bch // h
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        rs = tl.arange(0, BLOCK_C)
+        pos = c * Cs + rs
+        valid = (rs < Cs) & (pos < l)
+        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
+        A = tl.load(A_ptr + hi).to(tl.float32)
+        M = _ssd_chunk_gram(dy_ptr + hi * p, x_ptr + hi * p, bi, c, l, Cs, h * p, p, BLOCK_P, BLOCK_C, DOT)
+        M *= dt[None, :]
+        M *= tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
+                     mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0) * _ssd_pair_decays(dt, A, rs, Cs)
+        before = tl.cumsum(M, axis=1) - M                                        # [r, i] = Σ_{s<i} M_rs
+        d_dtA = tl.sum(tl.where(rs[:, None] >= rs[None, :], before, 0.0), axis=0)   # [i] = Σ_{r≥i} Σ_{s<i}
+        d_dtA += tl.load(da_last_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64))
+        tl.store(ddt_ptr + (bi * l + pos).to(tl.int64) * h + hi, A * d_dtA, mask=valid)
+        tl.store(dA_ptr + pid_bch.to(tl.int64), tl.sum(dt * d_dtA, axis=0))
+
+    @triton.jit
+    def _ssd_chunk_bwd_dcb_kernel(x_ptr, dt_ptr, A_ptr, dy_ptr, dCB_ptr, b, l, h, p, n_chunks, Cs, heads_per_program,
+                                  BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # ∂L/∂CB = Σ_h L⊙(dy xdtᵀ) (dy xdtᵀ summed over p), summed over a group of heads: one program per
+        # (batch·chunk, group of heads), the groups added outside. dB and dC take it from there, once per chunk.
+        n_groups = tl.cdiv(h, heads_per_program)
+        pid_bc, group = tl.program_id(0) // n_groups, tl.program_id(0) % n_groups
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        rs = tl.arange(0, BLOCK_C)
+        pos = c * Cs + rs
+        valid = (rs < Cs) & (pos < l)
+        dCB = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
+        for hi in range(group * heads_per_program, tl.minimum(group * heads_per_program + heads_per_program, h)):
+            dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
+            dyxT = _ssd_chunk_gram(dy_ptr + hi * p, x_ptr + hi * p, bi, c, l, Cs, h * p, p, BLOCK_P, BLOCK_C, DOT)
+            dCB += _ssd_pair_decays(dt, tl.load(A_ptr + hi).to(tl.float32), rs, Cs) * dyxT * dt[None, :]
+        tl.store(dCB_ptr + ((group * b + bi) * n_chunks + c).to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
+                 dCB, mask=(rs[:, None] < Cs) & (rs[None, :] < Cs))
+
+    @triton.jit
+    def _ssd_chunk_bwd_dbc_kernel(x_ptr, B_ptr, C_ptr, a_ptr, dt_ptr, A_ptr, entering_ptr, dS_next_ptr, dCB_ptr,
+                                  dy_ptr, ddt_ptr, dA_ptr, dB_ptr, dC_ptr, b, l, h, p, n, n_chunks, Cs,
+                                  heads_per_program, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # One program per (batch·chunk·group of heads, block of n):
+        #   dC = ∂L/∂CB B + Σ_h exp(a)⊙(dy h_in),   dB = (∂L/∂CB)ᵀ C + Σ_h (E⊙dt⊙x) dS_next,
+        # summed over the group's heads (the groups are added outside), the ∂L/∂CB terms added by group 0; and per
+        # head the read of the entering state's term of ∂L/∂(dt_i A): exp(a_r) depends on dt_i A for r ≥ i,
+        # Σ_{r≥i} exp(a_r) dy_r·h_in C_r (this n block's part)
+        n_groups = tl.cdiv(h, heads_per_program)
+        pid_bc, group, pid_n = tl.program_id(0) // n_groups, tl.program_id(0) % n_groups, tl.program_id(1)
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        rs = tl.arange(0, BLOCK_C)
+        ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        pos = c * Cs + rs
+        valid = (rs < Cs) & (pos < l)
+        dB = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)
+        dC = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)
+        for hi in range(group * heads_per_program, tl.minimum(group * heads_per_program + heads_per_program, h)):
+            dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
+            A = tl.load(A_ptr + hi).to(tl.float32)
+            to_end = _ssd_end_decays(dt_ptr, A, bi, l, h, hi, pos, c * Cs + Cs - 1) * dt
+            dy_h = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)                 # dy h_in, summed over p blocks
+            st_base = (pid_bc * h + hi).to(tl.int64) * p * n
+            for p0 in range(0, p, BLOCK_P):
+                ps = p0 + tl.arange(0, BLOCK_P)
+                x_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
+                x_mask = valid[:, None] & (ps[None, :] < p)
+                st_offs = st_base + ps[:, None] * n + ns[None, :]
+                st_mask = (ps[:, None] < p) & (ns[None, :] < n)
+                dy = tl.load(dy_ptr + x_offs, mask=x_mask, other=0.0)
+                x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+                dy_h += tl.dot(dy, tl.load(entering_ptr + st_offs, mask=st_mask, other=0.0).to(dy.dtype),
+                               input_precision=DOT)
+                dB += tl.dot((to_end[:, None] * x).to(dy.dtype),
+                             tl.load(dS_next_ptr + st_offs, mask=st_mask, other=0.0).to(dy.dtype), input_precision=DOT)
+            a = tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + rs, mask=rs < Cs, other=0.0)
+            dy_h *= tl.exp(a)[:, None]
+            dC += dy_h
+            Cm = tl.load(C_ptr + (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :],
+                         mask=valid[:, None] & (ns[None, :] < n), other=0.0).to(tl.float32)
+            d_dtA = tl.cumsum(tl.sum(dy_h * Cm, axis=1), axis=0, reverse=True)    # [i] = Σ_{r≥i}
+            slot = pid_n.to(tl.int64) * b + bi
+            tl.store(ddt_ptr + (slot * l + pos) * h + hi, A * d_dtA, mask=valid)
+            tl.store(dA_ptr + (slot * n_chunks + c) * h + hi, tl.sum(dt * d_dtA, axis=0))
+        bc_offs = (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :]
+        bc_mask = valid[:, None] & (ns[None, :] < n)
+        if group == 0:
+            dCB = tl.load(dCB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
+                          mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
+            Cm = tl.load(C_ptr + bc_offs, mask=bc_mask, other=0.0)
+            dC += tl.dot(dCB.to(Cm.dtype), tl.load(B_ptr + bc_offs, mask=bc_mask, other=0.0).to(Cm.dtype),
+                         input_precision=DOT)
+            dB += tl.dot(tl.trans(dCB).to(Cm.dtype), Cm, input_precision=DOT)
+        slot = group.to(tl.int64) * b + bi
+        tl.store(dB_ptr + (slot * l + pos[:, None]) * n + ns[None, :], dB, mask=bc_mask)
+        tl.store(dC_ptr + (slot * l + pos[:, None]) * n + ns[None, :], dC, mask=bc_mask)
 
 
 def _dot_precision(x):
-    """tl.dot precision: IEEE fp32 (as the references), unless the inputs are bf16/fp16 anyway or torch is
-    allowed TF32 for fp32 matmuls (torch.set_float32_matmul_precision("high")): then TF32 tensor cores.
-    (Triton's interpreter computes every dot in full fp32 whatever this says.)"""
+    """tl.dot's precision for fp32 inputs: IEEE fp32 (as the references), unless torch is allowed TF32 for fp32
+    matmuls (torch.set_float32_matmul_precision("high")): then TF32 tensor cores. bf16/fp16 inputs go into the dots
+    in their own dtype, where the flag does nothing. (Triton's interpreter computes every dot in fp32.)"""
     if x.dtype != torch.float32 or torch.get_float32_matmul_precision() != "highest":
         return "tf32"
     return "ieee"
 
 
-def _ssd_blocks(p, n, Cs):
-    # tl.dot wants every dimension ≥ 16; the state dimension n is walked in blocks of at most 32 where a kernel loops
-    return max(16, triton.next_power_of_2(p)), max(16, triton.next_power_of_2(n)), max(16, triton.next_power_of_2(Cs))
+SSD_TRITON_MAX_CHUNK = 64   # longer chunks exceed a block's registers in the backward kernels
+SSD_HEADS_PER_PROGRAM = 8   # heads one dB/dC program sums over: partial sums for h/8 groups, not for every head
 
 
-def _ssd_bwd_block_p(block_p):
-    # the backward chunk kernel splits p over programs in blocks of 32 and runs unpipelined (num_stages=1): whole,
-    # p = 128 took 200 KB of shared memory (144 KB unpipelined), over sm_80's 163 KB and sm_86/89's 99 KB
-    return min(block_p, 32)
+def _ssd_blocks(x, n, Cs):
+    """(BLOCK_P, BLOCK_N, BLOCK_C, num_warps) for x [b,l,h,p]: tl.dot wants every dimension ≥ 16; p and n are
+    walked in blocks of 32 for bf16 dots, 16 for fp32 ones (whose operands take twice the registers, and IEEE dots
+    run on FMA units that hold a thread's whole reduction slice), a chunk of up to 64 in one tile over 8 warps."""
+    most = 32 if x.dtype != torch.float32 else 16
+    block = lambda d, most: max(16, min(most, triton.next_power_of_2(d)))
+    BC = block(Cs, 64)
+    return block(x.shape[-1], most), block(n, most), BC, 8 if BC == 64 else 4
 
-
-@torch.library.custom_op("specgpt::ssd_fwd", mutates_args=())
-def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-             D: Optional[torch.Tensor], chunk_size: int, initial_state: Optional[torch.Tensor]) -> tuple[
-                 torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, h_T, CB, a, entering): the chunk quantities after y and h_T are kept for the backward."""
+def _ssd_chunk_states(x, dt, A, B, C, Cs, initial_state):
+    """Kernels 1–4: (a, CB, entering, h_T); the forward and the backward (which recomputes them) share this."""
     b, l, h, p = x.shape
     n = B.shape[-1]
-    Cs = chunk_size
     N = triton.cdiv(l, Cs)
-    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
-    BP, BN, BC = _ssd_blocks(p, n, Cs)
+    BP, BN, BC, warps = _ssd_blocks(x, n, Cs)
     dot = _dot_precision(x)
     f32 = dict(device=x.device, dtype=torch.float32)
     a = torch.empty(b, h, N, Cs, **f32)
-    _ssd_chunk_cumsum_kernel[(b, N, triton.cdiv(h, 8))](dt, A, a, l, h, N, Cs, BLOCK_H=8, BLOCK_C=BC)
+    _ssd_chunk_cumsum_kernel[(b * N, triton.cdiv(h, 8))](dt, A, a, l, h, N, Cs, BLOCK_H=8, BLOCK_C=BC)
     states = torch.empty(b, N, h, p, n, **f32)
-    _ssd_chunk_outer_kernel[(triton.cdiv(p, BP) * triton.cdiv(n, min(BN, 32)), b * N, h)](
-        x, B, dt, A, a, states, l, h, p, n, N, Cs, FROM_START=False, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
-        DOT=dot, num_warps=8)
+    _ssd_chunk_outer_kernel[(b * N * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))](
+        x, B, dt, A, a, states, l, h, p, n, N, Cs, FROM_START=False, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot,
+        num_warps=warps)
     entering = torch.empty(b, N, h, p, n, **f32)
     h_T = torch.empty(b, h, p, n, **f32)
     block = min(1024, triton.next_power_of_2(p * n))
     h0 = initial_state.contiguous() if initial_state is not None else h_T
-    _ssd_state_passing_kernel[(triton.cdiv(p * n, block), b, h)](
+    _ssd_state_passing_kernel[(b * h, triton.cdiv(p * n, block))](
         states, a, h0, entering, h_T, h, p * n, N, Cs, HAS_INITIAL=initial_state is not None, BLOCK=block)
     CB = torch.empty(b, N, Cs, Cs, **f32)
-    _ssd_bmm_kernel[(b * N,)](C, B, CB, l, n, N, Cs, BLOCK_C=BC, BLOCK_N=min(BN, 32), DOT=dot)
+    _ssd_bmm_kernel[(b * N,)](C, B, CB, l, n, N, Cs, BLOCK_C=BC, BLOCK_N=BN, DOT=dot)
+    return a, CB, entering, h_T
+
+
+@torch.library.custom_op("specgpt::ssd_fwd", mutates_args=())
+def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             D: Optional[torch.Tensor], chunk_size: int,
+             initial_state: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h_T)"""
+    b, l, h, p = x.shape
+    n = B.shape[-1]
+    Cs = chunk_size
+    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
+    a, CB, entering, h_T = _ssd_chunk_states(x, dt, A, B, C, Cs, initial_state)
+    BP, BN, BC, warps = _ssd_blocks(x, n, Cs)
     y = torch.empty_like(x)
-    _ssd_chunk_scan_kernel[(triton.cdiv(p, BP), b * N, h)](
-        x, dt, A, a, CB, C, entering, D if D is not None else A, y, l, h, p, n, N, Cs, HAS_D=D is not None,
-        BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC, DOT=dot, num_warps=8)
-    return y, h_T, CB, a, entering
+    _ssd_chunk_scan_kernel[(b * triton.cdiv(l, Cs) * h, triton.cdiv(p, BP))](
+        x, dt, A, a, CB, C, entering, D if D is not None else A, y, l, h, p, n, triton.cdiv(l, Cs), Cs,
+        HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=_dot_precision(x), num_warps=warps)
+    return y, h_T
 
 
 @_ssd_fwd.register_fake
 def _(x, dt, A, B, C, D, chunk_size, initial_state):
     b, l, h, p = x.shape
-    n = B.shape[-1]
-    N = -(-l // chunk_size)
-    f32 = dict(dtype=torch.float32)
-    return (x.new_empty(x.shape), x.new_empty(b, h, p, n, **f32), x.new_empty(b, N, chunk_size, chunk_size, **f32),
-            x.new_empty(b, h, N, chunk_size, **f32), x.new_empty(b, N, h, p, n, **f32))
+    return x.new_empty(x.shape), x.new_empty(b, h, p, B.shape[-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("specgpt::ssd_bwd", mutates_args=())
 def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
-             B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], CB: torch.Tensor, a: torch.Tensor,
-             entering: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                               torch.Tensor, torch.Tensor, torch.Tensor]:
+             B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+             chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                       torch.Tensor, torch.Tensor]:
     """(dx, ddt, dA, dB, dC, dD, d initial_state); dD comes back in fp32 (zeros without D)."""
     b, l, h, p = x.shape
     n = B.shape[-1]
     Cs = chunk_size
     N = triton.cdiv(l, Cs)
-    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
-    BP, BN, BC = _ssd_blocks(p, n, Cs)
+    x, dt, A, B, C, dy = (t.contiguous() for t in (x, dt, A, B, C, dy))
+    a, CB, entering, _ = _ssd_chunk_states(x, dt, A, B, C, Cs, initial_state)
+    BP, BN, BC, warps = _ssd_blocks(x, n, Cs)
+    dot = _dot_precision(x)
     f32 = dict(device=x.device, dtype=torch.float32)
-    dy = dy.contiguous()
     dh_out = torch.empty(b, N, h, p, n, **f32)
-    _ssd_chunk_outer_kernel[(triton.cdiv(p, BP) * triton.cdiv(n, min(BN, 32)), b * N, h)](
-        dy, C, dt, A, a, dh_out, l, h, p, n, N, Cs, FROM_START=True, BLOCK_P=BP, BLOCK_N=min(BN, 32), BLOCK_C=BC,
-        DOT=_dot_precision(x), num_warps=8)
+    _ssd_chunk_outer_kernel[(b * N * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))](
+        dy, C, dt, A, a, dh_out, l, h, p, n, N, Cs, FROM_START=True, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot,
+        num_warps=warps)
     block = min(1024, triton.next_power_of_2(p * n))
     n_mb = triton.cdiv(p * n, block)
-    dS_next = torch.empty(b, N, h, p, n, **f32)
-    dh0 = torch.empty(b, h, p, n, **f32)
+    dS_next, dh0 = torch.empty(b, N, h, p, n, **f32), torch.empty(b, h, p, n, **f32)
     da_last = torch.empty(b, h, N, n_mb, **f32)
-    _ssd_state_passing_bwd_kernel[(n_mb, b, h)](dh_out, entering, a, dh_T.contiguous(), dS_next, dh0, da_last, h,
-                                                p * n, N, Cs, BLOCK=block)
-    bp = _ssd_bwd_block_p(BP)
-    n_pb = triton.cdiv(p, bp)
-    dx = torch.empty(b, l, h, p, **f32)
-    ddt = torch.empty(n_pb, b, l, h, **f32)
-    dB_h, dC_h = torch.empty(n_pb, b, l, h, n, **f32), torch.empty(n_pb, b, l, h, n, **f32)
-    dA_p, dD_p = torch.empty(n_pb, b, N, h, **f32), torch.zeros(n_pb, b, N, h, **f32)
-    _ssd_chunk_bwd_kernel[(b * N, h, n_pb)](
-        x, dt, A, B, C, CB, D if D is not None else A, a, entering, dS_next, da_last.sum(-1).contiguous(), dy,
-        dx, ddt, dB_h, dC_h, dA_p, dD_p, l, h, p, n, N, Cs, HAS_D=D is not None, BLOCK_P=bp, BLOCK_N=min(BN, 32),
-        BLOCK_C=BC, DOT=_dot_precision(x), num_warps=8, num_stages=1)
-    return (dx.to(x.dtype), ddt.sum(0).to(dt.dtype), dA_p.sum((0, 1, 2)).to(A.dtype),
-            dB_h.sum((0, 3)).unsqueeze(2).to(B.dtype), dC_h.sum((0, 3)).unsqueeze(2).to(C.dtype), dD_p.sum((0, 1, 2)),
-            dh0)
+    _ssd_state_passing_bwd_kernel[(b * h, n_mb)](dh_out, entering, a, dh_T.contiguous(), dS_next, dh0, da_last, h,
+                                                 p * n, N, Cs, BLOCK=block)
+    # partial sums: ddt and dA per block of p (kernel 8), one more (kernel 9) and per block of n (kernel 10);
+    # dD per block of p; dB and dC per group of heads
+    n_pb, n_nb, n_hg = triton.cdiv(p, BP), triton.cdiv(n, BN), triton.cdiv(h, SSD_HEADS_PER_PROGRAM)
+    dx = torch.empty_like(x)
+    ddt, dA = torch.empty(n_pb + 1 + n_nb, b, l, h, **f32), torch.empty(n_pb + 1 + n_nb, b, N, h, **f32)
+    dD = torch.zeros(n_pb, b, N, h, **f32)
+    _ssd_chunk_bwd_dx_kernel[(b * N * h, n_pb)](
+        x, dt, A, B, CB, D if D is not None else A, dS_next, dy, dx, ddt, dA, dD, b, l, h, p, n, N, Cs,
+        HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot, num_warps=warps)
+    _ssd_chunk_bwd_pairs_kernel[(b * N * h,)](x, dt, A, CB, da_last.sum(-1).contiguous(), dy, ddt[n_pb], dA[n_pb],
+                                              l, h, p, N, Cs, BLOCK_P=BP, BLOCK_C=BC, DOT=dot, num_warps=warps)
+    dCB = torch.empty(n_hg, b, N, Cs, Cs, **f32)
+    _ssd_chunk_bwd_dcb_kernel[(b * N * n_hg,)](x, dt, A, dy, dCB, b, l, h, p, N, Cs, SSD_HEADS_PER_PROGRAM,
+                                                BLOCK_P=BP, BLOCK_C=BC, DOT=dot, num_warps=warps, num_stages=1)
+    dB, dC = torch.empty(n_hg, b, l, n, **f32), torch.empty(n_hg, b, l, n, **f32)
+    _ssd_chunk_bwd_dbc_kernel[(b * N * n_hg, n_nb)](
+        x, B, C, a, dt, A, entering, dS_next, dCB.sum(0), dy, ddt[n_pb + 1:], dA[n_pb + 1:], dB, dC,
+        b, l, h, p, n, N, Cs, SSD_HEADS_PER_PROGRAM, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot, num_warps=8,
+        num_stages=1)
+    return (dx, ddt.sum(0).to(dt.dtype), dA.sum((0, 1, 2)).to(A.dtype), dB.sum(0).unsqueeze(2).to(B.dtype),
+            dC.sum(0).unsqueeze(2).to(C.dtype), dD.sum((0, 1, 2)), dh0)
 
 
 @_ssd_bwd.register_fake
-def _(dy, dh_T, x, dt, A, B, C, D, CB, a, entering, chunk_size):
+def _(dy, dh_T, x, dt, A, B, C, D, initial_state, chunk_size):
     return (*(t.new_empty(t.shape) for t in (x, dt, A, B, C)), A.new_empty(A.shape, dtype=torch.float32),
             dh_T.new_empty(dh_T.shape, dtype=torch.float32))
 
 
 def _ssd_setup(ctx, inputs, output):
     x, dt, A, B, C, D, ctx.chunk_size, initial_state = inputs
-    y, h_T, *kept = output
-    ctx.save_for_backward(x, dt, A, B, C, D, *kept)
-    ctx.mark_non_differentiable(*kept)
+    ctx.save_for_backward(x, dt, A, B, C, D, initial_state)
     ctx.has_initial = initial_state is not None
 
 
-def _ssd_backward(ctx, dy, dh_T, *d_kept):
-    x, dt, A, B, C, D, CB, a, entering = ctx.saved_tensors
-    dx, ddt, dA, dB, dC, dD, dh0 = _ssd_bwd(dy, dh_T, x, dt, A, B, C, D, CB, a, entering, ctx.chunk_size)
+def _ssd_backward(ctx, dy, dh_T):
+    x, dt, A, B, C, D, initial_state = ctx.saved_tensors
+    dx, ddt, dA, dB, dC, dD, dh0 = _ssd_bwd(dy, dh_T, x, dt, A, B, C, D, initial_state, ctx.chunk_size)
     return (dx, ddt, dA, dB, dC, dD.to(D.dtype) if D is not None else None, None,
             dh0 if ctx.has_initial else None)
 
@@ -2445,39 +2599,58 @@ def _ssd_backward(ctx, dy, dh_T, *d_kept):
 _ssd_fwd.register_autograd(_ssd_backward, setup_context=_ssd_setup)
 
 
-SSD_TRITON_MAX_CHUNK = 64   # longer chunks exceed a block's shared memory in the backward kernel
-
-
 def ssd_triton(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
     _ssd_check(x, dt, A, B, C, D, initial_state)
     if not 1 <= chunk_size <= SSD_TRITON_MAX_CHUNK:
         raise ValueError(f"ssd: the Triton path takes chunk_size from 1 to {SSD_TRITON_MAX_CHUNK}, got {chunk_size}")
-    return _ssd_fwd(x, dt, A, B, C, D, chunk_size, initial_state)[:2]
+    return _ssd_fwd(x, dt, A, B, C, D, chunk_size, initial_state)
 
 
 # -----------------------------------------------------------------------------
-# Ahead-of-time resource check: what each kernel needs per block on a GPU, found without one. The wrappers run
-# on CPU tensors with every launch recorded instead of run (kernel, argument dtypes, constexprs, num_warps), so
-# the launch parameters are exactly the ones the wrappers choose; each distinct launch is then compiled by
-# triton.compile for a GPUTarget with the wheel's own ptxas. Needs a process that imported triton itself,
-# without TRITON_INTERPRET (the interpreter's kernels cannot be compiled).
+# What a CPU can prove about a GPU run, found without one. The wrappers run on fake tensors (any shape is free)
+# with every launch recorded instead of run (kernel, grid, argument dtypes, constexprs, num_warps), so the launch
+# parameters are exactly the ones the wrappers choose: triton_grids checks them against CUDA's grid limits, and
+# each distinct launch is compiled by triton.compile for a GPUTarget with the wheel's own ptxas (triton_resources:
+# shared memory, registers, spills; needs a process that imported triton itself, without TRITON_INTERPRET, whose
+# kernels cannot be compiled). kept_bytes counts what autograd keeps for the backward, again on fake tensors.
 
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 120: 101376}   # bytes of shared memory per block
 _TRITON_DTYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64"}
 
 
-def triton_launches(step):
-    """Run step() (Triton ops on CPU tensors, forward and backward) with launches recorded, not run; returns
-    [(kernel, signature, constexprs, options)], one per distinct launch. Outputs are uninitialised memory."""
+def _record_launches(step, on_launch):
+    """Run step() under FakeTensorMode (step makes its tensors there, so any shape is free) with every Triton launch
+    handed to on_launch(kernel, grid, args, kwargs) instead of run. Each Triton op's custom ops run their own bodies
+    there, not their fake functions, so the wrappers choose their launches as they would on a GPU."""
     from unittest import mock
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    ops = [op for op in globals().values() if isinstance(op, torch._library.custom_ops.CustomOpDef)]
+    fakes = {op: op._abstract_fn for op in ops}
+
+    def record(self, *args, grid, warmup, **kwargs):
+        on_launch(self, tuple(grid), args, kwargs)
+
+    try:
+        for op in ops:
+            op.register_fake(op._init_fn)
+        with FakeTensorMode(), mock.patch.object(type(_rms_norm_fwd_kernel), "run", record):
+            step()
+    finally:
+        for op, fake in fakes.items():
+            op.register_fake(fake)
+
+
+def triton_launches(step):
+    """[(kernel, signature, constexprs, options)], one per distinct launch that step() (Triton ops forward and
+    backward) makes, recorded on fake tensors (_record_launches)."""
     import inspect
     launches = {}
 
-    def record(self, *args, grid, warmup, **kwargs):
+    def record(kernel, grid, args, kwargs):
         options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-        bound = inspect.signature(self.fn).bind(*args, **kwargs).arguments
+        bound = inspect.signature(kernel.fn).bind(*args, **kwargs).arguments
         signature, constexprs = {}, {}
-        for param in self.params:
+        for param in kernel.params:
             value = bound[param.name]
             if param.is_constexpr or value is None:
                 signature[param.name], constexprs[param.name] = "constexpr", value
@@ -2487,12 +2660,37 @@ def triton_launches(step):
                 signature[param.name] = "fp32"
             else:
                 signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
-        key = (self.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
-        launches.setdefault(key, (self, signature, constexprs, options))
+        key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
+        launches.setdefault(key, (kernel, signature, constexprs, options))
 
-    with mock.patch.object(triton.runtime.jit.JITFunction, "run", record):
-        step()
+    _record_launches(step, record)
     return list(launches.values())
+
+
+def triton_grids(step):
+    """[(kernel name, grid)] for every launch step() makes, recorded on fake tensors (_record_launches)."""
+    grids = []
+    _record_launches(step, lambda kernel, grid, args, kwargs: grids.append((kernel.fn.__name__, grid)))
+    return grids
+
+
+def kept_bytes(step):
+    """Bytes autograd keeps for the backward while step() runs under FakeTensorMode (step builds its module and
+    inputs there, so any shape is free, and returns the module): each saved tensor's storage counted once (views
+    and the tensors several ops save share one), the module's parameters left out."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+    kept = {}
+
+    def pack(t):
+        kept[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
+        return t
+
+    with FakeTensorMode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module = step()
+    for param in module.parameters():
+        kept.pop(StorageWeakRef(param.untyped_storage()), None)
+    return sum(kept.values())
 
 
 @functools.lru_cache(maxsize=None)
@@ -2526,7 +2724,7 @@ def _compile_job(i):
 
 
 def triton_resources(launches, archs=(80, 89, 90), workers=None):
-    """One row per (launch, arch): dict(kernel, arch, constexprs, num_warps, shared, limit, regs, stack). The
+    """One row per (launch, arch): dict(kernel, arch, constexprs, num_warps, dtype, shared, limit, regs, stack). The
     compiles run in `workers` forked processes (default: one per CPU core)."""
     import concurrent.futures
     import multiprocessing
@@ -2538,7 +2736,8 @@ def triton_resources(launches, archs=(80, 89, 90), workers=None):
     else:
         results = [_compile_job(i) for i in range(len(_COMPILE_JOBS))]
     return [dict(kernel=kernel.fn.__name__, arch=arch, constexprs=constexprs, num_warps=options.get("num_warps", 4),
-                 shared=shared, limit=SHARED_LIMIT[arch], regs=regs, stack=stack)
+                 dtype="bf16" if "*bf16" in signature.values() else "fp32", shared=shared, limit=SHARED_LIMIT[arch],
+                 regs=regs, stack=stack)
             for (kernel, signature, constexprs, options, arch), (shared, regs, stack) in zip(_COMPILE_JOBS, results)]
 
 
@@ -2554,33 +2753,39 @@ def _example_steps(B=1, T=256, H=4, K=32, V=32, heads_ssd=8, p=32, n=64, chunk=6
     f32 = torch.float32
     C = H * K
     return {
-        "rms_norm": lambda: backward(rms_norm_triton(leaf(B, T, C), leaf(C, dt=f32))),
+        "rms_norm": lambda: [backward(rms_norm_triton(leaf(B, T, C), leaf(C, dt=f32), 1e-6, gate))
+                             for gate in (None, leaf(B, T, C))],
         "rope": lambda: backward(rope_triton(leaf(B, T, H, K), torch.ones(T, K // 2), torch.zeros(T, K // 2))),
         "softmax": lambda: backward(softmax_triton(leaf(B * H * T, T))),
         "sinkhorn": lambda: backward(sinkhorn_triton(leaf(B, T, 4, 4, dt=f32))),
-        "gdn2_decay_clip": lambda: backward(gdn2_decay_clip_triton(leaf(B, T, H, K, dt=f32), leaf(B, T, H, K), leaf(B, T, H, K))),
-        "gdn2_gates": lambda: [backward(gdn2_gates_triton(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, K), leaf(H, dt=f32),
-                                                         leaf(H * K, dt=f32), clip)) for clip in (True, False)],
+        "gdn2_decay_clip": lambda: backward(gdn2_decay_clip_triton(leaf(B, T, H, K, dt=f32), leaf(B, T, H, K),
+                                                                   leaf(B, T, H, K))),
+        "gdn2_gates": lambda: [backward(gdn2_gates_triton(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, K),
+                                                          leaf(H, dt=f32), leaf(H * K, dt=f32), clip))
+                               for clip in (True, False)],
         "gdn2": lambda: [backward(fn(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, V), leaf(B, T, H, K, dt=f32),
                                      leaf(B, T, H, K), leaf(B, T, H, V), None, leaf(B, H, K, V, dt=f32)))
                          for fn in (gdn2_recurrent_triton, gdn2_chunked_triton)],
-        "ssd": lambda: backward(ssd_triton(leaf(B, T, heads_ssd, p), leaf(B, T, heads_ssd, dt=f32), leaf(heads_ssd, dt=f32),
-                                           leaf(B, T, 1, n), leaf(B, T, 1, n), leaf(heads_ssd, dt=f32), chunk,
-                                           leaf(B, heads_ssd, p, n, dt=f32))),
+        "ssd": lambda: backward(ssd_triton(leaf(B, T, heads_ssd, p), leaf(B, T, heads_ssd, dt=f32),
+                                           leaf(heads_ssd, dt=f32), leaf(B, T, 1, n), leaf(B, T, 1, n),
+                                           leaf(heads_ssd, dt=f32), chunk, leaf(B, heads_ssd, p, n, dt=f32))),
     }
 
 
-def triton_resource_table(archs=(80, 89, 90), **dims):
-    """Print shared memory / registers / stack per kernel and arch at the given dims (see _example_steps)."""
-    steps = _example_steps(**dims)
-    launches = triton_launches(lambda: [step() for step in steps.values()])
-    rows = triton_resources(launches, archs)
-    print(f"{'kernel':34s} {'constexprs':64s} warps " + " ".join(f"{'sm_' + str(a) + ' smem/regs/stack':>24s}" for a in archs))
+def triton_resource_table(archs=(80, 89, 90), dtypes=(torch.float32, torch.bfloat16), **dims):
+    """Print shared memory / registers / stack bytes (spilled registers) per kernel and arch for fwd+bwd of every
+    Triton op at the given dims (see _example_steps) in each dtype; a '!' marks shared memory over the arch's limit."""
+    steps = [step for dtype in dtypes for step in _example_steps(dtype=dtype, **dims).values()]
+    rows = triton_resources(triton_launches(lambda: [step() for step in steps]), archs)
+    print(f"{'kernel':34s} {'dtype':5s} {'constexprs':56s} warps "
+          + " ".join(f"{'sm_' + str(a) + ' smem/regs/stack':>22s}" for a in archs))
     for i in range(0, len(rows), len(archs)):
         group = rows[i:i + len(archs)]
         consts = ",".join(f"{k}={v}" for k, v in group[0]["constexprs"].items() if v is not None)
-        cells = [f"{r['shared'] / 1024:6.1f}K{'!' if r['shared'] > r['limit'] else ' '}/{r['regs']}/{r['stack']}" for r in group]
-        print(f"{group[0]['kernel']:34s} {consts[:64]:64s} {group[0]['num_warps']:5d} " + " ".join(f"{c:>24s}" for c in cells))
+        cells = [f"{r['shared'] / 1024:6.1f}K{'!' if r['shared'] > r['limit'] else ' '}/{r['regs']}/{r['stack']}"
+                 for r in group]
+        print(f"{group[0]['kernel']:34s} {group[0]['dtype']:5s} {consts[:56]:56s} {group[0]['num_warps']:5d} "
+              + " ".join(f"{c:>22s}" for c in cells))
     return rows
 
 
@@ -2591,9 +2796,9 @@ def triton_resource_table(archs=(80, 89, 90), **dims):
 # kernels run in Triton's interpreter (TRITON_INTERPRET=1), which is slow, so shapes are tiny there.
 
 # dense HBM bandwidth of common GPUs in GB/s (spec sheets), for RMSNorm's "% of peak"
-_GPU_PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 NVL": 3900, "H100 PCIe": 2000, "H100": 3350, "A100-SXM4-80GB": 2039,
-                  "A100 80GB PCIe": 1935, "A100": 1555, "L40S": 864, "L4": 300, "A10G": 600, "RTX 4090": 1008,
-                  "RTX 3090": 936, "V100": 900, "T4": 320}
+_GPU_PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 NVL": 3900, "H100 PCIe": 2000, "H100": 3350,
+                  "A100-SXM4-80GB": 2039, "A100 80GB PCIe": 1935, "A100": 1555, "L40S": 864, "L4": 300, "A10G": 600,
+                  "RTX 4090": 1008, "RTX 3090": 936, "V100": 900, "T4": 320}
 
 
 def triton_report(device):
@@ -2614,10 +2819,11 @@ def triton_report(device):
     block_n = triton.next_power_of_2(N)
     print("\n== softmax_triton, the fused softmax of the Triton tutorial ==")
     print(f"x is [{R}, {N}]. Each row fits in one block of BLOCK_N = next_power_of_2({N}) = {block_n} lanes; the\n"
-          f"{block_n - N} lanes past the row end load -inf, so they add exp(-inf) = 0 to the sum. A persistent grid of\n"
-          f"{_programs_for(x, R)} programs walks the rows (program i takes rows i, i + P, ...). Per row: one load, max,\n"
-          f"exp(x - max), sum, divide, one store: HBM traffic 2·R·N·4 bytes, where the unfused torch version reads\n"
-          f"and writes the [R, N] tensor about 4 times. Backward: dx = y·(dy − Σ dy·y), again one pass over y and dy.")
+          f"{block_n - N} lanes past the row end load -inf, so they add exp(-inf) = 0 to the sum. A persistent grid\n"
+          f"of {_programs_for(x, R)} programs walks the rows (program i takes rows i, i + P, ...). Per row: one load,\n"
+          f"max, exp(x - max), sum, divide, one store: HBM traffic 2·R·N·4 bytes, where the unfused torch version\n"
+          f"reads and writes the [R, N] tensor about 4 times. Backward: dx = y·(dy − Σ dy·y), again one pass over\n"
+          f"y and dy.")
     y = softmax_triton(x)
     print(f"row sums {[round(s, 6) for s in y.sum(-1).tolist()]}; max |softmax_triton − softmax_ref| = "
           f"{(y - softmax_ref(x)).abs().max().item():.1e}")
@@ -2651,19 +2857,24 @@ def triton_report(device):
     cases = [
         ("rms_norm", lambda x, w: rms_norm_triton(x, w, 1e-6), lambda x, w: rms_norm_ref(x, w, 1e-6),
          (randn(B, T, 3 * K + 5), randn(3 * K + 5))),
+        ("rms_norm gated", rms_norm_triton, rms_norm_ref, (randn(B, T, 3 * K + 5), randn(3 * K + 5), 1e-6,
+                                                           randn(B, T, 3 * K + 5))),
         ("rope", rope_triton, rope_ref, (randn(B, T, H, K), angle.cos(), angle.sin())),
         ("softmax", softmax_triton, softmax_ref, (randn(B * T, 3 * K + 5) * 3,)),
-        ("sparsemax causal", lambda z: sparsemax_triton(z, True), lambda z: sparsemax_ref(z, True), (randn(B, H, T, T) * 3,)),
+        ("sparsemax causal", lambda z: sparsemax_triton(z, True), lambda z: sparsemax_ref(z, True),
+         (randn(B, H, T, T) * 3,)),
         ("sinkhorn", sinkhorn_triton, sinkhorn_ref, (randn(B, T, 4, 4) * 2,)),
         ("gdn2_decay_clip", gdn2_decay_clip_triton, gdn2_decay_clip_ref,
          (-rand(B, T, H, K), normalize(randn(B, T, H, K), dim=-1), 2 * rand(B, T, H, K))),
         ("gdn2_gates", gdn2_gates_triton, gdn2_gates_ref,   # decay_logits, erase_logits, k, A_log, dt_bias
-         (randn(B, T, H, K) - 1, 2 * randn(B, T, H, K), normalize(randn(B, T, H, K), dim=-1), 2.7 * rand(H), randn(H * K) - 3)),
+         (randn(B, T, H, K) - 1, 2 * randn(B, T, H, K), normalize(randn(B, T, H, K), dim=-1), 2.7 * rand(H),
+          randn(H * K) - 3)),
         ("gdn2 recurrent", gdn2_recurrent_triton, gdn2_ref, gdn2_in),
         ("gdn2 chunked", gdn2_chunked_triton, gdn2_ref, gdn2_in),
         ("ssd", ssd_triton, lambda x, dt, A, B_, C, D, cs, h0: ssd_ref(x, dt, A, B_, C, D, h0), ssd_in),
     ]
-    print(f"\n== Triton vs <op>_ref on {device}{' (interpreter)' if small else ''}, fp32: max abs / relative RMS error ==")
+    print(f"\n== Triton vs <op>_ref on {device}{' (interpreter)' if small else ''}, fp32: "
+          "max abs / relative RMS error ==")
     print(f"shapes: B={B} T={T} H={H} K={K} V={V}; out* are outputs, d<i> the gradient of input i")
     for name, fn_tri, fn_ref, args in cases:
         errs = errors(fn_tri, fn_ref, args)
@@ -2688,9 +2899,11 @@ def triton_report(device):
          [x4.reshape(B * T, H * D), torch.ones(H * D, device=device)]),
         ("rope", lambda x: rope_triton(x, cos, sin), lambda x: rope_ref(x, cos, sin), [x4]),
         ("softmax", softmax_triton, softmax_torch, [x4.reshape(-1, D)]),
-        ("sparsemax", lambda z: sparsemax_triton(z, True), lambda z: sparsemax_torch(z, True), [randn(B, H, T, T).to(bf16)]),
+        ("sparsemax", lambda z: sparsemax_triton(z, True), lambda z: sparsemax_torch(z, True),
+         [randn(B, H, T, T).to(bf16)]),
         ("sinkhorn", sinkhorn_triton, sinkhorn_torch, [randn(B, T, 4, 4)]),
-        ("gdn2_decay_clip", gdn2_decay_clip_triton, gdn2_decay_clip_torch, gdn2_args[3:4] + gdn2_args[1:2] + gdn2_args[4:5]),
+        ("gdn2_decay_clip", gdn2_decay_clip_triton, gdn2_decay_clip_torch,
+         gdn2_args[3:4] + gdn2_args[1:2] + gdn2_args[4:5]),
         ("gdn2_gates", gdn2_gates_triton, gdn2_gates_torch,
          [randn(B, T, H, D) - 1, randn(B, T, H, D).to(bf16), gdn2_args[1], 2.7 * rand(H), randn(H * D) - 3]),
         ("gdn2", gdn2_triton, gdn2_torch, gdn2_args),
@@ -2761,10 +2974,11 @@ if __name__ == "__main__":
     B, T, H, K, V = 2, 512, 4, 64, 64
     x4 = rand(B, T, H, K)
     theta = torch.arange(T, device=device)[:, None] * 10000.0 ** (-torch.arange(K // 2, device=device) / (K // 2))
-    gates = (rand(B, T, H, K), F.normalize(rand(B, T, H, K), dim=-1), rand(B, T, H, V), rand(B, T, H, K, lo=-1.0, hi=-0.01),
-             rand(B, T, H, K, lo=0.0, hi=1.0), rand(B, T, H, V, lo=0.0, hi=1.0))
+    gates = (rand(B, T, H, K), F.normalize(rand(B, T, H, K), dim=-1), rand(B, T, H, V),
+             rand(B, T, H, K, lo=-1.0, hi=-0.01), rand(B, T, H, K, lo=0.0, hi=1.0), rand(B, T, H, V, lo=0.0, hi=1.0))
     gate_logits = (rand(B, T, H, K) - 1, 2 * rand(B, T, H, K), gates[1], rand(H, lo=0.0, hi=2.7), rand(H * K) - 3)
-    ssd_in = (rand(B, T, H, V), F.softplus(rand(B, T, H) - 2), -rand(H, lo=1.0, hi=4.0), rand(B, T, 1, 32), rand(B, T, 1, 32), rand(H))
+    ssd_in = (rand(B, T, H, V), F.softplus(rand(B, T, H) - 2), -rand(H, lo=1.0, hi=4.0), rand(B, T, 1, 32),
+              rand(B, T, 1, 32), rand(H))
     ops = {
         "rms_norm": lambda kernels: rms_norm(x4, x4[0, 0, 0], 1e-6, kernels=kernels),
         "rope": lambda kernels: rope(x4, theta.cos(), theta.sin(), kernels=kernels),
@@ -2793,31 +3007,41 @@ if __name__ == "__main__":
     print(f"speed at T={T} (best of 3; ratio = token loop time / chunked time)")
     b1, h1, d1 = 1, 2, 32                                         # a small shape next to the main one
     small_gates = (rand(b1, T, h1, d1), F.normalize(rand(b1, T, h1, d1), dim=-1), rand(b1, T, h1, d1),
-                   rand(b1, T, h1, d1, lo=-1.0, hi=-0.01), rand(b1, T, h1, d1, lo=0.0, hi=1.0), rand(b1, T, h1, d1, lo=0.0, hi=1.0))
+                   rand(b1, T, h1, d1, lo=-1.0, hi=-0.01), rand(b1, T, h1, d1, lo=0.0, hi=1.0),
+                   rand(b1, T, h1, d1, lo=0.0, hi=1.0))
     small_ssd = (rand(b1, T, h1, d1), F.softplus(rand(b1, T, h1) - 2), -rand(h1, lo=1.0, hi=4.0),
                  rand(b1, T, 1, 32), rand(b1, T, 1, 32), rand(h1))
     for name, ref_fn, fast_fn, inputs, shape in (
-            ("gdn2", gdn2_ref, gdn2_torch, small_gates, f"B={b1} H={h1} K=V={d1}"), ("gdn2", gdn2_ref, gdn2_torch, gates, f"B={B} H={H} K=V={K}"),
-            ("ssd", ssd_ref, ssd_torch, small_ssd, f"b={b1} h={h1} p={d1} n=32"), ("ssd", ssd_ref, ssd_torch, ssd_in, f"b={B} h={H} p={V} n=32")):
+            ("gdn2", gdn2_ref, gdn2_torch, small_gates, f"B={b1} H={h1} K=V={d1}"),
+            ("gdn2", gdn2_ref, gdn2_torch, gates, f"B={B} H={H} K=V={K}"),
+            ("ssd", ssd_ref, ssd_torch, small_ssd, f"b={b1} h={h1} p={d1} n=32"),
+            ("ssd", ssd_ref, ssd_torch, ssd_in, f"b={B} h={H} p={V} n=32")):
         for path in paths:
             fn = fast_fn if path == "torch" else {"gdn2": gdn2_triton, "ssd": ssd_triton}[name]
             with torch.no_grad():
                 t_ref, t_fast = best_time(lambda: ref_fn(*inputs), 1), best_time(lambda: fn(*inputs))
-            print(f"  {name:5s} {path:6s} {shape:19s} forward:          {t_ref * 1e3:8.1f} ms vs {t_fast * 1e3:7.2f} ms = {t_ref / t_fast:6.1f}x")
+            print(f"  {name:5s} {path:6s} {shape:19s} forward:          {t_ref * 1e3:8.1f} ms vs "
+                  f"{t_fast * 1e3:7.2f} ms = {t_ref / t_fast:6.1f}x")
             leaves = [t.detach().requires_grad_() for t in inputs]
 
             def train_step(f):
                 out, state = f(*leaves)
                 (out.float().sum() + state.sum()).backward()
             t_ref, t_fast = best_time(lambda: train_step(ref_fn), 1), best_time(lambda: train_step(fn))
-            print(f"  {name:5s} {path:6s} {shape:19s} forward+backward: {t_ref * 1e3:8.1f} ms vs {t_fast * 1e3:7.2f} ms = {t_ref / t_fast:6.1f}x")
+            print(f"  {name:5s} {path:6s} {shape:19s} forward+backward: {t_ref * 1e3:8.1f} ms vs "
+                  f"{t_fast * 1e3:7.2f} ms = {t_ref / t_fast:6.1f}x")
 
     triton_report(device)  # the Triton walkthrough, error table and GPU benchmark (defined above)
 
-    # what each kernel needs per block on sm_80 / sm_89 / sm_90 (head dim 64, Mamba p = 64, n = 128, ssd chunk 64),
-    # compiled ahead of time in a fresh process without the interpreter; a '!' marks shared memory over the limit
+    # in fresh processes that import triton without the interpreter (so kernels compile, and Triton's custom ops
+    # run on a CPU's fake tensors): what each kernel needs per block on sm_80 / sm_89 / sm_90 in fp32 and bf16
+    # (head dim 64, Mamba p = 64, n = 128, ssd chunk 64; a '!' marks shared memory over the limit), then what
+    # autograd keeps per mixer (model.kept_activation_table, at a 2048-wide model and GPT-2 small)
     import subprocess
-    print("\n== Triton kernels compiled ahead of time: shared memory / registers / stack bytes (spills) per thread ==")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, "-c", "import triton, kernels; kernels.triton_resource_table(B=1, T=256, H=8, K=64, "
-                    "V=64, heads_ssd=8, p=64, n=128, chunk=64)"], env=env, cwd=os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    print("\n== Triton kernels compiled ahead of time: shared memory / registers / stack bytes (spills) per thread ==")
+    subprocess.run([sys.executable, "-c", "import triton, kernels; kernels.triton_resource_table(B=1, T=256, H=8, "
+                    "K=64, V=64, heads_ssd=8, p=64, n=128, chunk=64)"], env=env, cwd=here)
+    print("\n== What autograd keeps for one mixer's backward ==")
+    subprocess.run([sys.executable, "-c", "import triton, model; model.kept_activation_table()"], env=env, cwd=here)

@@ -108,7 +108,7 @@ def config_choices():
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x²) + eps) ⊙ weight"""
+    """y = g / sqrt(mean(g²) + eps) ⊙ weight with g = x, or g = x ⊙ SiLU(gate) (Mamba2's gated norm, one op)"""
 
     def __init__(self, dim, eps=1e-6, kernels_path="auto"):
         super().__init__()
@@ -116,8 +116,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.kernels_path = kernels_path
 
-    def forward(self, x):
-        return kernels.rms_norm(x, self.weight, self.eps, kernels=self.kernels_path)
+    def forward(self, x, gate=None):
+        return kernels.rms_norm(x, self.weight, self.eps, gate, kernels=self.kernels_path)
 
 
 ROPE_SCALINGS = ("none", "pi", "ntk", "yarn")
@@ -288,21 +288,63 @@ def init_dt_bias(n, dt_min=1e-3, dt_max=0.1):
 def causal_conv(conv, x, cache=None, key="conv"):
     """Depthwise causal convolution over time, y_t = Σ_i w_i ⊙ x_{t−K+1+i} (+ bias), of x (B, T, C) with the
     weights of conv = Conv1d(C, C, K, groups=C). The K−1 inputs before x are zeros, or in generation the last
-    K−1 inputs of the previous call, kept in cache[key]. Written as K shifted multiply-adds in x's layout:
-    on the CPU its backward is several times faster than the depthwise Conv1d's."""
+    K−1 inputs of the previous call, kept in cache[key]. Returned in x's dtype (conv_taps sums in fp32)."""
     B, T, C = x.shape
     K = conv.kernel_size[0]
-    if cache is not None and key in cache:
-        x = torch.cat([cache[key], x], dim=1)
-    else:
-        x = F.pad(x, (0, 0, K - 1, 0))
     if cache is not None:
+        x = torch.cat([cache[key] if key in cache else x.new_zeros(B, K - 1, C), x], dim=1)
         cache[key] = x[:, x.size(1) - (K - 1):]
-    w = conv.weight[:, 0, :]  # (C, K)
-    y = x[:, K - 1:] * w[:, K - 1] if conv.bias is None else torch.addcmul(conv.bias, x[:, K - 1:], w[:, K - 1])
+    return conv_taps(x, conv.weight[:, 0, :], conv.bias, T).to(x.dtype)
+
+
+def conv_taps(x, w, bias, T):
+    """The convolution's last T outputs, y_t = Σ_i w_i ⊙ x_{t−K+1+i} (+ bias), for x (B, S, C), S ≥ T (the
+    S − T inputs before the outputs' own, zeros before those), w (C, K); in fp32. K shifted multiply-adds into
+    slices of y in x's layout (on the CPU their backward is several times faster than the depthwise Conv1d's),
+    reading x itself rather than a padded copy, so autograd keeps nothing but x."""
+    past, K = x.size(1) - T, w.size(1)
+    y = x[:, past:] * w[:, K - 1] if bias is None else torch.addcmul(bias, x[:, past:], w[:, K - 1])
     for i in range(K - 1):
-        y = torch.addcmul(y, x[:, i:i + T], w[:, i])
+        back = K - 1 - i  # tap i reads the input `back` steps before the output's own
+        first = max(back - past, 0)  # the outputs before it read the zeros before x
+        if first < T:
+            y[:, first:].addcmul_(x[:, past + first - back:past + T - back], w[:, i])
     return y
+
+
+class ConvSiLU(torch.autograd.Function):
+    """s = SiLU(causal_conv(conv, x)) over a whole sequence (x (B, T, C), weight (C, 1, K), bias (C,) or None),
+    keeping only x and the weights: the backward reruns the convolution's K multiply-adds rather than keep v, its
+    output, an activation of x's size. With σ = sigmoid(v),
+        ∂v = ∂s ⊙ σ(1 + v(1 − σ)),  ∂x_t = Σ_i w_i ⊙ ∂v_{t+K−1−i},  ∂w_i = Σ_t ∂v_t ⊙ x_{t−K+1+i},  ∂b = Σ_t ∂v_t,
+    in differentiable ops, so double backward (Hessian-vector products) runs through it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight, bias)
+        return F.silu(conv_taps(x, weight[:, 0, :], bias, x.size(1))).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, ds):
+        x, weight, bias = ctx.saved_tensors
+        w, T = weight[:, 0, :], x.size(1)
+        K = w.size(1)
+        v = conv_taps(x, w, bias, T)
+        sig = torch.sigmoid(v)
+        dv = ds * sig * (1 + v * (1 - sig))
+        dx = dv * w[:, K - 1]
+        for i in range(K - 1):
+            back = K - 1 - i
+            if back < T:
+                dx[:, :T - back].addcmul_(dv[:, back:], w[:, i])
+        dw = torch.stack([(dv[:, K - 1 - i:] * x[:, :max(T - (K - 1 - i), 0)]).sum((0, 1)) for i in range(K)], -1)
+        return dx.to(x.dtype), dw.unsqueeze(1).to(weight.dtype), None if bias is None else dv.sum((0, 1))
+
+
+def conv_silu(conv, x, cache=None, key="conv"):
+    """SiLU(causal_conv(conv, x, cache, key)); a whole sequence goes through ConvSiLU, which keeps less for the
+    backward."""
+    return F.silu(causal_conv(conv, x, cache, key)) if cache is not None else ConvSiLU.apply(x, conv.weight, conv.bias)
 
 
 class GatedDelta(nn.Module):
@@ -437,20 +479,20 @@ class Mamba2(nn.Module):
         B, T, _ = x.shape
         H, P, N = self.n_head, self.headdim, self.d_state
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.d_inner + 2 * N, H], dim=-1)
-        xBC = F.silu(causal_conv(self.conv, xBC, cache, "conv"))
+        xBC = conv_silu(self.conv, xBC, cache, "conv")
         xs, Bs, Cs = xBC.split([self.d_inner, N, N], dim=-1)
         xs = xs.reshape(B, T, H, P)
         dt = F.softplus(dt.float() + self.dt_bias)
         A = -self.A_log.float().exp()
         # zoh: ssd writes dt·x·Bᵀ, so feeding x·expm1(dt A)/(dt A) writes (exp(dt A) − 1)/A · x·Bᵀ
-        x_in = xs * kernels.zoh_input_scale(dt, A)[..., None] if self.zoh else xs
+        x_in = (xs * kernels.zoh_input_scale(dt, A)[..., None]).to(xs.dtype) if self.zoh else xs
         y, state = kernels.ssd(x_in, dt, A, Bs.reshape(B, T, 1, N), Cs.reshape(B, T, 1, N),
                                chunk_size=self.chunk_size,
                                initial_state=None if cache is None else cache.get("state"), kernels=self.kernels_path)
         if cache is not None:
             cache["state"] = state
-        y = y + self.D[:, None] * xs  # the skip reads the undiscretised x in both discretisations
-        y = self.norm(y.reshape(B, T, self.d_inner) * F.silu(z))
+        y = torch.addcmul(y, self.D[:, None], xs).to(y.dtype)  # the skip reads the undiscretised x in both
+        y = self.norm(y.reshape(B, T, self.d_inner), gate=z)
         return self.out_proj(y)
 
     def extra_flops_per_token(self, T):
@@ -500,6 +542,29 @@ class MLP(nn.Module):
         h = self.in_proj(x)
         h = self.activation(h) if self.gate_proj is None else self.activation(self.gate_proj(x)) * h
         return self.out_proj(h)
+
+
+def mixer_kept_activations(cfg, B, T):
+    """What autograd keeps for the backward of one cfg.mixer[0] mixer, run on a [B, T, n_embd] input under bf16
+    autocast, in units of one bf16 [B, T, n_embd] activation; counted on fake tensors (kernels.kept_bytes), so
+    any shape is free, and with cfg.kernels="triton" on a CPU too (no kernel runs)."""
+    def step():
+        mixer = MIXERS[cfg.mixer[0]](cfg)
+        x = torch.randn(B, T, cfg.n_embd, requires_grad=True)
+        rope = rope_cache(T, cfg.n_embd // cfg.n_head, cfg.rope_base)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            mixer(x, rope)
+        return mixer
+    return kernels.kept_bytes(step) / (2 * B * T * cfg.n_embd)
+
+
+def kept_activation_table(shapes=((16, 2048, 2048, 16), (8, 1024, 768, 12))):
+    """Print mixer_kept_activations for A, G and M, Triton path, at each (B, T, n_embd, n_head)."""
+    print("what autograd keeps per mixer under bf16 autocast, Triton path, in bf16 [B, T, n_embd] activations")
+    for B, T, C, H in shapes:
+        cfg = lambda mixer: GPTConfig(n_embd=C, n_head=H, block_size=T, mixer=mixer, kernels="triton")
+        print(f"  B={B} T={T} n_embd={C} n_head={H}: " +
+              "  ".join(f"{m} {mixer_kept_activations(cfg(m), B, T):5.2f}x" for m in MIXERS))
 
 
 # -----------------------------------------------------------------------------

@@ -30,20 +30,25 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if not torch.cuda.is_available():  # Triton kernels run on the CPU in Triton's interpreter; must precede importing triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 TRITON_DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]   # where the Triton tests run: compiled on a GPU
 
-from model import (GPT, MIXERS, MLPS, RESIDUALS, Attention, GPTConfig, GatedDelta, HCRead, HCWrite, HyperConnection,
-                   Mamba2, hc_res_init, rope_cache, rope_frequencies, yarn_correction_range)
+from model import (GPT, MIXERS, MLPS, RESIDUALS, Attention, ConvSiLU, GPTConfig, GatedDelta, HCRead, HCWrite,
+                   HyperConnection, Mamba2, hc_res_init, mixer_kept_activations, rope_cache, rope_frequencies,
+                   yarn_correction_range)
 import analyze
 import data
 import init
 import kernels
 import optim
 import train
+import triton
+import triton.language as tl
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -398,6 +403,10 @@ def test_kernels_rms_norm_closed_form(path):
     assert y.dtype == x.dtype and rel_err(y, expect) < 1e-6
     yb = kernels.rms_norm(x.bfloat16(), w, 1e-5, kernels=path)
     assert yb.dtype == torch.bfloat16 and rel_err(yb, expect) < 1e-2
+    gate = torch.randn(2, 5, 24) * 2
+    gd = xd * gate.double() / (1 + torch.exp(-gate.double()))                      # x ⊙ silu(gate)
+    expect = gd / torch.sqrt((gd * gd).mean(-1, keepdim=True) + 1e-5) * w.double()
+    assert rel_err(kernels.rms_norm(x, w, 1e-5, gate, kernels=path), expect) < 1e-6
 
 
 @pytest.mark.parametrize("path", ["torch", "ref"])
@@ -1162,6 +1171,12 @@ def test_triton_rms_norm(device):
                           dict(x=x, w=w), device)
     assert set(errs) == {"out0", "dx", "dw"}
     triton_assert_close(errs)
+    # the gated norm, RMSNorm(x ⊙ silu(gate)), and its three gradients
+    errs = triton_compare(lambda x, w, gate: kernels.rms_norm_triton(x, w, 1e-6, gate),
+                          lambda x, w, gate: kernels.rms_norm_ref(x, w, 1e-6, gate),
+                          dict(x=x, w=w, gate=2 * torch.randn(3, 5, 37)), device)
+    assert set(errs) == {"out0", "dx", "dw", "dgate"}
+    triton_assert_close(errs)
     # the dispatcher finds the Triton path
     x, w = x.to(device), w.to(device)
     assert torch.equal(kernels.rms_norm(x, w, 1e-6, kernels="triton"), kernels.rms_norm_triton(x, w, 1e-6))
@@ -1470,11 +1485,13 @@ def triton_op_cases(device):
     def leaf(t):
         return None if t is None else t.detach().requires_grad_(True)
 
-    x, w = randn(2, 3, 5), randn(5)
+    x, w, gate = randn(2, 3, 5), randn(5), randn(2, 3, 5)
     angle = randn(3, 2)
-    y, rstd = kernels._rms_norm_fwd(x, w, 1e-6)
-    cases = [("rms_norm", kernels._rms_norm_fwd, (leaf(x), leaf(w), 1e-6), OPCHECK_ALL),
-             ("rms_norm_bwd", kernels._rms_norm_bwd, (randn(2, 3, 5), x, w, rstd), OPCHECK_LIGHT),
+    y, rstd = kernels._rms_norm_fwd(x, w, 1e-6, gate)
+    cases = [("rms_norm", kernels._rms_norm_fwd, (leaf(x), leaf(w), 1e-6, None), OPCHECK_LIGHT),
+             ("rms_norm gate", kernels._rms_norm_fwd, (leaf(x), leaf(w), 1e-6, leaf(gate)), OPCHECK_ALL),
+             ("rms_norm_bwd", kernels._rms_norm_bwd, (randn(2, 3, 5), x, w, rstd, None), OPCHECK_LIGHT),
+             ("rms_norm_bwd gate", kernels._rms_norm_bwd, (randn(2, 3, 5), x, w, rstd, gate), OPCHECK_LIGHT),
              ("rope", kernels._rope_rotate, (leaf(randn(1, 3, 2, 4)), angle.cos(), angle.sin(), 1.0), OPCHECK_ALL),
              ("softmax", kernels._softmax_fwd, (leaf(randn(3, 5)),), OPCHECK_ALL),
              ("softmax_bwd", kernels._softmax_bwd, (randn(3, 5), kernels._softmax_fwd(randn(3, 5))), OPCHECK_LIGHT),
@@ -1509,9 +1526,8 @@ def triton_op_cases(device):
     ssd_in = (randn(b_, l, h, p), F.softplus(randn(b_, l, h)), -randn(h).abs() - 0.5, randn(b_, l, 1, n), randn(b_, l, 1, n))
     for D, s0 in ((None, None), (randn(h), randn(b_, h, p, n))):
         named, utils = ("", OPCHECK_LIGHT) if D is None else (" D initial_state", OPCHECK_ALL)
-        fwd = kernels._ssd_fwd(*ssd_in, D, Cs, s0)
         cases += [("ssd" + named, kernels._ssd_fwd, (*map(leaf, ssd_in), leaf(D), Cs, leaf(s0)), utils),
-                  ("ssd_bwd" + named, kernels._ssd_bwd, (randn(b_, l, h, p), randn(b_, h, p, n), *ssd_in, D, *fwd[2:], Cs),
+                  ("ssd_bwd" + named, kernels._ssd_bwd, (randn(b_, l, h, p), randn(b_, h, p, n), *ssd_in, D, s0, Cs),
                    OPCHECK_LIGHT)]
     return cases
 
@@ -1547,17 +1563,21 @@ def test_triton_gpt_compiles_fullgraph(path, mixer, residual, device):
 
 
 # Ahead-of-time compile of every Triton kernel for sm_80 / sm_89 / sm_90 at the launch parameters the wrappers
-# choose for real models: a GPT with kernels="triton" runs forward+backward on the CPU with every launch recorded
-# (kernels.triton_launches), then each distinct launch is compiled with the wheel's ptxas. In a subprocess
+# choose for real models: a GPT with kernels="triton" runs forward+backward on fake tensors with every launch
+# recorded (kernels.triton_launches), then each distinct launch is compiled with the wheel's ptxas. In a subprocess
 # without TRITON_INTERPRET, which importing triton before kernels.py makes compile real kernels.
-AOT_CASES = {   # name: (GPTConfig overrides, T); each in fp32 and under bf16 autocast
-    "default": (dict(mixer="AGM", residual="mhc"), 256),
-    "768/12/T1024": (dict(mixer="AGM", n_embd=768, n_head=12, block_size=1024), 1024),
+AOT_CASES = {   # name: (GPTConfig overrides, T); each in fp32 and under bf16 autocast. The batch changes no launch
+    "default": (dict(mixer="AGM", residual="mhc"), 256),                          # but its grid (see test_gpu_...)
+    "train.py's default run": (dict(mixer="MA", mamba_expand=1, mamba_d_state=16, qk_norm=True), 64),
+    "gpt2-small 768/12 T1024": (dict(mixer="AGM", n_embd=768, n_head=12, block_size=1024), 1024),
+    "2048/16 mhc": (dict(mixer="AGM", residual="mhc", n_embd=2048, n_head=16), 256),
     "head dim 128": (dict(mixer="AG", n_embd=1024, n_head=8, gdn_chunk_size=32), 128),
     "gdn_expand_v=2": (dict(mixer="G", n_embd=1024, n_head=8, gdn_expand_v=2), 128),
     "mamba p64 n128": (dict(mixer="M", mamba_headdim=64, mamba_d_state=128), 128),
     "mamba p128 n128 zoh": (dict(mixer="M", mamba_headdim=128, mamba_d_state=128, mamba_discretization="zoh"), 128),
 }
+AOT_ARCHS = (80, 89, 90)
+AOT_NO_SPILL_ARCHS = (80, 90)
 
 
 def aot_resource_rows():
@@ -1568,45 +1588,248 @@ def aot_resource_rows():
     torch.set_num_threads(1)
     launches = {}
     for name, (overrides, T) in AOT_CASES.items():
-        cfg = make_config(vocab_size=64, n_layer=len(overrides["mixer"]), kernels="triton", **{"block_size": T, **overrides})
-        gpt = GPT(cfg)
-        H, K = cfg.n_head, cfg.n_embd // cfg.n_head
-        for dtype in (torch.float32, torch.bfloat16):
-            def step():
+        def step():
+            cfg = make_config(**{"vocab_size": 64, "n_layer": len(overrides["mixer"]), "kernels": "triton",
+                                 "block_size": T, **overrides})
+            gpt = GPT(cfg)
+            H, K = cfg.n_head, cfg.n_embd // cfg.n_head
+            for dtype in (torch.float32, torch.bfloat16):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                    # no wrapper picks its launch by the length past 64 tokens, so at most 128 are run (measured:
-                    # the same launches as 1024, at a sixth of the cost); 32 takes the recurrent gdn2 kernel
-                    for length in (min(T, 128), 32):
+                    for length in (T, 32):  # 32 takes the recurrent gdn2 kernel
                         idx = torch.zeros(1, length, dtype=torch.long)
                         gpt(idx, idx)[1].backward()
                 x = torch.zeros(1, T, H, K, dtype=dtype, requires_grad=True)
                 kernels.gdn2_decay_clip_triton(x.float(), x, x).sum().backward()
                 kernels.softmax_triton(x.reshape(-1, K)).sum().backward()
                 kernels.sparsemax_triton(torch.zeros(1, H, T, T, dtype=dtype, requires_grad=True), True).sum().backward()
-            for kernel, signature, constexprs, options in kernels.triton_launches(step):
-                key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
-                launches.setdefault(key, (kernel, signature, constexprs, options, name))
-    rows = kernels.triton_resources([launch[:4] for launch in launches.values()], archs=(80, 89, 90))
-    for row, launch in zip(rows, [launch for launch in launches.values() for _ in range(3)]):
+        for kernel, signature, constexprs, options in kernels.triton_launches(step):
+            key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
+            launches.setdefault(key, (kernel, signature, constexprs, options, name))
+    rows = kernels.triton_resources([launch[:4] for launch in launches.values()], archs=AOT_ARCHS)
+    for row, launch in zip(rows, [launch for launch in launches.values() for _ in AOT_ARCHS]):
         row["case"], row["constexprs"] = launch[4], str(row["constexprs"])
     return rows
 
 
-@pytest.mark.aot  # about 5 minutes on 2 cores: run with `python -m pytest -q -m aot test_all.py`
-def test_triton_kernels_fit_shared_memory_ahead_of_time():
-    """Every Triton kernel, at the launch parameters its wrapper picks for the AOT_CASES models, compiles for
-    sm_80, sm_89 and sm_90 and fits the arch's shared memory per block (CUDA programming guide: 163 / 99 / 227 KB)."""
+@pytest.mark.aot  # about 3 minutes on 2 cores: run with `python -m pytest -q -m aot test_all.py`
+def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time():
+    """Every Triton kernel, at the launch parameters its wrapper picks for the AOT_CASES models in fp32 and bf16,
+    compiles for sm_80, sm_89 and sm_90, fits the arch's shared memory per block (CUDA programming guide: 163 / 99 /
+    227 KB) and on sm_80 and sm_90 spills no register (stack bytes per thread 0, cuobjdump's count)."""
     env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")  # "0": compile for real, do not interpret
     program = "import json, triton, test_all; print(json.dumps(test_all.aot_resource_rows()))"
-    run = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    run = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1800)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
     # every Triton kernel in kernels.py was launched by some case (so none escapes the check)
     assert {row["kernel"] for row in rows} == {name for name in dir(kernels) if name.endswith("_kernel") and name.startswith("_")}
-    assert {row["arch"] for row in rows} == {80, 89, 90}
+    assert {row["arch"] for row in rows} == set(AOT_ARCHS) and {row["dtype"] for row in rows} == {"fp32", "bf16"}
     limits = {80: 166912, 89: 101376, 90: 232448}
     over = [(r["kernel"], r["case"], r["arch"], r["constexprs"], r["shared"]) for r in rows if r["shared"] > limits[r["arch"]]]
-    assert not over, over
+    spills = {}
+    for r in rows:
+        if r["arch"] in AOT_NO_SPILL_ARCHS and r["stack"]:
+            spills.setdefault(r["kernel"], set()).add(f"{r['dtype']} sm_{r['arch']} {r['stack']} B ({r['case']})")
+    assert not over and not spills, f"over shared memory: {over}; spilled bytes per thread: " + "; ".join(
+        f"{kernel}: {', '.join(sorted(where))}" for kernel, where in sorted(spills.items()))
+
+
+# --------------------------------------------------------------------------------------------------
+# The one-GPU path, proven on the CPU: under bf16 autocast the mixers' activations reach every kernel in bf16,
+# ssd's bf16 kernels stay within their error budgets, what autograd keeps per mixer (counted on fake tensors,
+# so real shapes are free) stays within twice attention's, and every launch grid fits CUDA's limits.
+
+# the custom ops' arguments that may stay fp32 under bf16 autocast: parameters, positions' angles, the decays and
+# steps whose exponents and cumulative sums need fp32 (dt, A, g), recurrent states
+GPU_FP32_ARGS = {"rms_norm_fwd": {"weight"}, "rope": {"cos", "sin"}, "ssd_fwd": {"dt", "A", "D", "initial_state"},
+                 "gdn2_gates_fwd": {"A_log", "dt_bias"}, "gdn2_recurrent_fwd": {"g", "initial_state"},
+                 "gdn2_chunked_fwd": {"g", "initial_state"}}
+GPU_MIXERS = {"A": (dict(mixer="A", qk_norm=True), {"rms_norm_fwd", "rope"}),   # config, the custom ops it calls
+              "G": (dict(mixer="G"), {"gdn2_gates_fwd", "gdn2_chunked_fwd", "rms_norm_fwd"}),
+              "M": (dict(mixer="M"), {"ssd_fwd", "rms_norm_fwd"}),
+              "M-zoh": (dict(mixer="M", mamba_discretization="zoh"), {"ssd_fwd", "rms_norm_fwd"})}
+GPU_MATMULS = ("aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten._scaled_dot_product")
+GPU_OPERANDS = {"self", "mat1", "mat2", "batch1", "batch2", "query", "key", "value", "grad_out"}
+
+
+class GpuOpArguments(TorchDispatchMode):
+    """Records (op name, {argument: dtype}) for every op dispatched while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        bound = {**dict(zip([a.name for a in func._schema.arguments], args)), **(kwargs or {})}
+        floating = {k: v.dtype for k, v in bound.items() if torch.is_tensor(v) and v.is_floating_point()}
+        self.calls.append((str(func), floating))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", list(GPU_MIXERS))
+def test_gpu_bf16_activations_reach_every_kernel(case):
+    """One mixer on the Triton path under bf16 autocast (the CPU's casts the way CUDA's does), forward and backward
+    on fake tensors: every floating argument of each specgpt forward op is bf16 but GPU_FP32_ARGS, the backward ops
+    get the same arguments and the output's gradient in bf16, every matmul and attention takes bf16 operands, and
+    the mixer's output is bf16."""
+    overrides, expected_ops = GPU_MIXERS[case]
+    cfg = make_config(n_embd=64, n_head=2, block_size=128, kernels="triton", **overrides)
+    record = GpuOpArguments()
+    with FakeTensorMode():
+        mixer = MIXERS[cfg.mixer[0]](cfg)
+        x = torch.randn(2, 128, 64, requires_grad=True)
+        with record:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = mixer(x, rope_cache(128, 32, cfg.rope_base))
+            y.float().sum().backward()
+    assert y.dtype == torch.bfloat16
+    ops = {name.split(".")[1]: args for name, args in record.calls if name.startswith("specgpt.")}
+    assert expected_ops <= set(ops), sorted(ops)
+    bad = []
+    for name, args in record.calls:
+        op = name.split(".")[1] if name.startswith("specgpt.") else name
+        forward = op.removesuffix("_bwd") + "_fwd" if op.endswith("_bwd") else op
+        if name.startswith("specgpt.") and forward in GPU_FP32_ARGS:
+            must = [a for a in args if a not in GPU_FP32_ARGS[forward]]
+            if op.endswith("_bwd"):  # the forward's activations and the gradient of its first output
+                must = [a for a in must if a in ops.get(forward, {}) or a in ("dy", "do")]
+        else:
+            must = [a for a in args if a in GPU_OPERANDS] if name.startswith(GPU_MATMULS) else []
+        bad += [(name, a, str(args[a])) for a in must if args[a] != torch.bfloat16]
+    assert not bad, f"fp32 where bf16 should arrive: {bad}"
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("with_initial,with_D,chunk,l",
+                         [(False, False, 16, 37), (True, True, 64, 100), (True, True, 32, 150)])
+def test_triton_ssd_bf16_within_its_error_budget(interpreter_bf16_dots, with_initial, with_D, chunk, l, device):
+    """ssd's Triton kernels on bf16 x, B, C, dy (dt, A, D, the states in fp32) against the fp64 token loop on the same
+    values: every output and gradient within SSD_BF16_BUDGET units of the device's bf16 rounding error u (measured:
+    what its fp32 -> bf16 conversion does to N(0, 1) samples, 1.6e-3 rounding to nearest on a GPU, 3.3e-3 where
+    Triton's interpreter truncates). Each kernel rounds its fp32 factors (decays, dt, states) to bf16 where they meet
+    a bf16 operand, and the bf16 outputs are rounded once more: both are in the budget; dD meets no bf16 rounding."""
+    u = triton_bf16_rounding_error(device)
+    gen = torch.Generator().manual_seed(0)
+    b, h, p, n = 2, 3, 40, 40                    # p and n span two blocks of 32, the second ragged
+    bf16 = lambda *shape: torch.randn(*shape, generator=gen).bfloat16()
+    inputs = dict(x=bf16(b, l, h, p), dt=F.softplus(torch.randn(b, l, h, generator=gen) - 1),
+                  A=-torch.rand(h, generator=gen) - 0.5, B=bf16(b, l, 1, n), C=bf16(b, l, 1, n),
+                  D=torch.randn(h, generator=gen) if with_D else None,
+                  initial_state=torch.randn(b, h, p, n, generator=gen) if with_initial else None)
+    cotangents = (bf16(b, l, h, p), torch.randn(b, h, p, n, generator=gen))
+    results = {}
+    for path, dtype in (("triton", None), ("ref", torch.float64)):
+        leaves = {k: None if v is None else v.detach().to(device=device, dtype=dtype or v.dtype).requires_grad_()
+                  for k, v in inputs.items()}
+        if path == "triton":
+            outs = kernels.ssd_triton(**leaves, chunk_size=chunk)
+        else:
+            outs = kernels.ssd_ref(**leaves)
+        torch.autograd.backward(outs, [c.to(device=device, dtype=o.dtype) for c, o in zip(cotangents, outs)])
+        results[path] = dict(y=outs[0], h_T=outs[1], **{"d" + k: v.grad for k, v in leaves.items() if v is not None})
+    assert results["triton"]["y"].dtype == torch.bfloat16 and results["triton"]["h_T"].dtype == torch.float32
+    errs = {k: rel_err(results["triton"][k], results["ref"][k]) / u for k in results["ref"]}
+    budget = {k: SSD_BF16_BUDGET.get(k, SSD_BF16_BUDGET["*"]) for k in errs}
+    bad = {k: round(e, 3) for k, e in errs.items() if not e <= budget[k]}
+    assert not bad, f"errors in units of u = {u:.2e} above the budget {budget}: {bad} (all: {errs})"
+
+
+SSD_BF16_BUDGET = {"*": 3.0, "dD": 1e-3}   # in units of the device's bf16 rounding error u
+
+
+@triton.jit
+def _to_bf16_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n).to(tl.bfloat16), mask=offs < n)
+
+
+def triton_bf16_rounding_error(device):
+    """Relative RMS error of `device`'s Triton fp32 -> bf16 conversion on N(0, 1) samples (the unit of the bf16 error
+    budgets): ≈ 1.6e-3 rounding to nearest (a GPU), ≈ 3.3e-3 truncating (Triton 3.7's interpreter)."""
+    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0)).to(device)
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
+    _to_bf16_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    return rel_err(y, x)
+
+
+@pytest.fixture
+def interpreter_bf16_dots(monkeypatch):
+    """Triton's interpreter (3.7) hands tl.dot the raw uint16 bits of bf16 operands (numpy has no bf16), so a bf16
+    dot returns garbage there; widen them to fp32 first, which is what a GPU's tensor cores compute (a bf16 × bf16
+    product is exact in fp32, and they accumulate in fp32). Nothing to do on a GPU."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime import interpreter
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        return interpreter.TensorHandle(interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None)
+                                        .view(np.float32), tl.float32)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
+                        lambda self, a, b, *rest: create_dot(self, widened(a), widened(b), *rest))
+
+
+def test_gpu_kept_bytes_counts_each_storage_once():
+    # the counter itself on a closed form: y = Linear(x) ⊙ x saves x (for the Linear, and for the product: one
+    # storage), the Linear's output and its weight (a parameter, left out): 2 · 3·8·4 bytes
+    def step():
+        linear = nn.Linear(8, 8, bias=False)
+        x = torch.randn(3, 8, requires_grad=True)
+        (linear(x) * x).sum()
+        return linear
+    assert kernels.kept_bytes(step) == 2 * 3 * 8 * 4
+
+
+GPU_KEPT_SHAPES = [(16, 2048, 2048, 16), (8, 1024, 768, 12)]   # (B, T, n_embd, n_head): a 2048-wide model, GPT-2 small
+
+
+@pytest.mark.parametrize("B,T,C,H", GPU_KEPT_SHAPES)
+@pytest.mark.parametrize("mixer", ["G", "M"])
+def test_gpu_mixers_keep_at_most_twice_attention(mixer, B, T, C, H):
+    """What autograd keeps for one mixer's backward under bf16 autocast on the Triton path
+    (model.mixer_kept_activations: fake tensors, each saved storage once): G and M each at most twice what
+    attention keeps at the same shape."""
+    cfg = lambda letter: make_config(n_embd=C, n_head=H, block_size=T, mixer=letter, kernels="triton")
+    attention, kept = mixer_kept_activations(cfg("A"), B, T), mixer_kept_activations(cfg(mixer), B, T)
+    assert 6 < attention < 12          # q, k, v, their pre-rotation copies, the output, the input: the count works
+    assert kept <= 2 * attention, f"{mixer} keeps {kept:.2f}, attention {attention:.2f} bf16 activations"
+
+
+GPU_GRID_CASES = {   # name: (op, B, T, heads, head dims); fake tensors, so the shapes cost nothing
+    "ssd B256 T4096 chunk16": ("ssd", 256, 4096, 4, 32),           # 65,536 batch·chunks
+    "gdn2 B256 H16 T4096": ("gdn2", 256, 4096, 16, 64),
+    "gdn2 B8192 H16 (B·H 2^17)": ("gdn2", 8192, 128, 16, 64),
+}
+
+
+@pytest.mark.parametrize("case", list(GPU_GRID_CASES))
+def test_gpu_launch_grids_fit_cuda_limits(case):
+    """Every launch of the op's forward and backward (kernels.triton_grids records them) fits CUDA's grid: axis x up to
+    2^31 − 1 programs, axes y and z up to 65,535."""
+    op, B, T, H, D = GPU_GRID_CASES[case]
+
+    def step():
+        leaf = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, requires_grad=True)
+        if op == "ssd":
+            f32 = torch.float32
+            outs = [kernels.ssd_triton(leaf(B, T, H, D), leaf(B, T, H, dtype=f32), leaf(H, dtype=f32),
+                                       leaf(B, T, 1, D), leaf(B, T, 1, D), leaf(H, dtype=f32), 16)]
+        else:
+            q, k, v, b, w = (leaf(B, T, H, D) for _ in range(5))
+            g = leaf(B, T, H, D, dtype=torch.float32)
+            outs = [kernels.gdn2_chunked_triton(q, k, v, g, b, w), kernels.gdn2_recurrent_triton(q, k, v, g, b, w)]
+        for o, state in outs:
+            (o.float().sum() + state.sum()).backward()
+
+    grids = kernels.triton_grids(step)
+    assert {name for name, _ in grids} >= ({"_ssd_chunk_scan_kernel"} if op == "ssd" else {"_gdn2_rec_fwd_kernel"})
+    bad = sorted({(name, grid) for name, grid in grids
+                  if grid[0] > 2**31 - 1 or any(g > 65535 for g in grid[1:])})
+    assert not bad, f"grids over CUDA's limits: {bad}"
 
 
 # ==================================================================================================
@@ -2011,8 +2234,22 @@ def mixers_conv_reference(u, weight, bias=None):
     y = torch.zeros_like(u)
     for i in range(K):
         shift = K - 1 - i
-        y[:, shift:] += weight[:, 0, i] * u[:, :T - shift]
+        y[:, shift:] += weight[:, 0, i] * u[:, :max(T - shift, 0)]
     return y if bias is None else y + bias
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_mixers_conv_silu_recomputes_to_the_same_derivatives(bias):
+    # ConvSiLU keeps only x and the weights and writes its backward out: its output against SiLU of the token-shift
+    # reference, its first and second derivatives against finite differences (fp64), with T tokens shorter than
+    # the convolution's reach K and longer
+    for T, K in ((1, 4), (3, 6), (11, 4)):
+        gen = torch.Generator().manual_seed(T)
+        inputs = [torch.randn(2, T, 5, generator=gen, dtype=torch.float64).requires_grad_(),
+                  torch.randn(5, 1, K, generator=gen, dtype=torch.float64).requires_grad_(),
+                  torch.randn(5, generator=gen, dtype=torch.float64).requires_grad_() if bias else None]
+        assert rel_err(ConvSiLU.apply(*inputs), F.silu(mixers_conv_reference(*inputs))) < 1e-12
+        assert torch.autograd.gradcheck(ConvSiLU.apply, inputs) and torch.autograd.gradgradcheck(ConvSiLU.apply, inputs)
 
 
 def mixers_rms_norm_reference(x, weight, eps=1e-6):
