@@ -1117,9 +1117,10 @@ _SPARSEMAX_HALVINGS = 24
 
 
 def _sparsemax_blocks(n):
-    """(BLOCK_R, BLOCK_N, num_warps): whole rows in one tile of about 4096 entries, more warps for long rows."""
+    """(BLOCK_R, BLOCK_N, num_warps): whole rows in one tile of about 2048 entries (16 a thread: larger tiles
+    spill on sm_90), more warps for long rows."""
     block_n = triton.next_power_of_2(n)
-    return max(1, min(64, 4096 // block_n)), block_n, min(16, max(4, block_n // 512))
+    return max(1, min(64, 2048 // block_n)), block_n, min(16, max(4, block_n // 512))
 
 
 if HAS_TRITON:
