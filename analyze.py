@@ -25,7 +25,8 @@ function:
     noise      curvature_noise_scale(model, batches)  B_noise = tr(HΣ)/GᵀHG, η_max, ΔL_max
     ns         ns_response(coeffs, steps, xs)    what msign's Newton–Schulz does to each singular value
     hc         hc_spectra(model, idx)            H_res spectra per layer and ‖Π H_res‖₂ down the depth
-    gates      gdn2_gates(model, idx)            ρ = ‖I − k(b⊙k)ᵀ‖₂, fraction of decays clipped, max ‖(I − a cᵀ)D‖₂
+    gates      gdn2_gates(model, idx)            ρ = ‖I − k(b⊙k)ᵀ‖₂, fraction of decays clipped,
+                                                 max ‖(I − a cᵀ)D‖₂
     isotropy   isotropy(model, idx)              eigenvalues of each linear layer's input second moment
     coord      coordinate_transfer()             (not default) layer output RMS and ‖ΔW‖_nat over widths
     lr_transfer lr_transfer(dataset)             (not default) best lr per width, ~10 min per optimizer
@@ -89,7 +90,8 @@ def length_extrapolation(model, tokens, factors=(1, 2, 4, 8), n_tokens=16384, ba
     tokens: every length predicts the same tokens, only the context differs. Attention with fixed RoPE
     frequencies runs under each rope_scaling with rope_factor = factor (none: the trained frequencies, used
     past the training length); learned/lie frequencies only as trained; a model without context_limited mixers
-    (only G and M layers) has no length limit and runs as it is. Returns rows {"scaling", "factor", "length", "val_loss"}."""
+    (only G and M layers) has no length limit and runs as it is.
+    Returns rows {"scaling", "factor", "length", "val_loss"}."""
     cfg = model.config
     scalings = model_module.ROPE_SCALINGS if model.context_limited and cfg.rope == "fixed" else ("none",)
     device = next(model.parameters()).device
@@ -109,7 +111,8 @@ def length_extrapolation(model, tokens, factors=(1, 2, 4, 8), n_tokens=16384, ba
                     twin = GPT(dataclasses.replace(cfg, rope_scaling=scaling, rope_factor=factor))
                 twin.load_state_dict(model.state_dict())
                 twin = twin.to(device).eval()
-            losses = [twin(x[i:i + batch_size].to(device), y[i:i + batch_size].to(device))[1].item() * len(x[i:i + batch_size])
+            losses = [twin(x[i:i + batch_size].to(device), y[i:i + batch_size].to(device))[1].item()
+                      * len(x[i:i + batch_size])
                       for i in range(0, n_windows, batch_size)]
             rows.append({"scaling": scaling, "factor": factor, "length": length, "val_loss": sum(losses) / n_windows})
     return rows
@@ -156,8 +159,8 @@ def matrix_spectrum(W, kind="dense"):
     Marchenko–Pastur fit: N ≥ M the two sides, γ = M/N, λ = s²/N; the entry variance σ² comes from the
     median, σ² = median(λ) / median(MP_γ), robust to a few spikes; the bulk edges are λ± = σ²(1 ± sqrt γ)²
     (singular values σ(sqrt N ± sqrt M)). A spike is a λ above λ₊ plus a Tracy–Widom margin:
-    s²/σ² > μ + 2.02·τ, μ = (sqrt(N−1) + sqrt M)², τ = sqrt μ · (1/sqrt(N−1) + 1/sqrt M)^⅓ (Johnstone 2001),
-    which pure noise exceeds with probability 1%."""
+    s²/σ² > μ + 2.02·τ, μ = (sqrt(N−1) + sqrt M)², τ = sqrt μ · (1/sqrt(N−1) + 1/sqrt M)^⅓
+    (Johnstone 2001), which pure noise exceeds with probability 1%."""
     W = W.detach().float()
     s = torch.linalg.svdvals(W).cpu().double().numpy()
     N, M = max(W.shape), min(W.shape)
@@ -403,11 +406,13 @@ def curvature_noise_scale(model, batches):
     grads = []
     for x, y in batches:
         g = torch.autograd.grad(model(x, y)[1], params, allow_unused=True)
-        grads.append(torch.cat([(gi if gi is not None else torch.zeros_like(p)).reshape(-1).float() for gi, p in zip(g, params)]))
+        grads.append(torch.cat([(gi if gi is not None else torch.zeros_like(p)).reshape(-1).float()
+                                for gi, p in zip(g, params)]))
     mean = torch.stack(grads).mean(0)
     hvp = hessian_vector_product(model, batches)[0]
     plain = noise_scale(sum(g.pow(2).sum().item() for g in grads) / k, mean.pow(2).sum().item(), b, k * b)
-    curved = noise_scale(sum(torch.dot(g, hvp(g)).item() for g in grads) / k, torch.dot(mean, hvp(mean)).item(), b, k * b)
+    curved = noise_scale(sum(torch.dot(g, hvp(g)).item() for g in grads) / k, torch.dot(mean, hvp(mean)).item(),
+                         b, k * b)
     G_sq, GHG = plain["G_sq"], curved["G_sq"]
     return {"b_small": b, "b_big": k * b, "G_sq": G_sq, "tr_sigma": plain["tr_sigma"], "B_simple": plain["B_simple"],
             "GHG": GHG, "tr_H_sigma": curved["tr_sigma"],
@@ -504,9 +509,10 @@ def hc_spectra(model, idx):
 @torch.no_grad()
 def gdn2_gates(model, idx):
     """For each GatedDelta mixer on one forward pass of idx, per token and head, with a = k, c = b⊙k:
-    ρ = ‖I − a cᵀ‖₂ = (η + sqrt(η² − 4 a·c + 4)) / 2, η = ‖a‖‖c‖ (kernels.gdn2_log_rho); the fraction of decay entries the
-    clip g ← min(g, −log ρ) (kernels.gdn2_decay_clip) changes, whether or not the model applies it
-    (gdn_clip); and the largest ‖(I − a cᵀ) Diag(exp g)‖₂ (by SVD) before and after the clip. Returns (summary, arrays); (None, {}) for a model without G mixers."""
+    ρ = ‖I − a cᵀ‖₂ = (η + sqrt(η² − 4 a·c + 4)) / 2, η = ‖a‖‖c‖ (kernels.gdn2_log_rho); the
+    fraction of decay entries the clip g ← min(g, −log ρ) (kernels.gdn2_decay_clip) changes, whether
+    or not the model applies it (gdn_clip); and the largest ‖(I − a cᵀ) Diag(exp g)‖₂ (by SVD) before
+    and after the clip. Returns (summary, arrays); (None, {}) for a model without G mixers."""
     captured = _capture_inputs(model, GatedDelta, idx)
     if not captured:
         return None, {}
@@ -624,7 +630,8 @@ def coordinate_transfer(widths=TRANSFER_WIDTHS, steps=10):
             spread = {key: max(v) / min(v) for key, v in values.items()}
             summary[f"{optimizer} {scheme}"] = {
                 "values": values, "spread": spread,
-                **{f"max_spread_{kind}": max(s for k, s in spread.items() if k.startswith(kind + " ") and "lm_head" not in k)
+                **{f"max_spread_{kind}": max(s for k, s in spread.items()
+                                             if k.startswith(kind + " ") and "lm_head" not in k)
                    for kind in ("out", "dW")}}
     return summary, {}
 
@@ -636,7 +643,8 @@ def plot_coordinate_transfer(summary, arrays, path):
     for row, optimizer in enumerate(("adamw", "muon")):
         for col, (scheme, prefix, what) in enumerate((("gpt2", "out ", "RMS of layer outputs"),
                                                       ("spectral", "out ", "RMS of layer outputs"),
-                                                      ("gpt2", "dW ", "‖ΔW‖_nat"), ("spectral", "dW ", "‖ΔW‖_nat"))):
+                                                      ("gpt2", "dW ", "‖ΔW‖_nat"),
+                                                      ("spectral", "dW ", "‖ΔW‖_nat"))):
             ax, run = axes[row, col], summary[f"{optimizer} {scheme}"]
             if col % 2:
                 ax.sharey(axes[row, col - 1])
@@ -649,13 +657,14 @@ def plot_coordinate_transfer(summary, arrays, path):
                    title=f"{optimizer}, {label}\n{what}: max spread {run['max_spread_' + prefix.strip()]:.1f}x")
             ax.set_xticks(widths, [str(w) for w in widths])
             ax.minorticks_off()
-    fig.suptitle(f"Coordinate check after {summary['steps']} steps, one line per layer (blue: blocks, green: embedding, "
-                 "red: lm_head, left out of the spreads)")
+    fig.suptitle(f"Coordinate check after {summary['steps']} steps, one line per layer (blue: blocks, "
+                 "green: embedding, red: lm_head, left out of the spreads)")
     _save(plt, fig, path)
 
 
 def show_coordinate_transfer(summary):
-    print(f"coord: largest / smallest over widths {summary['widths']} after {summary['steps']} steps (lm_head left out)")
+    print(f"coord: largest / smallest over widths {summary['widths']} after {summary['steps']} steps "
+          "(lm_head left out)")
     for optimizer in ("adamw", "muon"):
         for scheme in ("gpt2", "spectral"):
             run = summary[f"{optimizer} {scheme}"]
@@ -703,7 +712,8 @@ def plot_lr_transfer(summary, arrays, path):
     for ax, optimizer in zip(axes, TRANSFER_LRS):
         for key, run in summary.items():
             if key.startswith(optimizer + " "):
-                ax.semilogx(run["lrs"], run["losses"], "o-" if " spectral " in key else "s--", label=key[len(optimizer) + 1:])
+                ax.semilogx(run["lrs"], run["losses"], "o-" if " spectral " in key else "s--",
+                            label=key[len(optimizer) + 1:])
         ax.set(xlabel="lr", ylabel="val loss", title=optimizer)
         ax.legend(fontsize=7)
     _save(plt, fig, path)
@@ -803,7 +813,8 @@ def plot_weights(summary, arrays, path):
     ax.set_xticks(range(len(names)), [nm.replace("blocks.", "").replace(".weight", "") for nm in names],
                   rotation=90, fontsize=6)
     ax = fig.add_subplot(rows, 2, 2)
-    ax.plot([summary[nm]["stable_rank"] / min(summary[nm]["shape"]) for nm in names], "o", label="stable rank / min dim")
+    ax.plot([summary[nm]["stable_rank"] / min(summary[nm]["shape"]) for nm in names], "o",
+            label="stable rank / min dim")
     ax.plot([summary[nm]["n_spikes"] / min(summary[nm]["shape"]) for nm in names], "x", label="MP spikes / min dim")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=7)
@@ -818,9 +829,11 @@ def plot_weights(summary, arrays, path):
         grid = np.linspace(log_lam.min(), log_lam.max(), 400)
         ax.plot(grid, _mp_density(10 ** grid, summary[nm]["mp_entry_std"] ** 2, M / N) * 10 ** grid * math.log(10),
                 "r-", lw=1, label="MP fit")
-        ax.axvline(math.log10(summary[nm]["spike_threshold"] ** 2 / N), color="k", ls=":", lw=1, label="spike threshold")
+        ax.axvline(math.log10(summary[nm]["spike_threshold"] ** 2 / N), color="k", ls=":", lw=1,
+                   label="spike threshold")
         ax.set_xlabel("log10 λ,  λ = s² / max(shape)", fontsize=6)
-        ax.set_title(f"{nm.replace('.weight', '')}\nspikes {summary[nm]['n_spikes']}, α {summary[nm]['alpha']:.1f}", fontsize=8)
+        ax.set_title(f"{nm.replace('.weight', '')}\nspikes {summary[nm]['n_spikes']}, "
+                     f"α {summary[nm]['alpha']:.1f}", fontsize=8)
         ax.tick_params(labelsize=6)
         if i == 0:
             ax.legend(fontsize=6)
@@ -911,7 +924,8 @@ def plot_gates(summary, arrays, path):
     ax1.set_xlabel("ρ = ‖I − k (b⊙k)ᵀ‖₂")
     ax1.legend(fontsize=6)
     depth = np.arange(len(summary["layers"]))
-    ax2.plot(depth, [layer["max_transition_norm"] for layer in summary["layers"]], "o-", label="max ‖(I − a cᵀ)D‖₂")
+    ax2.plot(depth, [layer["max_transition_norm"] for layer in summary["layers"]], "o-",
+             label="max ‖(I − a cᵀ)D‖₂")
     ax2.plot(depth, [layer["max_transition_norm_clipped"] for layer in summary["layers"]], "s-", label="after the clip")
     ax2.plot(depth, [layer["frac_clipped"] for layer in summary["layers"]], "^-", label="fraction of decays clipped")
     ax2.axhline(1.0, color="gray", ls="--", lw=1)
@@ -1003,20 +1017,23 @@ def show_gradients(g):
 
 
 def show_noise(n):
-    print(f"noise: B_noise = tr(HΣ)/GᵀHG {n['B_noise']:.4g} sequences (tr HΣ {n['tr_H_sigma']:.3g}, GᵀHG {n['GHG']:.3g}), "
-          f"B_simple {n['B_simple']:.4g}; η_max = |G|²/GᵀHG {n['eta_max']:.3g}, ΔL_max {n['delta_L_max']:.3g}")
+    print(f"noise: B_noise = tr(HΣ)/GᵀHG {n['B_noise']:.4g} sequences (tr HΣ {n['tr_H_sigma']:.3g}, "
+          f"GᵀHG {n['GHG']:.3g}), B_simple {n['B_simple']:.4g}; η_max = |G|²/GᵀHG {n['eta_max']:.3g}, "
+          f"ΔL_max {n['delta_L_max']:.3g}")
 
 
 def show_ns(summary):
     for coeffs, s in summary.items():
-        extra = f"; gradient directions left below 0.5: {s['gradient_frac_below_half']:.3f}" if "gradient_frac_below_half" in s else ""
+        extra = (f"; gradient directions left below 0.5: {s['gradient_frac_below_half']:.3f}"
+                 if "gradient_frac_below_half" in s else "")
         print(f"ns {coeffs}: one-step peak {s['one_step_peak']:.4f} at {s['one_step_argmax']:.4f}, slope at 0 after "
               f"{s['steps']} steps {s['slope_at_zero']:.1f}, output range for x ≥ 1e-3 "
               f"[{s['range_above_1e-3'][0]:.3f}, {s['range_above_1e-3'][1]:.3f}]{extra}")
 
 
 def show_hc(h):
-    print(f"hc ({h['kind']}): ‖Π H_res‖₂ down the depth " + " ".join(f"{layer['prod_norm_max']:.3f}" for layer in h["layers"]))
+    print(f"hc ({h['kind']}): ‖Π H_res‖₂ down the depth "
+          + " ".join(f"{layer['prod_norm_max']:.3f}" for layer in h["layers"]))
 
 
 def show_gates(summary):
@@ -1206,7 +1223,8 @@ def plot_training_analysis(jsonl_path, png_path):
     for i, name in enumerate(names):
         color = cmap(i / max(1, len(names) - 1))
         label = name.replace(".weight", "") if i in (0, len(names) - 1) else None
-        axes[0, 0].plot(steps, [r["weights"][name]["natural_spectral_norm"] for r in records], color=color, lw=1, label=label)
+        axes[0, 0].plot(steps, [r["weights"][name]["natural_spectral_norm"] for r in records], color=color, lw=1,
+                        label=label)
         axes[0, 1].plot(steps, [r["weights"][name]["stable_rank"] for r in records], color=color, lw=1, label=label)
     axes[0, 0].axhline(1.0, color="gray", ls="--", lw=1)
     axes[0, 0].set_yscale("log")
@@ -1219,9 +1237,11 @@ def plot_training_analysis(jsonl_path, png_path):
     axes[1, 0].set_title("top Hessian eigenvalue (largest |λ|)", fontsize=9)
     noisy = [r for r in records if "noise" in r]
     if noisy:
-        axes[1, 1].plot([r["step"] for r in noisy], [r["noise"]["B_simple"] for r in noisy], ".", alpha=0.5, label="B_simple per call")
+        axes[1, 1].plot([r["step"] for r in noisy], [r["noise"]["B_simple"] for r in noisy], ".", alpha=0.5,
+                        label="B_simple per call")
         if "B_noise" in noisy[0]["noise"]:
-            axes[1, 1].plot([r["step"] for r in noisy], [r["noise"]["B_noise"] for r in noisy], "x", label="B_noise = tr(HΣ)/GᵀHG per call")
+            axes[1, 1].plot([r["step"] for r in noisy], [r["noise"]["B_noise"] for r in noisy], "x",
+                            label="B_noise = tr(HΣ)/GᵀHG per call")
         # average the two unbiased estimates before dividing (McCandlish et al.), over the last 3 calls:
         # |G|² falls by orders of magnitude early on, so a long average would be ruled by the first calls
         ratio = []
@@ -1323,7 +1343,8 @@ def plot_batch_scan(scan, fit, path):
               label=f"fit: S_min {fit['S_min']:.0f}, E_min {fit['E_min']:.0f}, B_crit {fit['B_crit']:.1f}")
     ax.loglog(E, S, "o")
     for r in scan["runs"]:
-        ax.annotate(f"B={r['batch_size']}", (r["examples"], r["steps"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        ax.annotate(f"B={r['batch_size']}", (r["examples"], r["steps"]), fontsize=7, xytext=(4, 4),
+                    textcoords="offset points")
     ax.axhline(fit["S_min"], color="gray", ls=":", lw=1)
     ax.axvline(fit["E_min"], color="gray", ls=":", lw=1)
     ax.set_xlabel("examples E (sequences)")
@@ -1342,7 +1363,8 @@ MPL_PARAMS = ("L0", "A", "alpha", "B", "C", "beta", "gamma")
 def mpl_loss(params, lrs, steps):
     """L(t) = L0 + A (S₁(t) + S_W)^−α − LD(t) at the given steps t ≥ 1, for lrs[t − 1] = η_t, the lr of
     step t relative to the peak: S₁(t) + S_W = Σ_{τ≤t} η_τ is the lr area (warmup included), and
-        LD(t) = B Σ_{k=p+1}^{t} (η_{k−1} − η_k) (1 − (C η_k^−γ S_k(t) + 1)^−β),  S_k(t) = Σ_{τ=k}^{t} η_τ,
+        LD(t) = B Σ_{k=p+1}^{t} (η_{k−1} − η_k) (1 − (C η_k^−γ S_k(t) + 1)^−β),
+        S_k(t) = Σ_{τ=k}^{t} η_τ,
     the extra drop each lr decrease after the peak step p brings. params: {name: float or 0-d tensor}
     of MPL_PARAMS. Returns a float64 tensor."""
     eta = torch.as_tensor(np.asarray(lrs, dtype=np.float64))
@@ -1368,7 +1390,8 @@ def fit_mpl(curves, iters=500):
         fitted.append((lrs, np.asarray(steps)[keep], torch.as_tensor(np.asarray(losses, dtype=np.float64)[keep])))
     low = min(float(l.min()) for _, _, l in fitted)
     raw = {"L0": torch.tensor(0.8 * low, dtype=torch.float64), "A": torch.tensor(0.0, dtype=torch.float64),
-           "alpha": torch.tensor(math.log(0.5), dtype=torch.float64), "B": torch.tensor(math.log(0.5), dtype=torch.float64),
+           "alpha": torch.tensor(math.log(0.5), dtype=torch.float64),
+           "B": torch.tensor(math.log(0.5), dtype=torch.float64),
            "C": torch.tensor(0.0, dtype=torch.float64), "beta": torch.tensor(math.log(0.5), dtype=torch.float64),
            "gamma": torch.tensor(0.5, dtype=torch.float64)}
     for v in raw.values():
@@ -1404,7 +1427,8 @@ def fit_mpl(curves, iters=500):
 def read_schedule_run(run_dir):
     """(lrs relative to the peak, eval steps, val losses) from a train.py run logged with --log_interval=1."""
     if not os.path.isfile(os.path.join(run_dir, "log.jsonl")):
-        raise ValueError(f"no {run_dir}/log.jsonl: give train.py run folders (train with --out_dir=... --log_interval=1)")
+        raise ValueError(f"no {run_dir}/log.jsonl: give train.py run folders "
+                         "(train with --out_dir=... --log_interval=1)")
     rows = data.read_jsonl(os.path.join(run_dir, "log.jsonl"))[0]
     lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
     if not lr or sorted(lr) != list(range(1, max(lr) + 1)):
@@ -1479,9 +1503,9 @@ OPTIONS = {  # analysis options; every GPTConfig key is also accepted (fresh ini
     "scan_max_iters": 4000,            # the scan's step limit per run
     "scan_analyze_batch": 0,           # the scan's run that logs the noise scales (0: none)
     "scan_train_args": "",             # extra train.py arguments for every scan run, space-separated
-    "mpl_fit": "",                     # multi-power-law fit instead: train.py run folders (--log_interval=1), comma-separated
+    "mpl_fit": "",                     # multi-power-law fit instead: comma-separated train.py runs (--log_interval=1)
     "mpl_predict": "",                 # run folders whose loss curves the fitted law predicts
-    "lengths": "",                     # e.g. 1,2,4,8: instead of the sections, length_extrapolation at these multiples of block_size
+    "lengths": "",                     # length_extrapolation instead, at these multiples of block_size (e.g. 1,2,4,8)
 }
 # the allowed values of the numeric options (data.in_range)
 RANGES = {"seed": "in [0, 2**63)", "batch_size": ">= 1", "micro_batches": ">= 1", "hessian_batches": ">= 1",
@@ -1551,9 +1575,10 @@ def report_scan(scan, out_dir):
     plot_batch_scan(scan, fit, os.path.join(out_dir, "scan.png"))
     print(f"{'B':>5s} {'steps S':>9s} {'examples E':>11s} {'fit S':>9s}")
     for r in scan["runs"]:
-        print(f"{r['batch_size']:5d} {r['steps']:9.1f} {r['examples']:11.0f} {fit['S_min'] + fit['E_min'] / r['batch_size']:9.1f}")
-    print(f"S_min {fit['S_min']:.1f} steps, E_min {fit['E_min']:.0f} sequences, B_crit = E_min/S_min {fit['B_crit']:.1f} "
-          f"sequences (rms relative misfit {fit['rms_rel_error']:.3f})")
+        print(f"{r['batch_size']:5d} {r['steps']:9.1f} {r['examples']:11.0f} "
+              f"{fit['S_min'] + fit['E_min'] / r['batch_size']:9.1f}")
+    print(f"S_min {fit['S_min']:.1f} steps, E_min {fit['E_min']:.0f} sequences, "
+          f"B_crit = E_min/S_min {fit['B_crit']:.1f} sequences (rms relative misfit {fit['rms_rel_error']:.3f})")
     noise = [r["noise"] for r in scan["noise"] if "noise" in r]
     if noise:
         fit["noise_calls"] = len(noise)
@@ -1563,7 +1588,8 @@ def report_scan(scan, out_dir):
         fit["B_simple_ratio_of_sums"] = sum(n["tr_sigma"] for n in noise) / sum(n["G_sq"] for n in noise)
         print(f"over the {len(noise)} analysis calls of the B = {scan.get('analyze_batch')} run: "
               f"mean B_noise {fit['B_noise_mean']:.1f}, mean B_simple {fit['B_simple_mean']:.1f}; "
-              f"Σ tr HΣ / Σ GᵀHG {fit['B_noise_ratio_of_sums']:.1f}, Σ tr Σ / Σ |G|² {fit['B_simple_ratio_of_sums']:.1f}")
+              f"Σ tr HΣ / Σ GᵀHG {fit['B_noise_ratio_of_sums']:.1f}, "
+              f"Σ tr Σ / Σ |G|² {fit['B_simple_ratio_of_sums']:.1f}")
     return fit
 
 
@@ -1613,10 +1639,12 @@ def main(argv):
         return
     sampler = data.BatchSampler(val_tokens if opts["split"] == "val" else train_tokens, opts["batch_size"],
                                 model.config.block_size, opts["seed"])
-    batches = [tuple(t.to(device) for t in sampler.next_batch()) for _ in range(max(opts["micro_batches"], opts["hessian_batches"]))]
+    batches = [tuple(t.to(device) for t in sampler.next_batch())
+               for _ in range(max(opts["micro_batches"], opts["hessian_batches"]))]
     print(f"analysing {'checkpoint ' + opts['ckpt'] if opts['ckpt'] else 'a fresh init'}: "
-          f"{model.num_params():,} parameters, {len(batches)} batches of {opts['batch_size']}x{model.config.block_size} "
-          f"{opts['split']} tokens from {dataset}, sections {','.join(sections)} -> {out_dir}")
+          f"{model.num_params():,} parameters, {len(batches)} batches of "
+          f"{opts['batch_size']}x{model.config.block_size} {opts['split']} tokens from {dataset}, "
+          f"sections {','.join(sections)} -> {out_dir}")
     summary = run_analysis(model, batches, out_dir, sections, opts)
     print_table(summary)
 
