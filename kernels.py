@@ -482,18 +482,38 @@ def gdn2_ref(q, k, v, g, b, w, scale=None, initial_state=None):
     return torch.stack(outs, dim=1).to(q.dtype), S
 
 
-_GDN2_MAX_EXPONENT = 40.0   # factored chunks keep every exp(±G) within e^±40, far from fp32's e^±88, gradients included
+def _gdn2_pair_positions(C, device):
+    """Where W[r, s] sits among _gdn2_pair_weights' products (flattened level by level after one leading zero, the
+    entry of every s ≥ r): the level of a pair is its highest differing bit, with half-blocks of h rows."""
+    r, s = torch.arange(C, device=device)[:, None], torch.arange(C, device=device)[None, :]
+    h = 1 << (r ^ s).clamp(min=1).float().log2().floor().long()
+    level_start = 1 + C // 2 * (h - 1)                          # the levels below hold C/2 · h' entries each
+    return torch.where(s < r, level_start + ((r // (2 * h)) * h + r % h) * h + s % h, 0).flatten()
 
 
-def _gdn2_pair_weights_exact(G, k, xs):
-    """W[n, r, s] = Σ_d x_nrd k_nsd exp(G_nrd − G_nsd) for s < r, else 0, for each x in xs; G, k, x [n, C, K].
-    Pair by pair, so it holds whatever the decay (pairs s ≥ r get exp(−∞) = 0, never exp of a large exponent)."""
+def _gdn2_pair_weights(G, k, xs):
+    """W[..., r, s] = Σ_d x_rd k_sd exp(G_rd − G_sd) for s < r, else 0, for each x in xs; G, k, x [..., C, K] (C a
+    power of two) with G non-increasing along C (g ≤ 0). Halve the chunk into blocks of C/2, C/4, ..., 1 rows: a pair
+    s < r first falls apart where s is in the earlier half of a block and r in the later half, and through m, that
+    half's first row, exp(G_r − G_s) = exp(G_r − G_m)·exp(G_m − G_s) with both exponents ≤ 0 (s < m ≤ r): no factor
+    overflows however steep the decay. Each level is one batched product of half-blocks, log2(C) of them, the same
+    code for every chunk: no test for steep chunks, no host sync."""
     C = G.shape[-2]
-    strict = torch.ones(C, C, dtype=torch.bool, device=G.device).tril(-1)
-    gap = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~strict[..., None], float("-inf")).exp()
-    k_gap = k.unsqueeze(1) * gap                                 # k_sd exp(G_rd − G_sd), shared by the xs
-    # element-wise products and a sum: an einsum here contracts d in one tiny matmul per (n, r)
-    return [(x.unsqueeze(2) * k_gap).sum(-1) for x in xs]
+    X = torch.stack(xs)
+    products = [X.new_zeros(*X.shape[:-2], 1)]
+    h = 1
+    while h < C:
+        def halves(t):  # (earlier, later) halves of each block of 2h rows: [..., C/2h, h, K] each
+            return t.unflatten(-2, (C // (2 * h), 2, h)).unbind(-3)
+        G_early, G_late = halves(G)
+        G_m = G_late.split([1, h - 1], dim=-2)[0]
+        k_hat = halves(k)[0] * (G_m - G_early).exp()
+        x_hat = halves(X)[1] * (G_late - G_m).exp()
+        # one row each: element-wise products and a sum (a batched matmul of 1 x 1 blocks costs more)
+        products.append((x_hat * k_hat).sum(-1, keepdim=True) if h == 1 else x_hat @ k_hat.transpose(-1, -2))
+        products[-1] = products[-1].flatten(-3)
+        h *= 2
+    return torch.cat(products, -1)[..., _gdn2_pair_positions(C, G.device)].unflatten(-1, (C, C)).unbind(0)
 
 
 def _gdn2_chunk_scan(L, Aqk, E_in, q_in, k_out, decay_out, Z, S0, scale):
@@ -567,12 +587,12 @@ def gdn2_torch(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
     with L_rs = Σ_d b_rd k_rd k_sd exp(G_rd − G_sd) (s < r), Z = W⊙V, Ẽ_r = exp(G_r)⊙b_r⊙k_r; then
     o_r = scale·((exp(G_r)⊙q_r)ᵀ S_0 + Σ_{s≤r} Σ_d q_rd k_sd exp(G_rd − G_sd) u_s),
     S_C = Diag(exp G_C) S_0 + Σ_s (exp(G_C − G_s)⊙k_s) u_sᵀ.
-    The pair weights are one matmul of x_r exp(G_r) with k_s exp(−G_s) in every chunk whose |G| stays ≤ 40;
-    steeper chunks (a channel decaying by more than e^−40 within the chunk, e^−2.5 per token over 16) take the
-    exact pairwise sum. All chunks are built at once; only the state hand-off loops over chunks
+    The pair weights (_gdn2_pair_weights) factor through a reference row inside the chunk where both exponents are
+    ≤ 0 and sum the pairs near the diagonal one by one, so they hold at any decay, every chunk the same code (no
+    data-dependent branch, no host sync). All chunks are built at once; only the state hand-off loops over chunks
     (_GDN2ChunkScan, its backward written out).
     Inputs shorter than a chunk get a chunk of the next power of two above T. Per-channel decays cost K multiply-adds
-    per pair of tokens and longer chunks more often leave the factoring's range (16 was the fastest on a CPU).
+    per pair of tokens (16 was the fastest chunk on a CPU).
     The tail is padded with g = 0 and zero inputs, which leaves the state unchanged. Fewer than 4 tokens (decoding
     steps) take the token loop, which is cheaper there."""
     _gdn2_check(q, k, v, g, b, w, initial_state)
@@ -587,7 +607,7 @@ def gdn2_torch(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
     N = -(-T // C)
     out_dtype = q.dtype
 
-    def chunks(t, copy):  # [B,T,H,D] -> [B,H,N,C,D] fp32, tail padded with zeros; a strided view where no matmul reads it
+    def chunks(t, copy):  # [B,T,H,D] -> [B,H,N,C,D] fp32, tail padded with zeros; a view where no matmul reads it
         t = t.float()
         t = F.pad(t, (0, 0, 0, 0, 0, N * C - T)) if N * C > T else t
         t = t.view(B, N, C, H, t.shape[-1]).permute(0, 3, 1, 2, 4)
@@ -597,30 +617,22 @@ def gdn2_torch(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
     g, b, w = (chunks(t, False) for t in (g, b, w))
     G = g.cumsum(dim=-2)
     decay_in = G.exp()                                          # exp(G_r): chunk start -> r
-    steep = G.detach().abs().amax(dim=(-1, -2)) > _GDN2_MAX_EXPONENT   # [B,H,N]: chunks that cannot be factored
-    any_steep = bool(steep.any())
     erase = k * b
     E_in = erase * decay_in
     q_in = q * decay_in
-    k_from_start = k * (-(G.clamp(-_GDN2_MAX_EXPONENT, _GDN2_MAX_EXPONENT) if any_steep else G)).exp()   # k_s exp(−G_s)
-    k_out = k_from_start * decay_in[..., -1:, :]                # exp(G_C − G_s) ⊙ k_s
-    L = E_in @ k_from_start.transpose(-1, -2)
-    Aqk = q_in @ k_from_start.transpose(-1, -2)
-    if any_steep:                                               # steep chunks: their factored values are replaced
-        idx = steep.nonzero(as_tuple=True)
-        L_steep, A_steep = _gdn2_pair_weights_exact(G[idx], k[idx], (erase[idx], q[idx]))
-        L, Aqk = L.index_put(idx, L_steep), Aqk.index_put(idx, A_steep)
-        later = torch.ones(C, C, device=G.device).triu(1)       # exp(G_C − G_s) from the later decays themselves
-        k_out = k_out.index_put(idx, k[idx] * (later @ g[idx]).exp())
-    L = L.tril(-1)
-    # the s = r terms (exp 0 = 1) added apart: factored, each would put two O(1) terms into G's gradient that cancel
-    # there and swamp the tiny gradients of strong decays
-    Aqk = (Aqk.tril(-1) + torch.diag_embed((q * k).sum(-1))) * scale
+    k_out = k * (G[..., -1:, :] - G).exp()                      # exp(G_C − G_s) ⊙ k_s
+    L, Aqk = _gdn2_pair_weights(G, k, (erase, q))
+    Aqk = (Aqk + torch.diag_embed((q * k).sum(-1))) * scale     # the s = r terms, exp 0 = 1
     S0 = q.new_zeros(B * H, K, V) if initial_state is None else initial_state.float().reshape(B * H, K, V)
-    o, S = _GDN2ChunkScan.apply(*(t.flatten(0, 1) for t in (L, Aqk, E_in, q_in, k_out, decay_in[..., -1, :, None], v * w)),
-                                S0, scale)
+    per_chunk = (L, Aqk, E_in, q_in, k_out, decay_in[..., -1, :, None], v * w)
+    o, S = _GDN2ChunkScan.apply(*(t.flatten(0, 1) for t in per_chunk), S0, scale)
     o = o.view(B, H, N * C, V)[:, :, :T].transpose(1, 2)
     return o.to(out_dtype), S.reshape(B, H, K, V)
+
+
+def gdn2_uses_triton(x, kernels="auto"):
+    """Whether gdn2 takes its Triton path for inputs on x's device (GatedDelta recomputes around it, see there)."""
+    return _path("gdn2", kernels, x) == "triton"
 
 
 def gdn2(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16, kernels="auto"):
@@ -2130,6 +2142,9 @@ def _gdn2_chunked_backward(ctx, do, dS_T):
 
 
 _gdn2_chunked_fwd.register_autograd(_gdn2_chunked_backward, setup_context=_gdn2_chunked_setup)
+
+
+GDN2_TRITON_FORWARDS = (torch.ops.specgpt.gdn2_chunked_fwd.default, torch.ops.specgpt.gdn2_recurrent_fwd.default)
 
 
 def gdn2_recurrent_triton(q, k, v, g, b, w, scale=None, initial_state=None):
