@@ -499,20 +499,20 @@ def _gdn2_pair_weights(G, k, xs):
     overflows however steep the decay. Each level is one batched product of half-blocks, log2(C) of them, the same
     code for every chunk: no test for steep chunks, no host sync."""
     C = G.shape[-2]
+
+    def halves(t, h):  # the (earlier, later) halves of each block of 2h rows, [..., C/2h, h, K] each
+        return t.unflatten(-2, (C // (2 * h), 2, h)).unbind(-3)
+
     X = torch.stack(xs)
     products = [X.new_zeros(*X.shape[:-2], 1)]
-    h = 1
-    while h < C:
-        def halves(t):  # (earlier, later) halves of each block of 2h rows: [..., C/2h, h, K] each
-            return t.unflatten(-2, (C // (2 * h), 2, h)).unbind(-3)
-        G_early, G_late = halves(G)
+    for h in (1 << i for i in range(C.bit_length() - 1)):
+        G_early, G_late = halves(G, h)
         G_m = G_late.split([1, h - 1], dim=-2)[0]
-        k_hat = halves(k)[0] * (G_m - G_early).exp()
-        x_hat = halves(X)[1] * (G_late - G_m).exp()
-        # one row each: element-wise products and a sum (a batched matmul of 1 x 1 blocks costs more)
-        products.append((x_hat * k_hat).sum(-1, keepdim=True) if h == 1 else x_hat @ k_hat.transpose(-1, -2))
-        products[-1] = products[-1].flatten(-3)
-        h *= 2
+        k_hat = halves(k, h)[0] * (G_m - G_early).exp()
+        x_hat = halves(X, h)[1] * (G_late - G_m).exp()
+        # blocks of one row: element-wise products and a sum (a batched matmul of 1 x 1 blocks costs more)
+        pairs = (x_hat * k_hat).sum(-1, keepdim=True) if h == 1 else x_hat @ k_hat.transpose(-1, -2)
+        products.append(pairs.flatten(-3))
     return torch.cat(products, -1)[..., _gdn2_pair_positions(C, G.device)].unflatten(-1, (C, C)).unbind(0)
 
 
@@ -1754,8 +1754,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _gdn2_dot(a, b, DOT: tl.constexpr):
-        # a @ b in fp32: DOT "bf16" rounds both operands to bf16 (tensor cores), "tf32" / "ieee" take them as fp32.
-        # Triton's interpreter multiplies bf16 operands as raw 16-bit integers: there the rounded values go in as fp32
+        # a @ b accumulated in fp32. DOT "bf16" rounds both operands to bf16; "tf32x3" (three TF32 products, fp32's
+        # accuracy to about 1e-6) and "tf32" take fp32 operands; all run on tensor cores. Triton's interpreter
+        # multiplies bf16 operands as raw 16-bit integers: there the rounded values go in as fp32
         if DOT == "bf16":
             a, b = a.to(tl.bfloat16), b.to(tl.bfloat16)
             if _INTERPRETED:
@@ -2010,7 +2011,9 @@ if HAS_TRITON:
 
 def _gdn2_dot_kind(x):
     """The chunked kernels' dot operands for inputs like x: bf16 for 16-bit inputs; for fp32 ones TF32 where torch
-    allows it for fp32 matmuls (torch.set_float32_matmul_precision("high")), else IEEE fp32 as the references."""
+    allows it for fp32 matmuls (torch.set_float32_matmul_precision("high")), else 3xTF32, near fp32's accuracy on
+    tensor cores (IEEE fp32 dots run on CUDA cores with whole operand rows in registers: they spilled at head dim
+    128)."""
     if x.dtype != torch.float32:
         return "bf16"
     return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
@@ -2144,6 +2147,7 @@ def _gdn2_chunked_backward(ctx, do, dS_T):
 _gdn2_chunked_fwd.register_autograd(_gdn2_chunked_backward, setup_context=_gdn2_chunked_setup)
 
 
+# the recurrence's forward ops, whose outputs GatedDelta's selective checkpointing keeps (all else is recomputed)
 GDN2_TRITON_FORWARDS = (torch.ops.specgpt.gdn2_chunked_fwd.default, torch.ops.specgpt.gdn2_recurrent_fwd.default)
 
 

@@ -272,9 +272,9 @@ def causal_conv(conv, x, cache=None, key="conv"):
 
 
 def unit_norm(x, eps=1e-12):
-    """x / max(‖x‖, eps) over the last dim, in x's dtype with the squares summed in fp32 (under CUDA autocast
-    F.normalize would return fp32)."""
-    return x * x.float().square().sum(-1, keepdim=True).clamp_min(eps * eps).rsqrt().to(x.dtype)
+    """x / max(‖x‖, eps) over the last dim (F.normalize), in x's dtype with the norm taken in fp32: under CUDA autocast
+    F.normalize would return fp32."""
+    return x / torch.linalg.vector_norm(x.float(), dim=-1, keepdim=True).clamp_min(eps).to(x.dtype)
 
 
 def keep_only(*ops):
