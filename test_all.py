@@ -1227,7 +1227,8 @@ def test_triton_gdn2_gates_bf16_error_budget(clip, device):
     The reference's clip reads b rounded as the kernel returns it, as the kernel's clip does."""
     torch.manual_seed(0)
     B, T, H, K = 2, 33, 3, 40
-    inputs = dict(decay_logits=(torch.randn(B, T, H, K) - 1).bfloat16(), erase_logits=(torch.randn(B, T, H, K) * 2).bfloat16(),
+    inputs = dict(decay_logits=(torch.randn(B, T, H, K) - 1).bfloat16(),
+                  erase_logits=(torch.randn(B, T, H, K) * 2).bfloat16(),
                   k=F.normalize(torch.randn(B, T, H, K), dim=-1).bfloat16(), A_log=torch.rand(H) * 2.7,
                   dt_bias=torch.randn(H * K) - 3)
     u = triton_bf16_u(device)
