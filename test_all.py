@@ -1184,8 +1184,8 @@ def test_triton_gdn2_bf16_error_budget(path, device):
     """The recurrent kernel computes in fp32 throughout: after the same final rounding its o and gradients match the
     fp64 loop but for values on a rounding boundary (≤ u/16) and S_T (fp32) to 1e-5. The chunked kernels feed every
     tl.dot bf16 operands (each off by ≤ u) with fp32 accumulation; o passes through three chained products per chunk
-    (U = U0 − Y S, then q_in S + Aqk U) and the state carries each chunk's error into the next, measured at 2.1-3.5u
-    for o and S_T and 2-5.5u for the gradients (db, dg the largest: they go back through the solve) over chunks 16
+    (U = U0 − Y S, then q_in S + Aqk U) and the state carries each chunk's error into the next, measured at 1.6-3.5u
+    for o and S_T and 1.7-5.5u for the gradients (db, dg the largest: they go back through the solve) over chunks 16
     and 32, T up to 300, head dims 16-64 and decays 0.01-1 per token. Budget: 5u for o, S_T and 8u for gradients."""
     T = 70 if path != "recurrent" else 40
     inputs = triton_gdn2_inputs(B=1, T=T, H=2, K=32, V=40, decay=0.05)
