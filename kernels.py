@@ -58,6 +58,27 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" or "tr
     except ImportError:
         pass
 
+
+def _widen_bf16_dots_in_the_interpreter():
+    """Triton's CPU interpreter (3.7) hands tl.dot the raw uint16 bits of bf16 operands (numpy has no bf16), so
+    every bf16 dot returns garbage there; widen them to fp32 first, which is what a GPU's tensor cores compute
+    (a bf16 × bf16 product is exact in fp32, and they accumulate in fp32). A GPU run never comes here."""
+    import numpy as np
+    from triton.runtime import interpreter
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        return interpreter.TensorHandle(interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None)
+                                        .view(np.float32), tl.float32)
+    interpreter.InterpreterBuilder.create_dot = lambda self, a, b, *rest: create_dot(self, widened(a), widened(b),
+                                                                                     *rest)
+
+
+if HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
+    _widen_bf16_dots_in_the_interpreter()
+
 KERNEL_CHOICES = ("auto", "torch", "triton", "ref")
 TRITON_OPS = frozenset({"rms_norm", "rope", "softmax", "sparsemax", "sinkhorn", "gdn2_decay_clip", "gdn2_gates",
                         "gdn2", "ssd"})  # the ops with an <op>_triton
@@ -93,6 +114,11 @@ def _fp32(fn):
         with autocast_off(first.device.type):
             return fn(*args, **kwargs)
     return run
+
+
+def _fp32_or_wider(dtype):
+    """The dtype a reference computes in: fp32 for bf16/fp16/fp32 inputs, fp64 for fp64 (the tests' exact runs)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _double_backward(forward, inputs, cotangents):
@@ -346,8 +372,9 @@ def sinkhorn(logits, iters=20, kernels="auto"):
 # g, k, b are [B,T,H,K] (a scalar β broadcast over K); g' comes back in g's dtype.
 
 def gdn2_decay_clip_ref(g, k, b):
-    gf, a = g.float(), k.float()
-    c = b.float() * a
+    dtype = _fp32_or_wider(g.dtype)
+    gf, a = g.to(dtype), k.to(dtype)
+    c = b.to(dtype) * a
     eta = a.norm(dim=-1, keepdim=True) * c.norm(dim=-1, keepdim=True)
     ac = (a * c).sum(-1, keepdim=True)
     rho = (eta + torch.sqrt(torch.clamp(eta * eta - 4 * ac + 4, min=0))) / 2
@@ -411,8 +438,8 @@ def gdn2_decay_clip_torch(g, k, b):
 
 def gdn2_decay_clip(g, k, b, kernels="auto"):
     if k.shape != g.shape or b.shape != g.shape:
-        raise ValueError(f"gdn2_decay_clip needs g, k, b of one shape [B,T,H,K]; got {tuple(g.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(b.shape)}; broadcast scalar gates with .expand_as(k)")
+        raise ValueError(f"gdn2_decay_clip needs g, k, b of one shape [B,T,H,K]; got {tuple(g.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(b.shape)}; broadcast scalar gates with .expand_as(k)")
     path = _path("gdn2_decay_clip", kernels, g)
     if path == "triton":
         return gdn2_decay_clip_triton(g, k, b)
@@ -430,16 +457,17 @@ def gdn2_decay_clip(g, k, b, kernels="auto"):
 def _gdn2_gates_check(decay_logits, erase_logits, k, A_log, dt_bias):
     if k.dim() != 4 or decay_logits.shape != k.shape or erase_logits.shape != k.shape or A_log.shape != k.shape[2:3] \
             or dt_bias.numel() != k.shape[2] * k.shape[3]:
-        raise ValueError(f"gdn2_gates needs decay_logits, erase_logits, k of one shape [B,T,H,K], A_log [H], dt_bias [H, K]; "
-                         f"got {tuple(decay_logits.shape)}, {tuple(erase_logits.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(A_log.shape)}, {tuple(dt_bias.shape)}")
+        raise ValueError(f"gdn2_gates needs decay_logits, erase_logits, k of one shape [B,T,H,K], A_log [H], "
+                         f"dt_bias [H, K]; got {tuple(decay_logits.shape)}, {tuple(erase_logits.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(A_log.shape)}, {tuple(dt_bias.shape)}")
 
 
 def gdn_log_decay(decay_logits, A_log, dt_bias):
     """g = −exp(A_log[h])·softplus(decay_logits + dt_bias) in fp32 for decay_logits [..., H, K] (K = 1: one decay per
     head) and dt_bias [H·K]: the log-decay of every gated variant (gdn, kda, gdn2; gdn2_gates' first half)."""
     H, K = decay_logits.shape[-2:]
-    return -A_log.float().exp()[:, None] * F.softplus(decay_logits.float() + dt_bias.float().view(H, K))
+    dtype = _fp32_or_wider(decay_logits.dtype)
+    return -A_log.to(dtype).exp()[:, None] * F.softplus(decay_logits.to(dtype) + dt_bias.to(dtype).view(H, K))
 
 
 def gdn2_gates_ref(decay_logits, erase_logits, k, A_log, dt_bias, clip=True):
@@ -475,10 +503,12 @@ def _gdn2_check(q, k, v, g, b, w, initial_state):
         raise ValueError(f"gdn2: q, k, g, b must share one [B,T,H,K] shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(g.shape)}, {tuple(b.shape)}; broadcast scalar gates with .expand_as(q)")
     if v.shape[:3] != q.shape[:3] or w.shape != v.shape:
-        raise ValueError(f"gdn2: v and w must be [B,T,H,V] matching q's [B,T,H], got {tuple(v.shape)}, {tuple(w.shape)}")
+        raise ValueError(f"gdn2: v and w must be [B,T,H,V] matching q's [B,T,H], got {tuple(v.shape)}, "
+                         f"{tuple(w.shape)}")
     B, T, H, K = q.shape
     if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
-        raise ValueError(f"gdn2: initial_state must be [B,H,K,V] = {(B, H, K, v.shape[-1])}, got {tuple(initial_state.shape)}")
+        raise ValueError(f"gdn2: initial_state must be [B,H,K,V] = {(B, H, K, v.shape[-1])}, got "
+                         f"{tuple(initial_state.shape)}")
 
 
 @_fp32
@@ -486,8 +516,9 @@ def gdn2_ref(q, k, v, g, b, w, scale=None, initial_state=None):
     _gdn2_check(q, k, v, g, b, w, initial_state)
     B, T, H, K = q.shape
     scale = K ** -0.5 if scale is None else scale
-    qf, kf, vf, gf, bf, wf = (t.float() for t in (q, k, v, g, b, w))
-    S = q.new_zeros(B, H, K, v.shape[-1], dtype=torch.float32) if initial_state is None else initial_state.float()
+    dtype = _fp32_or_wider(q.dtype)
+    qf, kf, vf, gf, bf, wf = (t.to(dtype) for t in (q, k, v, g, b, w))
+    S = q.new_zeros(B, H, K, v.shape[-1], dtype=dtype) if initial_state is None else initial_state.to(dtype)
     outs = []
     for t in range(T):
         k_t = kf[:, t]
@@ -498,18 +529,38 @@ def gdn2_ref(q, k, v, g, b, w, scale=None, initial_state=None):
     return torch.stack(outs, dim=1).to(q.dtype), S
 
 
-_GDN2_MAX_EXPONENT = 40.0   # factored chunks keep every exp(±G) within e^±40, far from fp32's e^±88, gradients included
+def _gdn2_pair_positions(C, device):
+    """Where W[r, s] sits among _gdn2_pair_weights' products (flattened level by level after one leading zero, the
+    entry of every s ≥ r): the level of a pair is its highest differing bit, with half-blocks of h rows."""
+    r, s = torch.arange(C, device=device)[:, None], torch.arange(C, device=device)[None, :]
+    h = 1 << (r ^ s).clamp(min=1).float().log2().floor().long()
+    level_start = 1 + C // 2 * (h - 1)                          # the levels below hold C/2 · h' entries each
+    return torch.where(s < r, level_start + ((r // (2 * h)) * h + r % h) * h + s % h, 0).flatten()
 
 
-def _gdn2_pair_weights_exact(G, k, xs):
-    """W[n, r, s] = Σ_d x_nrd k_nsd exp(G_nrd − G_nsd) for s < r, else 0, for each x in xs; G, k, x [n, C, K].
-    Pair by pair, so it holds whatever the decay (pairs s ≥ r get exp(−∞) = 0, never exp of a large exponent)."""
+def _gdn2_pair_weights(G, k, xs):
+    """W[..., r, s] = Σ_d x_rd k_sd exp(G_rd − G_sd) for s < r, else 0, for each x in xs; G, k, x [..., C, K] (C a
+    power of two) with G non-increasing along C (g ≤ 0). Halve the chunk into blocks of C/2, C/4, ..., 1 rows: a pair
+    s < r first falls apart where s is in the earlier half of a block and r in the later half, and through m, that
+    half's first row, exp(G_r − G_s) = exp(G_r − G_m)·exp(G_m − G_s) with both exponents ≤ 0 (s < m ≤ r): no factor
+    overflows however steep the decay. Each level is one batched product of half-blocks, log2(C) of them, the same
+    code for every chunk: no test for steep chunks, no host sync."""
     C = G.shape[-2]
-    strict = torch.ones(C, C, dtype=torch.bool, device=G.device).tril(-1)
-    gap = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~strict[..., None], float("-inf")).exp()
-    k_gap = k.unsqueeze(1) * gap                                 # k_sd exp(G_rd − G_sd), shared by the xs
-    # element-wise products and a sum: an einsum here contracts d in one tiny matmul per (n, r)
-    return [(x.unsqueeze(2) * k_gap).sum(-1) for x in xs]
+
+    def halves(t, h):  # the (earlier, later) halves of each block of 2h rows, [..., C/2h, h, K] each
+        return t.unflatten(-2, (C // (2 * h), 2, h)).unbind(-3)
+
+    X = torch.stack(xs)
+    products = [X.new_zeros(*X.shape[:-2], 1)]
+    for h in (1 << i for i in range(C.bit_length() - 1)):
+        G_early, G_late = halves(G, h)
+        G_m = G_late.split([1, h - 1], dim=-2)[0]
+        k_hat = halves(k, h)[0] * (G_m - G_early).exp()
+        x_hat = halves(X, h)[1] * (G_late - G_m).exp()
+        # blocks of one row: element-wise products and a sum (a batched matmul of 1 x 1 blocks costs more)
+        pairs = (x_hat * k_hat).sum(-1, keepdim=True) if h == 1 else x_hat @ k_hat.transpose(-1, -2)
+        products.append(pairs.flatten(-3))
+    return torch.cat(products, -1)[..., _gdn2_pair_positions(C, G.device)].unflatten(-1, (C, C)).unbind(0)
 
 
 def _gdn2_chunk_scan(L, Aqk, E_in, q_in, k_out, decay_out, Z, S0, scale):
@@ -583,12 +634,12 @@ def gdn2_torch(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
     with L_rs = Σ_d b_rd k_rd k_sd exp(G_rd − G_sd) (s < r), Z = W⊙V, Ẽ_r = exp(G_r)⊙b_r⊙k_r; then
     o_r = scale·((exp(G_r)⊙q_r)ᵀ S_0 + Σ_{s≤r} Σ_d q_rd k_sd exp(G_rd − G_sd) u_s),
     S_C = Diag(exp G_C) S_0 + Σ_s (exp(G_C − G_s)⊙k_s) u_sᵀ.
-    The pair weights are one matmul of x_r exp(G_r) with k_s exp(−G_s) in every chunk whose |G| stays ≤ 40;
-    steeper chunks (a channel decaying by more than e^−40 within the chunk, e^−2.5 per token over 16) take the
-    exact pairwise sum. All chunks are built at once; only the state hand-off loops over chunks
+    The pair weights (_gdn2_pair_weights) factor through a reference row inside the chunk where both exponents are
+    ≤ 0 and sum the pairs near the diagonal one by one, so they hold at any decay, every chunk the same code (no
+    data-dependent branch, no host sync). All chunks are built at once; only the state hand-off loops over chunks
     (_GDN2ChunkScan, its backward written out).
     Inputs shorter than a chunk get a chunk of the next power of two above T. Per-channel decays cost K multiply-adds
-    per pair of tokens and longer chunks more often leave the factoring's range (16 was the fastest on a CPU).
+    per pair of tokens (16 was the fastest chunk on a CPU).
     The tail is padded with g = 0 and zero inputs, which leaves the state unchanged. Fewer than 4 tokens (decoding
     steps) take the token loop, which is cheaper there."""
     _gdn2_check(q, k, v, g, b, w, initial_state)
@@ -603,7 +654,7 @@ def gdn2_torch(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
     N = -(-T // C)
     out_dtype = q.dtype
 
-    def chunks(t, copy):  # [B,T,H,D] -> [B,H,N,C,D] fp32, tail padded with zeros; a strided view where no matmul reads it
+    def chunks(t, copy):  # [B,T,H,D] -> [B,H,N,C,D] fp32, tail padded with zeros; a view where no matmul reads it
         t = t.float()
         t = F.pad(t, (0, 0, 0, 0, 0, N * C - T)) if N * C > T else t
         t = t.view(B, N, C, H, t.shape[-1]).permute(0, 3, 1, 2, 4)
@@ -613,30 +664,22 @@ def gdn2_torch(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
     g, b, w = (chunks(t, False) for t in (g, b, w))
     G = g.cumsum(dim=-2)
     decay_in = G.exp()                                          # exp(G_r): chunk start -> r
-    steep = G.detach().abs().amax(dim=(-1, -2)) > _GDN2_MAX_EXPONENT   # [B,H,N]: chunks that cannot be factored
-    any_steep = bool(steep.any())
     erase = k * b
     E_in = erase * decay_in
     q_in = q * decay_in
-    k_from_start = k * (-(G.clamp(-_GDN2_MAX_EXPONENT, _GDN2_MAX_EXPONENT) if any_steep else G)).exp()   # k_s exp(−G_s)
-    k_out = k_from_start * decay_in[..., -1:, :]                # exp(G_C − G_s) ⊙ k_s
-    L = E_in @ k_from_start.transpose(-1, -2)
-    Aqk = q_in @ k_from_start.transpose(-1, -2)
-    if any_steep:                                               # steep chunks: their factored values are replaced
-        idx = steep.nonzero(as_tuple=True)
-        L_steep, A_steep = _gdn2_pair_weights_exact(G[idx], k[idx], (erase[idx], q[idx]))
-        L, Aqk = L.index_put(idx, L_steep), Aqk.index_put(idx, A_steep)
-        later = torch.ones(C, C, device=G.device).triu(1)       # exp(G_C − G_s) from the later decays themselves
-        k_out = k_out.index_put(idx, k[idx] * (later @ g[idx]).exp())
-    L = L.tril(-1)
-    # the s = r terms (exp 0 = 1) added apart: factored, each would put two O(1) terms into G's gradient that cancel
-    # there and swamp the tiny gradients of strong decays
-    Aqk = (Aqk.tril(-1) + torch.diag_embed((q * k).sum(-1))) * scale
+    k_out = k * (G[..., -1:, :] - G).exp()                      # exp(G_C − G_s) ⊙ k_s
+    L, Aqk = _gdn2_pair_weights(G, k, (erase, q))
+    Aqk = (Aqk + torch.diag_embed((q * k).sum(-1))) * scale     # the s = r terms, exp 0 = 1
     S0 = q.new_zeros(B * H, K, V) if initial_state is None else initial_state.float().reshape(B * H, K, V)
-    o, S = _GDN2ChunkScan.apply(*(t.flatten(0, 1) for t in (L, Aqk, E_in, q_in, k_out, decay_in[..., -1, :, None], v * w)),
-                                S0, scale)
+    per_chunk = (L, Aqk, E_in, q_in, k_out, decay_in[..., -1, :, None], v * w)
+    o, S = _GDN2ChunkScan.apply(*(t.flatten(0, 1) for t in per_chunk), S0, scale)
     o = o.view(B, H, N * C, V)[:, :, :T].transpose(1, 2)
     return o.to(out_dtype), S.reshape(B, H, K, V)
+
+
+def gdn2_uses_triton(x, kernels="auto"):
+    """Whether gdn2 takes its Triton path for inputs on x's device (GatedDelta recomputes around it, see there)."""
+    return _path("gdn2", kernels, x) == "triton"
 
 
 def gdn2(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16, kernels="auto"):
@@ -1446,8 +1489,8 @@ _gdn2_decay_clip_fwd.register_autograd(_gdn2_decay_clip_backward, setup_context=
 
 def gdn2_decay_clip_triton(g, k, b):
     if k.shape != g.shape or b.shape != g.shape:
-        raise ValueError(f"gdn2_decay_clip needs g, k, b of one shape [B,T,H,K]; got {tuple(g.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(b.shape)}; broadcast scalar gates with .expand_as(k)")
+        raise ValueError(f"gdn2_decay_clip needs g, k, b of one shape [B,T,H,K]; got {tuple(g.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(b.shape)}; broadcast scalar gates with .expand_as(k)")
     return _gdn2_decay_clip_fwd(g, k, b)
 
 
@@ -1479,8 +1522,8 @@ if HAS_TRITON:
         mask = (rows[:, None] < n_rows) & (cols[None, :] < K)
         offs = rows[:, None].to(tl.int64) * K + cols[None, :]
         heads = rows % H  # < H on the rows past n_rows too, so the loads by head need no row mask
-        x = tl.load(decay_logits_ptr + offs, mask=mask, other=0.0).to(tl.float32) \
-            + tl.load(dt_bias_ptr + heads[:, None] * K + cols[None, :], mask=cols[None, :] < K, other=0.0).to(tl.float32)
+        dt_bias = tl.load(dt_bias_ptr + heads[:, None] * K + cols[None, :], mask=cols[None, :] < K, other=0.0)
+        x = tl.load(decay_logits_ptr + offs, mask=mask, other=0.0).to(tl.float32) + dt_bias.to(tl.float32)
         A = tl.exp(tl.load(A_log_ptr + heads).to(tl.float32))
         g = -A[:, None] * _softplus(x)
         erase_logits = tl.load(erase_logits_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -1609,7 +1652,7 @@ if HAS_TRITON:
     def _gdn2_rec_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, s0_ptr, o_ptr, sT_ptr, u_ptr, scale, T, H, K, V,
                              HAS_INITIAL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
         # u (the corrected write w⊙v − eᵀS per token) is kept for the backward pass
-        pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
+        pid_bh, pid_v = tl.program_id(0), tl.program_id(1)
         bi, hi = pid_bh // H, pid_bh % H
         ks = tl.arange(0, BLOCK_K)
         vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -1639,7 +1682,7 @@ if HAS_TRITON:
                              scale, B, T, H, K, V, HAS_INITIAL: tl.constexpr,
                              BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
         # dq, dk (write part), de and dgT are partial sums over this value block: [NV, ...] buffers summed outside
-        pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
+        pid_bh, pid_v = tl.program_id(0), tl.program_id(1)
         bi, hi = pid_bh // H, pid_bh % H
         ks = tl.arange(0, BLOCK_K)
         vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -1706,7 +1749,7 @@ def _gdn2_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     S_T = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
     u = torch.empty(B, T, H, V, device=q.device, dtype=torch.float32)
     s0 = initial_state.contiguous() if initial_state is not None else S_T
-    _gdn2_rec_fwd_kernel[(triton.cdiv(V, block_v), B * H)](
+    _gdn2_rec_fwd_kernel[(B * H, triton.cdiv(V, block_v))](
         q, k, v, g, b, w, s0, o, S_T, u, scale, T, H, K, V, HAS_INITIAL=initial_state is not None,
         BLOCK_K=block_k, BLOCK_V=block_v)
     return o, S_T, u
@@ -1716,7 +1759,8 @@ def _gdn2_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
 def _(q, k, v, g, b, w, scale, initial_state):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    return q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=torch.float32), q.new_empty(B, T, H, V, dtype=torch.float32)
+    f32 = dict(dtype=torch.float32)
+    return q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, **f32), q.new_empty(B, T, H, V, **f32)
 
 
 @torch.library.custom_op("specgpt::gdn2_recurrent_bwd", mutates_args=())
@@ -1738,7 +1782,7 @@ def _gdn2_recurrent_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k
     dgT = torch.empty(nv, B, H, K, **f32)
     do = do.contiguous()
     s0 = initial_state.contiguous() if initial_state is not None else ds0
-    _gdn2_rec_bwd_kernel[(nv, B * H)](
+    _gdn2_rec_bwd_kernel[(B * H, nv)](
         q, k, v, g, b, w, s0, u, do, dS_T.contiguous(), dq_p, dk_p, de_p, dv, dw, ds0, dgT, du, scale,
         B, T, H, K, V, HAS_INITIAL=initial_state is not None, BLOCK_K=block_k, BLOCK_V=block_v)
     dq_apart, dk_apart, de = dq_p.sum(0), dk_p.sum(0), de_p.sum(0)
@@ -1779,40 +1823,53 @@ _gdn2_recurrent_fwd.register_autograd(_gdn2_recurrent_backward, setup_context=_g
 
 
 # Chunked gdn2 (chunks of CHUNK tokens; G = within-chunk cumsum of g, q̃ = scale·q, e = b⊙k, as gdn2_torch):
-#   intra (parallel over chunks):  L_rs = Σ_d e_rd k_sd exp(G_rd − G_sd) (s < r),
-#                                  Aqk_rs = Σ_d q̃_rd k_sd exp(G_rd − G_sd) (s ≤ r),
-#                                  Ainv = (I + L)^{-1} by forward substitution,  Y = Ainv (exp(G)⊙e),  U0 = Ainv (w⊙v)
-#   state pass (sequential):       U = U0 − Y S,  O = (exp(G)⊙q̃) S + Aqk U,
-#                                  S ← Diag(exp G_C) S + (exp(G_C − G)⊙k)ᵀ U
-# The pairwise exp(G_rd − G_sd) is formed per channel for s ≤ r only, so no exponent is positive however strong
-# the decay; its [C, C, BLOCK_KP] tiles walk K in blocks, so shared memory and registers stay bounded at any head
-# size. Backward: a reverse pass over chunks for the state gradients, then one parallel kernel per chunk through
-# the solve (dL = −Ainvᵀ dAinv Ainvᵀ) and the pair weights, walking V in blocks; dg by the gauge identity as above,
-# with the pair weights' diagonal (s = r, exp 0 = 1) kept out of it, as in gdn2_torch.
-# The dots are at most 64 rows tall, so they stay IEEE fp32 (CUDA cores) whatever the input dtype.
+#   intra, per chunk:  L_rs = Σ_d e_rd k_sd exp(G_rd − G_sd) (s < r),  Aqk_rs = Σ_d q̃_rd k_sd exp(G_rd − G_sd) (s ≤ r),
+#                      Ainv = (I + L)^{-1} by forward substitution,  Y = Ainv (exp(G)⊙e),  U0 = Ainv (w⊙v),  and the
+#                      state pass's operands q_in = exp(G)⊙q̃, k_out = exp(G_C − G)⊙k, d = exp(G_C)
+#   state pass, over the chunks in order:  U = U0 − Y S,  O = q_in S + Aqk U,  S ← Diag(d) S + k_outᵀ U
+# The pairwise exp(G_rd − G_sd) is formed per channel for s ≤ r only, so no exponent is positive however strong the
+# decay; its [C, C, BLOCK_KP] tiles walk K in blocks. The backward keeps nothing but the inputs: it reruns the intra
+# kernel and the state pass (which then writes each chunk's entering state S and its U instead of O), then
+#   reverse over the chunks:  dU = Aqkᵀ dO + k_out dS',  dS = q_inᵀ dO + Diag(d) dS' − Yᵀ dU   (dS' the exit state's)
+#   per chunk:                dAqk = dO Uᵀ,  dZ = Ainvᵀ dU (dv = dZ⊙w, dw = dZ⊙v),  dY = −dU Sᵀ,
+#                             dL = −Ainvᵀ (dU Zᵀ + dY (exp(G)⊙e)ᵀ) Ainvᵀ,  then the pair weights per channel,
+# and dg by the gauge identity as above, the pair weights' diagonal (s = r, exp 0 = 1) kept out of it as in gdn2_torch.
+# Every tl.dot accumulates in fp32; its operands are bf16 for bf16 inputs, else fp32 at torch's matmul precision
+# (_gdn2_dot_kind). The pair weights, the solve, the decays and the states stay fp32.
 if HAS_TRITON:
+    @triton.jit
+    def _gdn2_dot(a, b, DOT: tl.constexpr):
+        # a @ b accumulated in fp32. DOT "bf16" rounds both operands to bf16; "tf32x3" (three TF32 products, fp32's
+        # accuracy to about 1e-6) and "tf32" take fp32 operands; all run on tensor cores
+        if DOT == "bf16":
+            out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        else:
+            out = tl.dot(a, b, input_precision=DOT)
+        return out
+
+    @triton.jit
+    def _gdn2_chunk_tile(ptr, bi, c, hi, T, H, D, cols, CHUNK: tl.constexpr):
+        # chunk c's rows of a [B, T, H, D] tensor at columns cols, in its own dtype (0 past T and past D)
+        pos = c * CHUNK + tl.arange(0, CHUNK)
+        offs = ((bi * T + pos[:, None]).to(tl.int64) * H + hi) * D + cols[None, :]
+        mask = (pos[:, None] < T) & (cols[None, :] < D)
+        return tl.load(ptr + offs, mask=mask, other=0.0), offs, mask
+
     @triton.jit
     def _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K, k0,
                             CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
-        # channels k0 .. k0 + BLOCK_K of the chunk (G per channel needs no other channel)
-        rs = tl.arange(0, CHUNK)
-        ks = k0 + tl.arange(0, BLOCK_K)
-        pos = c * CHUNK + rs
-        offs = ((bi * T + pos[:, None]).to(tl.int64) * H + hi) * K + ks[None, :]
-        mask = (pos[:, None] < T) & (ks[None, :] < K)
-        q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale
+        # q̃, k, b, G in fp32 at channels k0 .. k0 + BLOCK_K of the chunk (G per channel needs no other channel)
+        q, offs, mask = _gdn2_chunk_tile(q_ptr, bi, c, hi, T, H, K, k0 + tl.arange(0, BLOCK_K), CHUNK)
         k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         G = tl.cumsum(tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32), axis=0)  # tail: g = 0, G flat
-        G_last = tl.sum(tl.where(rs[:, None] == CHUNK - 1, G, 0.0), axis=0)
-        return q, k, b, G, G_last, offs, mask
+        G_last = tl.sum(tl.where(tl.arange(0, CHUNK)[:, None] == CHUNK - 1, G, 0.0), axis=0)
+        return q.to(tl.float32) * scale, k, b, G, G_last, offs, mask
 
     @triton.jit
-    def _gdn2_chunk_load_v(ptr, bi, c, hi, T, H, V, vs, CHUNK: tl.constexpr):
-        pos = c * CHUNK + tl.arange(0, CHUNK)
-        offs = ((bi * T + pos[:, None]).to(tl.int64) * H + hi) * V + vs[None, :]
-        mask = (pos[:, None] < T) & (vs[None, :] < V)
-        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32), offs, mask
+    def _gdn2_chunk_offsets(bi, c, hi, H, n_chunks, rows, cols, n_rows, n_cols):
+        # offsets of a [rows, cols] tile in a [B, N, H, n_rows, n_cols] per-chunk tensor (Ainv, Aqk, S, dS')
+        return ((bi * n_chunks + c) * H + hi).to(tl.int64) * n_rows * n_cols + rows[:, None] * n_cols + cols[None, :]
 
     @triton.jit
     def _gdn2_chunk_pair_decay(G, CHUNK: tl.constexpr):
@@ -1821,9 +1878,10 @@ if HAS_TRITON:
         return tl.exp(tl.where((rs[:, None] > rs[None, :])[:, :, None], G[:, None, :] - G[None, :, :], -float("inf")))
 
     @triton.jit
-    def _gdn2_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, Aqk_ptr, Y_ptr, U0_ptr,
-                                 scale, T, H, K, V, n_chunks, CHUNK: tl.constexpr, BLOCK_KP: tl.constexpr,
-                                 BLOCK_V: tl.constexpr):
+    def _gdn2_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, Aqk_ptr, Y_ptr, U0_ptr, q_in_ptr,
+                                 k_out_ptr, decay_ptr, scale, T, H, K, V, n_chunks, CHUNK: tl.constexpr,
+                                 BLOCK_KP: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_V: tl.constexpr,
+                                 DOT: tl.constexpr):
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, CHUNK)
@@ -1843,138 +1901,181 @@ if HAS_TRITON:
             L_r = tl.sum(tl.where(rs[:, None] == r, L, 0.0), axis=0)
             row = tl.where(rs == r, 1.0, 0.0) - tl.sum(L_r[:, None] * Ainv, axis=0)
             Ainv = tl.where(rs[:, None] == r, row[None, :], Ainv)
-        cc_offs = (pid_bc * H + hi).to(tl.int64) * CHUNK * CHUNK + rs[:, None] * CHUNK + rs[None, :]
+        cc_offs = _gdn2_chunk_offsets(bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK)
         tl.store(Ainv_ptr + cc_offs, Ainv)
         tl.store(Aqk_ptr + cc_offs, Aqk)
-        for k0 in range(0, K, BLOCK_KP):
+        for k0 in range(0, K, BLOCK_KS):
             q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H,
-                                                                     K, k0, CHUNK, BLOCK_KP)
-            tl.store(Y_ptr + k_offs, tl.dot(Ainv, tl.exp(G) * b * k, input_precision="ieee"), mask=k_mask)
+                                                                     K, k0, CHUNK, BLOCK_KS)
+            tl.store(Y_ptr + k_offs, _gdn2_dot(Ainv, tl.exp(G) * b * k, DOT).to(Y_ptr.dtype.element_ty), mask=k_mask)
+            tl.store(q_in_ptr + k_offs, (tl.exp(G) * q).to(q_in_ptr.dtype.element_ty), mask=k_mask)
+            tl.store(k_out_ptr + k_offs, (tl.exp(G_last[None, :] - G) * k).to(k_out_ptr.dtype.element_ty), mask=k_mask)
+            ks = k0 + tl.arange(0, BLOCK_KS)
+            tl.store(decay_ptr + (pid_bc * H + hi).to(tl.int64) * K + ks, tl.exp(G_last), mask=ks < K)
         for v0 in range(0, V, BLOCK_V):
             vs = v0 + tl.arange(0, BLOCK_V)
-            v, v_offs, v_mask = _gdn2_chunk_load_v(v_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-            w, v_offs, v_mask = _gdn2_chunk_load_v(w_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-            tl.store(U0_ptr + v_offs, tl.dot(Ainv, w * v, input_precision="ieee"), mask=v_mask)
+            v, v_offs, v_mask = _gdn2_chunk_tile(v_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            w = tl.load(w_ptr + v_offs, mask=v_mask, other=0.0).to(tl.float32)
+            tl.store(U0_ptr + v_offs, _gdn2_dot(Ainv, v.to(tl.float32) * w, DOT), mask=v_mask)
 
     @triton.jit
-    def _gdn2_chunk_fwd_state_kernel(q_ptr, k_ptr, g_ptr, b_ptr, Aqk_ptr, Y_ptr, U0_ptr, s0_ptr, o_ptr, S_in_ptr, sT_ptr,
-                                     scale, T, H, K, V, n_chunks, HAS_INITIAL: tl.constexpr, CHUNK: tl.constexpr,
-                                     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-        pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
+    def _gdn2_chunk_split(ptr, bi, c, hi, T, H, D, SPLIT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        # chunk c's rows of a [B, T, H, D] tensor as [SPLIT, CHUNK, BLOCK // SPLIT]: its D columns in SPLIT blocks
+        pos = c * CHUNK + tl.arange(0, CHUNK)[None, :, None]
+        cols = tl.arange(0, SPLIT)[:, None, None] * (BLOCK // SPLIT) + tl.arange(0, BLOCK // SPLIT)[None, None, :]
+        offs = ((bi * T + pos).to(tl.int64) * H + hi) * D + cols
+        return tl.load(ptr + offs, mask=(pos < T) & (cols < D), other=0.0)
+
+    @triton.jit
+    def _gdn2_chunk_state_kernel(Aqk_ptr, Y_ptr, U0_ptr, q_in_ptr, k_out_ptr, decay_ptr, s0_ptr, o_ptr, sT_ptr,
+                                 S_in_ptr, U_ptr, T, H, K, V, n_chunks, HAS_INITIAL: tl.constexpr,
+                                 RECOMPUTE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 SPLIT_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT: tl.constexpr):
+        # one program per (batch·head, value block), over the chunks in order, its state S [K, BLOCK_V] held as
+        # [SPLIT_K, K / SPLIT_K, BLOCK_V] so that each dot reduces over one channel block (the products over K are
+        # batched dots summed over the blocks). The forward writes O and S_T; the backward's rerun (RECOMPUTE)
+        # writes each chunk's entering state S and its corrections U instead
+        pid_bh, pid_v = tl.program_id(0), tl.program_id(1)
         bi, hi = pid_bh // H, pid_bh % H
         rs = tl.arange(0, CHUNK)
-        ks = tl.arange(0, BLOCK_K)
+        KB: tl.constexpr = BLOCK_K // SPLIT_K
+        ks = tl.arange(0, SPLIT_K)[:, None, None] * KB + tl.arange(0, KB)[None, :, None]       # [SPLIT_K, KB, 1]
         vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-        st_offs = ks[:, None] * V + vs[None, :]
-        st_mask = (ks[:, None] < K) & (vs[None, :] < V)
-        S = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
+        st_offs = ks * V + vs[None, None, :]
+        st_mask = (ks < K) & (vs[None, None, :] < V)
+        S = tl.zeros((SPLIT_K, KB, BLOCK_V), dtype=tl.float32)
         if HAS_INITIAL:
             S = tl.load(s0_ptr + pid_bh.to(tl.int64) * K * V + st_offs, mask=st_mask, other=0.0).to(tl.float32)
         for c in range(n_chunks):
-            tl.store(S_in_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V + st_offs, S, mask=st_mask)
-            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
-                                                                     0, CHUNK, BLOCK_K)
-            Y = tl.load(Y_ptr + k_offs, mask=k_mask, other=0.0)
-            U0, v_offs, v_mask = _gdn2_chunk_load_v(U0_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-            Aqk = tl.load(Aqk_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * CHUNK * CHUNK
-                          + rs[:, None] * CHUNK + rs[None, :])
-            U = U0 - tl.dot(Y, S, input_precision="ieee")
-            o = tl.dot(tl.exp(G) * q, S, input_precision="ieee") + tl.dot(Aqk, U, input_precision="ieee")
-            tl.store(o_ptr + v_offs, o.to(o_ptr.dtype.element_ty), mask=v_mask)
-            k_out = tl.exp(G_last[None, :] - G) * k
-            S = tl.exp(G_last)[:, None] * S + tl.dot(tl.trans(k_out), U, input_precision="ieee")
-        tl.store(sT_ptr + pid_bh.to(tl.int64) * K * V + st_offs, S, mask=st_mask)
+            Y = _gdn2_chunk_split(Y_ptr, bi, c, hi, T, H, K, SPLIT_K, CHUNK, BLOCK_K)
+            U0, v_offs, v_mask = _gdn2_chunk_tile(U0_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            U = U0 - tl.sum(_gdn2_dot(Y, S, DOT), axis=0)
+            if RECOMPUTE:
+                tl.store(S_in_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V + st_offs,
+                         S.to(S_in_ptr.dtype.element_ty), mask=st_mask)
+                tl.store(U_ptr + v_offs, U.to(U_ptr.dtype.element_ty), mask=v_mask)
+            else:
+                q_in = _gdn2_chunk_split(q_in_ptr, bi, c, hi, T, H, K, SPLIT_K, CHUNK, BLOCK_K)
+                Aqk = tl.load(Aqk_ptr + _gdn2_chunk_offsets(bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK))
+                o = tl.sum(_gdn2_dot(q_in, S, DOT), axis=0) + _gdn2_dot(Aqk, U, DOT)
+                tl.store(o_ptr + v_offs, o.to(o_ptr.dtype.element_ty), mask=v_mask)
+            k_out = _gdn2_chunk_split(k_out_ptr, bi, c, hi, T, H, K, SPLIT_K, CHUNK, BLOCK_K)
+            d = tl.load(decay_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * K + ks, mask=ks < K, other=0.0)
+            U_blocks = tl.broadcast_to(U[None, :, :], (SPLIT_K, CHUNK, BLOCK_V))
+            S = d * S + _gdn2_dot(tl.permute(k_out, (0, 2, 1)), U_blocks, DOT)
+        if not RECOMPUTE:
+            tl.store(sT_ptr + pid_bh.to(tl.int64) * K * V + st_offs, S, mask=st_mask)
 
     @triton.jit
-    def _gdn2_chunk_bwd_state_kernel(q_ptr, k_ptr, g_ptr, b_ptr, Aqk_ptr, Y_ptr, U0_ptr, S_in_ptr, do_ptr, dsT_ptr,
-                                     dS_next_ptr, ds0_ptr, scale, T, H, K, V, n_chunks, CHUNK: tl.constexpr,
-                                     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-        # reverse over chunks: dU = Aqkᵀ dO + K_out dS';  dS = (exp(G)⊙q̃)ᵀ dO + Diag(exp G_C) dS' − Yᵀ dU
-        pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
+    def _gdn2_chunk_bwd_state_kernel(Aqk_ptr, Y_ptr, q_in_ptr, k_out_ptr, decay_ptr, do_ptr, dsT_ptr, dS_next_ptr,
+                                     dU_ptr, ds0_ptr, T, H, K, V, n_chunks, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                                     SPLIT_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT: tl.constexpr):
+        # reverse over the chunks: dU = Aqkᵀ dO + k_out dS',  dS = q_inᵀ dO + Diag(d) dS' − Yᵀ dU, with dS' the
+        # gradient of the chunk's exit state (dS_T for the last one), held in SPLIT_K channel blocks as the state pass
+        # holds S; dS' and dU are written per chunk
+        pid_bh, pid_v = tl.program_id(0), tl.program_id(1)
         bi, hi = pid_bh // H, pid_bh % H
         rs = tl.arange(0, CHUNK)
-        ks = tl.arange(0, BLOCK_K)
+        KB: tl.constexpr = BLOCK_K // SPLIT_K
+        ks = tl.arange(0, SPLIT_K)[:, None, None] * KB + tl.arange(0, KB)[None, :, None]
         vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-        st_offs = ks[:, None] * V + vs[None, :]
-        st_mask = (ks[:, None] < K) & (vs[None, :] < V)
+        st_offs = ks * V + vs[None, None, :]
+        st_mask = (ks < K) & (vs[None, None, :] < V)
         dS = tl.load(dsT_ptr + pid_bh.to(tl.int64) * K * V + st_offs, mask=st_mask, other=0.0).to(tl.float32)
         for cc in range(n_chunks):
             c = n_chunks - 1 - cc
-            chunk_st = ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V + st_offs
-            tl.store(dS_next_ptr + chunk_st, dS, mask=st_mask)
-            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
-                                                                     0, CHUNK, BLOCK_K)
-            Y = tl.load(Y_ptr + k_offs, mask=k_mask, other=0.0)
-            dO, v_offs, v_mask = _gdn2_chunk_load_v(do_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-            Aqk = tl.load(Aqk_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * CHUNK * CHUNK
-                          + rs[:, None] * CHUNK + rs[None, :])
-            k_out = tl.exp(G_last[None, :] - G) * k
-            dU = tl.dot(tl.trans(Aqk), dO, input_precision="ieee") + tl.dot(k_out, dS, input_precision="ieee")
-            dS = (tl.dot(tl.trans(tl.exp(G) * q), dO, input_precision="ieee") + tl.exp(G_last)[:, None] * dS
-                  - tl.dot(tl.trans(Y), dU, input_precision="ieee"))
+            chunk = ((bi * n_chunks + c) * H + hi).to(tl.int64)
+            tl.store(dS_next_ptr + chunk * K * V + st_offs, dS.to(dS_next_ptr.dtype.element_ty), mask=st_mask)
+            dO, v_offs, v_mask = _gdn2_chunk_tile(do_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            k_out = _gdn2_chunk_split(k_out_ptr, bi, c, hi, T, H, K, SPLIT_K, CHUNK, BLOCK_K)
+            Aqk = tl.load(Aqk_ptr + _gdn2_chunk_offsets(bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK))
+            dU = _gdn2_dot(tl.trans(Aqk), dO, DOT) + tl.sum(_gdn2_dot(k_out, dS, DOT), axis=0)
+            tl.store(dU_ptr + v_offs, dU.to(dU_ptr.dtype.element_ty), mask=v_mask)
+            q_in = _gdn2_chunk_split(q_in_ptr, bi, c, hi, T, H, K, SPLIT_K, CHUNK, BLOCK_K)
+            Y = _gdn2_chunk_split(Y_ptr, bi, c, hi, T, H, K, SPLIT_K, CHUNK, BLOCK_K)
+            d = tl.load(decay_ptr + chunk * K + ks, mask=ks < K, other=0.0)
+            dO_blocks = tl.broadcast_to(dO[None, :, :], (SPLIT_K, CHUNK, BLOCK_V))
+            dU_blocks = tl.broadcast_to(dU[None, :, :], (SPLIT_K, CHUNK, BLOCK_V))
+            dS = (_gdn2_dot(tl.permute(q_in, (0, 2, 1)), dO_blocks, DOT) + d * dS
+                  - _gdn2_dot(tl.permute(Y, (0, 2, 1)), dU_blocks, DOT))
         tl.store(ds0_ptr + pid_bh.to(tl.int64) * K * V + st_offs, dS, mask=st_mask)
 
     @triton.jit
-    def _gdn2_chunk_bwd_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, Aqk_ptr, Y_ptr, U0_ptr, S_in_ptr,
-                                     dS_next_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, db_ptr, dw_ptr, dG_ptr, scale, T, H, K, V,
-                                     n_chunks, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KP: tl.constexpr,
-                                     BLOCK_V: tl.constexpr):
-        # one program per (batch·chunk, head). Pass 1 walks V in blocks for the matmul terms (whole K), parked in
-        # dq, dk, db; pass 2 walks K in blocks for the pair-weight terms. dG is ∂L/∂G_t of the gauge identity.
+    def _gdn2_chunk_bwd_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, S_in_ptr, U_ptr, dS_next_ptr,
+                                     dU_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, db_ptr, dw_ptr, dG_ptr, dL_ptr, dAqk_ptr,
+                                     scale, T, H, K, V, n_chunks, CHUNK: tl.constexpr, BLOCK_KS: tl.constexpr,
+                                     BLOCK_V: tl.constexpr, DOT: tl.constexpr):
+        # one program per (batch·chunk, head), all but the pair weights. Pass 1 walks V for dAqk = dO Uᵀ, dU Zᵀ and
+        # dZ = Ainvᵀ dU (dv, dw); pass 2 walks K in blocks, each over V, for the operands' terms dO Sᵀ, U dS'ᵀ and
+        # dY = −dU Sᵀ, parked in dq, dk, db (as de), dG; then dL = −Ainvᵀ (dU Zᵀ + dY (exp(G)⊙e)ᵀ) Ainvᵀ. Ainv is
+        # reloaded where used (kept live across the passes, it spilled registers at chunk 32)
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, CHUNK)
-        ks = tl.arange(0, BLOCK_K)
-        q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
-                                                                 0, CHUNK, BLOCK_K)
-        cc_offs = (pid_bc * H + hi).to(tl.int64) * CHUNK * CHUNK + rs[:, None] * CHUNK + rs[None, :]
-        Ainv = tl.load(Ainv_ptr + cc_offs)
-        Aqk = tl.load(Aqk_ptr + cc_offs)
-        Y = tl.load(Y_ptr + k_offs, mask=k_mask, other=0.0)
-        decay_out = tl.exp(G_last[None, :] - G)
-        k_out = decay_out * k
-        AinvT = tl.trans(Ainv)
+        cc_offs = _gdn2_chunk_offsets(bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK)
         dAqk = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
-        dZ_Zt = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)                  # Σ_v dU Zᵀ, part of dAinv
-        dq_state = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)             # dO Sᵀ
-        dk_state = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)             # U dS_nextᵀ
-        dY = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)                   # −dU Sᵀ
-        st_base = ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V
+        dAinv = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)               # dU Zᵀ + dY (exp(G)⊙e)ᵀ
         for v0 in range(0, V, BLOCK_V):
-            vs = v0 + tl.arange(0, BLOCK_V)
-            st_offs = st_base + ks[:, None] * V + vs[None, :]
-            st_mask = (ks[:, None] < K) & (vs[None, :] < V)
-            S = tl.load(S_in_ptr + st_offs, mask=st_mask, other=0.0)
-            dSn = tl.load(dS_next_ptr + st_offs, mask=st_mask, other=0.0)
-            v, v_offs, v_mask = _gdn2_chunk_load_v(v_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-            w, v_offs, v_mask = _gdn2_chunk_load_v(w_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-            dO, v_offs, v_mask = _gdn2_chunk_load_v(do_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-            U0, v_offs, v_mask = _gdn2_chunk_load_v(U0_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-            U = U0 - tl.dot(Y, S, input_precision="ieee")
-            dU = tl.dot(tl.trans(Aqk), dO, input_precision="ieee") + tl.dot(k_out, dSn, input_precision="ieee")
-            dAqk += tl.dot(dO, tl.trans(U), input_precision="ieee")
-            dZ_Zt += tl.dot(dU, tl.trans(w * v), input_precision="ieee")
-            dq_state += tl.dot(dO, tl.trans(S), input_precision="ieee")
-            dk_state += tl.dot(U, tl.trans(dSn), input_precision="ieee")
-            dY -= tl.dot(dU, tl.trans(S), input_precision="ieee")
-            dZ = tl.dot(AinvT, dU, input_precision="ieee")
+            dO, v_offs, v_mask = _gdn2_chunk_tile(do_ptr, bi, c, hi, T, H, V, v0 + tl.arange(0, BLOCK_V), CHUNK)
+            U = tl.load(U_ptr + v_offs, mask=v_mask, other=0.0)
+            dU = tl.load(dU_ptr + v_offs, mask=v_mask, other=0.0)
+            v = tl.load(v_ptr + v_offs, mask=v_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + v_offs, mask=v_mask, other=0.0).to(tl.float32)
+            dAqk += _gdn2_dot(dO, tl.trans(U), DOT)
+            dAinv += _gdn2_dot(dU, tl.trans(w * v), DOT)
+            dZ = _gdn2_dot(tl.trans(tl.load(Ainv_ptr + cc_offs)), dU, DOT)
             tl.store(dv_ptr + v_offs, dZ * w, mask=v_mask)
             tl.store(dw_ptr + v_offs, dZ * v, mask=v_mask)
-        dAinv = dZ_Zt + tl.dot(dY, tl.trans(tl.exp(G) * b * k), input_precision="ieee")
-        dL = -tl.dot(tl.dot(AinvT, dAinv, input_precision="ieee"), AinvT, input_precision="ieee")
-        dL = tl.where(rs[:, None] > rs[None, :], dL, 0.0)
+        for k0 in range(0, K, BLOCK_KS):
+            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H,
+                                                                     K, k0, CHUNK, BLOCK_KS)
+            ks = k0 + tl.arange(0, BLOCK_KS)
+            dq_state = tl.zeros((CHUNK, BLOCK_KS), dtype=tl.float32)    # dO Sᵀ
+            dk_state = tl.zeros((CHUNK, BLOCK_KS), dtype=tl.float32)    # U dS'ᵀ
+            dY = tl.zeros((CHUNK, BLOCK_KS), dtype=tl.float32)          # −dU Sᵀ
+            for v0 in range(0, V, BLOCK_V):
+                vs = v0 + tl.arange(0, BLOCK_V)
+                st_offs = _gdn2_chunk_offsets(bi, c, hi, H, n_chunks, ks, vs, K, V)
+                st_mask = (ks[:, None] < K) & (vs[None, :] < V)
+                S = tl.load(S_in_ptr + st_offs, mask=st_mask, other=0.0)
+                dSn = tl.load(dS_next_ptr + st_offs, mask=st_mask, other=0.0)
+                dO, v_offs, v_mask = _gdn2_chunk_tile(do_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+                U = tl.load(U_ptr + v_offs, mask=v_mask, other=0.0)
+                dU = tl.load(dU_ptr + v_offs, mask=v_mask, other=0.0)
+                dq_state += _gdn2_dot(dO, tl.trans(S), DOT)
+                dk_state += _gdn2_dot(U, tl.trans(dSn), DOT)
+                dY -= _gdn2_dot(dU, tl.trans(S), DOT)
+            decay_out = tl.exp(G_last[None, :] - G)
+            dAinv += _gdn2_dot(dY, tl.trans(tl.exp(G) * b * k), DOT)
+            tl.store(dq_ptr + k_offs, tl.exp(G) * dq_state, mask=k_mask)
+            tl.store(dk_ptr + k_offs, decay_out * dk_state, mask=k_mask)
+            # the gauge's share of the state term, but none in the last chunk: its writes cancel the end-state term,
+            # which the wrapper adds without them
+            tl.store(dG_ptr + k_offs, tl.where(c == n_chunks - 1, 0.0, -k * decay_out * dk_state), mask=k_mask)
+            de = _gdn2_dot(tl.trans(tl.load(Ainv_ptr + cc_offs)), dY, DOT)    # dẼ = Ainvᵀ dY, de = exp(G)⊙dẼ
+            tl.store(db_ptr + k_offs, tl.exp(G) * de, mask=k_mask)
+        AinvT = tl.trans(tl.load(Ainv_ptr + cc_offs))
+        dL = -_gdn2_dot(_gdn2_dot(AinvT, dAinv, DOT), AinvT, DOT)
+        tl.store(dL_ptr + cc_offs, tl.where(rs[:, None] > rs[None, :], dL, 0.0))
+        tl.store(dAqk_ptr + cc_offs, dAqk)
+
+    @triton.jit
+    def _gdn2_chunk_bwd_pairs_kernel(q_ptr, k_ptr, g_ptr, b_ptr, dL_ptr, dAqk_ptr, dq_ptr, dk_ptr, db_ptr, dG_ptr,
+                                     scale, T, H, K, n_chunks, CHUNK: tl.constexpr, BLOCK_KP: tl.constexpr):
+        # the pair weights' terms per channel block, P_rsd = exp(G_rd − G_sd) for s < r (the intra kernel's L, Aqk):
+        #   dq̃_r += Σ_s dAqk_rs k_s P_rs,  de_r += Σ_s dL_rs k_s P_rs,  dk_s += Σ_r (dL_rs e_r + dAqk_rs q̃_r) P_rs,
+        # added to the terms parked in dq, dk, db (as de) and dG; then dq = scale·dq̃, db = k⊙de
+        pid_bc, hi = tl.program_id(0), tl.program_id(1)
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        rs = tl.arange(0, CHUNK)
+        cc_offs = _gdn2_chunk_offsets(bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK)
+        dL = tl.load(dL_ptr + cc_offs)
+        dAqk = tl.load(dAqk_ptr + cc_offs)
         dAqk_diag = tl.sum(tl.where(rs[:, None] == rs[None, :], dAqk, 0.0), axis=1)
         dAqk = tl.where(rs[:, None] > rs[None, :], dAqk, 0.0)
-        tl.store(dq_ptr + k_offs, tl.exp(G) * dq_state, mask=k_mask)
-        tl.store(dk_ptr + k_offs, decay_out * dk_state, mask=k_mask)
-        # the gauge's share of the state term, but none in the last chunk: its writes cancel the end-state term,
-        # which the wrapper adds without them
-        tl.store(dG_ptr + k_offs, tl.where(c == n_chunks - 1, 0.0, -k * decay_out * dk_state), mask=k_mask)
-        tl.store(db_ptr + k_offs, tl.exp(G) * tl.dot(AinvT, dY, input_precision="ieee"), mask=k_mask)
-        tl.debug_barrier()  # pass 2 reads the three parked tiles back, possibly in other threads
         for k0 in range(0, K, BLOCK_KP):
-            qb, kb, bb, Gb, Gb_last, offs, mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H,
-                                                                      K, k0, CHUNK, BLOCK_KP)
+            qb, kb, bb, Gb, _, offs, mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
+                                                                k0, CHUNK, BLOCK_KP)
             eb = bb * kb
             P = _gdn2_chunk_pair_decay(Gb, CHUNK)
             dq = tl.load(dq_ptr + offs, mask=mask, other=0.0) + tl.sum(dAqk[:, :, None] * kb[None, :, :] * P, axis=1)
@@ -1989,113 +2090,146 @@ if HAS_TRITON:
             tl.store(db_ptr + offs, kb * de, mask=mask)
 
 
-def _gdn2_chunk_blocks(K, V, chunk):
-    """(BLOCK_K, BLOCK_KP, BLOCK_V) of the chunked kernels: the whole head for the [C, K] tiles (tl.dot wants ≥ 16),
-    the pair tiles [C, C, BLOCK_KP] held near 8K elements, and value blocks of 32 columns. The kernels that loop
-    over chunks or value blocks launch with num_stages=1: software pipelining of their [K, 32] state tiles took
-    86 KB (state passes) and 104 KB (backward intra) of shared memory at K = 128, over sm_86/89's 99 KB."""
+def _gdn2_dot_kind(x):
+    """The chunked kernels' dot operands for inputs like x: bf16 for 16-bit inputs; for fp32 ones TF32 where torch
+    allows it for fp32 matmuls (torch.set_float32_matmul_precision("high")), else 3xTF32, near fp32's accuracy on
+    tensor cores (IEEE fp32 dots run on CUDA cores with whole operand rows in registers: they spilled at head dim
+    128)."""
+    if x.dtype != torch.float32:
+        return "bf16"
+    return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def _gdn2_chunk_blocks(K, chunk):
+    """Launch parameters of the chunked kernels, none of which spills registers on sm_80 / sm_90 at head sizes 32 to
+    128 and chunks 16 and 32, with bf16, TF32 or 3xTF32 dots (the ahead-of-time test compiles them all). The state
+    passes hold their [K, BLOCK_V] tile as K/16 blocks of 16 channels, one small dot each: one dot over all of K keeps
+    the whole [C, K] operand in every warp's registers. The pair tiles [C, C, BLOCK_KP] hold about 8K elements.
+    Kernels that loop launch with num_stages=1: software pipelining of their tiles costs shared memory, saves little."""
     block_k = max(16, triton.next_power_of_2(K))
-    return block_k, min(block_k, max(1, 8192 // (chunk * chunk))), min(32, max(16, triton.next_power_of_2(V)))
+    return dict(
+        intra=dict(CHUNK=chunk, BLOCK_KP=min(block_k, 8192 // chunk ** 2), BLOCK_KS=min(block_k, 32), BLOCK_V=32,
+                   num_warps=4 if chunk == 16 else 8, num_stages=1),
+        state=dict(CHUNK=chunk, BLOCK_K=block_k, SPLIT_K=block_k // 16, BLOCK_V=32 if chunk == 16 else 16, num_warps=8,
+                   num_stages=1),
+        bwd_intra=dict(CHUNK=chunk, BLOCK_KS=16, BLOCK_V=16, num_warps=8, num_stages=1),
+        bwd_pairs=dict(CHUNK=chunk, BLOCK_KP=min(block_k, 8192 // chunk ** 2), num_warps=8, num_stages=1))
 
 
 GDN2_TRITON_CHUNKS = (16, 32)   # the chunk sizes the Triton path compiles for (longer chunks exceed shared memory)
 
 
+def _gdn2_chunk_intra(q, k, v, g, b, w, scale, chunk, dot):
+    """The intra kernel's per-chunk quantities (Ainv, Aqk, Y, U0, q_in, k_out, d): the dots' operands Y, q_in, k_out
+    in their dtype, the rest in fp32."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = triton.cdiv(T, chunk)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    operand = dict(device=q.device, dtype=torch.bfloat16 if dot == "bf16" else torch.float32)
+    Ainv, Aqk = torch.empty(B, N, H, chunk, chunk, **f32), torch.empty(B, N, H, chunk, chunk, **f32)
+    Y, q_in, k_out = (torch.empty(B, T, H, K, **operand) for _ in range(3))
+    U0, decay = torch.empty(B, T, H, V, **f32), torch.empty(B, N, H, K, **f32)
+    _gdn2_chunk_intra_kernel[(B * N, H)](q, k, g, b, v, w, Ainv, Aqk, Y, U0, q_in, k_out, decay, scale, T, H, K, V, N,
+                                         DOT=dot, **_gdn2_chunk_blocks(K, chunk)["intra"])
+    return Ainv, Aqk, Y, U0, q_in, k_out, decay
+
+
 @torch.library.custom_op("specgpt::gdn2_chunked_fwd", mutates_args=())
 def _gdn2_chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
-                      w: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor], chunk: int) -> tuple[
-                          torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(o, S_T, Ainv, Aqk, Y, U0, S_in): the chunk quantities after o and S_T are kept for the backward."""
+                      w: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor],
+                      chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, S_T). Nothing else is kept: the backward recomputes the chunks' quantities and states."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
-    N = triton.cdiv(T, chunk)
-    block_k, block_kp, bv = _gdn2_chunk_blocks(K, V, chunk)
-    f32 = dict(device=q.device, dtype=torch.float32)
-    Ainv = torch.empty(B, N, H, chunk, chunk, **f32)
-    Aqk = torch.empty(B, N, H, chunk, chunk, **f32)
-    Y, U0 = torch.empty(B, T, H, K, **f32), torch.empty(B, T, H, V, **f32)
-    _gdn2_chunk_intra_kernel[(B * N, H)](q, k, g, b, v, w, Ainv, Aqk, Y, U0, scale, T, H, K, V, N,
-                                         CHUNK=chunk, BLOCK_KP=block_kp, BLOCK_V=bv, num_warps=8)
+    dot = _gdn2_dot_kind(q)
+    Ainv, Aqk, Y, U0, q_in, k_out, decay = _gdn2_chunk_intra(q, k, v, g, b, w, scale, chunk, dot)
+    state = _gdn2_chunk_blocks(K, chunk)["state"]
     o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
-    S_in = torch.empty(B, N, H, K, V, **f32)
-    S_T = torch.empty(B, H, K, V, **f32)
+    S_T = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
     s0 = initial_state.contiguous() if initial_state is not None else S_T
-    _gdn2_chunk_fwd_state_kernel[(triton.cdiv(V, bv), B * H)](
-        q, k, g, b, Aqk, Y, U0, s0, o, S_in, S_T, scale, T, H, K, V, N, HAS_INITIAL=initial_state is not None,
-        CHUNK=chunk, BLOCK_K=block_k, BLOCK_V=bv, num_stages=1)
-    return o, S_T, Ainv, Aqk, Y, U0, S_in
+    _gdn2_chunk_state_kernel[(B * H, triton.cdiv(V, state["BLOCK_V"]))](
+        Aqk, Y, U0, q_in, k_out, decay, s0, o, S_T, S_T, U0, T, H, K, V, triton.cdiv(T, chunk),
+        HAS_INITIAL=initial_state is not None, RECOMPUTE=False, DOT=dot, **state)
+    return o, S_T
 
 
 @_gdn2_chunked_fwd.register_fake
 def _(q, k, v, g, b, w, scale, initial_state, chunk):
     B, T, H, K = q.shape
     V = v.shape[-1]
-    N = -(-T // chunk)
-    f32 = dict(dtype=torch.float32)
-    return (q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, **f32), q.new_empty(B, N, H, chunk, chunk, **f32),
-            q.new_empty(B, N, H, chunk, chunk, **f32), q.new_empty(B, T, H, K, **f32),
-            q.new_empty(B, T, H, V, **f32), q.new_empty(B, N, H, K, V, **f32))
+    return q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=torch.float32)
 
 
 @torch.library.custom_op("specgpt::gdn2_chunked_bwd", mutates_args=())
 def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      g: torch.Tensor, b: torch.Tensor, w: torch.Tensor, Ainv: torch.Tensor, Aqk: torch.Tensor,
-                      Y: torch.Tensor, U0: torch.Tensor, S_in: torch.Tensor, S_T: torch.Tensor, scale: float,
-                      chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                           torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dg, db, dw, d initial_state)."""
+                      g: torch.Tensor, b: torch.Tensor, w: torch.Tensor, initial_state: Optional[torch.Tensor],
+                      scale: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dg, db, dw, d initial_state): the intra kernel and the state pass rerun (writing each chunk's
+    entering state S and U), then the reverse state pass, the per-chunk backward and the pair weights' backward."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
     N = triton.cdiv(T, chunk)
-    block_k, block_kp, bv = _gdn2_chunk_blocks(K, V, chunk)
+    dot = _gdn2_dot_kind(q)
+    blocks = _gdn2_chunk_blocks(K, chunk)
+    Ainv, Aqk, Y, U0, q_in, k_out, decay = _gdn2_chunk_intra(q, k, v, g, b, w, scale, chunk, dot)
+    grid = (B * H, triton.cdiv(V, blocks["state"]["BLOCK_V"]))
     f32 = dict(device=q.device, dtype=torch.float32)
-    do = do.contiguous()
-    dS_T = dS_T.contiguous()
-    dS_next = torch.empty(B, N, H, K, V, **f32)
+    operand = dict(device=q.device, dtype=Y.dtype)
+    S_in, U = torch.empty(B, N, H, K, V, **operand), torch.empty(B, T, H, V, **operand)
+    s0 = initial_state.contiguous() if initial_state is not None else S_in
+    _gdn2_chunk_state_kernel[grid](Aqk, Y, U0, q_in, k_out, decay, s0, U0, U0, S_in, U, T, H, K, V, N,
+                                   HAS_INITIAL=initial_state is not None, RECOMPUTE=True, DOT=dot, **blocks["state"])
+    do, dS_T = do.contiguous(), dS_T.contiguous()
+    dS_next, dU = torch.empty(B, N, H, K, V, **operand), torch.empty(B, T, H, V, **operand)
     ds0 = torch.empty(B, H, K, V, **f32)
-    _gdn2_chunk_bwd_state_kernel[(triton.cdiv(V, bv), B * H)](
-        q, k, g, b, Aqk, Y, U0, S_in, do, dS_T, dS_next, ds0, scale, T, H, K, V, N,
-        CHUNK=chunk, BLOCK_K=block_k, BLOCK_V=bv, num_stages=1)
+    _gdn2_chunk_bwd_state_kernel[grid](Aqk, Y, q_in, k_out, decay, do, dS_T, dS_next, dU, ds0, T, H, K, V, N, DOT=dot,
+                                       **blocks["state"])
     dq, dk, db, dG = (torch.empty(B, T, H, K, **f32) for _ in range(4))
     dv, dw = torch.empty(B, T, H, V, **f32), torch.empty(B, T, H, V, **f32)
+    dL, dAqk = torch.empty_like(Ainv), torch.empty_like(Ainv)
     _gdn2_chunk_bwd_intra_kernel[(B * N, H)](
-        q, k, g, b, v, w, Ainv, Aqk, Y, U0, S_in, dS_next, do, dq, dk, dv, db, dw, dG, scale, T, H, K, V, N,
-        CHUNK=chunk, BLOCK_K=block_k, BLOCK_KP=block_kp, BLOCK_V=bv, num_warps=8, num_stages=1)
+        q, k, g, b, v, w, Ainv, S_in, U, dS_next, dU, do, dq, dk, dv, db, dw, dG, dL, dAqk, scale, T, H, K, V, N,
+        DOT=dot, **blocks["bwd_intra"])
+    _gdn2_chunk_bwd_pairs_kernel[(B * N, H)](q, k, g, b, dL, dAqk, dq, dk, db, dG, scale, T, H, K, N,
+                                             **blocks["bwd_pairs"])
     # The end-state term Σ_v dS_T⊙S_T of the gauge identity, split as S_T = Diag(exp G_C) S_in + Σ_s k_out,s u_sᵀ
     # over the last chunk (whose k⊙dk state shares the kernel left out): the first part reaches every token's
     # dg, the write of token s only the dg of the tokens after it. Written out, it would cancel those writes.
     start = (N - 1) * chunk
     g_last = g[:, start:].float()
     later = F.pad(g_last.flip(1).cumsum(1).flip(1)[:, 1:], (0, 0, 0, 0, 0, 1))   # G_C − G_s, from the later g
-    U = U0[:, start:] - torch.einsum("bshk,bhkv->bshv", Y[:, start:], S_in[:, -1])
-    writes = torch.einsum("bhkv,bshv->bshk", dS_T, U) * later.exp() * k[:, start:].float()
+    writes = torch.einsum("bhkv,bshv->bshk", dS_T, U[:, start:].float()) * later.exp() * k[:, start:].float()
     dg = dG.flip(1).cumsum(1).flip(1)
-    dg += (dS_T * S_in[:, -1]).sum(-1)[:, None] * g_last.sum(1, keepdim=True).exp()
+    dg += (dS_T * S_in[:, -1].float()).sum(-1)[:, None] * g_last.sum(1, keepdim=True).exp()
     dg[:, start + 1:] += writes.cumsum(1)[:, :-1]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(b.dtype), dw.to(w.dtype), ds0
 
 
 @_gdn2_chunked_bwd.register_fake
-def _(do, dS_T, q, k, v, g, b, w, Ainv, Aqk, Y, U0, S_in, S_T, scale, chunk):
-    return (*(t.new_empty(t.shape) for t in (q, k, v, g, b, w)), S_T.new_empty(S_T.shape))
+def _(do, dS_T, q, k, v, g, b, w, initial_state, scale, chunk):
+    return (*(t.new_empty(t.shape) for t in (q, k, v, g, b, w)), dS_T.new_empty(dS_T.shape, dtype=torch.float32))
 
 
 def _gdn2_chunked_setup(ctx, inputs, output):
     q, k, v, g, b, w, ctx.scale, initial_state, ctx.chunk = inputs
-    o, S_T, *kept = output
-    ctx.save_for_backward(q, k, v, g, b, w, *kept, S_T)
-    ctx.mark_non_differentiable(*kept)
+    ctx.save_for_backward(q, k, v, g, b, w, initial_state)
     ctx.has_initial = initial_state is not None
 
 
-def _gdn2_chunked_backward(ctx, do, dS_T, *d_kept):
+def _gdn2_chunked_backward(ctx, do, dS_T):
     *grads, ds0 = _gdn2_chunked_bwd(do, dS_T, *ctx.saved_tensors, ctx.scale, ctx.chunk)
     return *grads, None, ds0 if ctx.has_initial else None, None
 
 
 _gdn2_chunked_fwd.register_autograd(_gdn2_chunked_backward, setup_context=_gdn2_chunked_setup)
+
+
+# the recurrence's forward ops, whose outputs GatedDelta's selective checkpointing keeps (all else is recomputed)
+GDN2_TRITON_FORWARDS = (torch.ops.specgpt.gdn2_chunked_fwd.default, torch.ops.specgpt.gdn2_recurrent_fwd.default)
 
 
 def gdn2_recurrent_triton(q, k, v, g, b, w, scale=None, initial_state=None):

@@ -10,6 +10,7 @@ G = the gated delta family (DeltaNet / GDN / KDA / Gated DeltaNet-2), M = Mamba2
 residuals replace `x + F(norm(x))` by a mix of n parallel streams (see HyperConnection below).
 The ops with fast paths (RMSNorm, RoPE, the linear recurrences) come from kernels.py.
 """
+import functools
 import itertools
 import math
 from dataclasses import dataclass, fields
@@ -17,6 +18,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import kernels
 from init import SCHEMES, init_weights
@@ -347,6 +349,19 @@ def conv_silu(conv, x, cache=None, key="conv"):
     return F.silu(causal_conv(conv, x, cache, key)) if cache is not None else ConvSiLU.apply(x, conv.weight, conv.bias)
 
 
+def unit_norm(x, eps=1e-12):
+    """x / max(‖x‖, eps) over the last dim (F.normalize), in x's dtype with the norm taken in fp32: under CUDA autocast
+    F.normalize would return fp32."""
+    return x / torch.linalg.vector_norm(x.float(), dim=-1, keepdim=True).clamp_min(eps).to(x.dtype)
+
+
+def keep_only(*ops):
+    """context_fn for torch.utils.checkpoint: keep the outputs of ops, recompute everything else in the backward."""
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
 class GatedDelta(nn.Module):
     """Gated delta rule; per head a state S ∈ R^{dk×dv}, read o_t = S_tᵀ q_t / sqrt(dk):
         S_t = (I − k_t (b_t⊙k_t)ᵀ) Diag(exp g_t) S_{t−1} + k_t (w_t⊙v_t)ᵀ,   y = W_o (RMSNorm(o) ⊙ SiLU(W_gate x))
@@ -402,16 +417,17 @@ class GatedDelta(nn.Module):
     def recurrence_inputs(self, x):
         """q, k, v, g, b, w exactly as the recurrence gets them (g after the clip), broadcast to
         [B,T,H,dk] (q, k, g, b) and [B,T,H,dv] (v, w)."""
-        return self.project(x)[0]
+        return self.project(self.in_proj(x))[0]
 
-    def project(self, x, cache=None):
-        """(q, k, v, g, b, w) as recurrence_inputs returns them, and the output gate's logits W_gate x."""
-        B, T, _ = x.shape
+    def project(self, mixed, cache=None):
+        """(q, k, v, g, b, w) as recurrence_inputs returns them, and the output gate's logits W_gate x, from in_proj's
+        output."""
+        B, T, _ = mixed.shape
         H, dk, dv = self.n_head, self.head_k, self.head_v
-        qkv, gate, erase, write, decay = self.in_proj(x).split(self.in_splits, dim=-1)
+        qkv, gate, erase, write, decay = mixed.split(self.in_splits, dim=-1)
         qkv = F.silu(causal_conv(self.conv, qkv, cache))
         qk, v = qkv.split([2 * H * dk, H * dv], dim=-1)
-        q, k = F.normalize(qk.view(B, T, 2 * H, dk), dim=-1).split(H, dim=2)
+        q, k = unit_norm(qk.view(B, T, 2 * H, dk)).split(H, dim=2)
         v = v.view(B, T, H, dv)
         if self.variant == "gdn2":  # g and b = σ(W_b x) in one fused op, with the clip
             log_decay, erase_gate = kernels.gdn2_gates(decay.view(B, T, H, dk), erase.view(B, T, H, dk), k,
@@ -420,7 +436,7 @@ class GatedDelta(nn.Module):
             write_gate = torch.sigmoid(write).view(B, T, H, dv)
         else:
             if self.variant == "deltanet":
-                log_decay = x.new_zeros(B, T, H, 1, dtype=torch.float32)
+                log_decay = mixed.new_zeros(B, T, H, 1, dtype=torch.float32)
             else:
                 log_decay = kernels.gdn_log_decay(decay.view(B, T, H, -1), self.A_log, self.dt_bias)
             beta = torch.sigmoid(erase).view(B, T, H, 1)
@@ -428,16 +444,28 @@ class GatedDelta(nn.Module):
             erase_gate, write_gate = beta.expand(B, T, H, dk), beta.expand(B, T, H, dv)
         return (q, k, v, log_decay, erase_gate, write_gate), gate
 
-    def forward(self, x, rope, cache=None):
-        B, T, _ = x.shape
-        (q, k, v, log_decay, erase_gate, write_gate), gate = self.project(x, cache)
+    def mix(self, mixed, cache=None):
+        """From in_proj's output to out_proj's input: the recurrence, then RMSNorm(o) ⊙ SiLU(W_gate x)."""
+        B, T, _ = mixed.shape
+        (q, k, v, log_decay, erase_gate, write_gate), gate = self.project(mixed, cache)
         o, state = kernels.gdn2(q, k, v, log_decay, erase_gate, write_gate, scale=self.head_k ** -0.5,
                                 initial_state=None if cache is None else cache.get("state"),
                                 chunk_size=self.chunk_size, kernels=self.kernels_path)
         if cache is not None:
             cache["state"] = state
         o = self.o_norm(o) * F.silu(gate).view(B, T, self.n_head, self.head_v)
-        return self.out_proj(o.reshape(B, T, self.n_head * self.head_v))
+        return o.reshape(B, T, self.n_head * self.head_v)
+
+    def forward(self, x, rope, cache=None):
+        mixed = self.in_proj(x)
+        if torch.is_grad_enabled() and kernels.gdn2_uses_triton(x, self.kernels_path):
+            # autograd keeps in_proj's output and the recurrence's: the convolution, the norms, the gates and the
+            # output gating (element-wise work) are recomputed in the backward, whose Triton kernels rerun the
+            # recurrence's chunks anyway. The CPU's torch path keeps them: there time binds, not memory
+            y = checkpoint(self.mix, mixed, use_reentrant=False, context_fn=keep_only(*kernels.GDN2_TRITON_FORWARDS))
+        else:
+            y = self.mix(mixed, cache)
+        return self.out_proj(y)
 
     def extra_flops_per_token(self, T):
         """The chunked algorithm (chunk c) per head and token, forward: the in-chunk pair weights of

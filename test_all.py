@@ -718,25 +718,40 @@ def _kernels_check_chunked_vs_ref(op, inputs, initial_state, chunk, names):
         assert rel_err(gt, gr) < 5e-3, name
 
 
-def test_kernels_gdn2_exact_pair_weights_match_pairwise_sum():
+@pytest.mark.parametrize("C", [8, 16, 64])
+@pytest.mark.parametrize("per_token", [0.05, 60.0])
+def test_kernels_gdn2_pair_weights_match_pairwise_sum(C, per_token):
+    # W_rs = Σ_d x_rd k_sd exp(G_rd − G_sd), s < r, against the pairwise sum in float64, values and the gradients of
+    # G, x, k: mild decays, and −60 per token, where any factoring over a whole chunk overflows fp32
     gen = torch.Generator().manual_seed(0)
-    G = (-60 * torch.rand(3, 16, 5, generator=gen)).cumsum(-2)
-    x, k = torch.randn(3, 16, 5, generator=gen), torch.randn(3, 16, 5, generator=gen)
-    (W,) = kernels._gdn2_pair_weights_exact(G, k, (x,))
-    gap = (G[:, :, None, :] - G[:, None, :, :]).double()
-    strict = torch.ones(16, 16, dtype=torch.bool).tril(-1)
-    expect = torch.einsum("nrk,nsk,nrsk->nrs", x.double(), k.double(), gap.clamp(max=0).exp()) * strict
+    G = (-per_token * torch.rand(3, C, 5, generator=gen)).cumsum(-2)
+    x, k = torch.randn(3, C, 5, generator=gen), torch.randn(3, C, 5, generator=gen)
+    strict = torch.ones(C, C, dtype=torch.bool).tril(-1)
+
+    def pairwise(G, x, k):
+        gap = (G[:, :, None, :] - G[:, None, :, :]).masked_fill(~strict[..., None], float("-inf")).exp()
+        return torch.einsum("nrk,nsk,nrsk->nrs", x, k, gap)
+
+    leaves = [t.clone().requires_grad_() for t in (G, x, k)]
+    (W,) = kernels._gdn2_pair_weights(leaves[0], leaves[2], (leaves[1],))
+    leaves64 = [t.double().requires_grad_() for t in (G, x, k)]
+    expect = pairwise(*leaves64)
     assert torch.isfinite(W).all() and rel_err(W, expect) < 1e-5
+    cotangent = torch.randn(W.shape, generator=gen)
+    grads = torch.autograd.grad((W * cotangent).sum(), leaves)
+    grads64 = torch.autograd.grad((expect * cotangent.double()).sum(), leaves64)
+    for name, got, want in zip("G x k".split(), grads, grads64):
+        assert torch.isfinite(got).all() and rel_err(got, want) < 1e-5, name
 
 
-def test_kernels_gdn2_mixed_steep_and_factored_chunks():
-    # per-token decays drawn so that some 16-token chunks stay within the factoring's e^±40 and others do not:
-    # both paths in one call, outputs, state and every gradient against the token loop
+def test_kernels_gdn2_mixed_mild_and_steep_chunks():
+    # per-token decays drawn so that some 16-token chunks decay by more than fp32's e^−88 (a factoring
+    # exp(G_r)·exp(−G_s) over the chunk would overflow there) and others by less than e^−40: outputs, state and
+    # every gradient against the token loop
     q, k, v, g, b, w, S0 = _kernels_gdn2_inputs(2, 90, 2, 8, 6, 1.0, True, seed=3)
     g = g * torch.where(torch.rand(2, 90, 2, 1, generator=torch.Generator().manual_seed(4)) < 0.15, 20.0, 1.0)
     G_chunks = F.pad(g, (0, 0, 0, 0, 0, 6)).reshape(2, 6, 16, 2, 8).sum(2)       # each chunk's total log-decay
-    steep = G_chunks.amin(-1) < -kernels._GDN2_MAX_EXPONENT
-    assert steep.any() and not steep.all()
+    assert (G_chunks.amin(-1) < -88).any() and (G_chunks.amin(-1) > -40).any()
     inputs = [t.requires_grad_() for t in (q, k, v, g, b, w, S0)]
     o_ref, S_ref = kernels.gdn2_ref(*inputs[:6], initial_state=inputs[6])
     o, S = kernels.gdn2_torch(*inputs[:6], initial_state=inputs[6])
@@ -750,7 +765,7 @@ def test_kernels_gdn2_mixed_steep_and_factored_chunks():
 
 def test_kernels_gdn2_torch_double_backward_matches_ref():
     # analyze.py takes Hessian-vector products through kernels="torch": d/dx of (∂loss/∂inputs · probe), both paths,
-    # with one steep chunk (decays of −5 per token in the first 16 tokens) and factored ones
+    # with one steep chunk (decays of −5 per token in the first 16 tokens) and mild ones
     q, k, v, g, b, w, S0 = _kernels_gdn2_inputs(1, 40, 2, 6, 5, 0.3, True, seed=7)
     g = g.clone()
     g[:, :16] *= 16
@@ -1438,6 +1453,145 @@ def test_triton_gdn2_dispatch_by_length(device):
         assert rel_err(o_tri, o_torch) < 1e-5 and rel_err(s_tri, s_torch) < 1e-5
 
 
+# bf16 error budgets: each gdn2 kernel on bf16 inputs (g in fp32, as the model passes it) against the fp64 token loop
+# on the same bf16 values. A kernel's fp32 -> bf16 store rounds to nearest on a GPU but toward zero in Triton 3.7's
+# CPU interpreter, so the reference is rounded the same way (triton_bf16_store) wherever the kernel stores bf16;
+# results the wrappers cast with torch (.to) are rounded to nearest on both. u is the bf16 operand's relative
+# rounding error: 2^-8 where casts truncate, 2^-9 where they round to nearest.
+
+if kernels.HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _triton_bf16_store_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def triton_bf16_store(x, device):
+    """x rounded to bf16 as a Triton kernel's store on `device` rounds it (computed by storing x), in fp64."""
+    x32 = x.detach().float().contiguous().to(device)
+    y = torch.empty(x32.shape, dtype=torch.bfloat16, device=device)
+    _triton_bf16_store_kernel[(1,)](x32.view(-1), y.view(-1), x32.numel(), BLOCK=triton.next_power_of_2(x32.numel()))
+    return y.double().cpu()
+
+
+def triton_bf16_u(device):
+    """The relative rounding error of the device's fp32 -> bf16 casts: 1 + 3·2^-9 truncates to 1, rounds to 1 + 2^-7."""
+    return 2.0 ** -9 if triton_bf16_store(torch.tensor([1 + 3 * 2.0 ** -9]), device).item() > 1 else 2.0 ** -8
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("path", ["chunked 16", "chunked 32", "recurrent"])
+def test_triton_gdn2_bf16_error_budget(path, device):
+    """The recurrent kernel computes in fp32 throughout: after the same final rounding its o and gradients match the
+    fp64 loop but for values on a rounding boundary (≤ u/16) and S_T (fp32) to 1e-5. The chunked kernels feed every
+    tl.dot bf16 operands (each off by ≤ u) with fp32 accumulation; o passes through three chained products per chunk
+    (U = U0 − Y S, then q_in S + Aqk U) and the state carries each chunk's error into the next, measured at 1.6-3.5u
+    for o and S_T and 1.7-5.5u for the gradients (db, dg the largest: they go back through the solve) over chunks 16
+    and 32, T up to 300, head dims 16-64 and decays 0.01-1 per token. Budget: 5u for o, S_T and 8u for gradients."""
+    T = 70 if path != "recurrent" else 40
+    inputs = triton_gdn2_inputs(B=1, T=T, H=2, K=32, V=40, decay=0.05)
+    inputs = {name: t if name == "g" else t.to(torch.bfloat16) for name, t in inputs.items()}
+    u = triton_bf16_u(device)
+    gen = torch.Generator().manual_seed(1)
+    d_o = torch.randn(1, T, 2, 40, generator=gen).to(torch.bfloat16).double()    # o's gradient arrives in bf16
+    d_S = torch.randn(1, 2, 32, 40, generator=gen, dtype=torch.float64)
+
+    def run(fn, dtype):
+        leaves = {n: t.detach().to(device=device if dtype is None else "cpu", dtype=dtype or t.dtype).requires_grad_()
+                  for n, t in inputs.items()}
+        o, S = fn(**leaves)
+        ((o.double().cpu() * d_o).sum() + (S.double().cpu() * d_S).sum()).backward()
+        return o.cpu(), S.detach().cpu(), {n: t.grad.cpu() for n, t in leaves.items()}
+
+    fn = {"chunked 16": lambda **kw: kernels.gdn2_chunked_triton(**kw, chunk_size=16),
+          "chunked 32": lambda **kw: kernels.gdn2_chunked_triton(**kw, chunk_size=32),
+          "recurrent": kernels.gdn2_recurrent_triton}[path]
+    o, S, grads = run(fn, None)
+    o_ref, S_ref, grads_ref = run(kernels.gdn2_ref, torch.float64)
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
+    errs = {"o": rel_err(o, triton_bf16_store(o_ref, device)), "S_T": rel_err(S, S_ref)}
+    errs.update({"d" + n: rel_err(grads[n], grads_ref[n].to(grads[n].dtype)) for n in grads_ref})
+    if path == "recurrent":
+        bad = {n: e for n, e in errs.items() if not e <= (1e-5 if n == "S_T" else u / 16)}
+    else:
+        bad = {n: e for n, e in errs.items() if not e <= (5 if n in ("o", "S_T") else 8) * u}
+    assert not bad, f"u = {u:.2e}: {bad} (all: {errs})"
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("clip", [True, False])
+def test_triton_gdn2_gates_bf16_error_budget(clip, device):
+    """gdn2_gates on bf16 logits and keys (A_log, dt_bias fp32) computes in fp32 from the exact bf16 values: g (fp32),
+    dA_log and dt_bias's gradient match the fp64 reference to 1e-5; b, dk (stored in bf16 by the kernel) and the decay
+    logits' gradient (cast by torch) match it after the same rounding, but for values on a rounding boundary (≤ u/16).
+    The erase logits' gradient b(1 − b)·db takes b as rounded, as torch's sigmoid backward does: ≤ 2u (measured 1.6u).
+    The reference's clip reads b rounded as the kernel returns it, as the kernel's clip does."""
+    torch.manual_seed(0)
+    B, T, H, K = 2, 33, 3, 40
+    inputs = dict(decay_logits=(torch.randn(B, T, H, K) - 1).bfloat16(),
+                  erase_logits=(torch.randn(B, T, H, K) * 2).bfloat16(),
+                  k=F.normalize(torch.randn(B, T, H, K), dim=-1).bfloat16(), A_log=torch.rand(H) * 2.7,
+                  dt_bias=torch.randn(H * K) - 3)
+    u = triton_bf16_u(device)
+    tri = {n: t.detach().to(device).requires_grad_() for n, t in inputs.items()}
+    g, b = kernels.gdn2_gates_triton(**tri, clip=clip)
+    ref = {n: t.detach().double().requires_grad_() for n, t in inputs.items()}
+    b_exact = torch.sigmoid(ref["erase_logits"])
+    b_ref = b_exact + (triton_bf16_store(b_exact, device) - b_exact).detach()     # rounded, gradient of the exact σ
+    g_ref = kernels.gdn_log_decay(ref["decay_logits"], ref["A_log"], ref["dt_bias"])
+    g_ref = kernels.gdn2_decay_clip_ref(g_ref, ref["k"], b_ref) if clip else g_ref
+    gen = torch.Generator().manual_seed(1)
+    d_g, d_b = torch.randn(g.shape, generator=gen), torch.randn(b.shape, generator=gen).bfloat16().double()
+    ((g.cpu() * d_g).sum() + (b.double().cpu() * d_b).sum()).backward()
+    ((g_ref * d_g.double()).sum() + (b_ref * d_b).sum()).backward()
+    assert g.dtype == torch.float32 and b.dtype == torch.bfloat16
+    grads = {n: t.grad.cpu() for n, t in tri.items() if t.grad is not None}
+    assert set(grads) == {"decay_logits", "erase_logits", "A_log", "dt_bias"} | ({"k"} if clip else set())
+    rounded_as = {"decay_logits": lambda t: t.to(torch.bfloat16).double(), "k": lambda t: triton_bf16_store(t, device)}
+    errs = {"g": (rel_err(g, g_ref), 1e-5), "b": (rel_err(b, b_ref), u / 16), "derase_logits":
+            (rel_err(grads["erase_logits"], ref["erase_logits"].grad), 2 * u)}
+    errs.update({"d" + n: (rel_err(grads[n], rounded_as[n](ref[n].grad)), u / 16) for n in rounded_as if n in grads})
+    errs.update({"d" + n: (rel_err(grads[n], ref[n].grad), 1e-5) for n in ("A_log", "dt_bias")})
+    bad = {n: e for n, (e, tol) in errs.items() if not e <= tol}
+    assert not bad, f"u = {u:.2e}: {bad} (all: {errs})"
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_gdn2_grids_fit_the_axis_limits(device):
+    # every gdn2-family launch at B 256, 16 heads, T 4096: batch·heads and batch·chunks (65,536 here) go on grid
+    # axis x (limit 2^31 − 1); axes y and z (limit 65,535) take heads and value blocks only, which stay far below it.
+    # Launches are recorded, not run, so the tensors stay unwritten (one channel per head keeps them small)
+    from unittest import mock
+    B, T, H, K, V = 256, 4096, 16, 1, 1
+    grids = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        grids.append((self.fn.__name__, tuple(grid)))
+
+    def leaf(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device=device).requires_grad_()
+
+    def backward(outs):
+        torch.autograd.backward(list(outs), [torch.empty_like(o) for o in outs])
+
+    with mock.patch.object(type(kernels._gdn2_chunk_intra_kernel), "run", record):   # the interpreter's or the JIT's
+        for fn in (kernels.gdn2_chunked_triton, kernels.gdn2_recurrent_triton):
+            backward(fn(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, V), leaf(B, T, H, K, dtype=torch.float32),
+                        leaf(B, T, H, K), leaf(B, T, H, V), None, leaf(B, H, K, V, dtype=torch.float32)))
+        backward(kernels.gdn2_gates_triton(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, K),
+                                           leaf(H, dtype=torch.float32), leaf(H * K, dtype=torch.float32)))
+    names = {name for name, _ in grids}
+    assert {"_gdn2_chunk_intra_kernel", "_gdn2_chunk_state_kernel", "_gdn2_chunk_bwd_state_kernel",
+            "_gdn2_chunk_bwd_intra_kernel", "_gdn2_chunk_bwd_pairs_kernel", "_gdn2_rec_fwd_kernel",
+            "_gdn2_rec_bwd_kernel", "_gdn2_gates_fwd_kernel", "_gdn2_gates_bwd_kernel"} <= names
+    assert max(grid[0] for _, grid in grids) >= B * T // 16    # the batch·chunks launches are there
+    over = [(name, grid) for name, grid in grids if grid[0] >= 2 ** 31 or any(n > H for n in grid[1:])]
+    assert not over, over                                    # y, z at most the heads (V = 1: one value block)
+
+
 def triton_gpt(mixer, residual, T, path, device):
     return tiny_gpt(block_size=T, n_layer=max(2, len(mixer)), mixer=mixer, residual=residual, mamba_d_state=16,
                     mamba_headdim=16, chunk_size=16, kernels=path).to(device)
@@ -1514,14 +1668,13 @@ def triton_op_cases(device):
     for s0, chunk in ((None, 16), (randn(B, H, K, V), 32)):
         named, utils = ("", OPCHECK_LIGHT) if s0 is None else (" initial_state", OPCHECK_ALL)
         rec = kernels._gdn2_recurrent_fwd(*gdn2_in, 0.5, s0)
-        chunked = kernels._gdn2_chunked_fwd(*gdn2_in, 0.5, s0, chunk)
         d_out = (randn(B, T, H, V), randn(B, H, K, V))
         cases += [("gdn2_recurrent" + named, kernels._gdn2_recurrent_fwd, (*map(leaf, gdn2_in), 0.5, leaf(s0)), utils),
                   ("gdn2_recurrent_bwd" + named, kernels._gdn2_recurrent_bwd, (*d_out, *gdn2_in, rec[2], 0.5, s0), OPCHECK_LIGHT),
                   (f"gdn2_chunked{named} chunk={chunk}", kernels._gdn2_chunked_fwd, (*map(leaf, gdn2_in), 0.5, leaf(s0), chunk),
                    utils),
                   (f"gdn2_chunked_bwd{named} chunk={chunk}", kernels._gdn2_chunked_bwd,
-                   (*d_out, *gdn2_in, *chunked[2:], chunked[1], 0.5, chunk), OPCHECK_LIGHT)]
+                   (*d_out, *gdn2_in, s0, 0.5, chunk), OPCHECK_LIGHT)]
     b_, l, h, p, n, Cs = 1, 9, 2, 3, 4, 8   # 9 tokens: two chunks of 8, the second ragged
     ssd_in = (randn(b_, l, h, p), F.softplus(randn(b_, l, h)), -randn(h).abs() - 0.5, randn(b_, l, 1, n), randn(b_, l, 1, n))
     for D, s0 in ((None, None), (randn(h), randn(b_, h, p, n))):
@@ -1547,11 +1700,10 @@ def test_triton_ops_pass_opcheck(device):
 
 
 @pytest.mark.parametrize("path,mixer,residual,device",
-                         [("triton", "GMA", "mhc", d) for d in TRITON_DEVICES] + [("torch", "MA", "res", "cpu")])
+                         [("triton", "GMA", "mhc", d) for d in TRITON_DEVICES] + [("torch", "GMA", "res", "cpu")])
 def test_triton_gpt_compiles_fullgraph(path, mixer, residual, device):
     # every Triton op is opaque to torch.compile: the whole GPT (attention, gated delta, Mamba2, mHC's Sinkhorn)
-    # traces as one graph, and its loss and gradients equal eager's. The torch path of A and M does too (gated
-    # delta's torch path has a data-dependent branch, a graph break; compiled on a GPU, the model takes Triton's)
+    # traces as one graph, and its loss and gradients equal eager's. The torch path does too
     T = 9
     gpt = triton_gpt(mixer, residual, T, path, device)
     loss, grads = triton_loss_and_grads(gpt, T, device)
@@ -1560,6 +1712,19 @@ def test_triton_gpt_compiles_fullgraph(path, mixer, residual, device):
     assert compiled_grads.keys() == grads.keys() and len(grads) > 0
     bad = {n: e for n in grads if (e := rel_err(compiled_grads[n], grads[n])) > 1e-6}
     assert not bad, f"compiled gradients differ from eager: {bad}"
+
+
+@pytest.mark.parametrize("path", ["torch"] + ["triton"] * bool(kernels.HAS_TRITON))
+@pytest.mark.parametrize("mixer", ["G", "GGGA"])
+def test_gated_delta_gpt_is_one_graph(mixer, path):
+    # torch._dynamo.explain of the GPT's loss: one graph, no break. gdn2's torch path once tested for steep chunks
+    # on the host (bool(steep.any()), a sync and a graph break in every layer); the Triton path's selective
+    # activation checkpointing traces into the graph too
+    gpt = tiny_gpt(mixer=mixer, n_layer=len(mixer), kernels=path).to(TRITON_DEVICES[0] if path == "triton" else "cpu")
+    idx = torch.randint(0, 50, (2, 32), generator=torch.Generator().manual_seed(0)).to(next(gpt.parameters()).device)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(gpt)(idx, idx)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
 # Ahead-of-time compile of every Triton kernel for sm_80 / sm_89 / sm_90 at the launch parameters the wrappers
@@ -1703,7 +1868,7 @@ def test_gpu_bf16_activations_reach_every_kernel(case):
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("with_initial,with_D,chunk,l",
                          [(False, False, 16, 37), (True, True, 64, 100), (True, True, 32, 150)])
-def test_triton_ssd_bf16_within_its_error_budget(interpreter_bf16_dots, with_initial, with_D, chunk, l, device):
+def test_triton_ssd_bf16_within_its_error_budget(with_initial, with_D, chunk, l, device):
     """ssd's Triton kernels on bf16 x, B, C, dy (dt, A, D, the states in fp32) against the fp64 token loop on the same
     values: every output and gradient within SSD_BF16_BUDGET units of the device's bf16 rounding error u (measured:
     what its fp32 -> bf16 conversion does to N(0, 1) samples, 1.6e-3 rounding to nearest on a GPU, 3.3e-3 where
@@ -1751,26 +1916,6 @@ def triton_bf16_rounding_error(device):
     y = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
     _to_bf16_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
     return rel_err(y, x)
-
-
-@pytest.fixture
-def interpreter_bf16_dots(monkeypatch):
-    """Triton's interpreter (3.7) hands tl.dot the raw uint16 bits of bf16 operands (numpy has no bf16), so a bf16
-    dot returns garbage there; widen them to fp32 first, which is what a GPU's tensor cores compute (a bf16 × bf16
-    product is exact in fp32, and they accumulate in fp32). Nothing to do on a GPU."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    from triton.runtime import interpreter
-    create_dot = interpreter.InterpreterBuilder.create_dot
-
-    def widened(handle):
-        if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        return interpreter.TensorHandle(interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None)
-                                        .view(np.float32), tl.float32)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
-                        lambda self, a, b, *rest: create_dot(self, widened(a), widened(b), *rest))
 
 
 def test_gpu_kept_bytes_counts_each_storage_once():
