@@ -2810,22 +2810,30 @@ def triton_grids(step):
 
 
 def kept_bytes(step):
-    """Bytes autograd keeps for the backward while step() runs under FakeTensorMode (step builds its module and
-    inputs there, so any shape is free, and returns the module): each saved tensor's storage counted once (views
-    and the tensors several ops save share one), the module's parameters left out."""
+    """Bytes the forward leaves alive for the backward: step() runs under FakeTensorMode (it builds its module
+    and inputs there, so any shape is free) and returns (module, inputs, output); counted are the storages that
+    ops made during step and that the output's autograd graph still holds, each once, the module's parameters,
+    the inputs (the caller's) and the output itself left out. What stays alive, rather than what
+    saved_tensors_hooks see, also counts what activation checkpointing keeps in its own caches."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.multiprocessing.reductions import StorageWeakRef
-    kept = {}
+    from torch.utils._python_dispatch import TorchDispatchMode
+    made = {}
 
-    def pack(t):
-        kept[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
-        return t
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    made[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
+            return out
 
-    with FakeTensorMode(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module = step()
-    for param in module.parameters():
-        kept.pop(StorageWeakRef(param.untyped_storage()), None)
-    return sum(kept.values())
+    with FakeTensorMode(), Record():
+        module, inputs, output = step()
+    for t in [*module.parameters(), *torch.utils._pytree.tree_leaves((inputs, output))]:
+        if isinstance(t, torch.Tensor):
+            made.pop(StorageWeakRef(t.untyped_storage()), None)
+    return sum(nbytes for ref, nbytes in made.items() if not ref.expired())
 
 
 @functools.lru_cache(maxsize=None)

@@ -104,13 +104,15 @@ def config_choices():
     """GPTConfig's keys that take one of a set of values, and those values: the kinds from their tables
     (MIXERS' letters, MLPS, RESIDUALS, ATTENTIONS, ...), read when called, so that a new entry counts at once."""
     return {"mixer": tuple(MIXERS), "mlp": tuple(MLPS), "residual": tuple(RESIDUALS), "attention": tuple(ATTENTIONS),
-            "gdn_variant": ("deltanet", "gdn", "kda", "gdn2"), "mamba_discretization": ("euler", "zoh"),
+            "gdn_variant": tuple(GDN_VARIANTS), "mamba_discretization": ("euler", "zoh"),
             "kernels": kernels.KERNEL_CHOICES, "init": SCHEMES, "rope": ("fixed", "learned", "lie"),
             "rope_scaling": ROPE_SCALINGS}
 
 
 class RMSNorm(nn.Module):
-    """y = g / sqrt(mean(g²) + eps) ⊙ weight with g = x, or g = x ⊙ SiLU(gate) (Mamba2's gated norm, one op)"""
+    """y = g / sqrt(mean(g²) + eps) ⊙ weight with g = x, or g = x ⊙ SiLU(gate) (Mamba2's gated norm, one op).
+    Under autocast y comes in the autocast dtype: what reads it is a matmul, and one cast here is one copy,
+    where attention's q, k and v projections would each cast (and keep) their own."""
 
     def __init__(self, dim, eps=1e-6, kernels_path="auto"):
         super().__init__()
@@ -119,7 +121,11 @@ class RMSNorm(nn.Module):
         self.kernels_path = kernels_path
 
     def forward(self, x, gate=None):
-        return kernels.rms_norm(x, self.weight, self.eps, gate, kernels=self.kernels_path)
+        y = kernels.rms_norm(x, self.weight, self.eps, gate, kernels=self.kernels_path)
+        kind = y.device.type
+        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+            return y.to(torch.get_autocast_dtype(kind))
+        return y
 
 
 ROPE_SCALINGS = ("none", "pi", "ntk", "yarn")
@@ -271,6 +277,24 @@ class Attention(nn.Module):
         """q·k and att·v: 2·T·C multiply-adds each, forward + backward = 3× forward (PaLM's count)."""
         return 12 * T * self.n_head * self.head_dim
 
+    @staticmethod
+    def n_params(cfg):
+        """q, k, v and out projections; qk_norm's two gains; trainable frequencies θ (and the basis U per head)."""
+        d, H = cfg.n_embd, cfg.n_head
+        hs = d // H
+        rope = {"fixed": 0, "learned": d // 2, "lie": d // 2 + H * hs * hs}[cfg.rope]
+        return 4 * (d + cfg.bias) * d + 2 * hs * cfg.qk_norm + rope
+
+    @staticmethod
+    def kept_per_token(cfg, act):
+        """Bytes a token keeps for the backward (act bytes an activation, 4 for fp32; the weights apart): the
+        projections' input, q, k and v at two stages, the output and out_proj's input (7 of width n_embd);
+        with qk_norm its two outputs and their fp32 statistics; the softmax's log-sum-exp per head; the explicit
+        paths (math, sparsemax) also the weights of every key."""
+        d, H = cfg.n_embd, cfg.n_head
+        weights = act * H * cfg.block_size if cfg.attention != "sdpa" else 0
+        return act * d * (7 + 2 * cfg.qk_norm) + 4 * H * (1 + 2 * cfg.qk_norm) + weights
+
 
 # -----------------------------------------------------------------------------
 # Linear-recurrent mixers: G (the gated delta family) and M (Mamba2). Both keep a fixed-size state per
@@ -362,6 +386,19 @@ def keep_only(*ops):
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
+# G's variants (GPTConfig.gdn_variant): the width of the erase gate b, the write gate w and the log-decay g, each
+# per key channel ("key"), per value channel ("value"), one per head ("head") or absent (None: w = b = β, g = 0)
+GDN_VARIANTS = {"gdn2": ("key", "value", "key"), "kda": ("head", None, "key"), "gdn": ("head", None, "head"),
+                "deltanet": ("head", None, None)}
+
+
+def gated_delta_rows(cfg):
+    """in_proj's rows for the erase, write and decay logits of cfg's G variant."""
+    H, dk = cfg.n_head, cfg.n_embd // cfg.n_head
+    width = {"key": H * dk, "value": H * dk * cfg.gdn_expand_v, "head": H, None: 0}
+    return tuple(width[kind] for kind in GDN_VARIANTS[cfg.gdn_variant])
+
+
 class GatedDelta(nn.Module):
     """Gated delta rule; per head a state S ∈ R^{dk×dv}, read o_t = S_tᵀ q_t / sqrt(dk):
         S_t = (I − k_t (b_t⊙k_t)ᵀ) Diag(exp g_t) S_{t−1} + k_t (w_t⊙v_t)ᵀ,   y = W_o (RMSNorm(o) ⊙ SiLU(W_gate x))
@@ -378,16 +415,7 @@ class GatedDelta(nn.Module):
         self.variant = cfg.gdn_variant
         self.clip = cfg.gdn_clip and cfg.gdn_variant == "gdn2"  # for the others the clip is the identity
         self.chunk_size, self.kernels_path = cfg.gdn_chunk_size, cfg.kernels
-        if self.variant == "gdn2":
-            erase, write, decay = H * dk, H * dv, H * dk
-        elif self.variant == "kda":
-            erase, write, decay = H, 0, H * dk
-        elif self.variant == "gdn":
-            erase, write, decay = H, 0, H
-        elif self.variant == "deltanet":
-            erase, write, decay = H, 0, 0
-        else:
-            raise ValueError(f"gdn_variant={self.variant!r} has no projection layout: add it in GatedDelta.__init__")
+        erase, write, decay = gated_delta_rows(cfg)
         self.conv_channels = H * (2 * dk + dv)
         # rows of in_proj, in order: q, k, v (through the convolution), gate, erase (β), write, decay logits
         self.in_splits = [self.conv_channels, H * dv, erase, write, decay]
@@ -476,6 +504,30 @@ class GatedDelta(nn.Module):
         forward = self.n_head * (6 * c * dk + 4 * c * dv + c * c // 3 + 6 * dk * dv + 2 * K * (2 * dk + dv))
         return 3 * forward
 
+    @staticmethod
+    def n_params(cfg):
+        """in_proj (q, k, v, gate, erase, write, decay rows), the convolution, A_log and dt_bias (with a decay),
+        o_norm, out_proj."""
+        d, H = cfg.n_embd, cfg.n_head
+        dk = d // H
+        dv = dk * cfg.gdn_expand_v
+        erase, write, decay = gated_delta_rows(cfg)
+        conv = H * (2 * dk + dv)
+        rows = conv + H * dv + erase + write + decay
+        return (d + cfg.bias) * rows + conv * cfg.conv_size + (H + decay if decay else 0) + dv + (H * dv + cfg.bias) * d
+
+    @staticmethod
+    def kept_per_token(cfg, act):
+        """Bytes a token keeps for the backward on the Triton path (the weights apart): in_proj's input and output,
+        the recurrence's output o and out_proj's input; the final state S_T in fp32 (per sequence, spread over its
+        tokens). The convolution, norms and gates are recomputed in the backward (selective checkpointing), and so
+        are the chunk states (the Triton backward reruns the state pass)."""
+        d, H = cfg.n_embd, cfg.n_head
+        dk = d // H
+        dv = dk * cfg.gdn_expand_v
+        rows = H * (2 * dk + dv) + H * dv + sum(gated_delta_rows(cfg))
+        return act * (d + rows + 2 * H * dv) + 4 * H * dk * dv // cfg.block_size
+
 
 class Mamba2(nn.Module):
     """Mamba2 (SSD, one group of B, C); per head a state h ∈ R^{P×N}:
@@ -530,6 +582,24 @@ class Mamba2(nn.Module):
         c, P, N, K = min(self.chunk_size, T), self.headdim, self.d_state, self.conv.kernel_size[0]
         return 3 * (2 * c * N + self.n_head * (2 * c * P + 4 * P * N) + 2 * K * self.conv.in_channels)
 
+    @staticmethod
+    def n_params(cfg):
+        """in_proj (z, x, B, C, dt rows), the convolution with its bias, A_log, dt_bias, D, the norm, out_proj."""
+        d, inner, N = cfg.n_embd, cfg.mamba_expand * cfg.n_embd, cfg.mamba_d_state
+        heads, conv = inner // cfg.mamba_headdim, inner + 2 * N
+        return (d + cfg.bias) * (inner + conv + heads) + conv * (cfg.conv_size + 1) + 3 * heads + inner + \
+            (inner + cfg.bias) * d
+
+    @staticmethod
+    def kept_per_token(cfg, act):
+        """Bytes a token keeps for the backward on the Triton path (the weights apart): in_proj's input and output
+        (the convolution's input is a slice of it; the convolution is recomputed), the SiLU's output (x, B, C),
+        y and the gated norm's output (the inner width each), dt in fp32 before and after the softplus, the norm's
+        fp32 statistic. ssd keeps nothing but its inputs: its backward reruns the chunk states."""
+        d, inner, N = cfg.n_embd, cfg.mamba_expand * cfg.n_embd, cfg.mamba_d_state
+        heads, conv = inner // cfg.mamba_headdim, inner + 2 * N
+        return act * (d + (inner + conv + heads) + conv + 2 * inner) + 8 * heads + 4
+
 
 # The mixer kinds (GPTConfig.mixer's letters). A mixer is an nn.Module built as cls(cfg), with
 #   forward(x, rope, cache=None) -> y      x, y (B, T, n_embd); causal: y_t depends on x_1 .. x_t only
@@ -539,6 +609,8 @@ class Mamba2(nn.Module):
 #              needs (keys and values, a recurrent state, a convolution's last inputs). GPT.generate checks
 #              that each mixer writes to it.
 #   extra_flops_per_token(T) (optional)    training FLOPs per token beyond 6 per matmul weight (MFU); else 0
+#   n_params(cfg), kept_per_token(cfg, act) (optional, static)   closed forms of its parameter count and of the
+#                                          bytes a token keeps for the backward, for train.py's dry run
 #   context_limited = True (optional)      it sees at most block_size·rope_factor tokens (attention's RoPE
 #                                          cache): longer inputs are refused, generation re-reads a window
 MIXERS = {"A": Attention, "G": GatedDelta, "M": Mamba2}
@@ -561,7 +633,7 @@ class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.activation, gated = MLPS[cfg.mlp]
-        hidden = 8 * ((8 * cfg.n_embd // 3 + 7) // 8) if gated else 4 * cfg.n_embd
+        hidden = MLP.hidden_size(cfg)
         self.in_proj = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
         self.gate_proj = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias) if gated else None
         self.out_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
@@ -570,6 +642,21 @@ class MLP(nn.Module):
         h = self.in_proj(x)
         h = self.activation(h) if self.gate_proj is None else self.activation(self.gate_proj(x)) * h
         return self.out_proj(h)
+
+    @staticmethod
+    def hidden_size(cfg):
+        """4 n_embd, or for a gated kind 8/3 n_embd rounded up to a multiple of 8 (the same parameter count)."""
+        return 8 * ((8 * cfg.n_embd // 3 + 7) // 8) if MLPS[cfg.mlp][1] else 4 * cfg.n_embd
+
+    @staticmethod
+    def n_params(cfg):
+        d, h, gated = cfg.n_embd, MLP.hidden_size(cfg), MLPS[cfg.mlp][1]
+        return (1 + gated) * (d + cfg.bias) * h + (h + cfg.bias) * d
+
+    @staticmethod
+    def kept_per_token(cfg, act):
+        """Bytes a token keeps for the backward: the input, and two (gated: four) tensors of the hidden width."""
+        return act * (cfg.n_embd + (4 if MLPS[cfg.mlp][1] else 2) * MLP.hidden_size(cfg))
 
 
 def mixer_kept_activations(cfg, B, T):
@@ -580,9 +667,8 @@ def mixer_kept_activations(cfg, B, T):
         mixer = MIXERS[cfg.mixer[0]](cfg)
         x = torch.randn(B, T, cfg.n_embd, requires_grad=True)
         rope = rope_cache(T, cfg.n_embd // cfg.n_head, cfg.rope_base)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            mixer(x, rope)
-        return mixer
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the input in bf16, as the block's RMSNorm gives it
+            return mixer, (x, rope), mixer(x.to(torch.bfloat16), rope)
     return kernels.kept_bytes(step) / (2 * B * T * cfg.n_embd)
 
 
@@ -878,6 +964,17 @@ class HyperConnection(nn.Module):
             return torch.sigmoid(pre), 2 * torch.sigmoid(post), self.res_matrix(res)
 
     @staticmethod
+    def n_params(cfg):
+        """φ (n·n_embd by 2n + n_res), α (3) and b (2n + n_res)."""
+        n = cfg.hc_streams
+        return (n * cfg.n_embd + 1) * (2 * n + hc_num_res(cfg.residual, n)) + 3
+
+    @staticmethod
+    def kept_per_token(cfg, act):
+        """Bytes a token keeps for the backward, in fp32: the stream state X (n of width n_embd) and F's output."""
+        return 4 * (cfg.hc_streams + 1) * cfg.n_embd
+
+    @staticmethod
     def enter(x, cfg):
         """The stream state at the embeddings x (B, T, C): n identical copies, (B, T, n, C)."""
         return x.unsqueeze(2).expand(*x.shape[:2], cfg.hc_streams, x.size(-1)).contiguous()
@@ -907,12 +1004,21 @@ class Residual(nn.Module):
     def forward(self, x, f):
         return x + f(x)
 
+    @staticmethod
+    def n_params(cfg):
+        return 0
+
+    @staticmethod
+    def kept_per_token(cfg, act):
+        return 0
+
 
 # The residual kinds (GPTConfig.residual). A residual kind is an nn.Module built as cls(cfg, sublayer) for every
 # sublayer (2·layer for the mixer, 2·layer + 1 for the MLP), with
 #   forward(x, f) -> the stream after the sublayer; f(h) = F(norm(h)) maps h (…, n_embd) to (…, n_embd)
 #   enter(x, cfg) (optional, static)   the stream state from the embeddings x (B, T, n_embd); else x itself
 #   leave(x) (optional, static)        (B, T, n_embd) from the stream state, for the final norm; else x itself
+#   n_params(cfg), kept_per_token(cfg, act) (optional, static)   closed forms for the dry run, as for a mixer
 # Its parameters go to AdamW (optim.is_block_matrix) and keep their own init (init.py skips "_residual" modules).
 # The hyper-connection kinds share one module; each one's H_res is in hc_num_res, hc_res_init and res_matrix.
 RESIDUALS = {"res": Residual, "hc": HyperConnection, "mhc": HyperConnection, "mhc-lite": HyperConnection,
@@ -1029,6 +1135,35 @@ class GPT(nn.Module):
         matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         extra = sum(getattr(b.mixer, "extra_flops_per_token", lambda T: 0)(T) for b in self.blocks)
         return 6 * matmul_weights + extra
+
+
+# -----------------------------------------------------------------------------
+# closed forms of a configuration's size, from each kind's n_params and kept_per_token (train.py's dry run)
+
+def param_formula(cfg):
+    """{part: parameters} by closed form, from each kind's n_params; None for a part whose kind has none."""
+    d, L = cfg.n_embd, cfg.n_layer
+    mixers = [getattr(MIXERS[cfg.mixer[i % len(cfg.mixer)]], "n_params", None) for i in range(L)]
+    residual = getattr(RESIDUALS[cfg.residual], "n_params", None)
+    return {"embedding": cfg.padded_vocab_size * d * (1 if cfg.tie_embeddings else 2),
+            "mixers": None if None in mixers else sum(count(cfg) for count in mixers),
+            "MLPs": L * MLP.n_params(cfg), "norms": (2 * L + 1) * d,
+            "residuals": None if residual is None else 2 * L * residual(cfg)}
+
+
+def activation_formula(cfg, batch_size, act):
+    """Bytes one micro-batch of batch_size x block_size keeps for the backward on the Triton path, by closed form
+    (each kind's kept_per_token; None where a kind has none), act bytes an activation: per layer the fp32 inputs
+    of its two norms, its mixer's, MLP's and two residual modules' share; then the final norm's fp32 input, the
+    head's input and the loss's fp32 log-softmax. The weights' bf16 copies are not counted here."""
+    d, L = cfg.n_embd, cfg.n_layer
+    kinds = [MIXERS[cfg.mixer[i % len(cfg.mixer)]] for i in range(L)] + [RESIDUALS[cfg.residual]]
+    if not all(hasattr(kind, "kept_per_token") for kind in kinds):
+        return None
+    per_layer = 2 * 4 * d + MLP.kept_per_token(cfg, act) + 2 * kinds[-1].kept_per_token(cfg, act)
+    per_token = sum(kind.kept_per_token(cfg, act) for kind in kinds[:-1]) + L * per_layer + \
+        (4 + act) * d + 4 * cfg.padded_vocab_size
+    return batch_size * cfg.block_size * per_token
 
 
 if __name__ == "__main__":

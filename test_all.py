@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if not torch.cuda.is_available():  # Triton kernels run on the CPU in Triton's interpreter; must precede importing triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -45,6 +46,7 @@ import analyze
 import data
 import init
 import kernels
+import model as model_module
 import optim
 import train
 import triton
@@ -1919,14 +1921,17 @@ def triton_bf16_rounding_error(device):
 
 
 def test_gpu_kept_bytes_counts_each_storage_once():
-    # the counter itself on a closed form: y = Linear(x) ⊙ x saves x (for the Linear, and for the product: one
-    # storage), the Linear's output and its weight (a parameter, left out): 2 · 3·8·4 bytes
-    def step():
+    """The counter on closed forms, the input x (the caller's) and the weights left out: y = Linear(x) ⊙ x keeps
+    the Linear's output, 3·8·4 bytes; sin(x ⊙ x) keeps x ⊙ x, the same; under activation checkpointing it keeps
+    nothing but x, which the backward recomputes from: 0."""
+    def step(f):
         linear = nn.Linear(8, 8, bias=False)
         x = torch.randn(3, 8, requires_grad=True)
-        (linear(x) * x).sum()
-        return linear
-    assert kernels.kept_bytes(step) == 2 * 3 * 8 * 4
+        return linear, x, f(linear, x).sum()
+    assert kernels.kept_bytes(lambda: step(lambda linear, x: linear(x) * x)) == 3 * 8 * 4
+    assert kernels.kept_bytes(lambda: step(lambda linear, x: (x * x).sin())) == 3 * 8 * 4
+    checkpointed = lambda linear, x: torch.utils.checkpoint.checkpoint(lambda x: (x * x).sin(), x, use_reentrant=False)
+    assert kernels.kept_bytes(lambda: step(checkpointed)) == 0
 
 
 GPU_KEPT_SHAPES = [(16, 2048, 2048, 16), (8, 1024, 768, 12)]   # (B, T, n_embd, n_head): a 2048-wide model, GPT-2 small
@@ -3087,6 +3092,59 @@ def test_hc_train_py_runs_mhc(tmp_path):
         records = [json.loads(line) for line in f if line.strip()]
     values = [r[k] for r in records for k in ("loss", "val") if r.get(k) is not None]
     assert values and all(math.isfinite(v) for v in values)
+
+
+# --------------------------------------------------------------------------------------------------
+# device correctness and one graph: the whole GPT on the meta device, and under torch._dynamo.explain
+
+class MetaValues(TorchDispatchMode):
+    """Meta tensors that answer .item() and .cpu() with placeholders, so code that reads numbers (analyze.py's
+    sections) runs on meta; a tensor made without device= still meets a meta tensor and fails."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return True if args[0].dtype == torch.bool else 0.5 if args[0].is_floating_point() else 1
+        to_cpu = func is torch.ops.aten._to_copy.default and torch.device(kwargs.get("device") or "meta").type == "cpu"
+        if to_cpu and args[0].is_meta:
+            return torch.full(args[0].shape, 0.5, dtype=kwargs.get("dtype") or args[0].dtype)
+        return func(*args, **kwargs)
+
+
+DEVICE_CASES = [(residual, path) for residual in RESIDUALS for path in ("torch", "triton")]
+
+
+def device_test_gpt(residual, path):
+    """Every mixer letter in one model (AGM...), the mixers' sizes small, the given residual kind and kernels path."""
+    letters = "".join(MIXERS)
+    return tiny_gpt(0, mixer=letters, n_layer=len(letters), residual=residual, hc_streams=4, mamba_d_state=16,
+                    mamba_headdim=16, chunk_size=16, gdn_chunk_size=16, kernels=path, block_size=32)
+
+
+@pytest.mark.parametrize("residual,path", DEVICE_CASES)
+def test_gpt_runs_on_the_meta_device(residual, path, tmp_path):
+    """Forward, backward and generate of every mixer with each residual kind on the meta device, torch and Triton
+    paths (the custom ops' fake functions serve meta tensors), and analyze.py's during-training sections: a tensor
+    created without device= meets a meta tensor and fails."""
+    gpt = device_test_gpt(residual, path).to("meta")
+    idx = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    logits, loss = gpt(idx, idx)
+    loss.backward()
+    assert logits.is_meta and all(p.grad.is_meta for p in gpt.parameters() if p.grad is not None)
+    assert gpt.generate(idx[:, :4], 3).shape == (2, 7)
+    if path == "torch":
+        with MetaValues():
+            record = analyze.analyze_during_training(gpt, (idx[:, :16], idx[:, :16]), 0, str(tmp_path), micro_batches=2)
+        assert {"weights", "hessian_top", "noise"} <= record.keys()
+
+
+@pytest.mark.parametrize("residual,path", DEVICE_CASES)
+def test_whole_gpt_traces_to_one_graph(residual, path):
+    """torch._dynamo.explain of the GPT's forward with targets (every mixer letter, the given residual kind):
+    one graph, no break, so torch.compile sees the whole step."""
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(device_test_gpt(residual, path))(*(torch.zeros(2, 32, dtype=torch.long),) * 2)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
 # ==================================================================================================
@@ -4394,7 +4452,7 @@ def test_preset_models_take_a_real_step_on_the_cpu(name):
 
 
 def test_param_closed_form_equals_num_params_for_every_kind():
-    """train.param_formula (written from the layers' shapes) against the built model's count, for every mixer,
+    """model.param_formula (each kind's n_params, written from the layers' shapes) against the built model's count, for every mixer,
     MLP and residual kind, the G variants, RoPE kinds, biases, untied heads and a padded vocabulary."""
     cases = [dict(mixer=m) for m in MIXERS] + [dict(mlp=m) for m in MLPS] + [dict(residual=r) for r in RESIDUALS]
     cases += [dict(mixer="G", gdn_variant=v, gdn_expand_v=2) for v in ("deltanet", "gdn", "kda", "gdn2")]
@@ -4405,37 +4463,29 @@ def test_param_closed_form_equals_num_params_for_every_kind():
         cfg = make_config(**{**dict(vocab_size=37, n_layer=3, mamba_headdim=16), **case})
         with torch.device("meta"):
             count = GPT(cfg).num_params()
-        assert sum(train.param_formula(cfg).values()) == count, case
+        assert sum(model_module.param_formula(cfg).values()) == count, case
 
 
-def saved_activation_bytes(cfg, batch_size):
-    """What autograd keeps for backward in one forward pass (fp32, CPU), each storage once, weights excluded."""
-    torch.manual_seed(0)
-    gpt = GPT(cfg)
-    weights = {t.untyped_storage().data_ptr() for t in [*gpt.parameters(), *gpt.buffers()]}
-    kept = {}
+@pytest.mark.parametrize("case", [dict(mixer=letter) for letter in MIXERS] + [
+    dict(mixer="A", qk_norm=True, mlp="swiglu"), dict(mixer="MAAA", mamba_expand=1, mamba_d_state=16),
+    dict(mixer="A", residual="mhc"), dict(mixer="GGGA", gdn_variant="kda")], ids=str)
+def test_activation_formula_counts_what_autograd_keeps(case):
+    """model.activation_formula (each kind's kept_per_token) under bf16 autocast, Triton path, against what the
+    forward leaves alive for the backward (kernels.kept_bytes on fake tensors), the weights' bf16 copies left out
+    (the dry run prices them apart). The formula leaves out the norms' fp32 statistics and RoPE's angle tables:
+    within 6% under."""
+    cfg = make_config(vocab_size=96, block_size=256, n_head=4, n_embd=128, kernels="triton", mamba_headdim=32,
+                      **{"n_layer": len(case["mixer"]), **case})
 
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in weights:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size + 1))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        gpt(idx[:, :-1], idx[:, 1:])
-    return sum(kept.values())
-
-
-@pytest.mark.parametrize("mixer", list(MIXERS))
-def test_activation_formula_counts_what_autograd_keeps(mixer):
-    """train.activation_bytes in fp32 against the bytes autograd's saved-tensor hooks see in a forward pass on the
-    Triton path (in the interpreter: the kernels a GPU runs). The formula leaves out what it does not itemise
-    (norms' statistics, the conv's tail, the chunk kernels' smaller buffers): it may undercount by ~10%."""
-    cfg = make_config(vocab_size=96, block_size=128, n_layer=2, n_head=4, n_embd=128, mixer=mixer, qk_norm=True,
-                      kernels="triton", mamba_headdim=32)
-    formula = train.activation_bytes(cfg, 2, act=4)
-    # the formula counts the loss's peak (logits in fp32 twice and in act bytes); autograd keeps one fp32 copy
-    measured = saved_activation_bytes(cfg, 2) + 2 * cfg.block_size * 8 * cfg.padded_vocab_size
-    assert 0.85 < formula / measured < 1.1, (formula, measured)
+    def step():
+        gpt = GPT(cfg)
+        idx = torch.zeros(2, 256, dtype=torch.long)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return gpt, idx, gpt(idx, idx)[1]
+    with torch.device("meta"):
+        weight_copies = 2 * sum(m.weight.numel() for m in GPT(cfg).modules() if isinstance(m, nn.Linear))
+    measured = kernels.kept_bytes(step) - weight_copies
+    assert 0.94 < model_module.activation_formula(cfg, 2, act=2) / measured <= 1.0, case
 
 
 def test_dry_run_optimizer_state_on_meta_matches_a_real_step():

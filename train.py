@@ -494,101 +494,6 @@ ESTIMATE_MFU = 0.4   # the model FLOPs utilisation the time estimates assume
 ESTIMATE_GPUS = {"A100": "NVIDIA A100-SXM4-80GB", "H100": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200"}
 
 
-def gated_delta_sizes(cfg):
-    """The G mixer's head sizes dk, dv, its convolved channels (q, k, v), in_proj's rows and its decay rows."""
-    H = cfg.n_head
-    dk = cfg.n_embd // H
-    dv = dk * cfg.gdn_expand_v
-    erase, write, decay = {"gdn2": (H * dk, H * dv, H * dk), "kda": (H, 0, H * dk), "gdn": (H, 0, H),
-                           "deltanet": (H, 0, 0)}[cfg.gdn_variant]
-    conv = H * (2 * dk + dv)
-    return dk, dv, conv, conv + H * dv + erase + write + decay, decay
-
-
-def mixer_params(cfg, letter):
-    """Parameters of one mixer, written out from its layers (None for a letter without a formula here)."""
-    d, H, bias = cfg.n_embd, cfg.n_head, cfg.bias
-    hs = d // H
-    if letter == "A":  # q, k, v, out projections; QK-norm gains; trainable RoPE frequencies (and basis)
-        rope = {"fixed": 0, "learned": d // 2, "lie": d // 2 + H * hs * hs}[cfg.rope]
-        return 4 * (d + bias) * d + 2 * hs * cfg.qk_norm + rope
-    if letter == "G":  # in_proj (q, k, v, gate, erase, write, decay rows), conv, A_log, dt_bias, o_norm, out_proj
-        dk, dv, conv, rows, decay = gated_delta_sizes(cfg)
-        return (d + bias) * rows + conv * cfg.conv_size + (H + decay if decay else 0) + dv + (H * dv + bias) * d
-    if letter == "M":  # in_proj (z, x, B, C, dt rows), conv with bias, A_log, dt_bias, D, norm, out_proj
-        inner, N = cfg.mamba_expand * d, cfg.mamba_d_state
-        heads, conv = inner // cfg.mamba_headdim, inner + 2 * N
-        return (d + bias) * (inner + conv + heads) + conv * (cfg.conv_size + 1) + 3 * heads + inner + (inner + bias) * d
-    return None
-
-
-def mlp_hidden(cfg):
-    return 8 * ((8 * cfg.n_embd // 3 + 7) // 8) if model.MLPS[cfg.mlp][1] else 4 * cfg.n_embd
-
-
-def residual_params(cfg):
-    """Parameters of one residual module (two per block): the hyper-connections' map φ, α and b."""
-    n = cfg.hc_streams
-    h_res = {"hc": n * n, "mhc": n * n, "mhc-lite": math.factorial(n), "kromhc": n.bit_length() - 1,
-             "shc": (n - 1) ** 2, "markov": sum(math.comb(n, k) * math.factorial(k - 1) for k in range(2, n + 1))}
-    if cfg.residual == "res":
-        return 0
-    return None if cfg.residual not in h_res else (n * cfg.n_embd + 1) * (2 * n + h_res[cfg.residual]) + 3
-
-
-def param_formula(cfg):
-    """{part: parameters} by closed form; None for a part whose kind has no formula above."""
-    d, L, gated = cfg.n_embd, cfg.n_layer, model.MLPS[cfg.mlp][1]
-    h = mlp_hidden(cfg)
-    mixers = [mixer_params(cfg, cfg.mixer[i % len(cfg.mixer)]) for i in range(L)]
-    residual = residual_params(cfg)
-    return {"embedding": cfg.padded_vocab_size * d * (1 if cfg.tie_embeddings else 2),
-            "mixers": None if None in mixers else sum(mixers),
-            "MLPs": L * ((1 + gated) * (d + cfg.bias) * h + (h + cfg.bias) * d),
-            "norms": (2 * L + 1) * d, "residuals": None if residual is None else 2 * L * residual}
-
-
-def mixer_activations(cfg, letter, act, T):
-    """Bytes per token that one mixer keeps for the backward pass (eager mode, each tensor once): act bytes for
-    activations (2 under bf16 autocast), 4 for the fp32 decays and states the kernels keep; None without a formula."""
-    d, H = cfg.n_embd, cfg.n_head
-    hs = d // H
-    if letter == "A":  # the projections' input, q and k (and before QK-norm), sdpa's q, k, v, output, out_proj's input
-        weights = 2 * H * T if cfg.attention != "sdpa" else 0  # explicit scores and weights: (T x T) per head
-        return act * (d * (8 + 2 * cfg.qk_norm) + weights)
-    if letter == "G":
-        (dk, dv, conv, rows, _), c = gated_delta_sizes(cfg), cfg.gdn_chunk_size
-        # in_proj's input and output, the conv output and its SiLU, normalised q and k, the gates b and w, the
-        # output norm's input, the gated product's two factors, out_proj's input ...
-        activations = d + rows + 2 * conv + 2 * H * dk + H * (dk + dv) + 4 * H * dv
-        # ... and in fp32 the decays g, the chunk kernel's pair weights, Y, U and the states entering each chunk
-        return act * activations + 4 * (H * dk + 2 * H * c + H * (dk + dv) + H * dk * dv // c)
-    if letter == "M":
-        inner, N, c = cfg.mamba_expand * d, cfg.mamba_d_state, cfg.chunk_size
-        heads, conv = inner // cfg.mamba_headdim, inner + 2 * N
-        # in_proj's input and output, the conv output and its SiLU, y and SiLU(z), the norm's input, out_proj's
-        # input; in fp32 the chunks' C·Bᵀ and the states entering each chunk
-        activations = d + (inner + conv + heads) + 2 * conv + 4 * inner
-        return act * activations + 4 * (c + heads * cfg.mamba_headdim * N // c)
-    return None
-
-
-def activation_bytes(cfg, batch_size, act):
-    """What one micro-batch keeps for backward, by formula (approximate, eager mode: the tests find it ~10% under
-    autograd's saved tensors on the Triton path; torch.compile keeps less):
-    per layer the fp32 inputs of its two norms (the residual stream), the MLP's input, activation and out_proj
-    input, the mixer's (mixer_activations); at the head the final norm's input and, at the loss's peak, the
-    logits in act bytes and twice in fp32 (the upcast and its log-softmax). None if a mixer has no formula."""
-    T, d, L = cfg.block_size, cfg.n_embd, cfg.n_layer
-    mixers = [mixer_activations(cfg, cfg.mixer[i % len(cfg.mixer)], act, T) for i in range(L)]
-    if None in mixers:
-        return None
-    mlp = act * (d + (4 if model.MLPS[cfg.mlp][1] else 2) * mlp_hidden(cfg))
-    streams = cfg.hc_streams + 1 if cfg.residual != "res" else 0  # a hyper-connection keeps X and F's output
-    per_token = sum(mixers) + L * (4 * 2 * d + mlp + 2 * 4 * streams * d) + 4 * d + (act + 8) * cfg.padded_vocab_size
-    return batch_size * T * per_token
-
-
 def dataset_vocab_size(dataset, tokenizer):
     """The vocabulary a run of dataset gets: GPT-2's for token shards (nothing read), else the prepared data's
     (a text not prepared yet is prepared now, into data/, as training would)."""
@@ -615,13 +520,14 @@ def dry_run_report(settings, world):
     with torch.device("meta"):  # full size, no memory
         gpt = GPT(config)
     n_params = gpt.num_params()
-    parts = param_formula(config)
+    parts = model.param_formula(config)
     if None in parts.values():
-        closed = f"(no closed form for the {', '.join(k for k, v in parts.items() if v is None)}: see param_formula)"
+        closed = f"(no closed form for the {', '.join(k for k, v in parts.items() if v is None)}: give the kind an " \
+            f"n_params, as model.MIXERS' protocol says)"
     else:
         terms = " + ".join(f"{k} {v:,}" for k, v in parts.items() if v)
         closed = f"= the closed form: {terms}" if sum(parts.values()) == n_params else \
-            f"but the closed form gives {sum(parts.values()):,} = {terms} (a layer changed: update param_formula)"
+            f"but the closed form gives {sum(parts.values()):,} = {terms} (a layer changed: update its n_params)"
     act = 4 if c.dtype == "float32" else 2  # "auto": bf16 autocast, as on the GPUs priced here
     tokens_per_iter = c.gradient_accumulation_steps * world * c.batch_size * config.block_size
     train_tokens = tokens_per_iter * c.max_iters
@@ -636,10 +542,11 @@ def dry_run_report(settings, world):
     matmul_weights = sum(m.weight.numel() for m in gpt.modules() if isinstance(m, torch.nn.Linear))
     memory = {"weights": 4 * n_params, "their bf16 copies": 2 * matmul_weights if act == 2 else 0,
               "gradients": 4 * n_params, f"{c.optimizer} state": optim.state_bytes(opt),
-              f"activations ({c.batch_size} x {config.block_size})": activation_bytes(config, c.batch_size, act)}
+              f"activations ({c.batch_size} x {config.block_size})": model.activation_formula(config, c.batch_size, act),
+              "the loss's peak": (act + 4) * c.batch_size * config.block_size * config.padded_vocab_size}
     seconds = {gpu: flops / (ESTIMATE_MFU * GPU_PEAKS[name][0] * world) for gpu, name in ESTIMATE_GPUS.items()}
     if None in memory.values():
-        memory_line = "no formula for the activations of one of the mixers (see mixer_activations)"
+        memory_line = "no closed form for the activations of a kind (give it a kept_per_token, see model.MIXERS)"
     else:
         memory_line = f"{sum(memory.values()) / 2**30:.1f} GiB a process, by formula " + \
             f"({'bf16 autocast' if act == 2 else 'fp32'}):\n            " + \
