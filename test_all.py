@@ -35,7 +35,8 @@ from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-if not torch.cuda.is_available():  # Triton kernels run on the CPU in Triton's interpreter; must precede importing triton
+# Triton kernels run on the CPU in Triton's interpreter; must precede importing triton
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 TRITON_DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]   # where the Triton tests run: compiled on a GPU
 
@@ -436,10 +437,12 @@ def test_kernels_torch_path_backward_matches_reference(op):
     theta = torch.arange(T)[:, None] * 10000.0 ** (-torch.arange(D // 2) / (D // 2))
     if op == "rms_norm":
         inputs = (torch.randn(B, T, H * D) * 3, 1 + 0.3 * torch.randn(H * D))
-        torch_fn, ref_fn = (lambda x, w: kernels.rms_norm_torch(x, w, 1e-5)), (lambda x, w: kernels.rms_norm_ref(x, w, 1e-5))
+        torch_fn, ref_fn = ((lambda x, w: kernels.rms_norm_torch(x, w, 1e-5)),
+                            (lambda x, w: kernels.rms_norm_ref(x, w, 1e-5)))
     else:
         inputs = (torch.randn(B, T, H, D),)
-        torch_fn, ref_fn = (lambda x: kernels.rope_torch(x, theta.cos(), theta.sin())), (lambda x: kernels.rope_ref(x, theta.cos(), theta.sin()))
+        torch_fn, ref_fn = ((lambda x: kernels.rope_torch(x, theta.cos(), theta.sin())),
+                            (lambda x: kernels.rope_ref(x, theta.cos(), theta.sin())))
     cotangent = torch.randn(B, T, H * D).view_as(ref_fn(*inputs))
     grads = []
     for fn in (torch_fn, ref_fn):
@@ -609,7 +612,8 @@ def test_kernels_sparsemax_causal_rows_project_their_visible_prefix(path):
 
 def _kernels_sparsemax_sorted(z, visible=None):
     """sparsemax in float64 by the sorted threshold, on rows shifted by their max, written here: with
-    z_(1) ≥ z_(2) ≥ …, k = max{j : 1 + j z_(j) > Σ_{i≤j} z_(i)}, τ = (Σ_{i≤k} z_(i) − 1)/k, p = [z − τ]₊.
+    z_(1) ≥ z_(2) ≥ …, k = max{j : 1 + j z_(j) > Σ_{i≤j} z_(i)}, τ = (Σ_{i≤k} z_(i) − 1)/k,
+    p = [z − τ]₊.
     Columns outside `visible` are −inf: they sort last and get 0."""
     z = z.double()
     if visible is not None:
@@ -675,7 +679,8 @@ def test_kernels_sparsemax_gradients_by_finite_differences():
         assert (z.detach() - tau).abs()[:, visible].min() > 1e-4  # no entry on the support edge (step 1e-6)
         assert torch.autograd.gradcheck(fn, (z,)) and torch.autograd.gradgradcheck(fn, (z,))
         g = torch.randn(4, 6, 6, dtype=torch.float64)
-        grads = [torch.autograd.grad((f(z, causal) * g).sum(), z)[0] for f in (kernels.sparsemax_torch, kernels.sparsemax_ref)]
+        grads = [torch.autograd.grad((f(z, causal) * g).sum(), z)[0]
+                 for f in (kernels.sparsemax_torch, kernels.sparsemax_ref)]
         assert (grads[0] - grads[1]).abs().max() < 1e-12
         support = fn(z) > 0
         mean_g = (g * support).sum(-1, keepdim=True) / support.sum(-1, keepdim=True)
@@ -766,8 +771,8 @@ def test_kernels_gdn2_mixed_mild_and_steep_chunks():
 
 
 def test_kernels_gdn2_torch_double_backward_matches_ref():
-    # analyze.py takes Hessian-vector products through kernels="torch": d/dx of (∂loss/∂inputs · probe), both paths,
-    # with one steep chunk (decays of −5 per token in the first 16 tokens) and mild ones
+    # analyze.py takes Hessian-vector products through kernels="torch": d/dx of (∂loss/∂inputs · probe),
+    # both paths, with one steep chunk (decays of −5 per token in the first 16 tokens) and mild ones
     q, k, v, g, b, w, S0 = _kernels_gdn2_inputs(1, 40, 2, 6, 5, 0.3, True, seed=7)
     g = g.clone()
     g[:, :16] *= 16
@@ -801,8 +806,10 @@ def test_kernels_gdn2_ref_is_the_matrix_recurrence():
     S = S0.double()
     outs = []
     for t in range(9):
-        erase = torch.eye(5, dtype=torch.float64) - k[:, t, :, :, None].double() * (b[:, t] * k[:, t])[:, :, None, :].double()
-        S = erase @ (g[:, t].double().exp()[..., None] * S) + k[:, t, :, :, None].double() * (w[:, t] * v[:, t])[:, :, None, :].double()
+        erase = (torch.eye(5, dtype=torch.float64)
+                 - k[:, t, :, :, None].double() * (b[:, t] * k[:, t])[:, :, None, :].double())
+        S = (erase @ (g[:, t].double().exp()[..., None] * S)
+             + k[:, t, :, :, None].double() * (w[:, t] * v[:, t])[:, :, None, :].double())
         outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t].double() * 5 ** -0.5))
     o_ref, S_ref = kernels.gdn2_ref(q, k, v, g, b, w, initial_state=S0)
     assert rel_err(o_ref, torch.stack(outs, 1)) < 1e-5 and rel_err(S_ref, S) < 1e-5
@@ -832,7 +839,8 @@ def _kernels_kda_loop(q, k, v, g, beta):
     S, outs = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64), []
     for t in range(T):
         kk, bt = k[:, t].double(), beta[:, t, :, None, None].double()
-        S = (torch.eye(K, dtype=torch.float64) - bt * kk[..., :, None] * kk[..., None, :]) @ (g[:, t].double().exp()[..., None] * S)
+        S = ((torch.eye(K, dtype=torch.float64) - bt * kk[..., :, None] * kk[..., None, :])
+             @ (g[:, t].double().exp()[..., None] * S))
         S = S + bt * kk[..., :, None] * v[:, t].double()[..., None, :]
         outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t].double() * K ** -0.5))
     return torch.stack(outs, 1)
@@ -844,7 +852,8 @@ def _kernels_gdn_loop(q, k, v, alpha_log, beta):
     S, outs = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64), []
     for t in range(T):
         kk, bt = k[:, t].double(), beta[:, t, :, None, None].double()
-        S = alpha_log[:, t, :, None, None].double().exp() * ((torch.eye(K, dtype=torch.float64) - bt * kk[..., :, None] * kk[..., None, :]) @ S)
+        S = alpha_log[:, t, :, None, None].double().exp() * ((torch.eye(K, dtype=torch.float64)
+                                                              - bt * kk[..., :, None] * kk[..., None, :]) @ S)
         S = S + bt * kk[..., :, None] * v[:, t].double()[..., None, :]
         outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t].double() * K ** -0.5))
     return torch.stack(outs, 1)
@@ -877,7 +886,8 @@ def test_kernels_gdn2_reduces_to_kda_gdn_deltanet():
     # GDN with no decay is DeltaNet
     o_delta = _kernels_deltanet_loop(q, k, v, beta)
     assert rel_err(_kernels_gdn_loop(q, k, v, torch.zeros_like(alpha), beta), o_delta) < 1e-10
-    assert rel_err(kernels.gdn2(q, k, v, torch.zeros_like(k), bk, bv, chunk_size=16, kernels="torch")[0], o_delta) < 5e-3
+    assert rel_err(kernels.gdn2(q, k, v, torch.zeros_like(k), bk, bv, chunk_size=16, kernels="torch")[0],
+                   o_delta) < 5e-3
 
 
 # -----------------------------------------------------------------------------
@@ -947,7 +957,8 @@ def test_kernels_clip_gradients_finite():
     # the square root's argument (2 − η)² + 4δ is exactly 0 for a unit key with b = 2
     k0 = torch.zeros(1, 1, 1, 4).index_fill_(-1, torch.tensor([0]), 1.0).requires_grad_()
     b0 = torch.full((1, 1, 1, 4), 2.0, requires_grad=True)
-    grads = torch.autograd.grad(kernels.gdn2_decay_clip(torch.full_like(b0, -0.1), k0, b0, kernels="torch").sum(), (k0, b0))
+    grads = torch.autograd.grad(kernels.gdn2_decay_clip(torch.full_like(b0, -0.1), k0, b0, kernels="torch").sum(),
+                                (k0, b0))
     assert all(torch.isfinite(t).all() for t in grads)
 
 
@@ -955,7 +966,8 @@ def test_kernels_clip_backward_and_double_backward_match_ref():
     # the torch path's backward is written out; compared with autograd through the plain formula in fp64 (g drawn
     # around the bound so both branches of the min get gradient), and under create_graph for Hessian-vector products
     g, k, b = (t.double() for t in _kernels_clip_inputs(seed=5))
-    g = -kernels.gdn2_log_rho(k, b) + 0.1 * torch.randn(g.shape, generator=torch.Generator().manual_seed(6), dtype=g.dtype)
+    g = -kernels.gdn2_log_rho(k, b) + 0.1 * torch.randn(g.shape, generator=torch.Generator().manual_seed(6),
+                                                        dtype=g.dtype)
     probes = [torch.randn_like(t) for t in (g, k, b)]
 
     def grads_and_hvp(fn):
@@ -963,7 +975,8 @@ def test_kernels_clip_backward_and_double_backward_match_ref():
         grads = torch.autograd.grad((fn(*inputs) ** 2).sum(), inputs, create_graph=True)
         return grads, torch.autograd.grad(sum((gr * p).sum() for gr, p in zip(grads, probes)), inputs)
 
-    (g_ref, h_ref), (g_torch, h_torch) = grads_and_hvp(kernels.gdn2_decay_clip_ref), grads_and_hvp(kernels.gdn2_decay_clip_torch)
+    (g_ref, h_ref), (g_torch, h_torch) = (grads_and_hvp(kernels.gdn2_decay_clip_ref),
+                                          grads_and_hvp(kernels.gdn2_decay_clip_torch))
     for name, got, want in zip("dg dk db Hg Hk Hb".split(), g_torch + h_torch, g_ref + h_ref):
         assert rel_err(got, want) < 1e-5, name   # fp32 inside the torch path
 
@@ -984,7 +997,8 @@ def test_kernels_clip_keeps_adversarial_recurrence_bounded():
         o, S = kernels.gdn2_torch(q, k, v, kernels.gdn2_decay_clip(g, k, b), b, w)
     assert not torch.isfinite(S_free).all() or S_free.norm() > 1e6
     assert S.norm() <= 20 * write
-    read = o[0, :, 0].norm(dim=-1) / (q[0, :, 0].norm(dim=-1) * 2 ** -0.5)   # ≤ ‖S_t‖, a lower bound on every state
+    # ≤ ‖S_t‖, a lower bound on every state
+    read = o[0, :, 0].norm(dim=-1) / (q[0, :, 0].norm(dim=-1) * 2 ** -0.5)
     assert torch.isfinite(o).all() and read.max() <= 20 * write
 
 
@@ -1031,7 +1045,8 @@ def _kernels_ssd_steep_inputs(l=150, seed=0):
     dt = 0.5 * torch.rand(1, l, 2, generator=gen, dtype=torch.float64)
     dt[torch.rand(1, l, 2, generator=gen) < 0.1] = 1000.0
     return (torch.randn(1, l, 2, 4, generator=gen, dtype=torch.float64), dt, -torch.ones(2, dtype=torch.float64),
-            torch.randn(1, l, 1, 8, generator=gen, dtype=torch.float64), torch.randn(1, l, 1, 8, generator=gen, dtype=torch.float64))
+            torch.randn(1, l, 1, 8, generator=gen, dtype=torch.float64),
+            torch.randn(1, l, 1, 8, generator=gen, dtype=torch.float64))
 
 
 def test_kernels_ssd_torch_steep_decays_match_fp64():
@@ -1103,7 +1118,8 @@ def test_kernels_zoh_is_exact_for_constant_inputs():
     C = torch.randn(1, 1, 1, 4).expand(1, l, 1, 4)
     dt = torch.full((1, l, 2), dt_value)
     t = dt_value * torch.arange(1, l + 1, dtype=torch.float64)
-    exact = (torch.expm1(A.double()[None, :] * t[:, None]) / A.double())[None, :, :, None] * x.double() * (B * C).sum(-1).double()[..., None]
+    exact = ((torch.expm1(A.double()[None, :] * t[:, None]) / A.double())[None, :, :, None] * x.double()
+             * (B * C).sum(-1).double()[..., None])
     y_zoh, _ = kernels.ssd(x * kernels.zoh_input_scale(dt, A)[..., None], dt, A, B, C, kernels="torch")
     y_euler, _ = kernels.ssd(x, dt, A, B, C, kernels="torch")
     assert rel_err(y_zoh, exact) < 1e-5
@@ -1123,7 +1139,8 @@ def test_kernels_zoh_vs_euler_first_order():
     (gap1, rel1), (gap2, rel2) = gap(0.02), gap(0.01)        # dt ≈ 2e-3 and 1e-3
     assert 3.6 < gap1 / gap2 < 4.4                   # O(dt²) absolute gap: halving dt quarters it
     assert 1.8 < rel1 / rel2 < 2.2                   # the output itself is O(dt), so the relative gap halves
-    # large dt: ZOH is Euler's ssd with each input scaled by exactly expm1(dt A)/(dt A); check against B̄ = (e^{dt A} − 1)/A · B
+    # large dt: ZOH is Euler's ssd with each input scaled by exactly expm1(dt A)/(dt A); check against
+    # B̄ = (e^{dt A} − 1)/A · B
     d = 2.0 * dt
     y_zoh, h_zoh = kernels.ssd(x * kernels.zoh_input_scale(d, A)[..., None], d, A, B, C, kernels="torch")
     h = torch.zeros(1, 2, 3, 4, dtype=torch.float64)
@@ -1157,7 +1174,8 @@ def triton_compare(fn_triton, fn_ref, inputs, device, seed=0):
     leaves = {}
     results = {}
     for path, fn in (("tri", fn_triton), ("ref", fn_ref)):
-        args = {k: (v.detach().to(device).clone().requires_grad_(True) if torch.is_tensor(v) and v.is_floating_point() else v)
+        args = {k: (v.detach().to(device).clone().requires_grad_(True)
+                    if torch.is_tensor(v) and v.is_floating_point() else v)
                 for k, v in inputs.items()}
         outs = fn(**args)
         outs = outs if isinstance(outs, tuple) else (outs,)
@@ -1184,7 +1202,8 @@ def triton_assert_close(errs, tol=TRITON_TOL):
 def test_triton_rms_norm(device):
     x = torch.randn(3, 5, 37) * 2 + 0.5
     w = torch.randn(37)
-    errs = triton_compare(lambda x, w: kernels.rms_norm_triton(x, w, 1e-6), lambda x, w: kernels.rms_norm_ref(x, w, 1e-6),
+    errs = triton_compare(lambda x, w: kernels.rms_norm_triton(x, w, 1e-6),
+                          lambda x, w: kernels.rms_norm_ref(x, w, 1e-6),
                           dict(x=x, w=w), device)
     assert set(errs) == {"out0", "dx", "dw"}
     triton_assert_close(errs)
@@ -1266,7 +1285,8 @@ def test_triton_sparsemax(shape, causal, device):
     p, p_ref = kernels.sparsemax(z, causal, kernels="triton"), kernels.sparsemax_ref(z, causal)
     assert torch.equal(p == 0, p_ref == 0) and (p == 0).float().mean() > 0.5
     pb = kernels.sparsemax_triton(z.bfloat16(), causal)
-    assert pb.dtype == torch.bfloat16 and (pb.float() - kernels.sparsemax_ref(z.bfloat16().float(), causal)).abs().max() < 1e-2
+    assert pb.dtype == torch.bfloat16 and (pb.float()
+                                           - kernels.sparsemax_ref(z.bfloat16().float(), causal)).abs().max() < 1e-2
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -1299,7 +1319,8 @@ def test_triton_gdn2_decay_clip(gate_scale, device):
     errs = triton_compare(kernels.gdn2_decay_clip_triton, kernels.gdn2_decay_clip_ref, dict(g=g, k=k, b=b), device)
     assert set(errs) == {"out0", "dg", "dk", "db"}
     triton_assert_close(errs)
-    torch_errs = triton_compare(kernels.gdn2_decay_clip_triton, kernels.gdn2_decay_clip_torch, dict(g=g, k=k, b=b), device)
+    torch_errs = triton_compare(kernels.gdn2_decay_clip_triton, kernels.gdn2_decay_clip_torch,
+                                dict(g=g, k=k, b=b), device)
     triton_assert_close(torch_errs)
 
 
@@ -1329,7 +1350,8 @@ def test_triton_gdn2_gates(clip, device):
     assert 0.2 < clipped < 0.8  # both branches of the min are exercised
     errs = triton_compare(lambda **kw: kernels.gdn2_gates_triton(**kw, clip=clip),
                           lambda **kw: kernels.gdn2_gates_ref(**kw, clip=clip), inputs, device)
-    assert set(errs) == {"out0", "out1", "ddecay_logits", "derase_logits", "dA_log", "ddt_bias"} | ({"dk"} if clip else set())
+    assert set(errs) == ({"out0", "out1", "ddecay_logits", "derase_logits", "dA_log", "ddt_bias"}
+                         | ({"dk"} if clip else set()))
     triton_assert_close(errs)
     torch_errs = triton_compare(lambda **kw: kernels.gdn2_gates_torch(**kw, clip=clip),
                                 lambda **kw: kernels.gdn2_gates_ref(**kw, clip=clip), inputs, device)
@@ -1337,7 +1359,8 @@ def test_triton_gdn2_gates(clip, device):
     # the dispatcher finds the Triton path and takes dt_bias as [H, K] too
     inputs = {name: t.to(device) for name, t in inputs.items()}
     inputs["dt_bias"] = inputs["dt_bias"].view(H, K)
-    for got, want in zip(kernels.gdn2_gates(**inputs, clip=clip, kernels="triton"), kernels.gdn2_gates_triton(**inputs, clip=clip)):
+    for got, want in zip(kernels.gdn2_gates(**inputs, clip=clip, kernels="triton"),
+                         kernels.gdn2_gates_triton(**inputs, clip=clip)):
         assert torch.equal(got, want)
 
 
@@ -1391,7 +1414,8 @@ def test_triton_ssd(with_initial, with_D, p, device):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-@pytest.mark.parametrize("with_initial,decay,scale,chunk", [(False, 0.5, None, 16), (True, 30.0, 0.3, 16), (True, 0.5, None, 32)])
+@pytest.mark.parametrize("with_initial,decay,scale,chunk",
+                         [(False, 0.5, None, 16), (True, 30.0, 0.3, 16), (True, 0.5, None, 32)])
 def test_triton_gdn2_chunked(with_initial, decay, scale, chunk, device):
     # T = 37 is two full chunks of 16 and a ragged one (one full and a ragged one of 32); decay 30 makes
     # within-chunk exp(G) span e^-400, which a factored exp(G)·exp(−G) form would overflow; V = 37 spans two value
@@ -1480,7 +1504,8 @@ def triton_bf16_store(x, device):
 
 
 def triton_bf16_u(device):
-    """The relative rounding error of the device's fp32 -> bf16 casts: 1 + 3·2^-9 truncates to 1, rounds to 1 + 2^-7."""
+    """The relative rounding error of the device's fp32 -> bf16 casts: 1 + 3·2^-9 truncates to 1,
+    rounds to 1 + 2^-7."""
     return 2.0 ** -9 if triton_bf16_store(torch.tensor([1 + 3 * 2.0 ** -9]), device).item() > 1 else 2.0 ** -8
 
 
@@ -1529,7 +1554,8 @@ def test_triton_gdn2_gates_bf16_error_budget(clip, device):
     """gdn2_gates on bf16 logits and keys (A_log, dt_bias fp32) computes in fp32 from the exact bf16 values: g (fp32),
     dA_log and dt_bias's gradient match the fp64 reference to 1e-5; b, dk (stored in bf16 by the kernel) and the decay
     logits' gradient (cast by torch) match it after the same rounding, but for values on a rounding boundary (≤ u/16).
-    The erase logits' gradient b(1 − b)·db takes b as rounded, as torch's sigmoid backward does: ≤ 2u (measured 1.6u).
+    The erase logits' gradient b(1 − b)·db takes b as rounded, as torch's sigmoid backward does: ≤ 2u
+    (measured 1.6u).
     The reference's clip reads b rounded as the kernel returns it, as the kernel's clip does."""
     torch.manual_seed(0)
     B, T, H, K = 2, 33, 3, 40
@@ -1661,24 +1687,27 @@ def triton_op_cases(device):
     for clip in (True, False):
         cases += [(f"gdn2_gates clip={clip}", kernels._gdn2_gates_fwd, (*map(leaf, gates), clip),
                    OPCHECK_ALL if clip else OPCHECK_LIGHT),
-                  (f"gdn2_gates_bwd clip={clip}", kernels._gdn2_gates_bwd, (randn(1, 3, 2, 4), randn(1, 3, 2, 4), *gates, clip),
-                   OPCHECK_LIGHT)]
+                  (f"gdn2_gates_bwd clip={clip}", kernels._gdn2_gates_bwd,
+                   (randn(1, 3, 2, 4), randn(1, 3, 2, 4), *gates, clip), OPCHECK_LIGHT)]
     # 17 tokens: two chunks of 16 in the chunked kernels, the second ragged, or one ragged chunk of 32
     B, T, H, K, V = 1, 17, 1, 4, 5
     q, k = F.normalize(randn(B, T, H, K), dim=-1), F.normalize(randn(B, T, H, K), dim=-1)
-    gdn2_in = (q, k, randn(B, T, H, V), -randn(B, T, H, K).abs() / 2, randn(B, T, H, K).sigmoid(), randn(B, T, H, V).sigmoid())
+    gdn2_in = (q, k, randn(B, T, H, V), -randn(B, T, H, K).abs() / 2, randn(B, T, H, K).sigmoid(),
+               randn(B, T, H, V).sigmoid())
     for s0, chunk in ((None, 16), (randn(B, H, K, V), 32)):
         named, utils = ("", OPCHECK_LIGHT) if s0 is None else (" initial_state", OPCHECK_ALL)
         rec = kernels._gdn2_recurrent_fwd(*gdn2_in, 0.5, s0)
         d_out = (randn(B, T, H, V), randn(B, H, K, V))
         cases += [("gdn2_recurrent" + named, kernels._gdn2_recurrent_fwd, (*map(leaf, gdn2_in), 0.5, leaf(s0)), utils),
-                  ("gdn2_recurrent_bwd" + named, kernels._gdn2_recurrent_bwd, (*d_out, *gdn2_in, rec[2], 0.5, s0), OPCHECK_LIGHT),
-                  (f"gdn2_chunked{named} chunk={chunk}", kernels._gdn2_chunked_fwd, (*map(leaf, gdn2_in), 0.5, leaf(s0), chunk),
-                   utils),
+                  ("gdn2_recurrent_bwd" + named, kernels._gdn2_recurrent_bwd,
+                   (*d_out, *gdn2_in, rec[2], 0.5, s0), OPCHECK_LIGHT),
+                  (f"gdn2_chunked{named} chunk={chunk}", kernels._gdn2_chunked_fwd,
+                   (*map(leaf, gdn2_in), 0.5, leaf(s0), chunk), utils),
                   (f"gdn2_chunked_bwd{named} chunk={chunk}", kernels._gdn2_chunked_bwd,
                    (*d_out, *gdn2_in, s0, 0.5, chunk), OPCHECK_LIGHT)]
     b_, l, h, p, n, Cs = 1, 9, 2, 3, 4, 8   # 9 tokens: two chunks of 8, the second ragged
-    ssd_in = (randn(b_, l, h, p), F.softplus(randn(b_, l, h)), -randn(h).abs() - 0.5, randn(b_, l, 1, n), randn(b_, l, 1, n))
+    ssd_in = (randn(b_, l, h, p), F.softplus(randn(b_, l, h)), -randn(h).abs() - 0.5, randn(b_, l, 1, n),
+              randn(b_, l, 1, n))
     for D, s0 in ((None, None), (randn(h), randn(b_, h, p, n))):
         named, utils = ("", OPCHECK_LIGHT) if D is None else (" D initial_state", OPCHECK_ALL)
         cases += [("ssd" + named, kernels._ssd_fwd, (*map(leaf, ssd_in), leaf(D), Cs, leaf(s0)), utils),
@@ -1709,7 +1738,8 @@ def test_triton_gpt_compiles_fullgraph(path, mixer, residual, device):
     T = 9
     gpt = triton_gpt(mixer, residual, T, path, device)
     loss, grads = triton_loss_and_grads(gpt, T, device)
-    compiled_loss, compiled_grads = triton_loss_and_grads(gpt, T, device, torch.compile(gpt, backend="aot_eager", fullgraph=True))
+    compiled_loss, compiled_grads = triton_loss_and_grads(gpt, T, device,
+                                                          torch.compile(gpt, backend="aot_eager", fullgraph=True))
     assert abs(compiled_loss - loss) <= 1e-6 * abs(loss)
     assert compiled_grads.keys() == grads.keys() and len(grads) > 0
     bad = {n: e for n in grads if (e := rel_err(compiled_grads[n], grads[n])) > 1e-6}
@@ -1748,10 +1778,11 @@ AOT_NO_SPILL_ARCHS = (80, 90)
 
 
 def aot_resource_rows():
-    """Run a GPT with kernels="triton" forward and backward for every AOT_CASES entry, with every launch recorded instead of run
-    (kernels.triton_launches), plus the ops the model does not call (the clip alone, softmax, sparsemax); then
-    compile each distinct launch for sm_80 / sm_89 / sm_90 (kernels.triton_resources). Needs real, compiled
-    Triton kernels: call it in a process where triton was imported before kernels.py without TRITON_INTERPRET=1."""
+    """Run a GPT with kernels="triton" forward and backward for every AOT_CASES entry, with every launch recorded
+    instead of run (kernels.triton_launches), plus the ops the model does not call (the clip alone, softmax,
+    sparsemax); then compile each distinct launch for sm_80 / sm_89 / sm_90 (kernels.triton_resources). Needs
+    real, compiled Triton kernels: call it in a process where triton was imported before kernels.py without
+    TRITON_INTERPRET=1."""
     torch.set_num_threads(1)
     launches = {}
     for name, (overrides, T) in AOT_CASES.items():
@@ -1768,7 +1799,8 @@ def aot_resource_rows():
                 x = torch.zeros(1, T, H, K, dtype=dtype, requires_grad=True)
                 kernels.gdn2_decay_clip_triton(x.float(), x, x).sum().backward()
                 kernels.softmax_triton(x.reshape(-1, K)).sum().backward()
-                kernels.sparsemax_triton(torch.zeros(1, H, T, T, dtype=dtype, requires_grad=True), True).sum().backward()
+                kernels.sparsemax_triton(torch.zeros(1, H, T, T, dtype=dtype, requires_grad=True),
+                                         True).sum().backward()
         for kernel, signature, constexprs, options in kernels.triton_launches(step):
             key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
             launches.setdefault(key, (kernel, signature, constexprs, options, name))
@@ -1790,10 +1822,12 @@ def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time():
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
     # every Triton kernel in kernels.py was launched by some case (so none escapes the check)
-    assert {row["kernel"] for row in rows} == {name for name in dir(kernels) if name.endswith("_kernel") and name.startswith("_")}
+    assert {row["kernel"] for row in rows} == {name for name in dir(kernels)
+                                               if name.endswith("_kernel") and name.startswith("_")}
     assert {row["arch"] for row in rows} == set(AOT_ARCHS) and {row["dtype"] for row in rows} == {"fp32", "bf16"}
     limits = {80: 166912, 89: 101376, 90: 232448}
-    over = [(r["kernel"], r["case"], r["arch"], r["constexprs"], r["shared"]) for r in rows if r["shared"] > limits[r["arch"]]]
+    over = [(r["kernel"], r["case"], r["arch"], r["constexprs"], r["shared"])
+            for r in rows if r["shared"] > limits[r["arch"]]]
     spills = {}
     for r in rows:
         if r["arch"] in AOT_NO_SPILL_ARCHS and r["stack"]:
@@ -2133,7 +2167,8 @@ def test_rope_pi_at_s_times_position_equals_none(factor):
 
 
 def test_rope_ntk_scales_the_base():
-    """NTK-aware scaling: θ_i = (base·s^(d/(d−2)))^(−2i/d), so θ_0 = 1 stays and the lowest θ is divided by s."""
+    """NTK-aware scaling: θ_i = (base·s^(d/(d−2)))^(−2i/d), so θ_0 = 1 stays and the lowest θ is divided
+    by s."""
     d, base, s = 16, 10000.0, 4.0
     theta = rope_frequencies(d, base, "ntk", s).double()
     want = torch.tensor([(base * s ** (d / (d - 2))) ** (-2 * i / d) for i in range(d // 2)], dtype=torch.float64)
@@ -2250,7 +2285,8 @@ def test_sparsemax_attention_model_is_causal_sparse_and_generates():
     b, _ = model(changed)
     assert torch.equal(a[:, :12], b[:, :12]) and not torch.allclose(a[:, 12:], b[:, 12:])
     prompt = torch.randint(0, 50, (1, 5))
-    assert torch.equal(model.generate(prompt, 20, temperature=1e-8), greedy_by_recomputation(model, prompt, 20, window=32))
+    assert torch.equal(model.generate(prompt, 20, temperature=1e-8),
+                       greedy_by_recomputation(model, prompt, 20, window=32))
     # attention_sparsemax against a per-query loop over the projection of the visible scores
     from model import attention_sparsemax
     q, k, v = (torch.randn(2, 3, 9, 8, dtype=torch.float64) * 3 for _ in range(3))
@@ -2531,7 +2567,8 @@ def test_mixers_hessian_vector_products_match_ref_path(mixer):
                 m.kernels_path = path
         grads = torch.autograd.grad((layer(x, rope=None) ** 2).mean(), params, create_graph=True)
         hvps[path] = torch.autograd.grad(sum((g * v).sum() for g, v in zip(grads, probe)), params)
-    for name, (p, h_torch, h_ref) in zip([n for n, _ in layer.named_parameters()], zip(params, hvps["torch"], hvps["ref"])):
+    for name, (p, h_torch, h_ref) in zip([n for n, _ in layer.named_parameters()],
+                                         zip(params, hvps["torch"], hvps["ref"])):
         assert rel_err(h_torch, h_ref) < 1e-4, name
 
 
@@ -2542,9 +2579,11 @@ def test_mixers_parameter_names_and_shapes():
     # in_proj rows: q, k, v (2·dk per head), gate (2·dk), erase (dk), write (2·dk), decay (dk)
     assert gdn2 == {"in_proj.weight": (H * dk * (1 + 1 + 2 + 2 + 1 + 2 + 1), C), "conv.weight": (4 * H * dk, 1, 4),
                     "A_log": (H,), "dt_bias": (H * dk,), "o_norm.weight": (2 * dk,), "out_proj.weight": (C, 2 * H * dk)}
-    kda = shapes(GatedDelta(tiny_config(**MIXERS_BASE, mixer="G", gdn_variant="kda")))  # q, k, v, gate, β (1 per head), decay
+    # q, k, v, gate, β (1 per head), decay
+    kda = shapes(GatedDelta(tiny_config(**MIXERS_BASE, mixer="G", gdn_variant="kda")))
     assert kda["dt_bias"] == (H * dk,) and kda["in_proj.weight"] == (5 * H * dk + H, C)
-    gdn = shapes(GatedDelta(tiny_config(**MIXERS_BASE, mixer="G", gdn_variant="gdn")))  # q, k, v, gate, β, decay (1 per head)
+    # q, k, v, gate, β, decay (1 per head)
+    gdn = shapes(GatedDelta(tiny_config(**MIXERS_BASE, mixer="G", gdn_variant="gdn")))
     assert gdn["in_proj.weight"] == (4 * H * dk + 2 * H, C) and gdn["dt_bias"] == (H,) and gdn["A_log"] == (H,)
     deltanet = shapes(GatedDelta(tiny_config(**MIXERS_BASE, mixer="G", gdn_variant="deltanet")))
     assert deltanet["in_proj.weight"] == (4 * H * dk + H, C) and not {"A_log", "dt_bias"} & set(deltanet)
@@ -3072,7 +3111,8 @@ def test_hc_incremental_generation_matches_full_forward():
     """HC mixes streams per token only, so cached one-token steps give the full forward's logits."""
     torch.manual_seed(0)
     model = GPT(make_config(residual="mhc", n_layer=2, n_embd=32, n_head=2, block_size=16)).eval()
-    hc_randomize(model.blocks[0].mixer_residual, torch.Generator().manual_seed(8), phi_std=0.01, alpha=1.0, bias_std=0.0)
+    hc_randomize(model.blocks[0].mixer_residual, torch.Generator().manual_seed(8), phi_std=0.01, alpha=1.0,
+                 bias_std=0.0)
     idx = torch.randint(0, 84, (2, 8))
     full, _ = model(idx)
     cache = {"pos": 0, "layers": [{} for _ in model.blocks]}
@@ -3447,7 +3487,8 @@ def test_init_coord_check_spectral_hidden(optimizer):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_init_coord_check_spectral_lm_head(optimizer):
-    """The logits and the lm_head's ΔW within COORD_BAND as well: needs the head's lr × spectral_lr_scale(V, n_embd)."""
+    """The logits and the lm_head's ΔW within COORD_BAND as well: needs the head's lr
+    × spectral_lr_scale(V, n_embd)."""
     spreads = init_spreads(init_coord_stats(optimizer, "spectral"), keep=init_is_head)
     assert len(spreads) == 2
     assert max(spreads.values()) <= COORD_BAND, spreads
@@ -3536,7 +3577,8 @@ class OptimTinyBlock(nn.Module):
 
     def forward(self, x):
         h = F.rms_norm(x, (x.size(-1),), self.norm1)
-        x = x + self.mixer.out_proj(torch.tanh(self.mixer.q_proj(h))) + 0.1 * self.mixer_residual.phi(h).mean(-1, keepdim=True)
+        x = (x + self.mixer.out_proj(torch.tanh(self.mixer.q_proj(h)))
+             + 0.1 * self.mixer_residual.phi(h).mean(-1, keepdim=True))
         return x + self.mlp.out_proj(F.relu(self.mlp.in_proj(x)).square())
 
 
@@ -3708,8 +3750,10 @@ def optim_ref_adam(p0, gs, betas, eps, nesterov):
 def test_optim_adamw_and_nadam_rules(shape):
     p0, gs = torch.randn(shape, dtype=torch.float64), optim_grad_sequence(shape, T, 4)
     kw = dict(betas=(0.8, 0.95), eps=1e-3)
-    optim_check(optim_run(optim.AdamW, p0, gs, lr=LR, weight_decay=WD, **kw), optim_ref_adam(p0, gs, nesterov=False, **kw))
-    optim_check(optim_run(optim.NAdam, p0, gs, lr=LR, weight_decay=WD, **kw), optim_ref_adam(p0, gs, nesterov=True, **kw))
+    optim_check(optim_run(optim.AdamW, p0, gs, lr=LR, weight_decay=WD, **kw),
+                optim_ref_adam(p0, gs, nesterov=False, **kw))
+    optim_check(optim_run(optim.NAdam, p0, gs, lr=LR, weight_decay=WD, **kw),
+                optim_ref_adam(p0, gs, nesterov=True, **kw))
 
 
 def test_optim_nadam_differs_from_adamw_by_the_lookahead_term():
@@ -4347,8 +4391,10 @@ def test_parse_config_types_and_files(tmp_path):
 def test_analyze_cli_shares_train_parser(tmp_path):
     """analyze.py parses booleans (and every other type) as train.py does, and a corrupt or refused
     checkpoint is a one-line error (end to end for the corrupt one)."""
-    for arg, message in [("--qk_norm=0", "--qk_norm expects True or False"), ("--bias=no", "--bias expects True or False"),
-                         ("--power_iters=many", "--power_iters expects an integer"), ("--n_layr=2", "did you mean --n_layer?")]:
+    for arg, message in [("--qk_norm=0", "--qk_norm expects True or False"),
+                         ("--bias=no", "--bias expects True or False"),
+                         ("--power_iters=many", "--power_iters expects an integer"),
+                         ("--n_layr=2", "did you mean --n_layer?")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             analyze.parse_args([arg])
     opts, model = analyze.parse_args(["--qk_norm=True", "--bias=false", "--top_k=5", "--n_layer=2"])
@@ -4452,8 +4498,8 @@ def test_preset_models_take_a_real_step_on_the_cpu(name):
 
 
 def test_param_closed_form_equals_num_params_for_every_kind():
-    """model.param_formula (each kind's n_params, written from the layers' shapes) against the built model's count, for every mixer,
-    MLP and residual kind, the G variants, RoPE kinds, biases, untied heads and a padded vocabulary."""
+    """model.param_formula (each kind's n_params, written from the layers' shapes) against the built model's count,
+    for every mixer, MLP and residual kind, the G variants, RoPE kinds, biases, untied heads and a padded vocabulary."""
     cases = [dict(mixer=m) for m in MIXERS] + [dict(mlp=m) for m in MLPS] + [dict(residual=r) for r in RESIDUALS]
     cases += [dict(mixer="G", gdn_variant=v, gdn_expand_v=2) for v in ("deltanet", "gdn", "kda", "gdn2")]
     cases += [dict(rope="learned", qk_norm=True), dict(rope="lie"), dict(mixer="GMA", bias=True, tie_embeddings=False),
@@ -5123,13 +5169,15 @@ def test_a_dummy_kind_of_each_sort_trains_through_train_py(tmp_path, monkeypatch
     text.write_text("héllo wörld, the quick brown fox. " * 300)
     out = tmp_path / "run"
     train.main([f"--dataset={text}", "--tokenizer=byte", "--mixer=RA", "--mlp=tanh", "--residual=scaled",
-                "--optimizer=plainsgd", "--spectral_lr=True", "--learning_rate=0.05", "--max_iters=2", "--log_interval=1",
-                "--eval_interval=2", "--eval_iters=1", "--analyze_every=1", "--n_layer=2", "--n_embd=32", "--n_head=2",
+                "--optimizer=plainsgd", "--spectral_lr=True", "--learning_rate=0.05", "--max_iters=2",
+                "--log_interval=1", "--eval_interval=2", "--eval_iters=1", "--analyze_every=1", "--n_layer=2",
+                "--n_embd=32", "--n_head=2",
                 "--block_size=16", "--batch_size=4", "--num_samples=1", "--max_new_tokens=12", "--start=hé",
                 f"--out_dir={out}"])
     printed = capsys.readouterr().out
     rows = log_rows(out)
-    assert [r["step"] for r in rows if "loss" in r] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
+    assert ([r["step"] for r in rows if "loss" in r] == [1, 2]
+            and all(math.isfinite(r["loss"]) for r in rows if "loss" in r))
     assert [r["step"] for r in rows if "val" in r] == [0, 2]
     ckpt = data.load_checkpoint(os.path.join(out, "ckpt.pt"))
     assert (ckpt["config"]["mixer"], ckpt["config"]["mlp"], ckpt["config"]["residual"]) == ("RA", "tanh", "scaled")
@@ -5159,7 +5207,8 @@ def test_a_dummy_mixer_keeps_the_protocol_and_a_forgetful_one_fails_loudly(monke
 # Tests for analyze.py: every spectrum against a dense computation, a closed form or a known construction.
 
 def analyze_tiny_gpt(seed=0, **overrides):
-    return tiny_gpt(seed, **{**dict(vocab_size=8, block_size=8, n_embd=8, attention="math", kernels="torch"), **overrides})
+    return tiny_gpt(seed, **{**dict(vocab_size=8, block_size=8, n_embd=8, attention="math", kernels="torch"),
+                             **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -5276,7 +5325,8 @@ def test_curvature_noise_scale_on_a_quadratic():
     H = Q @ torch.diag(lam) @ Q.T
     Sigma_x = Q @ torch.diag(1 / lam) @ Q.T  # the data spread most along the flat directions
     mu = torch.randn(d, generator=gen, dtype=torch.float64)
-    w0 = mu + 0.3 * Q[:, -1] + 0.05 * torch.randn(d, generator=gen, dtype=torch.float64)  # G mostly in the stiff direction
+    # G mostly in the stiff direction
+    w0 = mu + 0.3 * Q[:, -1] + 0.05 * torch.randn(d, generator=gen, dtype=torch.float64)
 
     class Quadratic(nn.Module):
         def __init__(self):
@@ -5412,7 +5462,8 @@ def test_hc_spectra_mhc_product_bounded_hc_drifts():
     assert arrays["prod_norm"].shape == (8, 32)
     bound = 1.0
     for layer in summary["layers"]:
-        # ‖H‖₂ ≤ sqrt(‖H‖₁‖H‖∞): exactly 1 for doubly stochastic, Sinkhorn's leftover row/column error on top
+        # ‖H‖₂ ≤ sqrt(‖H‖₁‖H‖∞): exactly 1 for doubly stochastic, Sinkhorn's leftover row/column
+        # error on top
         bound *= math.sqrt((1 + layer["row_sum_error"]) * (1 + layer["col_sum_error"]))
         assert layer["min_entry"] >= 0
         assert layer["prod_norm_max"] <= bound * (1 + 1e-9) and layer["prod_norm_max"] <= 1 + 1e-3
@@ -5455,13 +5506,16 @@ def test_sections_table_runs_in_order_and_takes_a_new_row(tmp_path, monkeypatch)
     for i, section in enumerate(analyze.SECTIONS.values()):
         assert set(section.needs) <= set(names[:i]) and callable(section.run) and callable(section.show)
     plotted = []
-    probe = analyze.Section(lambda model, inputs: ({"batches": len(inputs["batches"]), "saw_gradients": "gradients" in inputs},
+    probe = analyze.Section(lambda model, inputs: ({"batches": len(inputs["batches"]),
+                                                    "saw_gradients": "gradients" in inputs},
                                                    {"x": np.arange(3)}),
-                            lambda summary, arrays, path: plotted.append(path), lambda summary: None, needs=("gradients",))
+                            lambda summary, arrays, path: plotted.append(path), lambda summary: None,
+                            needs=("gradients",))
     monkeypatch.setitem(analyze.SECTIONS, "probe", probe)
     model = analyze.analysis_model(analyze_tiny_gpt())
     gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 8, (2, 8), generator=gen), torch.randint(0, 8, (2, 8), generator=gen)) for _ in range(2)]
+    batches = [(torch.randint(0, 8, (2, 8), generator=gen), torch.randint(0, 8, (2, 8), generator=gen))
+               for _ in range(2)]
     summary = analyze.run_analysis(model, batches, str(tmp_path), ["probe", "ns", "gradients"], verbose=False)
     assert list(summary) == ["gradients", "ns", "probe"]
     assert summary["probe"] == {"batches": 2, "saw_gradients": True}
@@ -5505,7 +5559,8 @@ def test_attention_sparsity_counts_exact_zeros_per_layer_and_head():
         assert zeros.min() > 0.3 * B * visible.sum()
         layer = summary["layers"][len(layer_zeros)]
         layer_zeros.append(zeros)
-        assert abs(layer["mean_keys_used"] - (2 * B * visible.sum() - zeros.sum()) / (2 * B * T)) <= 1 / (2 * B * T) + 1e-9
+        assert (abs(layer["mean_keys_used"] - (2 * B * visible.sum() - zeros.sum()) / (2 * B * T))
+                <= 1 / (2 * B * T) + 1e-9)
     assert summary["attention"] == "sparsemax"
     softmax_summary, _ = analyze.attention_sparsity(GPT(tiny_config()), idx)
     assert softmax_summary["attention"] == "softmax" and softmax_summary["zero_frac"] == 0
@@ -5525,7 +5580,8 @@ def test_analyze_during_training_logs_without_side_effects(tmp_path):
     logged = record["weights"]["blocks.1.mlp.in_proj.weight"]["sigma_max"]
     assert abs(logged - torch.linalg.matrix_norm(W.detach(), ord=2).item()) < 1e-5
     noise = record["noise"]  # B_noise and η_max are defined where GᵀHG > 0 (a minimum along G), nan elsewhere
-    ratios = (noise["tr_H_sigma"] / noise["GHG"], noise["G_sq"] / noise["GHG"]) if noise["GHG"] > 0 else (math.nan, math.nan)
+    ratios = ((noise["tr_H_sigma"] / noise["GHG"], noise["G_sq"] / noise["GHG"]) if noise["GHG"] > 0
+              else (math.nan, math.nan))
     assert np.allclose([noise["B_noise"], noise["eta_max"]], ratios, equal_nan=True)
     lines = open(os.path.join(tmp_path, "analysis.jsonl")).read().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 10]
@@ -5568,7 +5624,8 @@ def test_analyze_length_extrapolation_against_direct_losses(mixer):
 
 def _mark_tests_by_component():
     source = open(__file__).read().split("\n")
-    banners = [(i + 1, m.group(1)) for i, line in enumerate(source) if (m := re.match(r"# \w+\.py  \(pytest -m (\w+)\)", line))]
+    banners = [(i + 1, m.group(1)) for i, line in enumerate(source)
+               if (m := re.match(r"# \w+\.py  \(pytest -m (\w+)\)", line))]
     for name, test in list(globals().items()):
         if name.startswith("test_") and callable(test):
             component = [mark for line, mark in banners if line < inspect.unwrap(test).__code__.co_firstlineno][-1]
