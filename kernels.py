@@ -310,9 +310,10 @@ def _sinkhorn_plain(logits, iters):
 
 class _SinkhornTorch(torch.autograd.Function):
     """P (n, n, M), entry [i, j, m]: the logits' row log-softmax A, then P¹ = exp(A − logsumexp_i A) (columns), then
-    row, column, … scalings. For Y = X / s (s the row or column sums of X), ∂X = (∂Y − Σ ∂Y ⊙ Y) / s summed along
-    that axis, so Z = ∂Y ⊙ Y steps back as ∂X ⊙ X = Z − Y·ΣZ with no division; the same step takes Z back through
-    the column log-softmax (Z is then ∂A), and the row log-softmax ends it: ∂logits = Z − exp(A)·Σ_j Z."""
+    row, column, … scalings. For Y = X / s (s the row or column sums of X), ∂X = (∂Y − Σ ∂Y ⊙ Y) / s summed
+    along that axis, so Z = ∂Y ⊙ Y steps back as ∂X ⊙ X = Z − Y·ΣZ with no division; the same step takes Z
+    back through the column log-softmax (Z is then ∂A), and the row log-softmax ends it:
+    ∂logits = Z − exp(A)·Σ_j Z."""
 
     @staticmethod
     def forward(ctx, logits, iters):
@@ -367,8 +368,9 @@ def sinkhorn(logits, iters=20, kernels="auto"):
 # -----------------------------------------------------------------------------
 # gdn2_decay_clip: per token and head, with a = k, c = b⊙k, η = ‖a‖‖c‖:
 #   ρ = ‖I − a cᵀ‖₂ = (η + sqrt(η² − 4 a·c + 4)) / 2,   g' = min(g, −log ρ)
-# so that ‖(I − a cᵀ) Diag(exp g')‖₂ ≤ ρ · max exp g' ≤ 1. ρ ≥ 1 always; ρ = 1 iff c = βa with 0 ≤ β‖a‖² ≤ 2,
-# which covers KDA/GDN/DeltaNet (b = β ≤ 2 scalar, ‖k‖ = 1), where the clip changes nothing.
+# so that ‖(I − a cᵀ) Diag(exp g')‖₂ ≤ ρ · max exp g' ≤ 1. ρ ≥ 1 always;
+# ρ = 1 iff c = βa with 0 ≤ β‖a‖² ≤ 2, which covers KDA/GDN/DeltaNet (b = β ≤ 2 scalar, ‖k‖ = 1),
+# where the clip changes nothing.
 # g, k, b are [B,T,H,K] (a scalar β broadcast over K); g' comes back in g's dtype.
 
 def gdn2_decay_clip_ref(g, k, b):
@@ -391,7 +393,8 @@ def gdn2_log_rho(k, b):
     c = b.float() * a
     eta = a.norm(dim=-1, keepdim=True) * c.norm(dim=-1, keepdim=True)
     delta = eta / 2 * (F.normalize(a, dim=-1) - F.normalize(c, dim=-1)).pow(2).sum(-1, keepdim=True)
-    s = torch.sqrt(torch.clamp((2 - eta) ** 2 + 4 * delta, min=1e-20))   # the floor keeps d sqrt finite at η = 2, δ = 0
+    # the floor keeps d sqrt finite at η = 2, δ = 0
+    s = torch.sqrt(torch.clamp((2 - eta) ** 2 + 4 * delta, min=1e-20))
     small = eta < 2
     rho_minus_1 = torch.where(small, 2 * delta / torch.where(small, s + 2 - eta, 1.0), (eta - 2 + s) / 2)
     return torch.where(rho_minus_1 < 1e-6, 0.0, torch.log1p(rho_minus_1))
@@ -399,10 +402,11 @@ def gdn2_log_rho(k, b):
 
 class _GDN2DecayClip(torch.autograd.Function):
     """g' = min(g, β), β = −log ρ (gdn2_log_rho), with the backward written out: as a function of η and a·c,
-    ρ = (η + sqrt(η² − 4 a·c + 4))/2, so ∂ρ/∂η = (1 + η/s)/2 and ∂ρ/∂(a·c) = −1/s (s the square root), and
-    dβ/da = −(1/ρ)(∂ρ/∂η·(‖c‖/‖a‖) a + ∂ρ/∂(a·c) c), dβ/dc alike; then dk = da + b⊙dc, db = k⊙dc. The gradient
-    goes to g where g < β, to β where g > β, half each on a tie (as torch.minimum); β is flat where ρ − 1 was
-    rounded to 0. Under create_graph (Hessian-vector products) the backward differentiates the forward's ops."""
+    ρ = (η + sqrt(η² − 4 a·c + 4))/2, so ∂ρ/∂η = (1 + η/s)/2 and ∂ρ/∂(a·c) = −1/s
+    (s the square root), and dβ/da = −(1/ρ)(∂ρ/∂η·(‖c‖/‖a‖) a + ∂ρ/∂(a·c) c), dβ/dc alike;
+    then dk = da + b⊙dc, db = k⊙dc. The gradient goes to g where g < β, to β where g > β, half each on a tie
+    (as torch.minimum); β is flat where ρ − 1 was rounded to 0. Under create_graph (Hessian-vector products) the
+    backward differentiates the forward's ops."""
 
     @staticmethod
     def forward(ctx, g, k, b):
@@ -450,7 +454,8 @@ def gdn2_decay_clip(g, k, b, kernels="auto"):
 
 # -----------------------------------------------------------------------------
 # gdn2_gates: gdn2's log-decay and erase gate from their projections, the clip fused in. Per token, head h, channel:
-#   g = −exp(A_log[h])·softplus(decay_logits + dt_bias[h]),   b = σ(erase_logits),   g' = min(g, −log ρ(k, b)) if clip
+#   g = −exp(A_log[h])·softplus(decay_logits + dt_bias[h]),   b = σ(erase_logits),
+#   g' = min(g, −log ρ(k, b)) if clip
 # decay_logits, erase_logits, k are [B,T,H,K], A_log [H], dt_bias [H, K] or [H*K]. g' comes back in fp32, b in
 # erase_logits' dtype; the clip reads b as returned, so ρ is the norm of the transition the recurrence applies.
 
@@ -542,9 +547,9 @@ def _gdn2_pair_weights(G, k, xs):
     """W[..., r, s] = Σ_d x_rd k_sd exp(G_rd − G_sd) for s < r, else 0, for each x in xs; G, k, x [..., C, K] (C a
     power of two) with G non-increasing along C (g ≤ 0). Halve the chunk into blocks of C/2, C/4, ..., 1 rows: a pair
     s < r first falls apart where s is in the earlier half of a block and r in the later half, and through m, that
-    half's first row, exp(G_r − G_s) = exp(G_r − G_m)·exp(G_m − G_s) with both exponents ≤ 0 (s < m ≤ r): no factor
-    overflows however steep the decay. Each level is one batched product of half-blocks, log2(C) of them, the same
-    code for every chunk: no test for steep chunks, no host sync."""
+    half's first row, exp(G_r − G_s) = exp(G_r − G_m)·exp(G_m − G_s) with both exponents ≤ 0 (s < m ≤ r): no
+    factor overflows however steep the decay. Each level is one batched product of half-blocks, log2(C) of them, the
+    same code for every chunk: no test for steep chunks, no host sync."""
     C = G.shape[-2]
 
     def halves(t, h):  # the (earlier, later) halves of each block of 2h rows, [..., C/2h, h, K] each
@@ -630,8 +635,9 @@ class _GDN2ChunkScan(torch.autograd.Function):
 @_fp32
 def gdn2_torch(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
     """Chunked WY / UT-transform form. In a chunk with entering state S_0 and G_r = Σ_{i≤r} g_i (per key channel):
-    the delta-rule corrections u_r = w_r⊙v_r − (b_r⊙k_r)ᵀ Diag(exp g_r) S_{r−1} solve (I + L) U = Z − Ẽ S_0
-    with L_rs = Σ_d b_rd k_rd k_sd exp(G_rd − G_sd) (s < r), Z = W⊙V, Ẽ_r = exp(G_r)⊙b_r⊙k_r; then
+    the delta-rule corrections u_r = w_r⊙v_r − (b_r⊙k_r)ᵀ Diag(exp g_r) S_{r−1} solve
+    (I + L) U = Z − Ẽ S_0 with L_rs = Σ_d b_rd k_rd k_sd exp(G_rd − G_sd) (s < r), Z = W⊙V,
+    Ẽ_r = exp(G_r)⊙b_r⊙k_r; then
     o_r = scale·((exp(G_r)⊙q_r)ᵀ S_0 + Σ_{s≤r} Σ_d q_rd k_sd exp(G_rd − G_sd) u_s),
     S_C = Diag(exp G_C) S_0 + Σ_s (exp(G_C − G_s)⊙k_s) u_sᵀ.
     The pair weights (_gdn2_pair_weights) factor through a reference row inside the chunk where both exponents are
@@ -1256,7 +1262,8 @@ def sparsemax_triton(z, causal=False):
 if HAS_TRITON:
     @triton.jit
     def _sinkhorn_log_normalise(x, AXIS: tl.constexpr, real):
-        # x − logsumexp(x) along AXIS (2: rows, 1: columns) on the real lines; a padding line, all −inf, stays −inf
+        # x − logsumexp(x) along AXIS (2: rows, 1: columns) on the real lines;
+        # a padding line, all −inf, stays −inf
         top = tl.where(real, tl.max(x, axis=AXIS), 0.0)
         total = tl.where(real, tl.sum(tl.exp(x - tl.expand_dims(top, AXIS)), axis=AXIS), 1.0)
         return x - tl.expand_dims(top + tl.log(total), AXIS)
@@ -1379,7 +1386,8 @@ if HAS_TRITON:
     @triton.jit
     def _gdn2_clip_bound(k, b):
         # −log ρ and its pieces for a = k, c = b⊙k (rows of a [BLOCK_R, BLOCK_K] tile), cancellation-free as
-        # in gdn2_decay_clip_torch: δ = η − a·c ≥ 0, s = sqrt((2 − η)² + 4δ), ρ − 1 = 2δ/(s + 2 − η) for η < 2
+        # in gdn2_decay_clip_torch: δ = η − a·c ≥ 0, s = sqrt((2 − η)² + 4δ),
+        # ρ − 1 = 2δ/(s + 2 − η) for η < 2
         c = b * k
         na = tl.sqrt(tl.sum(k * k, axis=1))
         nc = tl.sqrt(tl.sum(c * c, axis=1))
@@ -1413,7 +1421,8 @@ if HAS_TRITON:
     def _gdn2_clip_bwd(g, k, b, dout):
         # (dg, dk, db) of g' = min(g, β) with β = −log ρ(η, a·c), on fp32 tiles where k and dout are 0 past the
         # row ends; shared with the fused gdn2_gates kernel. The gradient goes to g where g < β, to β where g > β,
-        # half each on a tie (as torch.minimum). dβ/da = −(1/ρ)(∂ρ/∂η·‖c‖/‖a‖·a + ∂ρ/∂(a·c)·c), c alike, with
+        # half each on a tie (as torch.minimum).
+        # dβ/da = −(1/ρ)(∂ρ/∂η·‖c‖/‖a‖·a + ∂ρ/∂(a·c)·c), c alike, with
         # ∂ρ/∂η = (1 + η/s)/2, ∂ρ/∂(a·c) = −1/s; then dk = da + b⊙dc, db = k⊙dc.
         bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
         bound = bound[:, None]
@@ -1547,8 +1556,8 @@ if HAS_TRITON:
                                d_decay_logits_ptr, d_erase_logits_ptr, dk_ptr, dA_log_rows_ptr, n_rows, H, K,
                                CLIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
         # through the clip (shared with the standalone kernel) to dg of the unclipped g = −A·softplus(x); then
-        # dx = −A·σ(x)·dg, which is also dt_bias's gradient per element; ∂g/∂A_log = g, so each row adds Σ_K dg·g
-        # to dA_log[h]; d erase_logits = b(1 − b)·db, db including the clip's share
+        # dx = −A·σ(x)·dg, which is also dt_bias's gradient per element; ∂g/∂A_log = g, so each row adds
+        # Σ_K dg·g to dA_log[h]; d erase_logits = b(1 − b)·db, db including the clip's share
         x, A, g, b, rows, offs, mask = _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr, dt_bias_ptr,
                                                         n_rows, H, K, BLOCK_R, BLOCK_K)
         dg = tl.load(dg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -1641,12 +1650,15 @@ def gdn2_gates_triton(decay_logits, erase_logits, k, A_log, dt_bias, clip=True):
 # - fused recurrent: one program per (batch·head, value block) walks the tokens with its K×BV slice of S
 #   in registers (columns of S evolve independently, so value blocks need no communication);
 # - chunked (below): the UT-transform form of gdn2_torch, for training lengths.
-# Per token (fla's form of the recurrence): S ← Diag(exp g) S;  u = w⊙v − (b⊙k)ᵀ S;  S ← S + k uᵀ;  o = Sᵀ q̃.
+# Per token (fla's form of the recurrence):
+#   S ← Diag(exp g) S;  u = w⊙v − (b⊙k)ᵀ S;  S ← S + k uᵀ;  o = Sᵀ q̃.
 # Backward of the recurrent form, with e = b⊙k, A_t = Diag(exp g_t) S_{t−1}, q̃ = q·scale:
-#   reverse in time:  dS += q̃ doᵀ;  du = dSᵀ k;  dv = du⊙w;  dw = du⊙v;  dk ∋ dS u;  dS ← Diag(exp g)(dS − e duᵀ)
+#   reverse in time:  dS += q̃ doᵀ;  du = dSᵀ k;  dv = du⊙w;  dw = du⊙v;  dk ∋ dS u;
+#                     dS ← Diag(exp g)(dS − e duᵀ)
 #   forward again:    de = −A du;  dq = scale·S_t do      (du kept from the reverse pass)
 #   and dg by the gauge identity: with G_t = Σ_{i≤t} g_i, the loss sees G only through q·e^G, e·e^G and the
-#   written k·e^{−G}, so ∂L/∂G_t = q⊙dq + e⊙de − k⊙dk_write (+ rowsum(dS_T⊙S_T) at t = T), dg = reverse cumsum.
+#   written k·e^{−G}, so ∂L/∂G_t = q⊙dq + e⊙de − k⊙dk_write (+ rowsum(dS_T⊙S_T) at t = T),
+#   dg = reverse cumsum.
 if HAS_TRITON:
     @triton.jit
     def _gdn2_rec_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, s0_ptr, o_ptr, sT_ptr, u_ptr, scale, T, H, K, V,
@@ -1823,16 +1835,19 @@ _gdn2_recurrent_fwd.register_autograd(_gdn2_recurrent_backward, setup_context=_g
 
 
 # Chunked gdn2 (chunks of CHUNK tokens; G = within-chunk cumsum of g, q̃ = scale·q, e = b⊙k, as gdn2_torch):
-#   intra, per chunk:  L_rs = Σ_d e_rd k_sd exp(G_rd − G_sd) (s < r),  Aqk_rs = Σ_d q̃_rd k_sd exp(G_rd − G_sd) (s ≤ r),
+#   intra, per chunk:  L_rs = Σ_d e_rd k_sd exp(G_rd − G_sd) (s < r),
+#                      Aqk_rs = Σ_d q̃_rd k_sd exp(G_rd − G_sd) (s ≤ r),
 #                      Ainv = (I + L)^{-1} by forward substitution,  Y = Ainv (exp(G)⊙e),  U0 = Ainv (w⊙v),  and the
 #                      state pass's operands q_in = exp(G)⊙q̃, k_out = exp(G_C − G)⊙k, d = exp(G_C)
 #   state pass, over the chunks in order:  U = U0 − Y S,  O = q_in S + Aqk U,  S ← Diag(d) S + k_outᵀ U
 # The pairwise exp(G_rd − G_sd) is formed per channel for s ≤ r only, so no exponent is positive however strong the
 # decay; its [C, C, BLOCK_KP] tiles walk K in blocks. The backward keeps nothing but the inputs: it reruns the intra
 # kernel and the state pass (which then writes each chunk's entering state S and its U instead of O), then
-#   reverse over the chunks:  dU = Aqkᵀ dO + k_out dS',  dS = q_inᵀ dO + Diag(d) dS' − Yᵀ dU   (dS' the exit state's)
+#   reverse over the chunks:  dU = Aqkᵀ dO + k_out dS',
+#                             dS = q_inᵀ dO + Diag(d) dS' − Yᵀ dU   (dS' the exit state's)
 #   per chunk:                dAqk = dO Uᵀ,  dZ = Ainvᵀ dU (dv = dZ⊙w, dw = dZ⊙v),  dY = −dU Sᵀ,
-#                             dL = −Ainvᵀ (dU Zᵀ + dY (exp(G)⊙e)ᵀ) Ainvᵀ,  then the pair weights per channel,
+#                             dL = −Ainvᵀ (dU Zᵀ + dY (exp(G)⊙e)ᵀ) Ainvᵀ,
+#                             then the pair weights per channel,
 # and dg by the gauge identity as above, the pair weights' diagonal (s = r, exp 0 = 1) kept out of it as in gdn2_torch.
 # Every tl.dot accumulates in fp32; its operands are bf16 for bf16 inputs, else fp32 at torch's matmul precision
 # (_gdn2_dot_kind). The pair weights, the solve, the decays and the states stay fp32.
@@ -2007,8 +2022,9 @@ if HAS_TRITON:
                                      BLOCK_V: tl.constexpr, DOT: tl.constexpr):
         # one program per (batch·chunk, head), all but the pair weights. Pass 1 walks V for dAqk = dO Uᵀ, dU Zᵀ and
         # dZ = Ainvᵀ dU (dv, dw); pass 2 walks K in blocks, each over V, for the operands' terms dO Sᵀ, U dS'ᵀ and
-        # dY = −dU Sᵀ, parked in dq, dk, db (as de), dG; then dL = −Ainvᵀ (dU Zᵀ + dY (exp(G)⊙e)ᵀ) Ainvᵀ. Ainv is
-        # reloaded where used (kept live across the passes, it spilled registers at chunk 32)
+        # dY = −dU Sᵀ, parked in dq, dk, db (as de), dG;
+        # then dL = −Ainvᵀ (dU Zᵀ + dY (exp(G)⊙e)ᵀ) Ainvᵀ. Ainv is reloaded where used (kept live across the
+        # passes, it spilled registers at chunk 32)
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, CHUNK)
@@ -2063,7 +2079,8 @@ if HAS_TRITON:
     def _gdn2_chunk_bwd_pairs_kernel(q_ptr, k_ptr, g_ptr, b_ptr, dL_ptr, dAqk_ptr, dq_ptr, dk_ptr, db_ptr, dG_ptr,
                                      scale, T, H, K, n_chunks, CHUNK: tl.constexpr, BLOCK_KP: tl.constexpr):
         # the pair weights' terms per channel block, P_rsd = exp(G_rd − G_sd) for s < r (the intra kernel's L, Aqk):
-        #   dq̃_r += Σ_s dAqk_rs k_s P_rs,  de_r += Σ_s dL_rs k_s P_rs,  dk_s += Σ_r (dL_rs e_r + dAqk_rs q̃_r) P_rs,
+        #   dq̃_r += Σ_s dAqk_rs k_s P_rs,  de_r += Σ_s dL_rs k_s P_rs,
+        #   dk_s += Σ_r (dL_rs e_r + dAqk_rs q̃_r) P_rs,
         # added to the terms parked in dq, dk, db (as de) and dG; then dq = scale·dq̃, db = k⊙de
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
@@ -2965,7 +2982,8 @@ def triton_report(device):
           f"{block_n - N} lanes past the row end load -inf, so they add exp(-inf) = 0 to the sum. A persistent grid\n"
           f"of {_programs_for(x, R)} programs walks the rows (program i takes rows i, i + P, ...). Per row: one load,\n"
           f"max, exp(x - max), sum, divide, one store: HBM traffic 2·R·N·4 bytes, where the unfused torch version\n"
-          f"reads and writes the [R, N] tensor about 4 times. Backward: dx = y·(dy − Σ dy·y), again one pass over\n"
+          f"reads and writes the [R, N] tensor about 4 times. Backward: dx = y·(dy − Σ dy·y), "
+          f"again one pass over\n"
           f"y and dy.")
     y = softmax_triton(x)
     print(f"row sums {[round(s, 6) for s in y.sum(-1).tolist()]}; max |softmax_triton − softmax_ref| = "

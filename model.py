@@ -135,7 +135,8 @@ YARN_FAST_TURNS, YARN_SLOW_TURNS = 32, 1  # YaRN's beta_fast, beta_slow (the pap
 def yarn_correction_range(head_dim, base, train_length):
     """YaRN's ramp ends (low, high) as pair indices, as the authors' code finds them. Pair i turns
     r_i = L θ_i / 2π times within L = train_length; since θ_i = base^(−2i/d), the (fractional) pair that turns
-    r times is p(r) = d·ln(L / (2π r)) / (2 ln base). low = ⌊p(32)⌋, high = ⌈p(1)⌉, clamped to [0, d − 1]."""
+    r times is p(r) = d·ln(L / (2π r)) / (2 ln base). low = ⌊p(32)⌋, high = ⌈p(1)⌉,
+    clamped to [0, d − 1]."""
     def pair(turns):
         return head_dim * math.log(train_length / (2 * math.pi * turns)) / (2 * math.log(base))
     return max(math.floor(pair(YARN_FAST_TURNS)), 0), min(math.ceil(pair(YARN_SLOW_TURNS)), head_dim - 1)
@@ -270,7 +271,8 @@ class Attention(nn.Module):
         angles = (rope[:, None, None] * self.log_freq.exp().view(nh, hs // 2)).view(T * nh, hs // 2)
         cos, sin = angles.cos(), angles.sin()
         # each (t, h) its own angles: fold the heads into the time axis of kernels.rope's x[B, T, H, D]
-        turn = lambda x: kernels.rope(x.reshape(B, T * nh, 1, hs), cos, sin, kernels=self.kernels_path).view(B, T, nh, hs)
+        turn = lambda x: kernels.rope(x.reshape(B, T * nh, 1, hs), cos, sin,
+                                      kernels=self.kernels_path).view(B, T, nh, hs)
         return turn(q), turn(k)
 
     def extra_flops_per_token(self, T):
@@ -342,7 +344,8 @@ class ConvSiLU(torch.autograd.Function):
     """s = SiLU(causal_conv(conv, x)) over a whole sequence (x (B, T, C), weight (C, 1, K), bias (C,) or None),
     keeping only x and the weights: the backward reruns the convolution's K multiply-adds rather than keep v, its
     output, an activation of x's size. With σ = sigmoid(v),
-        ∂v = ∂s ⊙ σ(1 + v(1 − σ)),  ∂x_t = Σ_i w_i ⊙ ∂v_{t+K−1−i},  ∂w_i = Σ_t ∂v_t ⊙ x_{t−K+1+i},  ∂b = Σ_t ∂v_t,
+        ∂v = ∂s ⊙ σ(1 + v(1 − σ)),  ∂x_t = Σ_i w_i ⊙ ∂v_{t+K−1−i},
+        ∂w_i = Σ_t ∂v_t ⊙ x_{t−K+1+i},  ∂b = Σ_t ∂v_t,
     in differentiable ops, so double backward (Hessian-vector products) runs through it."""
 
     @staticmethod
@@ -374,8 +377,8 @@ def conv_silu(conv, x, cache=None, key="conv"):
 
 
 def unit_norm(x, eps=1e-12):
-    """x / max(‖x‖, eps) over the last dim (F.normalize), in x's dtype with the norm taken in fp32: under CUDA autocast
-    F.normalize would return fp32."""
+    """x / max(‖x‖, eps) over the last dim (F.normalize), in x's dtype with the norm taken in fp32:
+    under CUDA autocast F.normalize would return fp32."""
     return x / torch.linalg.vector_norm(x.float(), dim=-1, keepdim=True).clamp_min(eps).to(x.dtype)
 
 
@@ -401,7 +404,8 @@ def gated_delta_rows(cfg):
 
 class GatedDelta(nn.Module):
     """Gated delta rule; per head a state S ∈ R^{dk×dv}, read o_t = S_tᵀ q_t / sqrt(dk):
-        S_t = (I − k_t (b_t⊙k_t)ᵀ) Diag(exp g_t) S_{t−1} + k_t (w_t⊙v_t)ᵀ,   y = W_o (RMSNorm(o) ⊙ SiLU(W_gate x))
+        S_t = (I − k_t (b_t⊙k_t)ᵀ) Diag(exp g_t) S_{t−1} + k_t (w_t⊙v_t)ᵀ,
+        y = W_o (RMSNorm(o) ⊙ SiLU(W_gate x))
     gdn2: g, b per key channel, w per value channel; kda: g per key channel, b = w = β per head;
     gdn: g and b = w = β per head; deltanet: g = 0, b = w = β. g = −exp(A_log)·softplus(W_f x + dt_bias).
     One matmul in_proj computes W_q x, W_k x, W_v x, W_gate x, W_b x (or W_β x), W_w x, W_f x (in that order;
@@ -734,7 +738,8 @@ def hc_num_res(kind, n):
     """How many per-token numbers parameterise H_res for each residual kind."""
     if kind == "markov":  # Σ_{k≥2} C(n, k)(k − 1)! cycles
         return sum(math.comb(n, k) * math.factorial(k - 1) for k in range(2, n + 1))
-    sizes = {"hc": n * n, "mhc": n * n, "mhc-lite": math.factorial(n), "kromhc": n.bit_length() - 1, "shc": (n - 1) ** 2}
+    sizes = {"hc": n * n, "mhc": n * n, "mhc-lite": math.factorial(n), "kromhc": n.bit_length() - 1,
+             "shc": (n - 1) ** 2}
     if kind not in sizes:
         raise ValueError(f"residual={kind!r} has no H_res size: add it in hc_num_res")
     return sizes[kind]
@@ -762,7 +767,8 @@ def hc_res_init(kind, n):
     if kind == "shc":  # U_c = V_c = I (zero skew maps), tanh(s) = t on every singular value
         k = n - 1
         return torch.cat([torch.zeros(k * (k - 1)), torch.full((k,), math.atanh(t))])
-    if kind == "markov":  # Σ_c (P_c − I) = −c_n (I − J), so equal rates r give H_res = J + exp(−r c_n)(I − J)
+    if kind == "markov":  # Σ_c (P_c − I) = −c_n (I − J),
+        # so equal rates r give H_res = J + exp(−r c_n)(I − J)
         with torch.device("cpu"):  # a count read with .item(): on the CPU, even when the model is built on meta
             generators = hc_cycle_generators(n)
         if len(generators) == 0:
@@ -784,10 +790,12 @@ def hc_read(X, weight, alpha, bias, eps):
 
 class HCRead(torch.autograd.Function):
     """hc_read as one autograd node, for X (…, n, C), φ (K, nC), α (3), b (K):
-        p = x̃ φᵀ (x̃ = x·r, x = flatten(X), r = 1/sqrt(mean(x²) + ε)),  H_pre = σ(α_pre p_pre + b_pre),  x_in = H_pre X
+        p = x̃ φᵀ (x̃ = x·r, x = flatten(X), r = 1/sqrt(mean(x²) + ε)),
+        H_pre = σ(α_pre p_pre + b_pre),  x_in = H_pre X
     returns (x_in, p); H_post and H_res are built from p outside. Backward, ∂p being the gradient from outside:
         ∂H̃_pre = (X ∂x_in)·H_pre(1 − H_pre),  ∂p_pre += α_pre ∂H̃_pre,  g = ∂p·r,  ∂φ = gᵀx,
-        ∂X = H_preᵀ ∂x_in + g φ − x·(r²/nC)·Σ_k ∂p_k p_k,  ∂α_pre = Σ ∂H̃_pre p_pre,  ∂b_pre = Σ ∂H̃_pre.
+        ∂X = H_preᵀ ∂x_in + g φ − x·(r²/nC)·Σ_k ∂p_k p_k,
+        ∂α_pre = Σ ∂H̃_pre p_pre,  ∂b_pre = Σ ∂H̃_pre.
     One node writes the three terms of ∂X into one buffer: on the CPU each pass over the n-times-wider
     stream state costs about what an op of the sublayer does, and autograd would add three tensors."""
 
@@ -831,9 +839,9 @@ class HCRead(torch.autograd.Function):
 
 class HCWrite(torch.autograd.Function):
     """The write side of a HyperConnection as one autograd node: X_new = H_res X + H_postᵀ y per token, for
-    X (…, n, C), H_res (…, n, n), H_post (…, n), y (…, C); backward: ∂X = H_resᵀ ∂X_new, ∂H_res = ∂X_new Xᵀ,
-    ∂H_post = ∂X_new y, ∂y = H_post ∂X_new. H_res must be contiguous: CPU bmm copies a strided batch operand
-    matrix by matrix."""
+    X (…, n, C), H_res (…, n, n), H_post (…, n), y (…, C); backward: ∂X = H_resᵀ ∂X_new,
+    ∂H_res = ∂X_new Xᵀ, ∂H_post = ∂X_new y, ∂y = H_post ∂X_new. H_res must be contiguous: CPU bmm copies a
+    strided batch operand matrix by matrix."""
 
     @staticmethod
     def forward(ctx, X, H_res, H_post, y):
@@ -870,12 +878,13 @@ class HyperConnection(nn.Module):
         mhc       H_res = Sinkhorn(exp(H̃_res)), 20 row/column normalisations    (≈ doubly stochastic)
         mhc-lite  H_res = Σ_k softmax(H̃_res)_k P_k over all n! permutations      (doubly stochastic)
         kromhc    H_res = ⊗_i [[p_i, 1−p_i], [1−p_i, p_i]], p = σ(H̃_res), n = 2^m   (doubly stochastic)
-        shc       H_res = J + U_Z U_c diag(tanh s) V_cᵀ U_Zᵀ, U_c, V_c = expm(skew)  (rows, cols sum 1, ‖·‖₂ = 1)
+        shc       H_res = J + U_Z U_c diag(tanh s) V_cᵀ U_Zᵀ,
+                  U_c, V_c = expm(skew)                                            (rows, cols sum 1, ‖·‖₂ = 1)
         markov    H_res = expm(Σ_c softplus(θ_c)(P_c − I)) over cyclic permutations (doubly stochastic)
     Every kind, hc included, squashes H_pre into (0, 1)ⁿ and H_post into (0, 2)ⁿ with σ and 2σ, as mHC does
     (arXiv 2512.24880); the original HC (Zhu et al. 2024, arXiv 2409.19606) leaves its read and write weights
-    free, static weights + α·tanh(x̃ φ). The choice is deliberate: so hc differs from the other kinds in H_res alone.
-    The coefficients and the mixing run in fp32 with autocast off; F runs under the caller's autocast.
+    free, static weights + α·tanh(x̃ φ). The choice is deliberate: so hc differs from the other kinds in
+    H_res alone. The coefficients and the mixing run in fp32 with autocast off; F runs under the caller's autocast.
     forward reads and writes X in two autograd nodes with hand-written backwards (HCRead, HCWrite);
     mixing_matrices computes the same H's in plain ops, for analysis and tests.
     Init (close to the pre-norm residual x + F(norm(x)), with the streams told apart):
@@ -916,7 +925,8 @@ class HyperConnection(nn.Module):
             self.register_buffer("skew_basis", hc_skew_basis(n - 1), persistent=False)
 
     def coefficients(self, X):
-        """H̃ = α·(x̃ φ) + b for stream state X (…, n, C), split into pre (…, n), post (…, n), res (…, n_res)."""
+        """H̃ = α·(x̃ φ) + b for stream state X (…, n, C), split into pre (…, n), post (…, n),
+        res (…, n_res)."""
         x = X.flatten(-2).float()
         return self.logits(self.phi(x) * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6))
 
@@ -1250,11 +1260,12 @@ if __name__ == "__main__":
         t0 = time.perf_counter()
         for it in range(2001):
             if it % 250 == 0:
-                print(f"iter {it}: train {mean_loss(samplers['train'], 20):.4f}, val {mean_loss(samplers['val'], 20):.4f}, "
-                      f"{time.perf_counter() - t0:.1f}s")
+                print(f"iter {it}: train {mean_loss(samplers['train'], 20):.4f}, "
+                      f"val {mean_loss(samplers['val'], 20):.4f}, {time.perf_counter() - t0:.1f}s")
             if it == 2000:
                 break
-            lr = 3e-3 * (it + 1) / 101 if it < 100 else 3e-4 + 0.5 * (1 + math.cos(math.pi * (it - 100) / 1900)) * (3e-3 - 3e-4)
+            lr = (3e-3 * (it + 1) / 101 if it < 100
+                  else 3e-4 + 0.5 * (1 + math.cos(math.pi * (it - 100) / 1900)) * (3e-3 - 3e-4))
             for group in opt.param_groups:
                 group["lr"] = lr
             loss = model(*samplers["train"].next_batch())[1]

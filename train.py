@@ -542,7 +542,8 @@ def dry_run_report(settings, world):
     matmul_weights = sum(m.weight.numel() for m in gpt.modules() if isinstance(m, torch.nn.Linear))
     memory = {"weights": 4 * n_params, "their bf16 copies": 2 * matmul_weights if act == 2 else 0,
               "gradients": 4 * n_params, f"{c.optimizer} state": optim.state_bytes(opt),
-              f"activations ({c.batch_size} x {config.block_size})": model.activation_formula(config, c.batch_size, act),
+              f"activations ({c.batch_size} x {config.block_size})":
+                  model.activation_formula(config, c.batch_size, act),
               "the loss's peak": (act + 4) * c.batch_size * config.block_size * config.padded_vocab_size}
     seconds = {gpu: flops / (ESTIMATE_MFU * GPU_PEAKS[name][0] * world) for gpu, name in ESTIMATE_GPUS.items()}
     if None in memory.values():
