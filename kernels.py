@@ -876,6 +876,28 @@ def ssd(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None, kernels="auto
 # rope's backward is its forward turned back), with fake functions for shapes and the backward registered as the
 # forward's autograd: torch.compile sees every Triton op as one opaque node and the model traces as one graph.
 
+
+def on_device_of(x):
+    """The context a Triton op's body runs in: x's GPU made the current device (Triton launches on the current
+    device, not on its arguments'), and autocast off, so the body's own einsums and casts keep the dtypes it asks
+    for (under autocast an fp32 einsum would become a bf16 matmul)."""
+    stack = contextlib.ExitStack()
+    if x.is_cuda:
+        stack.enter_context(torch.cuda.device(x.device))
+    stack.enter_context(autocast_off(x.device.type))
+    return stack
+
+
+def _triton_op(name):
+    """torch.library.custom_op(name) around a Triton op's body, which runs on_device_of its first tensor."""
+    def register(body):
+        @functools.wraps(body)
+        def on_inputs_device(*args, **kwargs):
+            with on_device_of(next(a for a in (*args, *kwargs.values()) if torch.is_tensor(a))):
+                return body(*args, **kwargs)
+        return torch.library.custom_op(name, mutates_args=())(on_inputs_device)
+    return register
+
 # -----------------------------------------------------------------------------
 # rms_norm in Triton
 
@@ -947,7 +969,7 @@ def _rms_norm_blocks(n_cols):
     return block_r, block_c, min(16, max(4, block_r * block_c // 512))
 
 
-@torch.library.custom_op("specgpt::rms_norm_fwd", mutates_args=())
+@_triton_op("specgpt::rms_norm_fwd")
 def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
                   gate: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, rstd): the normalised x (⊙ silu(gate)) and each row's 1/rms, which the backward reuses."""
@@ -968,7 +990,7 @@ def _(x, weight, eps, gate):
     return x.new_empty(x.shape), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("specgpt::rms_norm_bwd", mutates_args=())
+@_triton_op("specgpt::rms_norm_bwd")
 def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                   gate: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dgate); dgate is empty without a gate."""
@@ -1033,7 +1055,7 @@ if HAS_TRITON:
         tl.store(y_ptr + offs + 1, (x_odd * cos + x_even * sin).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@torch.library.custom_op("specgpt::rope", mutates_args=())
+@_triton_op("specgpt::rope")
 def _rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sin_sign: float) -> torch.Tensor:
     """x's pairs turned by +θ (sin_sign = 1), or back by −θ (sin_sign = −1: the backward pass)."""
     B, T, H, D = x.shape
@@ -1108,7 +1130,7 @@ if HAS_TRITON:
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
-@torch.library.custom_op("specgpt::softmax_fwd", mutates_args=())
+@_triton_op("specgpt::softmax_fwd")
 def _softmax_fwd(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty_like(x)
@@ -1122,7 +1144,7 @@ def _(x):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("specgpt::softmax_bwd", mutates_args=())
+@_triton_op("specgpt::softmax_bwd")
 def _softmax_bwd(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     y = y.contiguous()
     dx = torch.empty_like(y)
@@ -1212,7 +1234,7 @@ if HAS_TRITON:
         tl.store(dz_ptr + offs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
 
     # forward and backward are each one opaque op to autograd and torch.compile
-    @torch.library.custom_op("specgpt::sparsemax_fwd", mutates_args=())
+    @_triton_op("specgpt::sparsemax_fwd")
     def _sparsemax_fwd(z: torch.Tensor, causal: bool) -> torch.Tensor:
         N = z.shape[-1]
         z2 = z.reshape(-1, N).contiguous()
@@ -1227,7 +1249,7 @@ if HAS_TRITON:
     def _(z, causal):
         return z.new_empty(z.shape)
 
-    @torch.library.custom_op("specgpt::sparsemax_bwd", mutates_args=())
+    @_triton_op("specgpt::sparsemax_bwd")
     def _sparsemax_bwd(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         N = p.shape[-1]
         p2, g2 = p.reshape(-1, N).contiguous(), g.reshape(-1, N).contiguous()
@@ -1326,7 +1348,7 @@ def _sinkhorn_blocks(n):
     return max(1, min(128, 2048 // (bn * bn))), bn
 
 
-@torch.library.custom_op("specgpt::sinkhorn_fwd", mutates_args=())
+@_triton_op("specgpt::sinkhorn_fwd")
 def _sinkhorn_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     n = logits.shape[-1]
     L = logits.reshape(-1, n, n).contiguous()
@@ -1342,7 +1364,7 @@ def _(logits, iters):
     return logits.new_empty(logits.shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("specgpt::sinkhorn_bwd", mutates_args=())
+@_triton_op("specgpt::sinkhorn_bwd")
 def _sinkhorn_bwd(dP: torch.Tensor, logits: torch.Tensor, iters: int) -> torch.Tensor:
     n = logits.shape[-1]
     L = logits.reshape(-1, n, n).contiguous()
@@ -1451,7 +1473,7 @@ def _gdn2_clip_blocks(K):
     return max(1, min(16, 1024 // block_k)), block_k  # larger tiles spill registers in the backward kernel
 
 
-@torch.library.custom_op("specgpt::gdn2_decay_clip_fwd", mutates_args=())
+@_triton_op("specgpt::gdn2_decay_clip_fwd")
 def _gdn2_decay_clip_fwd(g: torch.Tensor, k: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     g, k, b = g.contiguous(), k.contiguous(), b.contiguous()
     K = g.shape[-1]
@@ -1467,7 +1489,7 @@ def _(g, k, b):
     return g.new_empty(g.shape)
 
 
-@torch.library.custom_op("specgpt::gdn2_decay_clip_bwd", mutates_args=())
+@_triton_op("specgpt::gdn2_decay_clip_bwd")
 def _gdn2_decay_clip_bwd(dout: torch.Tensor, g: torch.Tensor, k: torch.Tensor,
                          b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g, k, b = g.contiguous(), k.contiguous(), b.contiguous()
@@ -1572,7 +1594,7 @@ if HAS_TRITON:
         tl.store(dA_log_rows_ptr + rows, tl.sum(dg * g, axis=1), mask=rows < n_rows)
 
 
-@torch.library.custom_op("specgpt::gdn2_gates_fwd", mutates_args=())
+@_triton_op("specgpt::gdn2_gates_fwd")
 def _gdn2_gates_fwd(decay_logits: torch.Tensor, erase_logits: torch.Tensor, k: torch.Tensor, A_log: torch.Tensor,
                     dt_bias: torch.Tensor, clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
     H, K = k.shape[-2:]
@@ -1593,7 +1615,7 @@ def _(decay_logits, erase_logits, k, A_log, dt_bias, clip):
     return k.new_empty(k.shape, dtype=torch.float32), erase_logits.new_empty(erase_logits.shape)
 
 
-@torch.library.custom_op("specgpt::gdn2_gates_bwd", mutates_args=())
+@_triton_op("specgpt::gdn2_gates_bwd")
 def _gdn2_gates_bwd(d_log_decay: torch.Tensor, d_erase_gate: torch.Tensor, decay_logits: torch.Tensor,
                     erase_logits: torch.Tensor, k: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                     clip: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1748,7 +1770,7 @@ def _gdn2_rec_blocks(K, V):
     return triton.next_power_of_2(K), min(32, triton.next_power_of_2(V))
 
 
-@torch.library.custom_op("specgpt::gdn2_recurrent_fwd", mutates_args=())
+@_triton_op("specgpt::gdn2_recurrent_fwd")
 def _gdn2_recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
                         w: torch.Tensor, scale: float,
                         initial_state: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1775,7 +1797,7 @@ def _(q, k, v, g, b, w, scale, initial_state):
     return q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, **f32), q.new_empty(B, T, H, V, **f32)
 
 
-@torch.library.custom_op("specgpt::gdn2_recurrent_bwd", mutates_args=())
+@_triton_op("specgpt::gdn2_recurrent_bwd")
 def _gdn2_recurrent_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         g: torch.Tensor, b: torch.Tensor, w: torch.Tensor, u: torch.Tensor, scale: float,
                         initial_state: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -2152,7 +2174,7 @@ def _gdn2_chunk_intra(q, k, v, g, b, w, scale, chunk, dot):
     return Ainv, Aqk, Y, U0, q_in, k_out, decay
 
 
-@torch.library.custom_op("specgpt::gdn2_chunked_fwd", mutates_args=())
+@_triton_op("specgpt::gdn2_chunked_fwd")
 def _gdn2_chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
                       w: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor],
                       chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -2179,7 +2201,7 @@ def _(q, k, v, g, b, w, scale, initial_state, chunk):
     return q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=torch.float32)
 
 
-@torch.library.custom_op("specgpt::gdn2_chunked_bwd", mutates_args=())
+@_triton_op("specgpt::gdn2_chunked_bwd")
 def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       g: torch.Tensor, b: torch.Tensor, w: torch.Tensor, initial_state: Optional[torch.Tensor],
                       scale: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -2657,7 +2679,7 @@ def _ssd_chunk_states(x, dt, A, B, C, Cs, initial_state):
     return a, CB, entering, h_T
 
 
-@torch.library.custom_op("specgpt::ssd_fwd", mutates_args=())
+@_triton_op("specgpt::ssd_fwd")
 def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              D: Optional[torch.Tensor], chunk_size: int,
              initial_state: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -2681,7 +2703,7 @@ def _(x, dt, A, B, C, D, chunk_size, initial_state):
     return x.new_empty(x.shape), x.new_empty(b, h, p, B.shape[-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("specgpt::ssd_bwd", mutates_args=())
+@_triton_op("specgpt::ssd_bwd")
 def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
              B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
              chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
