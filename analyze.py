@@ -1485,7 +1485,7 @@ OPTIONS = {  # analysis options; every GPTConfig key is also accepted (fresh ini
     "ckpt": "",                        # a train.py checkpoint to analyse (empty: a fresh init)
     "out_dir": "",                     # where the outputs go (empty: the checkpoint's folder + /analysis)
     "sections": ",".join(DEFAULT_SECTIONS),  # comma-separated names from SECTIONS (coord, lr_transfer: opt-in)
-    "device": "auto",                  # auto (cuda if available, else cpu) | cpu | cuda
+    "device": "auto",                  # auto (cuda > mps > cpu) | cpu | cuda | cuda:1 | mps
     "seed": 0,                         # seeds a fresh init, the batches and the probes
     "dataset": "shakespeare_char",     # as train.py's --dataset (a checkpoint names its own)
     "tokenizer": "auto",               # as train.py's --tokenizer
@@ -1621,7 +1621,7 @@ def main(argv):
         raise ValueError(f"unknown sections {sorted(unknown)}: choose from {','.join(SECTIONS)}")
     if opts["split"] not in ("train", "val"):
         raise ValueError(f"--split={opts['split']!r} is not valid: use train or val")
-    device = opts["device"] if opts["device"] != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = kernels.use_device(opts["device"])  # made current: Triton launches on the current GPU
     factors = parse_list(opts, "lengths", float) if opts["lengths"] else None
     out_dir = opts["out_dir"] or os.path.join(os.path.dirname(opts["ckpt"]) if opts["ckpt"] else "out", "analysis")
     data.check_writable_folder(out_dir, "out_dir")
@@ -1638,9 +1638,8 @@ def main(argv):
             print(f"{r['scaling']:8s} {r['factor']:6g} {r['length']:6d} {r['val_loss']:8.4f}")
         return
     sampler = data.BatchSampler(val_tokens if opts["split"] == "val" else train_tokens, opts["batch_size"],
-                                model.config.block_size, opts["seed"])
-    batches = [tuple(t.to(device) for t in sampler.next_batch())
-               for _ in range(max(opts["micro_batches"], opts["hessian_batches"]))]
+                                model.config.block_size, opts["seed"], device=device)
+    batches = [sampler.next_batch() for _ in range(max(opts["micro_batches"], opts["hessian_batches"]))]
     print(f"analysing {'checkpoint ' + opts['ckpt'] if opts['ckpt'] else 'a fresh init'}: "
           f"{model.num_params():,} parameters, {len(batches)} batches of "
           f"{opts['batch_size']}x{model.config.block_size} {opts['split']} tokens from {dataset}, "

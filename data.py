@@ -765,28 +765,42 @@ def load_weights(model, ckpt, path):
 # batches
 
 class BatchSampler:
-    """Random windows of block_size + 1 tokens, with replacement (nanoGPT's sampler). Its position is
-    the state of its own random generator, so a resumed run sees exactly the batches it would have."""
+    """Random windows of block_size + 1 tokens, with replacement (nanoGPT's sampler), as (x, y) on `device`. Its
+    position is the state of its own random generator, so a resumed run sees exactly the batches it would have.
+    On a GPU each batch goes over from pinned memory without waiting (non_blocking), and the next one is drawn and
+    sent as soon as one is handed out, so its copy overlaps the GPU's work on this one: no step waits on a copy."""
 
-    def __init__(self, tokens, batch_size, block_size, seed):
+    def __init__(self, tokens, batch_size, block_size, seed, device="cpu"):
         if len(tokens) <= block_size + 1:
             raise DataError(f"only {len(tokens)} tokens, fewer than block_size + 2 = {block_size + 2}: "
                             f"use more text or a smaller --block_size")
         self.tokens, self.batch_size, self.block_size = tokens, batch_size, block_size
+        self.device = torch.device(device)
         self.generator = torch.Generator().manual_seed(seed)
+        self.pending = None   # on a GPU: (the generator's state before it was drawn, the batch drawn and sent ahead)
 
-    def next_batch(self):
+    def draw(self):
         starts = torch.randint(len(self.tokens) - self.block_size - 1, (self.batch_size,),
                                generator=self.generator).numpy()  # a CPU generator: no device involved
         window = np.stack([np.asarray(self.tokens[s:s + self.block_size + 1], dtype=np.int64) for s in starts])
-        window = torch.from_numpy(window)
-        return window[:, :-1], window[:, 1:]
+        x, y = (torch.from_numpy(np.ascontiguousarray(part)) for part in (window[:, :-1], window[:, 1:]))
+        if self.device.type == "cuda":
+            return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
+        return x.to(self.device), y.to(self.device)
+
+    def next_batch(self):
+        batch = self.pending[1] if self.pending else self.draw()
+        if self.device.type == "cuda":
+            self.pending = (self.generator.get_state(), self.draw())
+        return batch
 
     def state_dict(self):
-        return {"generator": self.generator.get_state()}
+        """The position of the next batch to hand out (a batch sent ahead is drawn again after a resume)."""
+        return {"generator": self.pending[0] if self.pending else self.generator.get_state()}
 
     def load_state_dict(self, state):
         self.generator.set_state(state["generator"])
+        self.pending = None
 
 
 if __name__ == "__main__":

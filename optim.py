@@ -50,13 +50,21 @@ def ns_scalar(x, steps=5, coeffs="jordan"):
     return x
 
 
+def ns_dtype(device):
+    """Newton–Schulz's matmul dtype: fp32 on a CPU; on a GPU bf16 where its tensor cores compute it (compute
+    capability 8.0 and up), else fp16 (T4, V100), whose range suffices since X is scaled to a Frobenius norm of 1."""
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
+
+
 def msign(G, steps=5, coeffs="jordan"):
     """msign(G) ~ U V^T: X = G/(||G||_F + 1e-7), then each step X <- aX + (bA + cA^2)X with A = X X^T.
-    Works on the wide orientation (A is the smaller Gram matrix); fp32 on the CPU, bf16 on CUDA.
+    Works on the wide orientation (A is the smaller Gram matrix); fp32 on the CPU, a 16-bit dtype on CUDA (ns_dtype).
     G may be a stack [..., m, n] of same-shaped matrices, each orthogonalised on its own."""
     if G.ndim < 2:
         raise ValueError(f"msign takes a matrix (or a stack of them), got shape {tuple(G.shape)}; reshape it first")
-    X = G.to(torch.bfloat16 if G.is_cuda else torch.float32)
+    X = G.to(ns_dtype(G.device))
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT

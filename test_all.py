@@ -25,6 +25,146 @@ import sys
 import time
 import types
 
+# ----------------------------------------------------------------------------------------------------
+# A simulated GPU for a CPU build of torch. A CPU build lacks two parts of libtorch_cuda.so: its Python entry points
+# (torch._C._cuda_*, which torch.cuda calls) and its C++ registrations (the CUDA device guard and ATen's CUDA hooks,
+# which autograd, autocast, pinned memory and device checks ask). SIMULATED_CUDA_SOURCE supplies the second, the
+# `simulated_gpu` fixture the first; both share one current-device state, off unless a test turns the machine on.
+# Nothing computes on it: an op on a real CUDA tensor still fails ("... from the 'CUDA' backend"), which is how a
+# test sees a command reach its first CUDA tensor; fake tensors (FakeTensorMode) on "cuda" run forward, backward and
+# optimizer steps. The C++ part must be loaded before torch is imported (ATen asks for its CUDA hooks once, early),
+# and only into a CPU build (a CUDA build registers its own).
+SIMULATED_CUDA_SOURCE = r"""
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <atomic>
+#include <mutex>
+#include <set>
+
+using c10::Device;
+using c10::DeviceIndex;
+using c10::DeviceType;
+using c10::Stream;
+
+namespace {
+std::atomic<int> gpus{0};            // 0: off, a CPU build's answers
+thread_local DeviceIndex current = 0;  // cudaSetDevice's state is per host thread
+
+void check_on(DeviceIndex index) {
+  TORCH_CHECK(gpus > 0, "PyTorch is not linked with support for cuda devices");
+  TORCH_CHECK(index >= -1 && index < gpus, "CUDA error: invalid device ordinal");
+}
+
+struct SimulatedGuard final : c10::impl::DeviceGuardImplInterface {
+  DeviceType type() const override { return DeviceType::CUDA; }
+  Device exchangeDevice(Device d) const override {
+    check_on(d.index());
+    Device old(DeviceType::CUDA, current);
+    current = d.index();
+    return old;
+  }
+  Device getDevice() const override { check_on(current); return Device(DeviceType::CUDA, current); }
+  void setDevice(Device d) const override { check_on(d.index()); current = d.index(); }
+  void uncheckedSetDevice(Device d) const noexcept override { current = d.index(); }
+  Stream getStream(Device d) const override { check_on(d.index()); return Stream(Stream::DEFAULT, d); }
+  Stream getNewStream(Device d, int) const override { return getStream(d); }
+  Stream exchangeStream(Stream s) const override { return getStream(s.device()); }
+  DeviceIndex deviceCount() const noexcept override { return gpus; }
+  // events and streams: nothing runs, so everything is complete at once
+  void record(void**, const Stream&, const DeviceIndex, const c10::EventFlag) const override {}
+  void block(void*, const Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  void destroyEvent(void*, const DeviceIndex) const noexcept override {}
+  bool queryStream(const Stream&) const override { return true; }
+  void synchronizeStream(const Stream&) const override {}
+  void synchronizeDevice(const DeviceIndex) const override {}
+};
+
+// pinned host memory: CPU memory that the machine remembers handing out, so is_pinned() answers truly
+std::mutex pinned_mutex;
+std::set<const void*> pinned;
+void free_pinned(void* p) {
+  { std::lock_guard<std::mutex> lock(pinned_mutex); pinned.erase(p); }
+  c10::GetCPUAllocator()->raw_deallocate(p);
+}
+struct PinnedAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    void* p = c10::GetCPUAllocator()->raw_allocate(n);
+    { std::lock_guard<std::mutex> lock(pinned_mutex); pinned.insert(p); }
+    return {p, p, &free_pinned, Device(DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &free_pinned; }
+  void copy_data(void* dest, const void* src, std::size_t n) const override { default_copy_data(dest, src, n); }
+};
+PinnedAllocator pinned_allocator;
+
+struct SimulatedHooks final : at::CUDAHooksInterface {
+  explicit SimulatedHooks(at::CUDAHooksArgs) {}
+  bool isBuilt() const override { return gpus > 0; }
+  bool isAvailable() const override { return gpus > 0; }
+  bool hasCUDA() const override { return gpus > 0; }
+  int getNumGPUs() const override { return gpus; }
+  DeviceIndex deviceCount() const override { return gpus; }
+  DeviceIndex current_device() const override { return gpus > 0 ? current : -1; }
+  DeviceIndex getCurrentDevice() const override { check_on(current); return current; }
+  void setCurrentDevice(DeviceIndex i) const override { check_on(i); current = i; }
+  DeviceIndex exchangeDevice(DeviceIndex i) const override { check_on(i); auto old = current; current = i; return old; }
+  DeviceIndex maybeExchangeDevice(DeviceIndex i) const override { return exchangeDevice(i); }
+  bool hasPrimaryContext(DeviceIndex i) const override { return gpus > 0 && i >= 0 && i < gpus; }
+  void init() const override { if (gpus == 0) at::CUDAHooksInterface::init(); }
+  bool isPinnedPtr(const void* p) const override {
+    std::lock_guard<std::mutex> lock(pinned_mutex);
+    return pinned.count(p) > 0;
+  }
+  c10::Allocator* getPinnedMemoryAllocator() const override {
+    return gpus > 0 ? &pinned_allocator : at::CUDAHooksInterface::getPinnedMemoryAllocator();
+  }
+};
+}  // namespace
+
+C10_REGISTER_GUARD_IMPL(CUDA, SimulatedGuard);
+namespace at { C10_REGISTER_TYPED_CLASS(CUDAHooksRegistry, "CUDAHooks", SimulatedHooks); }
+
+extern "C" void simulated_cuda_turn_on(int count) { gpus = count; current = 0; }
+extern "C" int simulated_cuda_device() { return current; }
+extern "C" void simulated_cuda_set_device(int index) { current = index; }
+"""
+
+def load_simulated_cuda():
+    """(the loaded SIMULATED_CUDA_SOURCE, None) or (None, why not): built once per source and torch version into the
+    temp folder (g++ against torch's own headers and libraries, about 2 s), loaded before torch is imported."""
+    import ctypes
+    import importlib.util
+    import tempfile
+    root = importlib.util.find_spec("torch").submodule_search_locations[0]
+    lib = os.path.join(root, "lib")
+    if "torch" in sys.modules:
+        return None, "torch was imported before test_all.py"
+    if [name for name in os.listdir(lib) if name.startswith(("libtorch_cuda", "libtorch_hip"))]:
+        return None, "this torch is a GPU build, which has its own CUDA runtime"
+    with open(os.path.join(root, "version.py")) as f:
+        key = hashlib.sha256((SIMULATED_CUDA_SOURCE + f.read()).encode()).hexdigest()[:16]
+    path = os.path.join(tempfile.gettempdir(), f"specgpt-simulated-cuda-{key}.so")
+    if not os.path.exists(path):
+        work = tempfile.mkdtemp()
+        with open(os.path.join(work, "simulated_cuda.cpp"), "w") as f:
+            f.write(SIMULATED_CUDA_SOURCE)
+        built = subprocess.run([os.environ.get("CXX", "g++"), "-O1", "-shared", "-fPIC", "-std=c++20", "-w",
+                                f"-I{root}/include", os.path.join(work, "simulated_cuda.cpp"), f"-L{lib}", "-lc10",
+                                "-ltorch_cpu", f"-Wl,-rpath,{lib}", "-o", os.path.join(work, "simulated_cuda.so")],
+                               capture_output=True, text=True)
+        if built.returncode != 0:
+            return None, f"the simulated CUDA runtime did not build: {built.stderr[-500:]}"
+        os.replace(os.path.join(work, "simulated_cuda.so"), path)  # whole or absent, for concurrent test runs
+    for name in ("libc10.so", "libtorch_cpu.so"):
+        ctypes.CDLL(os.path.join(lib, name), mode=ctypes.RTLD_GLOBAL)
+    return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL), None
+
+
+SIMULATED_CUDA, NO_SIMULATED_CUDA = load_simulated_cuda()
+
+
 import numpy as np
 import pytest
 import torch
@@ -109,6 +249,123 @@ def rel_err(got, want):
     got, want = got.double(), want.double()
     diff = (got - want).norm()
     return 0.0 if diff == 0 else (diff / want.norm()).item()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The simulated GPU (SIMULATED_CUDA at the top of this file provides its C++ runtime): the fixture simulated_gpu turns
+# this process into a machine with GPUs for one test. Every GPU-path test goes through it.
+
+# the names torch/cuda/__init__.py binds from torch._C when it is imported (a CUDA build binds these very entry points;
+# a CPU build None or a stand-in that raises): the simulated machine binds its entry points there, as an import would
+CUDA_IMPORT_BINDINGS = {"_cudart": "_cudart", "_exchange_device": "_cuda_exchangeDevice",
+                        "_maybe_exchange_device": "_cuda_maybeExchangeDevice"}
+# torch.cuda's state of a CUDA not yet initialised, which its lazy initialisation (and _cuda_init's C++) fills in
+CUDA_FRESH_STATE = {"_initialized": False, "_queued_calls": [], "_cached_device_count": None, "default_generators": ()}
+
+
+class SimulatedGPU:
+    """A machine with `count` GPUs called `name`, as torch's CUDA entry points (torch._C._cuda_*) answer for it, with
+    what was asked of them, in order, in `calls`. Its current device is the C++ runtime's (one state for both)."""
+
+    def __init__(self, count, name, capability, memory):
+        self.count, self.calls = count, []
+        self.properties = types.SimpleNamespace(name=name, major=capability[0], minor=capability[1],
+                                                total_memory=memory, multi_processor_count=132, warp_size=32,
+                                                is_integrated=False, gcnArchName="NVIDIA")
+
+    def device_count(self):
+        return self.count
+
+    def init(self):
+        """What _cuda_init's C++ does: a generator per GPU and the properties' reader, defined on torch.cuda."""
+        self.calls.append(("init",))
+        torch.cuda.default_generators = tuple(torch.Generator() for _ in range(self.count))
+        torch.cuda._get_device_properties = self.device_properties
+
+    def device_properties(self, index):
+        return self.properties
+
+    def set_device(self, index):
+        self.calls.append(("set_device", index))
+        if not 0 <= index < self.count:
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        SIMULATED_CUDA.simulated_cuda_set_device(index)
+
+    def current_device(self):
+        return SIMULATED_CUDA.simulated_cuda_device()
+
+    def exchange_device(self, index):
+        previous = self.current_device()
+        if index >= 0 and index != previous:
+            self.calls.append(("exchange_device", index))
+            self.set_device(index)
+        return previous
+
+    def synchronize(self):
+        self.calls.append(("synchronize", self.current_device()))
+
+    def entry_points(self):
+        return {"_cuda_getDeviceCount": self.device_count, "_cuda_init": self.init, "_cuda_setDevice": self.set_device,
+                "_cuda_getDevice": self.current_device, "_cuda_exchangeDevice": self.exchange_device,
+                "_cuda_maybeExchangeDevice": self.exchange_device, "_cuda_synchronize": self.synchronize,
+                "_cuda_getCurrentRawStream": lambda index: 0, "_cudart": types.SimpleNamespace()}
+
+
+@pytest.fixture
+def simulated_gpu(monkeypatch):
+    """simulated_gpu(count=1, name=..., capability=(9, 0), memory=80 GiB) makes this process a machine with that many
+    GPUs until the test ends, faking only what a CPU build of torch lacks: the torch._C entry points, the names
+    torch.cuda bound to them at import (CUDA_IMPORT_BINDINGS), the state of a fresh CUDA, and the C++ runtime. No
+    Python function of torch, torch.cuda, torch.backends or of this project is replaced."""
+    if SIMULATED_CUDA is None:
+        pytest.skip(f"no simulated GPU: {NO_SIMULATED_CUDA}")
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # train.py turns both on
+
+    def turn_on(count=1, name="NVIDIA H100 80GB HBM3", capability=(9, 0), memory=80 * 2**30):
+        machine = SimulatedGPU(count, name, capability, memory)
+        for entry, answer in machine.entry_points().items():
+            monkeypatch.setattr(torch._C, entry, answer, raising=False)
+        for name, entry in CUDA_IMPORT_BINDINGS.items():
+            monkeypatch.setattr(torch.cuda, name, getattr(torch._C, entry))
+        for name, value in {**CUDA_FRESH_STATE, "_get_device_properties": None}.items():
+            monkeypatch.setattr(torch.cuda, name, value, raising=False)
+        SIMULATED_CUDA.simulated_cuda_turn_on(count)
+        return machine
+    yield turn_on
+    SIMULATED_CUDA.simulated_cuda_turn_on(0)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+class HostAndFakeGPU(TorchDispatchMode):
+    """On top of FakeTensorMode: the host's work stays real (the sampler's arrays, pinned memory), everything on the GPU
+    is a fake tensor, and what crosses between them is recorded: each copy to the GPU (its source pinned, contiguous,
+    non_blocking, its values) in `copies`, each read of a GPU value on the host (.item(), a blocking copy back) in
+    `reads`, which is where a step would wait for the GPU."""
+
+    def __init__(self, fake_mode):
+        super().__init__()
+        self.fake_mode, self.copies, self.reads = fake_mode, [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        fake = any(isinstance(t, torch._subclasses.fake_tensor.FakeTensor) for t in tensors)
+        to_gpu, to_host = (kwargs.get("device") is not None and torch.device(kwargs["device"]).type == kind
+                           for kind in ("cuda", "cpu"))
+        if func is torch.ops.aten._to_copy.default and to_gpu and not fake:
+            source = args[0]
+            with torch.utils._python_dispatch._disable_current_modes():
+                self.copies.append(dict(pinned=source.is_pinned(), contiguous=source.is_contiguous(),
+                                        non_blocking=kwargs.get("non_blocking", False), values=source.clone()))
+            return func(self.fake_mode.from_tensor(source), **kwargs)
+        if fake and (func is torch.ops.aten._local_scalar_dense.default or
+                     func is torch.ops.aten._to_copy.default and to_host and not kwargs.get("non_blocking")):
+            self.reads += 1
+            return 0 if func is torch.ops.aten._local_scalar_dense.default else torch.zeros(args[0].shape)
+        if fake or to_gpu:
+            return func(*args, **kwargs)
+        with torch.utils._python_dispatch._disable_current_modes():
+            return func(*args, **kwargs)
 
 
 # ==================================================================================================
@@ -2014,6 +2271,54 @@ def test_gpu_launch_grids_fit_cuda_limits(case):
     bad = sorted({(name, grid) for name, grid in grids
                   if grid[0] > 2**31 - 1 or any(g > 65535 for g in grid[1:])})
     assert not bad, f"grids over CUDA's limits: {bad}"
+
+
+def test_every_triton_launch_runs_on_its_inputs_gpu_with_autocast_off(simulated_gpu):
+    """Triton launches on the current GPU, not on its arguments': every launch of every Triton op, forward and
+    backward (kernels._example_steps, recorded instead of run), with its inputs on cuda:1 while cuda:0 is current and
+    bf16 autocast is on, happens with cuda:1 current and autocast off (each op's body runs in kernels.on_device_of),
+    and cuda:0 is current again after."""
+    simulated_gpu(count=2)
+    torch.cuda.set_device(0)
+    seen = []
+
+    def step():
+        with torch.device("cuda:1"), torch.autocast("cuda", dtype=torch.bfloat16):
+            for op_step in kernels._example_steps(T=64, chunk=16).values():
+                op_step()
+    kernels._record_launches(step, lambda kernel, grid, args, kwargs: seen.append(
+        (kernel.fn.__name__, torch.cuda.current_device(), torch.is_autocast_enabled("cuda"))))
+    launched = {name for name, _, _ in seen}
+    assert len(launched) >= 15 and {"_ssd_chunk_scan_kernel", "_rms_norm_fwd_kernel"} <= launched, launched
+    assert all(device == 1 and not autocast for _, device, autocast in seen), sorted(set(seen))
+    assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.parametrize("op", ["gdn2", "ssd"])
+def test_triton_op_bodies_keep_their_dtypes_under_autocast(op):
+    """A Triton op given fp32 inputs computes the same under bf16 autocast (the CPU's, which casts as CUDA's does) as
+    without it, outputs and every gradient bit for bit: its body runs with autocast off, so its own fp32 einsums (gdn2's
+    end-state term of dg, which bf16 would put 1e-3 off) stay fp32. The final states are used, so that term acts."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K = 1, 40, 2, 16
+    if op == "gdn2":
+        q, k = (F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1) for _ in range(2))
+        inputs = [q, k, torch.randn(B, T, H, K, generator=gen), -torch.rand(B, T, H, K, generator=gen) / 4,
+                  torch.rand(B, T, H, K, generator=gen), torch.rand(B, T, H, K, generator=gen)]
+        run = lambda *xs: kernels.gdn2_chunked_triton(*xs, chunk_size=16)
+    else:
+        inputs = [torch.randn(B, T, H, K, generator=gen), F.softplus(torch.randn(B, T, H, generator=gen) - 1),
+                  -torch.rand(H, generator=gen) - 0.5, torch.randn(B, T, 1, K, generator=gen),
+                  torch.randn(B, T, 1, K, generator=gen)]
+        run = lambda *xs: kernels.ssd_triton(*xs, chunk_size=16)
+    results = []
+    for autocast in (False, True):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # the backward too, as in train.py
+            out, state = run(*leaves)
+            (out.sum() + state.square().sum()).backward()
+        results.append([out, state, *(x.grad for x in leaves)])
+    assert all(torch.equal(a, b) for a, b in zip(*results)), [rel_err(a, b) for a, b in zip(*results)]
 
 
 # ==================================================================================================
@@ -4150,6 +4455,266 @@ def test_optim_spectral_lr_gives_muon_the_spectral_condition():
 # ==================================================================================================
 # train.py  (pytest -m train)
 
+# ----------------------------------------------------------------------------------------------------
+# The one-GPU path on a simulated GPU (the simulated_gpu fixture): the device each command makes current, each README
+# GPU command up to its first CUDA tensor, a training step on fake CUDA tensors, batches crossing without a wait
+
+@pytest.mark.parametrize("device,gpus,local_rank,index", [("auto", 1, None, 0), ("cuda", 1, None, 0),
+                                                          ("cuda:0", 1, None, 0), ("cuda:1", 2, None, 1),
+                                                          ("cuda", 2, "1", 1), ("auto", 2, "1", 1)])
+def test_the_run_device_becomes_the_current_gpu(simulated_gpu, monkeypatch, device, gpus, local_rank, index):
+    """kernels.use_device on a simulated machine with `gpus` GPUs: auto, cuda, cuda:0, cuda:1 and torchrun's LOCAL_RANK
+    each make the right GPU current through torch's own torch.cuda.set_device (which refuses an index-less "cuda"),
+    and return it with its index, where every tensor of the run goes."""
+    machine = simulated_gpu(count=gpus)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert kernels.use_device(device) == torch.device("cuda", index)
+    assert torch.cuda.current_device() == index and ("set_device", index) in machine.calls
+    assert kernels.use_device("cpu") == torch.device("cpu") and torch.cuda.current_device() == index
+
+
+def test_a_gpu_that_is_not_there_or_not_this_process_is_one_line(simulated_gpu, monkeypatch, tmp_path):
+    """cuda:1 on a one-GPU machine, and cuda:1 under torchrun's LOCAL_RANK 0 (each process computes on its own GPU)."""
+    simulated_gpu(count=1)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(ValueError, match=r"this machine has 1 CUDA GPU \(cuda:0 .. cuda:0\)"):
+        train.main(["--device=cuda:1", "--dry_run=True", f"--out_dir={tmp_path}"])
+    simulated_gpu(count=2)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match="under torchrun each process computes on the GPU of its LOCAL_RANK"):
+        kernels.use_device("cuda:1")
+
+
+def test_tests_fake_a_gpu_only_where_a_cpu_build_lacks_one():
+    """No test sets, deletes or patches an attribute of torch.cuda, torch.backends or torch._C, or assigns one, outside
+    the simulated machine (the simulated_gpu fixture, and SimulatedGPU.init, which defines on torch.cuda what
+    _cuda_init's C++ does): a test that replaces the function it exercises cannot fail. The fixture binds in torch.cuda
+    only what torch.cuda binds from torch._C at import, as torch's own source says, and the state of a CUDA not yet
+    initialised."""
+    tree = ast.parse(open(__file__).read())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+    def in_fixture(node):
+        while node in parents:
+            node = parents[node]
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in ("simulated_gpu", "SimulatedGPU"):
+                return True
+        return False
+    guarded = ("torch.cuda", "torch.backends", "torch._C")
+    patchers = {"setattr", "delattr", "setitem", "delitem", "patch", "object"}
+    touched = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and (getattr(node.func, "attr", None) or
+                                                         getattr(node.func, "id", None)) in patchers:
+            touched.append((node, ast.unparse(node.args[0]).strip("'\"")))
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            for target in getattr(node, "targets", [getattr(node, "target", None)]):
+                for leaf in ast.walk(ast.Tuple(elts=[target]) if target is not None else ast.Tuple(elts=[])):
+                    if isinstance(leaf, ast.Attribute):
+                        touched.append((node, ast.unparse(leaf)))
+    outside = sorted({(node.lineno, what) for node, what in touched
+                      if what.startswith(guarded) and not in_fixture(node)})
+    assert not outside, f"tests that replace torch's CUDA functions or flags: {outside}"
+    source = inspect.getsource(torch.cuda)
+    for name, entry in CUDA_IMPORT_BINDINGS.items():
+        assert f"{name} = torch._C.{entry}" in source or f"from torch._C import {entry}" in source, name
+
+
+def fineweb_like_shards(folder, vocab_size=50257, tokens=5000):
+    """A validation shard and a training shard of random GPT-2 token ids, named as python data.py fineweb10B names
+    them; returns the training pattern (the fineweb presets' dataset key)."""
+    rng = np.random.default_rng(0)
+    for name in ("fineweb_val_000000.bin", "fineweb_train_000001.bin"):
+        data.write_shard(os.path.join(folder, name), rng.integers(0, vocab_size, tokens).astype(np.uint16))
+    return os.path.join(folder, "fineweb_train_*.bin")
+
+
+# each GPU command of the README, as the arguments train.main (or analyze.main) gets; "{shards}" is a folder of
+# fineweb-like shards in place of the 2.7B tokens, "{run}" a tiny run's out_dir trained on the CPU first
+README_GPU_COMMANDS = {
+    "python train.py": [],
+    "python train.py config/shakespeare_char_gpu.py": ["config/shakespeare_char_gpu.py"],
+    "python train.py config/gpt2_small_fineweb.py --dry_run=True": ["config/gpt2_small_fineweb.py", "--dry_run=True"],
+    "python train.py config/gpt2_small_fineweb.py --wandb_log=True": ["config/gpt2_small_fineweb.py",
+                                                                      "--dataset={shards}", "--wandb_log=True"],
+    "python train.py config/gpt2_small_fineweb.py": ["config/gpt2_small_fineweb.py", "--dataset={shards}"],
+    "python train.py config/gpt2_small_fineweb_hybrid.py": ["config/gpt2_small_fineweb_hybrid.py",
+                                                            "--dataset={shards}"],
+    'python train.py --sample_only=True --start="ROMEO:"': ["--sample_only=True", "--start=ROMEO:",
+                                                            "--out_dir={run}"],
+    "python analyze.py --ckpt=out/ckpt.pt": ["--ckpt={run}/ckpt.pt"],
+    "python analyze.py --ckpt=out/ckpt.pt --device=cuda:1": ["--ckpt={run}/ckpt.pt", "--device=cuda:1"],
+}
+
+
+def test_the_readme_gpu_commands_are_the_ones_tested():
+    """Every `python train.py config/...` line of README.md's "On a GPU" block is in README_GPU_COMMANDS."""
+    block = open(os.path.join(ROOT, "README.md")).read().split("## On a GPU")[1].split("```")[1]
+    commands = {line.split("#")[0].strip() for line in block.splitlines() if line.startswith("python train.py")}
+    assert commands and commands <= set(README_GPU_COMMANDS), commands - set(README_GPU_COMMANDS)
+
+
+@pytest.fixture(scope="module")
+def tiny_cpu_run(tmp_path_factory):
+    """A 2-step run of the tiny model on the CPU: its out_dir, with ckpt.pt."""
+    out = str(tmp_path_factory.mktemp("tiny_cpu_run"))
+    train.main([*TINY, "--max_iters=2", "--eval_interval=2", f"--out_dir={out}", "--device=cpu"])
+    return out
+
+
+@pytest.mark.parametrize("command", list(README_GPU_COMMANDS))
+def test_each_readme_gpu_command_reaches_its_first_cuda_tensor(command, simulated_gpu, tiny_cpu_run, tmp_path,
+                                                               monkeypatch, capsys):
+    """On a simulated one-GPU machine (two for cuda:1) each command of README.md's GPU path runs through its settings,
+    device, data and model until it makes its first CUDA tensor, where a CPU build of torch has no kernel: the
+    error is that one ("... from the 'CUDA' backend"), after the right GPU was made current. The dry run, which
+    makes none, runs to its end."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    machine = simulated_gpu(count=2 if "cuda:1" in command else 1)
+    args = [a.format(shards=fineweb_like_shards(tmp_path), run=tiny_cpu_run) for a in README_GPU_COMMANDS[command]]
+    script = analyze if command.startswith("python analyze.py") else train
+    if script is train and "--out_dir={run}" not in README_GPU_COMMANDS[command]:
+        args.append(f"--out_dir={tmp_path / 'out'}")
+    if script is analyze:
+        args.append(f"--out_dir={tmp_path / 'analysis'}")
+    index = 1 if "cuda:1" in command else 0
+    if "--dry_run=True" in args:
+        train.main(args)
+        assert "H100" in capsys.readouterr().out and not os.path.exists(tmp_path / "out")
+    else:
+        with pytest.raises((RuntimeError, NotImplementedError), match="with arguments from the 'CUDA' backend"):
+            script.main(args)
+    assert ("set_device", index) in machine.calls and torch.cuda.current_device() == index
+    if script is train and "--dry_run=True" not in args:
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+
+
+def to_fake_gpu(module):
+    """Module.to("cuda") for a module of fake CPU tensors, tied weights kept tied (Module.to swaps a fake tensor for its
+    moved copy, which a tied weight's second reference prevents; on real tensors it moves each storage in place)."""
+    moved = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                m._parameters[name] = moved.setdefault(id(p), nn.Parameter(p.to("cuda"), p.requires_grad))
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = b.to("cuda")
+    return module
+
+
+# (GPTConfig overrides, optimizer, the GPU's compute capability): the default run, every mixer with a hyper-connection
+# stream under Muon, and a GPU without bf16 (a T4: float16 autocast, Newton–Schulz in fp16)
+GPU_STEP_CASES = {"the default run": (dict(mixer="MAAA", mamba_expand=1, mamba_d_state=16, qk_norm=True), "muon",
+                                        (9, 0)),
+                  "AGM mhc": (dict(mixer="AGM", residual="mhc"), "muon", (9, 0)),
+                  "AGM adamw on a T4": (dict(mixer="AGM"), "adamw", (7, 5)),
+                  "AGM muon on a T4": (dict(mixer="AGM"), "muon", (7, 5)),
+                  "A mousse on a T4": (dict(mixer="A"), "mousse", (7, 5))}
+
+
+@pytest.mark.parametrize("case", list(GPU_STEP_CASES))
+def test_a_training_step_runs_on_fake_cuda_tensors(case, simulated_gpu):
+    """A GPT moved to the simulated GPU (as fake tensors), one step as train.py takes it: the forward under CUDA
+    autocast in the GPU's 16-bit dtype (bf16, or fp16 where it has no bf16) on the Triton path, the backward through
+    the loss scaler (fp16), the clipped global norm, the optimizer's step. Every weight, gradient and optimizer state
+    stays on the GPU (a tensor made on the CPU by mistake would meet a CUDA one and fail), the logits are in that dtype, and
+    with the plain residual the forward's and backward's matmuls run in it, as do Muon's Newton–Schulz iterations."""
+    overrides, name, capability = GPU_STEP_CASES[case]
+    simulated_gpu(capability=capability, name="Tesla T4" if capability < (8, 0) else "NVIDIA H100 80GB HBM3")
+    cfg = make_config(vocab_size=64, block_size=48, n_layer=len(overrides["mixer"]), n_embd=64, n_head=2,
+                      chunk_size=16, kernels="auto", **{k: v for k, v in overrides.items()})
+    half = kernels.autocast_dtype(torch.device("cuda"))
+    record, step = GpuOpArguments(), GpuOpArguments()
+    with FakeTensorMode():
+        gpt = to_fake_gpu(GPT(cfg))  # made on the CPU, then moved, as train.py does
+        idx = torch.randint(0, 64, (2, 48), device="cuda")
+        opt = optim.build_optimizer(gpt, name, lr=0.01, weight_decay=0.1)
+        scaler = torch.amp.GradScaler("cuda", enabled=half == torch.float16)
+        with record:
+            with torch.autocast("cuda", dtype=half):
+                logits, loss = gpt(idx, idx)
+            scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(gpt.parameters(), 1.0)
+        with step:
+            opt.step()  # (the scaler's own step reads its overflow flag on the host: fake tensors have no value)
+    assert half == (torch.float16 if capability < (8, 0) else torch.bfloat16) and logits.dtype == half
+    states = [t for opt_ in opt.optimizers for s in opt_.state.values() for t in s.values() if torch.is_tensor(t)]
+    assert states and all(t.device.type == "cuda" for t in [*gpt.parameters(), *states])
+    assert all(p.grad.device.type == "cuda" and p.grad.dtype == p.dtype for p in gpt.parameters())
+    # (the forward's and backward's aten.mm are the linear layers, and a hyper-connection's x̃ φ, which it computes in
+    # fp32 by design; their bmm are a CPU build's math fallback of SDPA, in fp32 where a GPU runs its flash kernel on
+    # the bf16 q, k, v)
+    matmuls = lambda calls, ops: {args["mat2"] for op, args in calls if op.startswith(ops)}
+    if cfg.residual == "res":
+        assert matmuls(record.calls, "aten.mm") == {half}, matmuls(record.calls, "aten.mm")
+    if name == "muon":  # Newton–Schulz in the GPU's 16-bit dtype (on stacks of same-shaped matrices: bmm)
+        assert matmuls(step.calls, ("aten.mm", "aten.bmm")) == {half}, matmuls(step.calls, ("aten.mm", "aten.bmm"))
+
+
+def test_batches_cross_to_the_gpu_from_pinned_memory_without_waiting(simulated_gpu):
+    """data.BatchSampler on the simulated GPU: every batch goes over from pinned, contiguous host memory with
+    non_blocking=True (a pageable or strided source makes the copy wait for the GPU), the next batch goes over as soon
+    as one is handed out, and the batches are exactly the CPU sampler's; its state is the position of the batch sent
+    ahead, so a resumed run draws that batch again."""
+    simulated_gpu()
+    tokens = np.arange(2000) % 97
+    sampler = data.BatchSampler(tokens, 4, 16, seed=3, device="cuda")
+    with FakeTensorMode() as fake, HostAndFakeGPU(fake) as traffic:
+        batches = [sampler.next_batch() for _ in range(3)]
+    assert all(t.device == torch.device("cuda", 0) and t.shape == (4, 16) for batch in batches for t in batch)
+    assert len(traffic.copies) == 8 and traffic.reads == 0   # 3 batches handed out, the 4th sent ahead: x and y each
+    assert all(c["pinned"] and c["contiguous"] and c["non_blocking"] for c in traffic.copies), traffic.copies
+    on_cpu = data.BatchSampler(tokens, 4, 16, seed=3)
+    expected = [t for _ in range(4) for t in on_cpu.next_batch()]
+    assert all(torch.equal(c["values"], t) for c, t in zip(traffic.copies, expected))
+    resumed = data.BatchSampler(tokens, 4, 16, seed=99)
+    resumed.load_state_dict(sampler.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(resumed.next_batch(), expected[6:]))
+
+
+def test_an_eval_reads_the_gpu_once(simulated_gpu):
+    """train.evaluate on the simulated GPU (the model's forward on fake CUDA tensors under bf16 autocast): its batches
+    cross from pinned memory without waiting and the host reads a GPU value once, for the mean loss."""
+    simulated_gpu()
+    tokens = np.arange(2000) % 50
+    with FakeTensorMode() as fake:
+        gpt = to_fake_gpu(GPT(tiny_config()))
+        with HostAndFakeGPU(fake) as traffic:
+            train.evaluate(gpt, tokens, 4, 32, 5, torch.device("cuda", 0), torch.autocast("cuda", dtype=torch.bfloat16))
+    assert traffic.reads == 1
+    assert len(traffic.copies) == 2 * 6 and all(c["pinned"] and c["non_blocking"] for c in traffic.copies)
+
+
+FP16_RUN = [*TINY, "--dtype=float16", "--block_size=1", "--batch_size=1", "--eval_interval=6", "--log_interval=1"]
+
+
+def test_float16_scales_the_loss_skips_overflowing_steps_and_resumes_exactly(tmp_path):
+    """--dtype=float16 (the GPUs without bf16) on the CPU's fp16 autocast, with one token a step, whose logits'
+    gradient p − 1 ≈ −1 overflows fp16 at the scaler's first scale of 2^16: those steps are skipped and logged,
+    each halving the scale (it doubles only after 2000 good steps), so the scale logged is 2^16 · 2^-(steps skipped
+    so far); the scaler's state is in the checkpoint, and a run stopped at iter 6 and resumed ends bit for bit where the
+    uninterrupted one does."""
+    whole, first = str(tmp_path / "whole"), str(tmp_path / "first")
+    train.main([*FP16_RUN, "--max_iters=12", f"--out_dir={whole}"])
+    rows = [r for r in log_rows(whole) if "loss" in r]
+    skipped = np.cumsum([r["skipped_steps"] for r in rows])
+    assert skipped[-1] >= 1 and [r["loss_scale"] for r in rows] == [2.0 ** (16 - s) for s in skipped]
+    train.main([*FP16_RUN, "--max_iters=6", "--lr_decay_iters=12", f"--out_dir={first}"])
+    assert data.load_checkpoint(os.path.join(first, "ckpt.pt"))["scaler"]["scale"] == rows[5]["loss_scale"]
+    train.main(["--init_from=resume", "--max_iters=12", f"--out_dir={first}"])
+    kept = lambda out: [[r.get(k) for k in ("step", "loss", "val", "grad_norm", "loss_scale", "skipped_steps")]
+                        for r in log_rows(out) if r["step"] > 6]
+    assert kept(first) == kept(whole)
+    a, b = (data.load_checkpoint(os.path.join(d, "ckpt.pt"))["model"] for d in (whole, first))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_lr_multiplier_schedules_closed_forms():
     """optim.lr_multiplier against the schedules written out: linear warmup to 1, a cosine from 1 to the floor
     (its midpoint halfway), wsd constant then linear to the floor over the last decay_frac, and decay_frac 0 flat."""
@@ -4550,11 +5115,10 @@ def test_dry_run_optimizer_state_on_meta_matches_a_real_step():
         assert sizes[0] == sizes[1] > 0, name
 
 
-def test_cuda_without_a_config_names_the_gpu_preset(monkeypatch, capsys, tmp_path):
-    """On CUDA (faked: is_available patched), python train.py with no config file trains the CPU baby model as on
-    every device, and says so, naming the GPU preset; with a config file, or on the CPU, it says nothing."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert train.pick_device("auto") == "cuda"
+def test_cuda_without_a_config_names_the_gpu_preset(simulated_gpu, capsys, tmp_path):
+    """On a (simulated) GPU, python train.py with no config file trains the CPU baby model as on every device, and
+    says so, naming the GPU preset; with a config file, or on the CPU, it says nothing."""
+    simulated_gpu()
     out = str(tmp_path / "never")
     train.main(["--dry_run=True", "--max_iters=10", f"--out_dir={out}"])
     shown = capsys.readouterr().out
@@ -4564,8 +5128,7 @@ def test_cuda_without_a_config_names_the_gpu_preset(monkeypatch, capsys, tmp_pat
     train.main([os.path.join(ROOT, train.GPU_PRESET), "--dry_run=True", f"--out_dir={out}"])
     shown = capsys.readouterr().out
     assert "baby model" not in shown and "6 layers x 384" in shown
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    train.main(["--dry_run=True", f"--out_dir={out}"])
+    train.main(["--dry_run=True", "--device=cpu", f"--out_dir={out}"])
     assert "baby model" not in capsys.readouterr().out and not os.path.exists(out)
 
 
@@ -4663,31 +5226,27 @@ def test_ddp_two_processes_on_cpu(tmp_path):
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 30
 
 
-def test_mfu_peaks_by_exact_gpu_name_and_dtype(monkeypatch):
-    """MFU's peak: a listed GPU's own entry by its exact name (an H100 PCIe is not an SXM, an L40 not an L4),
-    its TF32 peak (about half the bf16 one, as the datasheets have it) for a float32 run; none on a CPU or an
-    unlisted GPU unless --peak_tflops states one."""
-    peak = lambda name, bf16=True, stated=0.0: (monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name),
-                                                train.peak_flops("cuda", bf16, stated))[1]
+def test_mfu_peaks_by_exact_gpu_name_and_dtype(simulated_gpu):
+    """MFU's peak on a (simulated) GPU of each name: a listed GPU's own entry by its exact name (an H100 PCIe is not
+    an SXM, an L40 not an L4); for a bf16 GPU its fp16 peak equals its bf16 one and its TF32 peak, for a float32 run,
+    is about half (as the datasheets have it); a GPU without bf16 (T4, V100, RTX 20xx) has no bf16 peak and its
+    float32 one is far below its fp16 one (CUDA cores, no TF32); none on a CPU or an unlisted GPU unless
+    --peak_tflops states one."""
+    def peak(name, dtype="bfloat16", stated=0.0):
+        simulated_gpu(name=name)
+        return train.peak_flops(torch.device("cuda"), dtype, stated)
     assert peak("NVIDIA H100 PCIe") < peak("NVIDIA H100 NVL") < peak("NVIDIA H100 80GB HBM3")
     assert peak("NVIDIA L40") != peak("NVIDIA L4") and peak("NVIDIA A10") != peak("NVIDIA A100-SXM4-80GB")
-    for name in train.GPU_PEAKS:
-        assert peak(name, bf16=False) == pytest.approx(peak(name) / 2, rel=0.05), name
+    for name, (bf16, fp16, fp32) in train.GPU_PEAKS.items():
+        if bf16 is None:
+            assert peak(name) is None and peak(name, "float32") < peak(name, "float16") / 3, name
+        else:
+            assert peak(name, "float16") == peak(name) and peak(name, "float32") == pytest.approx(peak(name) / 2,
+                                                                                                rel=0.05), name
+    assert {"Tesla T4", "Tesla V100-SXM2-16GB"} <= set(train.GPU_PEAKS)
     assert peak("NVIDIA GeForce GTX 1080") is None and peak("NVIDIA GeForce GTX 1080", stated=8.9) == 8.9e12
-    assert train.peak_flops("cpu", False, 0.0) is None and train.peak_flops("cpu", False, 1.5) == 1.5e12
-
-
-def test_a_cuda_device_becomes_the_current_one_with_tf32(monkeypatch):
-    """--device=cuda:1 without torchrun: the run's device becomes the current CUDA device (Triton launches there),
-    and float32 matmuls may use TF32."""
-    chosen, flags = [], (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        train.use_cuda_device("cuda:1")
-        assert chosen == ["cuda:1"] and torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+    cpu = torch.device("cpu")
+    assert train.peak_flops(cpu, "float32", 0.0) is None and train.peak_flops(cpu, "float32", 1.5) == 1.5e12
 
 
 def test_tokens_per_second_leaves_out_evals_and_the_first_step(tmp_path, monkeypatch):

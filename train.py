@@ -35,6 +35,7 @@ from types import SimpleNamespace
 import torch
 
 import data
+import kernels
 import model
 import optim
 from model import GPT, GPTConfig
@@ -85,7 +86,8 @@ schedule = "cosine"            # after the warmup: a cosine, or wsd (constant, t
 wsd_decay_frac = 0.2           # wsd: fraction of the steps spent decaying (0: a constant lr after warmup)
 # system
 device = "auto"                # auto (cuda > mps > cpu) | cpu | cuda | cuda:1 | mps
-dtype = "auto"                 # auto: bfloat16 autocast on CUDA, float32 elsewhere
+dtype = "auto"                 # auto: 16-bit autocast on CUDA (bfloat16, or float16 with a loss scaler where the
+                               # GPU lacks bf16: T4, V100), float32 elsewhere
 compile = None                 # None: torch.compile on CUDA only; True / False force it
 peak_tflops = 0.0              # the peak MFU is measured against; 0: GPU_PEAKS for a listed GPU, no MFU elsewhere
 # sampling at the end (and with sample_only)
@@ -119,6 +121,8 @@ RANGES = {"eval_interval": ">= 1", "eval_iters": ">= 1", "log_interval": ">= 1",
           "temperature": ">= 0", "top_k": ">= 1", "peak_tflops": ">= 0",
           "block_size": ">= 1", "n_layer": ">= 1", "n_head": ">= 1", "n_embd": ">= 1", "hc_streams": ">= 1",
           "mamba_headdim": ">= 1", "vocab_multiple": ">= 1", "rope_base": "> 0", "dropout": "in [0, 1)"}
+# --dtype: the autocast dtype of each choice (float32: no autocast); float16 scales the loss (torch.amp.GradScaler)
+DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # with no config file on a GPU, train.py still trains the CPU baby model, and names this preset (see gpu_hint)
 GPU_PRESET = "config/shakespeare_char_gpu.py"
 # one training step that would take longer than this at the device's peak FLOP/s is a typo, not a run
@@ -136,7 +140,7 @@ def choices():
     return {"init_from": ("scratch", "resume"), "tokenizer": ("auto", *data.TOKENIZERS),
             "optimizer": tuple(optim.OPTIMIZERS), "muon_scale": tuple(optim.MUON_SCALES),
             "ns_coeffs": tuple(optim.NS_COEFFS), "schedule": ("cosine", "wsd"),
-            "dtype": ("auto", "float32", "bfloat16"), **model.config_choices()}
+            "dtype": ("auto", *DTYPES), **model.config_choices()}
 
 
 def config_help():
@@ -177,7 +181,7 @@ def check_device(name):
     if device.type == "cuda" and (device.index or 0) >= gpus:
         have = f"{gpus} CUDA GPU{'s' * (gpus > 1)} (cuda:0 .. cuda:{gpus - 1})" if gpus else "no CUDA GPU"
         raise data.ConfigError(f"--device={name!r}: this machine has {have}: use --device=auto or cpu")
-    if device.type == "mps" and not mps_available():
+    if device.type == "mps" and not kernels.mps_available():
         raise data.ConfigError(f"--device={name!r}: this machine has no MPS (Apple GPU): use --device=auto or cpu")
 
 
@@ -276,53 +280,50 @@ def check_step_time(flops_per_iter, peak, device):
 # ----------------------------------------------------------------------------------------------------
 # device, precision, MFU
 
-def mps_available():
-    return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
-
-
-def pick_device(name):
-    if name != "auto":
-        return name
-    if torch.cuda.is_available():
-        return "cuda"
-    return "mps" if mps_available() else "cpu"
-
-
 def gpu_hint(args, device):
     """The line for a GPU user of plain `python train.py`: the run is the CPU baby model, and GPU_PRESET is the one
     sized for a GPU. The same command trains the same model on every device, so its numbers compare."""
-    if device.startswith("cuda") and not any(not a.startswith("--") or a.startswith("--config=") for a in args):
+    if device.type == "cuda" and not any(not a.startswith("--") or a.startswith("--config=") for a in args):
         return (f"note: no config file, so this is the CPU baby model (seconds of GPU work); sized for a GPU: "
                 f"python train.py {GPU_PRESET}")
     return None
 
 
-# Dense (no sparsity) tensor-core peaks per GPU, from NVIDIA's datasheets (half their sparse figures), by the exact
-# name torch.cuda.get_device_name() reports: (bfloat16, TF32) FLOP/s. A float32 run (TF32 matmuls) counts against
-# the TF32 peak. A GPU not listed gets no MFU unless --peak_tflops states its peak.
+# Dense (no sparsity) peaks per GPU, from NVIDIA's datasheets (half their sparse figures; the Turing whitepaper for
+# the RTX 20 cards), by the exact name torch.cuda.get_device_name() reports, in FLOP/s for each --dtype: bfloat16 and
+# float16 tensor cores accumulating in fp32 (as autocast's matmuls do), float32 on TF32 tensor cores where the GPU
+# has them, else on CUDA cores (Volta, Turing); None: the GPU has no bf16. A GPU not listed gets no MFU unless
+# --peak_tflops states its peak.
+PEAK_DTYPES = ("bfloat16", "float16", "float32")
 GPU_PEAKS = {
-    "NVIDIA B200": (2250e12, 1100e12),
-    "NVIDIA H200": (989e12, 495e12), "NVIDIA H200 NVL": (835e12, 418e12),
-    "NVIDIA H100 80GB HBM3": (989e12, 495e12), "NVIDIA H100 NVL": (835e12, 418e12),
-    "NVIDIA H100 PCIe": (756e12, 378e12),
-    "NVIDIA A100-SXM4-80GB": (312e12, 156e12), "NVIDIA A100-SXM4-40GB": (312e12, 156e12),
-    "NVIDIA A100 80GB PCIe": (312e12, 156e12), "NVIDIA A100-PCIE-40GB": (312e12, 156e12),
-    "NVIDIA L40S": (362e12, 183e12), "NVIDIA L40": (181e12, 90.5e12), "NVIDIA L4": (121e12, 60e12),
-    "NVIDIA A10": (125e12, 62.5e12), "NVIDIA RTX A6000": (155e12, 77.4e12),
-    "NVIDIA RTX 6000 Ada Generation": (364e12, 182e12),
-    "NVIDIA GeForce RTX 4090": (165e12, 82.6e12), "NVIDIA GeForce RTX 3090": (71e12, 35.6e12),
+    "NVIDIA B200": (2250e12, 2250e12, 1100e12),
+    "NVIDIA H200": (989e12, 989e12, 495e12), "NVIDIA H200 NVL": (835e12, 835e12, 418e12),
+    "NVIDIA H100 80GB HBM3": (989e12, 989e12, 495e12), "NVIDIA H100 NVL": (835e12, 835e12, 418e12),
+    "NVIDIA H100 PCIe": (756e12, 756e12, 378e12),
+    "NVIDIA A100-SXM4-80GB": (312e12, 312e12, 156e12), "NVIDIA A100-SXM4-40GB": (312e12, 312e12, 156e12),
+    "NVIDIA A100 80GB PCIe": (312e12, 312e12, 156e12), "NVIDIA A100-PCIE-40GB": (312e12, 312e12, 156e12),
+    "NVIDIA L40S": (362e12, 362e12, 183e12), "NVIDIA L40": (181e12, 181e12, 90.5e12),
+    "NVIDIA L4": (121e12, 121e12, 60e12), "NVIDIA A10": (125e12, 125e12, 62.5e12),
+    "NVIDIA RTX A6000": (155e12, 155e12, 77.4e12), "NVIDIA RTX 6000 Ada Generation": (364e12, 364e12, 182e12),
+    "NVIDIA GeForce RTX 4090": (165e12, 165e12, 82.6e12), "NVIDIA GeForce RTX 3090": (71e12, 71e12, 35.6e12),
+    # without bf16: float16 autocast with a GradScaler
+    "Tesla T4": (None, 65e12, 8.1e12),
+    "Tesla V100-SXM2-16GB": (None, 125e12, 15.7e12), "Tesla V100-SXM2-32GB": (None, 125e12, 15.7e12),
+    "Tesla V100-PCIE-16GB": (None, 112e12, 14e12), "Tesla V100-PCIE-32GB": (None, 112e12, 14e12),
+    "NVIDIA TITAN RTX": (None, 130.5e12, 16.3e12), "Quadro RTX 6000": (None, 130.5e12, 16.3e12),
+    "Quadro RTX 8000": (None, 130.5e12, 16.3e12), "NVIDIA GeForce RTX 2080 Ti": (None, 53.8e12, 13.4e12),
 }
 
 
-def peak_flops(device_type, use_bf16, stated_tflops):
-    """The FLOP/s that MFU is measured against: the stated peak, else for a listed GPU its dense peak in the
-    dtype in use; None (no MFU) on a CPU or an unlisted GPU, where no honest peak is known."""
+def peak_flops(device, dtype, stated_tflops):
+    """The FLOP/s that MFU is measured against: the stated peak, else for a listed GPU its dense peak in dtype (a
+    PEAK_DTYPES name); None (no MFU) on a CPU or an unlisted GPU, where no honest peak is known."""
     if stated_tflops:
         return stated_tflops * 1e12
-    if device_type != "cuda":
+    if device.type != "cuda":
         return None
-    peaks = GPU_PEAKS.get(torch.cuda.get_device_name())
-    return None if peaks is None else peaks[0 if use_bf16 else 1]
+    peaks = GPU_PEAKS.get(torch.cuda.get_device_name(device))
+    return None if peaks is None else peaks[PEAK_DTYPES.index(dtype)]
 
 
 def matmul_rate():
@@ -337,18 +338,10 @@ def matmul_rate():
     return 2 * 512 ** 3 * n / (time.perf_counter() - t0)
 
 
-def use_cuda_device(dev):
-    """Make dev (cuda or cuda:N) the current CUDA device, since Triton launches on the current device and stream,
-    and let float32 matmuls use TF32 tensor cores, as nanoGPT does."""
-    torch.cuda.set_device(dev)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-
-
-def synchronize(device_type):
-    if device_type == "cuda":
-        torch.cuda.synchronize()
-    elif device_type == "mps":
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
         torch.mps.synchronize()
 
 
@@ -367,10 +360,10 @@ def evaluate(model, val_tokens, batch_size, block_size, eval_iters, device, auto
     """The mean validation loss over eval_iters batches, the same ones at every call (seed 0)."""
     was_training = model.training
     model.eval()
-    sampler = data.BatchSampler(val_tokens, batch_size, block_size, seed=0)
+    sampler = data.BatchSampler(val_tokens, batch_size, block_size, seed=0, device=device)
     total = torch.zeros((), device=device)
     for _ in range(eval_iters):
-        x, y = (t.to(device) for t in sampler.next_batch())
+        x, y = sampler.next_batch()
         with autocast:
             total += model(x, y)[1].float()
     model.train(was_training)
@@ -596,26 +589,24 @@ def run(args, cleanup):
         check_schedule_length(ckpt["config"], settings, given)
     c = SimpleNamespace(**settings)
 
-    # 2. device and processes
+    # 2. device and processes: the device is made current (under torchrun, each process's GPU is its LOCAL_RANK's)
     ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    dev = pick_device(c.device)
+    dev = kernels.use_device(c.device)
     if rank == 0 and gpu_hint(args, dev):
         print(gpu_hint(args, dev))
     if c.dry_run:  # what the run would cost, then stop: no process group, no data read, nothing written
         if rank == 0:
             print(dry_run_report(settings, world))
         return 0
+    if dev.type == "cuda":  # float32 matmuls on TF32 tensor cores, as nanoGPT does
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     if ddp:
         import torch.distributed as dist
-        dist.init_process_group("nccl" if dev.startswith("cuda") else "gloo")
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
         cleanup.callback(dist.destroy_process_group)
-        if dev.startswith("cuda"):
-            dev = f"cuda:{int(os.environ['LOCAL_RANK'])}"
     master = rank == 0
-    device_type = dev.split(":")[0]
-    if device_type == "cuda":
-        use_cuda_device(dev)
 
     if c.sample_only:
         ckpt = data.load_checkpoint(ckpt_path)
@@ -654,7 +645,7 @@ def run(args, cleanup):
     opt = optim.build_optimizer(raw_model, c.optimizer, lr=c.learning_rate, weight_decay=c.weight_decay,
                                 aux_lr=c.aux_lr, aux_betas=(c.beta1, c.beta2), spectral_lr=c.spectral_lr,
                                 **optimizer_options(c))
-    train_sampler = data.BatchSampler(train_tokens, c.batch_size, config.block_size, seed=c.seed + rank)
+    train_sampler = data.BatchSampler(train_tokens, c.batch_size, config.block_size, seed=c.seed + rank, device=dev)
     iter_num, best_val, val_loss, elapsed, saved_iter = 0, float("inf"), float("nan"), 0.0, None
     last_eval = -1  # the step of the last eval
     if ckpt is not None:
@@ -662,28 +653,33 @@ def run(args, cleanup):
         opt.load_state_dict(ckpt["optimizer"])
         train_sampler.load_state_dict(ckpt["sampler"][rank] if rank < len(ckpt["sampler"]) else ckpt["sampler"][0])
         torch.set_rng_state(ckpt["rng"]["torch"])
-        if device_type == "cuda" and ckpt["rng"].get("cuda") is not None:
+        if dev.type == "cuda" and ckpt["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
         iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
         val_loss, elapsed, saved_iter = ckpt.get("val_loss", best_val), ckpt.get("elapsed", 0.0), iter_num
         last_eval = ckpt.get("val_iter", iter_num)  # a checkpoint written at a stop may predate its step's eval
-    use_bf16 = c.dtype == "bfloat16" or (c.dtype == "auto" and device_type == "cuda")
-    autocast = torch.autocast(device_type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-    gpt = raw_model
-    if c.compile if c.compile is not None else device_type == "cuda":
-        gpt = torch.compile(gpt)
+    # mixed precision: float16's small range needs its loss scaled (GradScaler), which skips a step whose gradients
+    # overflowed and lowers the scale; disabled, the scaler passes everything through unchanged
+    half = DTYPES[c.dtype] if c.dtype != "auto" else kernels.autocast_dtype(dev) if dev.type == "cuda" else None
+    autocast = torch.autocast(dev.type, dtype=half) if half else nullcontext()
+    precision = {None: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[half]
+    scaler = torch.amp.GradScaler(dev.type, enabled=half == torch.float16)
+    if ckpt is not None and ckpt.get("scaler"):
+        scaler.load_state_dict(ckpt["scaler"])
+    compiled = torch.compile(raw_model) if (c.compile if c.compile is not None else dev.type == "cuda") else raw_model
+    gpt = compiled
     if ddp:
         from torch.nn.parallel import DistributedDataParallel
-        gpt = DistributedDataParallel(gpt)
+        gpt = DistributedDataParallel(compiled)
     total_iters = c.lr_decay_iters or c.max_iters
     tokens_per_iter = c.gradient_accumulation_steps * world * c.batch_size * config.block_size
     flops_per_iter = raw_model.flops_per_token(config.block_size) * tokens_per_iter / world
-    peak = peak_flops(device_type, use_bf16, c.peak_tflops)
-    check_step_time(flops_per_iter, peak or (matmul_rate() if device_type == "cpu" else None), dev)
+    peak = peak_flops(dev, precision, c.peak_tflops)
+    check_step_time(flops_per_iter, peak or (matmul_rate() if dev.type == "cpu" else None), dev)
     if c.analyze_every:  # one fixed training batch, so the spectra logged at different steps are comparable
         import analyze
-        analysis_batch = tuple(t.to(dev) for t in
-                               data.BatchSampler(train_tokens, c.batch_size, config.block_size, seed=1).next_batch())
+        analysis_batch = data.BatchSampler(train_tokens, c.batch_size, config.block_size, seed=1,
+                                           device=dev).next_batch()
 
     # 5. the run's folder, locked: a new run clears it; a resumed one drops what was logged after its checkpoint
     if master:
@@ -695,7 +691,7 @@ def run(args, cleanup):
         print(f"{c.dataset}: {len(train_tokens):,} train tokens, vocab {meta['vocab_size']} | model "
               f"{raw_model.num_params() / 1e6:.2f}M params, mixer {config.mixer}, residual {config.residual} | "
               f"{c.optimizer}, lr {c.learning_rate:g} {c.schedule} to {c.min_lr:g} over {total_iters} iters "
-              f"(warmup {c.warmup_iters}) | {dev}{' bf16' if use_bf16 else ''} | {tokens_per_iter:,} tokens/iter "
+              f"(warmup {c.warmup_iters}) | {dev} {precision} | {tokens_per_iter:,} tokens/iter "
               f"({world} x {c.gradient_accumulation_steps} x {c.batch_size} x {config.block_size}) | "
               + (f"MFU against {peak / 1e12:g} TFLOP/s" if peak else "no MFU (no known peak: --peak_tflops)"))
         if ckpt is not None:
@@ -708,6 +704,7 @@ def run(args, cleanup):
     received = cleanup.enter_context(stop_signals(again_stops=not ddp))
     t_start, first_step = time.time() - elapsed, iter_num + 1
     loss_sum, steps_since_log = torch.zeros((), device=dev), 0  # the loss stays on the device until a log line
+    skipped = 0  # float16: steps the scaler skipped since the last log line (their gradients overflowed)
     # tokens/s times training steps only: its window opens after the first step (compile, warm-up), evals apart
     window_start, window_tokens, paused, eval_seconds = time.time(), 0, 0.0, 0.0
     stopped = False
@@ -715,7 +712,7 @@ def run(args, cleanup):
     while True:
         if (iter_num % c.eval_interval == 0 or iter_num >= c.max_iters) and iter_num != last_eval:
             t_eval = time.time()
-            val_loss, last_eval = evaluate(raw_model, val_tokens, c.batch_size, config.block_size, c.eval_iters, dev,
+            val_loss, last_eval = evaluate(compiled, val_tokens, c.batch_size, config.block_size, c.eval_iters, dev,
                                            autocast), iter_num
             if not math.isfinite(val_loss) or not all_finite(raw_model):
                 raise FloatingPointError(diverged(f"val loss {val_loss} (or a weight not finite)", iter_num,
@@ -727,7 +724,8 @@ def run(args, cleanup):
                 append_log(log_path, {"step": iter_num, "val": val_loss, "time": time.time() - t_start}, wandb_run,
                            sync=True)  # on the disk before the checkpoint after it
             save_run(ckpt_path, raw_model, opt, train_sampler, master, settings, meta, iter_num=iter_num,
-                     best_val_loss=best_val, val_loss=val_loss, val_iter=last_eval, elapsed=time.time() - t_start)
+                     best_val_loss=best_val, val_loss=val_loss, val_iter=last_eval, elapsed=time.time() - t_start,
+                     scaler=scaler.state_dict())
             saved_iter = iter_num
             eval_seconds = time.time() - t_eval
             paused += eval_seconds
@@ -741,20 +739,27 @@ def run(args, cleanup):
         for group in opt.param_groups:
             group["lr"] = group["base_lr"] * lr_mult
         for micro in range(c.gradient_accumulation_steps):
-            x, y = (t.to(dev) for t in train_sampler.next_batch())
+            x, y = train_sampler.next_batch()
             sync = not ddp or micro == c.gradient_accumulation_steps - 1
             with (nullcontext() if sync else gpt.no_sync()), autocast:
                 _, loss = gpt(x, y)
-                (loss / c.gradient_accumulation_steps).backward()
+                scaler.scale(loss / c.gradient_accumulation_steps).backward()
             loss_sum += loss.detach().float() / c.gradient_accumulation_steps
         # the gradient's global norm (logged), clipped to grad_clip; grad_clip 0 scales by exactly 1
+        scaler.unscale_(opt)
         grad_norm = torch.nn.utils.clip_grad_norm_(gpt.parameters(), c.grad_clip if c.grad_clip > 0 else math.inf)
-        opt.step()
+        if scaler.is_enabled():  # the scaler reads its overflow flag on the host anyway: float16 syncs every step
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped += scaler.get_scale() < scale
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
         iter_num += 1
         steps_since_log += 1
         if iter_num == first_step:  # the first step compiles and warms up: the window opens after it
-            synchronize(device_type)
+            synchronize(dev)
             window_start, window_tokens, paused = time.time(), 0, 0.0
         else:
             window_tokens += tokens_per_iter
@@ -776,10 +781,12 @@ def run(args, cleanup):
                 eta = ((c.max_iters - iter_num) * tokens_per_iter / tok_s
                        + evals_left(iter_num, c.max_iters, c.eval_interval) * eval_seconds)
                 speed = f"{tok_s:,.0f} tokens/s" + (f", mfu {100 * mfu:.1f}%" if mfu else "") + f", eta {eta:.0f}s"
-            print(f"iter {iter_num}: loss {mean_loss:.4f}, lr {lr:.2e}, grad norm {norm:.3f}, {speed}")
+            scaling = f", loss scale {scaler.get_scale():g} ({skipped} steps skipped)" if scaler.is_enabled() else ""
+            print(f"iter {iter_num}: loss {mean_loss:.4f}, lr {lr:.2e}, grad norm {norm:.3f}{scaling}, {speed}")
             append_log(log_path, {"step": iter_num, "loss": mean_loss, "lr": lr, "tokens_per_s": tok_s, "mfu": mfu,
-                                  "grad_norm": norm}, wandb_run)
-            window_start, window_tokens, paused = now, 0, 0.0
+                                  "grad_norm": norm, **({"loss_scale": scaler.get_scale(), "skipped_steps": skipped}
+                                                        if scaler.is_enabled() else {})}, wandb_run)
+            window_start, window_tokens, paused, skipped = now, 0, 0.0, 0
             loss_sum.zero_()
             steps_since_log = 0
         if stopped:
@@ -787,7 +794,8 @@ def run(args, cleanup):
                 raise FloatingPointError(diverged("a weight not finite", iter_num, ckpt_path, saved_iter,
                                                   c.learning_rate, c.grad_clip))
             save_run(ckpt_path, raw_model, opt, train_sampler, master, settings, meta, iter_num=iter_num,
-                     best_val_loss=best_val, val_loss=val_loss, val_iter=last_eval, elapsed=time.time() - t_start)
+                     best_val_loss=best_val, val_loss=val_loss, val_iter=last_eval, elapsed=time.time() - t_start,
+                     scaler=scaler.state_dict())
             break
 
     # 7. the end: the loss curve, and samples (or, after a signal, how to continue)
