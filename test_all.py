@@ -4623,7 +4623,8 @@ def test_a_training_step_runs_on_fake_cuda_tensors(case, simulated_gpu):
     autocast in the GPU's 16-bit dtype (bf16, or fp16 where it has no bf16) on the Triton path, the backward through
     the loss scaler (fp16), the clipped global norm, the optimizer's step. Every weight, gradient and optimizer state
     stays on the GPU (a tensor made on the CPU by mistake would meet a CUDA one and fail), the logits are in that
-    dtype, and with the plain residual the forward's and backward's matmuls run in it, as do Muon's Newton–Schulz iterations."""
+    dtype, and with the plain residual the forward's and backward's matmuls run in it, as do Muon's Newton–Schulz
+    iterations."""
     overrides, name, capability = GPU_STEP_CASES[case]
     simulated_gpu(capability=capability, name="Tesla T4" if capability < (8, 0) else "NVIDIA H100 80GB HBM3")
     cfg = make_config(vocab_size=64, block_size=48, n_layer=len(overrides["mixer"]), n_embd=64, n_head=2,
