@@ -2273,6 +2273,66 @@ def test_gpu_launch_grids_fit_cuda_limits(case):
     assert not bad, f"grids over CUDA's limits: {bad}"
 
 
+def triton_fp16_cases():
+    """{op: (Triton path, reference, inputs, the inputs given in fp16)} for the ops other than gdn2 and ssd."""
+    gen = torch.Generator().manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=gen)
+    B, T, H, K = 2, 9, 2, 16
+    k = F.normalize(randn(B, T, H, K), dim=-1)
+    angles = torch.rand(7, 5, generator=gen) * 6
+    gates = dict(decay_logits=randn(B, T, H, K) - 1, erase_logits=2 * randn(B, T, H, K), k=k,
+                 A_log=2.7 * torch.rand(H, generator=gen), dt_bias=randn(H * K) - 3)
+    return {
+        "rms_norm": (lambda x, w, gate: kernels.rms_norm_triton(x, w, 1e-6, gate),
+                     lambda x, w, gate: kernels.rms_norm_ref(x, w, 1e-6, gate),
+                     dict(x=randn(3, 5, 37), w=randn(37), gate=2 * randn(3, 5, 37)), {"x", "gate"}),
+        "rope": (lambda x: kernels.rope_triton(x, angles.cos(), angles.sin()),
+                 lambda x: kernels.rope_ref(x, angles.cos().double(), angles.sin().double()),
+                 dict(x=randn(2, 7, 3, 10)), {"x"}),
+        "softmax": (kernels.softmax_triton, kernels.softmax_ref, dict(x=3 * randn(6, 33)), {"x"}),
+        "sparsemax": (lambda z: kernels.sparsemax_triton(z, True), lambda z: kernels.sparsemax_ref(z, True),
+                      dict(z=2 * randn(2, 9, 9)), {"z"}),
+        "gdn2_decay_clip": (kernels.gdn2_decay_clip_triton, kernels.gdn2_decay_clip_ref,
+                            dict(g=-torch.rand(B, T, H, K, generator=gen), k=k, b=2 * torch.rand(B, T, H, K,
+                                                                                             generator=gen)),
+                            {"k", "b"}),
+        "gdn2_gates": (lambda **kw: kernels.gdn2_gates_triton(**kw, clip=True),
+                       lambda **kw: kernels.gdn2_gates_ref(**kw, clip=True), gates, {"decay_logits", "erase_logits",
+                                                                                     "k"})}
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("op", list(triton_fp16_cases()))
+def test_triton_ops_take_fp16(op, device):
+    """For GPUs without bf16 (autocast in fp16) every Triton op but gdn2 and ssd (their own tests) takes fp16
+    activations, computes in fp32 and stores its results in the activations' dtype: against the fp64 reference on the
+    same fp16 values, each fp16 result is within one rounding, u = 2^-11 (measured 0.10-0.50u), the gates' erase
+    logit and key gradients, which go through the rounded gate b, within 2u (measured 0.81u, 0.86u), and fp32 results
+    within u/10 (measured 0.03u)."""
+    fn, reference, inputs, halves = triton_fp16_cases()[op]
+    u = 2.0 ** -11
+    inputs = {name: t.half() if name in halves else t for name, t in inputs.items()}
+    runs = {}
+    for path, f, dtype in (("triton", fn, None), ("ref", reference, torch.float64)):
+        leaves = {n: t.detach().to(device=device if dtype is None else "cpu", dtype=dtype or t.dtype)
+                  .requires_grad_() for n, t in inputs.items()}
+        outs = f(**leaves)
+        runs[path] = (outs if isinstance(outs, tuple) else (outs,)), leaves
+    gen = torch.Generator().manual_seed(1)
+    cotangents = [torch.randn(o.shape, generator=gen).to(o.dtype).double() for o in runs["triton"][0]]
+    for outs, _ in runs.values():
+        sum((o.double().cpu() * c).sum() for o, c in zip(outs, cotangents)).backward()
+    (outs, leaves), (ref_outs, ref_leaves) = runs["triton"], runs["ref"]
+    results = {f"out{i}": (o, r) for i, (o, r) in enumerate(zip(outs, ref_outs))}
+    results.update({"d" + n: (t.grad, ref_leaves[n].grad) for n, t in leaves.items() if t.grad is not None})
+    with_fp32 = op in ("rms_norm", "gdn2_decay_clip", "gdn2_gates")   # dw; g and its gradient; g, dA_log, ddt_bias
+    assert {t.dtype for t, _ in results.values()} == ({torch.float16, torch.float32} if with_fp32 else {torch.float16})
+    budget = lambda name, t: (u / 10 if t.dtype == torch.float32 else
+                              2 * u if (op, name) in (("gdn2_gates", "derase_logits"), ("gdn2_gates", "dk")) else u)
+    bad = {n: rel_err(t.cpu(), r) / u for n, (t, r) in results.items() if not rel_err(t.cpu(), r) <= budget(n, t)}
+    assert not bad, f"errors in units of u above their budgets: {bad}"
+
+
 def test_every_triton_launch_runs_on_its_inputs_gpu_with_autocast_off(simulated_gpu):
     """Triton launches on the current GPU, not on its arguments': every launch of every Triton op, forward and
     backward (kernels._example_steps, recorded instead of run), with its inputs on cuda:1 while cuda:0 is current and
