@@ -2818,7 +2818,7 @@ def ssd_triton(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
 # shared memory, registers, spills; needs a process that imported triton itself, without TRITON_INTERPRET, whose
 # kernels cannot be compiled). kept_bytes counts what autograd keeps for the backward, again on fake tensors.
 
-SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 120: 101376}   # bytes of shared memory per block
+SHARED_LIMIT = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448, 120: 101376}   # shared bytes per block
 _TRITON_DTYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64"}
 
 
@@ -2948,8 +2948,8 @@ def triton_resources(launches, archs=(80, 89, 90), workers=None):
     else:
         results = [_compile_job(i) for i in range(len(_COMPILE_JOBS))]
     return [dict(kernel=kernel.fn.__name__, arch=arch, constexprs=constexprs, num_warps=options.get("num_warps", 4),
-                 dtype="bf16" if "*bf16" in signature.values() else "fp32", shared=shared, limit=SHARED_LIMIT[arch],
-                 regs=regs, stack=stack)
+                 dtype=next((d for d in ("bf16", "fp16") if f"*{d}" in signature.values()), "fp32"), shared=shared,
+                 limit=SHARED_LIMIT[arch], regs=regs, stack=stack)
             for (kernel, signature, constexprs, options, arch), (shared, regs, stack) in zip(_COMPILE_JOBS, results)]
 
 

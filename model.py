@@ -329,7 +329,10 @@ def conv_taps(x, w, bias, T):
     """The convolution's last T outputs, y_t = Σ_i w_i ⊙ x_{t−K+1+i} (+ bias), for x (B, S, C), S ≥ T (the
     S − T inputs before the outputs' own, zeros before those), w (C, K); in fp32. K shifted multiply-adds into
     slices of y in x's layout (on the CPU their backward is several times faster than the depthwise Conv1d's),
-    reading x itself rather than a padded copy, so autograd keeps nothing but x."""
+    reading x itself rather than a padded copy, so autograd keeps nothing but x. The multiply-adds are in place, but
+    only into y, which this function made and no autograd node saves (each product saves its slice of x and w), so
+    they are safe inside GatedDelta's selectively checkpointed region too, which torch.compile warns about for
+    in-place ops in general (the inductor test checks its gradients)."""
     past, K = x.size(1) - T, w.size(1)
     y = x[:, past:] * w[:, K - 1] if bias is None else torch.addcmul(bias, x[:, past:], w[:, K - 1])
     for i in range(K - 1):

@@ -2003,6 +2003,30 @@ def test_triton_gpt_compiles_fullgraph(path, mixer, residual, device):
     assert not bad, f"compiled gradients differ from eager: {bad}"
 
 
+@pytest.mark.inductor  # minutes cold (inductor writes and compiles C++): python -m pytest -q -m inductor test_all.py
+def test_triton_gpt_compiles_with_inductor_and_trains_as_eager():
+    """torch.compile as train.py uses it on a GPU (the inductor backend, one graph) on a GPT with G, M and A layers
+    on the Triton path at T 80, beyond every chunk it uses (gdn2 16, ssd 32), so the chunked kernels run: the loss and
+    every gradient equal eager's to 1e-5 (fp32; measured 1.4e-6). Inductor fuses the element-wise work between the
+    Triton ops, G's selectively checkpointed region included, with conv_taps' in-place multiply-adds (see conv_taps
+    for why they are safe there)."""
+    cfg = make_config(vocab_size=64, block_size=80, n_layer=3, n_embd=64, n_head=2, mixer="GMA", kernels="triton",
+                      chunk_size=32, gdn_chunk_size=16)
+    torch.manual_seed(0)
+    gpt = GPT(cfg).to(TRITON_DEVICES[0])
+    idx = torch.randint(0, 64, (2, 80), generator=torch.Generator().manual_seed(1)).to(TRITON_DEVICES[0])
+    results = []
+    for model in (gpt, torch.compile(gpt, backend="inductor", fullgraph=True)):
+        gpt.zero_grad()
+        _, loss = model(idx, idx)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in gpt.named_parameters()}))
+    (loss, grads), (compiled_loss, compiled_grads) = results
+    assert rel_err(compiled_loss, loss) < 1e-5
+    bad = {n: e for n in grads if (e := rel_err(compiled_grads[n], grads[n])) > 1e-5}
+    assert not bad, f"inductor's gradients differ from eager's: {bad}"
+
+
 @pytest.mark.parametrize("path", ["torch"] + ["triton"] * bool(kernels.HAS_TRITON))
 @pytest.mark.parametrize("mixer", ["G", "GGGA"])
 def test_gated_delta_gpt_is_one_graph(mixer, path):
@@ -2031,25 +2055,29 @@ AOT_CASES = {   # name: (GPTConfig overrides, T); each in fp32 and under bf16 au
     "mamba p128 n128 zoh": (dict(mixer="M", mamba_headdim=128, mamba_d_state=128, mamba_discretization="zoh"), 128),
 }
 AOT_ARCHS = (80, 89, 90)
-AOT_NO_SPILL_ARCHS = (80, 90)
+# each pass: the autocast dtype the AOT_CASES run in and the archs its launches compile for: the bf16 GPUs (sm_80 and
+# up) in fp32 (TF32) and bf16, Turing (sm_75: T4, RTX 20xx), which has no bf16, in fp16
+AOT_PASSES = {"fp32": (torch.float32, AOT_ARCHS), "bf16": (torch.bfloat16, AOT_ARCHS), "fp16": (torch.float16, (75,))}
+AOT_NO_SPILL_ARCHS = (75, 80, 90)
 
 
 def aot_resource_rows():
-    """Run a GPT with kernels="triton" forward and backward for every AOT_CASES entry, with every launch recorded
-    instead of run (kernels.triton_launches), plus the ops the model does not call (the clip alone, softmax,
-    sparsemax); then compile each distinct launch for sm_80 / sm_89 / sm_90 (kernels.triton_resources). Needs
-    real, compiled Triton kernels: call it in a process where triton was imported before kernels.py without
+    """Run a GPT with kernels="triton" forward and backward for every AOT_CASES entry in each of AOT_PASSES, with
+    every launch recorded instead of run (kernels.triton_launches), plus the ops the model does not call (the clip
+    alone, softmax, sparsemax); then compile each distinct launch for its pass's archs (kernels.triton_resources).
+    Needs real, compiled Triton kernels: call it in a process where triton was imported before kernels.py without
     TRITON_INTERPRET=1."""
     torch.set_num_threads(1)
-    launches = {}
-    for name, (overrides, T) in AOT_CASES.items():
-        def step():
-            cfg = make_config(**{"vocab_size": 64, "n_layer": len(overrides["mixer"]), "kernels": "triton",
-                                 "block_size": T, **overrides})
-            gpt = GPT(cfg)
-            H, K = cfg.n_head, cfg.n_embd // cfg.n_head
-            for dtype in (torch.float32, torch.bfloat16):
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+    rows = []
+    for pass_name, (dtype, archs) in AOT_PASSES.items():
+        launches = {}
+        for name, (overrides, T) in AOT_CASES.items():
+            def step():
+                cfg = make_config(**{"vocab_size": 64, "n_layer": len(overrides["mixer"]), "kernels": "triton",
+                                     "block_size": T, **overrides})
+                gpt = GPT(cfg)
+                H, K = cfg.n_head, cfg.n_embd // cfg.n_head
+                with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
                     for length in (T, 32):  # 32 takes the recurrent gdn2 kernel
                         idx = torch.zeros(1, length, dtype=torch.long)
                         gpt(idx, idx)[1].backward()
@@ -2058,20 +2086,22 @@ def aot_resource_rows():
                 kernels.softmax_triton(x.reshape(-1, K)).sum().backward()
                 kernels.sparsemax_triton(torch.zeros(1, H, T, T, dtype=dtype, requires_grad=True),
                                          True).sum().backward()
-        for kernel, signature, constexprs, options in kernels.triton_launches(step):
-            key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
-            launches.setdefault(key, (kernel, signature, constexprs, options, name))
-    rows = kernels.triton_resources([launch[:4] for launch in launches.values()], archs=AOT_ARCHS)
-    for row, launch in zip(rows, [launch for launch in launches.values() for _ in AOT_ARCHS]):
-        row["case"], row["constexprs"] = launch[4], str(row["constexprs"])
+            for kernel, signature, constexprs, options in kernels.triton_launches(step):
+                key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
+                launches.setdefault(key, (kernel, signature, constexprs, options, name))
+        compiled = kernels.triton_resources([launch[:4] for launch in launches.values()], archs=archs)
+        for row, launch in zip(compiled, [launch for launch in launches.values() for _ in archs]):
+            row["case"], row["pass"], row["constexprs"] = launch[4], pass_name, str(row["constexprs"])
+        rows += compiled
     return rows
 
 
 @pytest.mark.aot  # about 3 minutes on 2 cores: run with `python -m pytest -q -m aot test_all.py`
 def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time():
-    """Every Triton kernel, at the launch parameters its wrapper picks for the AOT_CASES models in fp32 and bf16,
-    compiles for sm_80, sm_89 and sm_90, fits the arch's shared memory per block (CUDA programming guide: 163 / 99 /
-    227 KB) and on sm_80 and sm_90 spills no register (stack bytes per thread 0, cuobjdump's count)."""
+    """Every Triton kernel, at the launch parameters its wrapper picks for the AOT_CASES models, compiles for each
+    pass of AOT_PASSES (sm_80, sm_89 and sm_90 in fp32 and bf16; sm_75 in fp16), fits the arch's shared memory per
+    block (kernels.SHARED_LIMIT, the CUDA programming guide's: 64 / 163 / 99 / 227 KB) and on sm_75, sm_80 and sm_90
+    spills no register (stack bytes per thread 0, cuobjdump's count)."""
     env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")  # "0": compile for real, do not interpret
     program = "import json, triton, test_all; print(json.dumps(test_all.aot_resource_rows()))"
     run = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -2081,10 +2111,13 @@ def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time():
     # every Triton kernel in kernels.py was launched by some case (so none escapes the check)
     assert {row["kernel"] for row in rows} == {name for name in dir(kernels)
                                                if name.endswith("_kernel") and name.startswith("_")}
-    assert {row["arch"] for row in rows} == set(AOT_ARCHS) and {row["dtype"] for row in rows} == {"fp32", "bf16"}
-    limits = {80: 166912, 89: 101376, 90: 232448}
+    assert {(row["pass"], row["arch"]) for row in rows} == {(p, a) for p, (_, archs) in AOT_PASSES.items()
+                                                            for a in archs}
+    assert {row["dtype"] for row in rows} == {"fp32", "bf16", "fp16"}
+    for pass_name in AOT_PASSES:  # every kernel compiled in every pass
+        assert {r["kernel"] for r in rows if r["pass"] == pass_name} == {r["kernel"] for r in rows}, pass_name
     over = [(r["kernel"], r["case"], r["arch"], r["constexprs"], r["shared"])
-            for r in rows if r["shared"] > limits[r["arch"]]]
+            for r in rows if r["shared"] > kernels.SHARED_LIMIT[r["arch"]]]
     spills = {}
     for r in rows:
         if r["arch"] in AOT_NO_SPILL_ARCHS and r["stack"]:
@@ -5820,6 +5853,70 @@ def test_a_dummy_mixer_keeps_the_protocol_and_a_forgetful_one_fails_loudly(monke
     forgetful = tiny_gpt(0, mixer="F", n_layer=1).eval()
     with pytest.raises(ValueError, match=r"ForgetfulMixer keeps nothing in its generation cache.*model\.MIXERS"):
         forgetful.generate(prompt, 3)
+
+
+# ----------------------------------------------------------------------------------------------------
+# On a real GPU (marked gpu, deselected and skipped elsewhere; `python -m pytest -q -m gpu test_all.py`, about 8
+# minutes on one H100): the Triton tests compiled, python kernels.py's timings, 20 compiled steps of each preset,
+# the default run. They print what they measured (-s shows it), for RESULTS.md.
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_the_triton_tests_pass_compiled():
+    """On a GPU the suite's Triton tests run the compiled kernels (TRITON_DEVICES is cuda there): all pass."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "kernels and not aot and not inductor", "-k",
+                          "triton", "test_all.py"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    print(run.stdout[-1000:])
+    assert run.returncode == 0, run.stdout[-4000:]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_kernels_py_reports_and_times_every_op():
+    """python kernels.py on a GPU: each op's errors against its reference and the forward + backward timings of the
+    Triton path against the torch path and torch.compile, to its end."""
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "kernels.py")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    print(run.stdout[-6000:])
+    assert run.returncode == 0 and "speed at T=" in run.stdout, run.stderr[-3000:]
+
+
+# 20 steps of a preset as it trains (compiled, its model, batch and context), with 2 micro-steps a step in place of
+# its accumulation (a step's shapes are the same), and a 2-batch eval at the start and the end
+GPU_PRESET_STEPS = ["--max_iters=20", "--eval_interval=20", "--eval_iters=2", "--log_interval=5", "--num_samples=0",
+                    "--gradient_accumulation_steps=2"]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("preset", PRESETS)
+def test_gpu_twenty_compiled_steps_of_each_preset(preset, tmp_path):
+    """20 compiled steps of each preset (fineweb-like random shards in place of FineWeb): the loss stays finite, and
+    tokens/s and MFU are logged; MFU (on a GPU of GPU_PEAKS) at least 10%, a quarter of the dry run's 40% estimate."""
+    args = [os.path.join(ROOT, "config", preset), *GPU_PRESET_STEPS, f"--out_dir={tmp_path / 'out'}"]
+    if "fineweb" in preset:
+        args.append(f"--dataset={fineweb_like_shards(tmp_path)}")
+    run_train(*args)
+    rows = [r for r in log_rows(tmp_path / "out") if "loss" in r]
+    print(f"{preset} on {torch.cuda.get_device_name()}: {rows[-1]['tokens_per_s']:,.0f} tokens/s, MFU "
+          f"{rows[-1]['mfu']} (the dry run assumes {train.ESTIMATE_MFU})")
+    assert all(math.isfinite(r["loss"]) for r in rows) and rows[-1]["tokens_per_s"] > 0
+    if torch.cuda.get_device_name() in train.GPU_PEAKS:
+        assert rows[-1]["mfu"] >= train.ESTIMATE_MFU / 4
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_the_default_run(tmp_path):
+    """python train.py on a GPU trains the CPU's baby model, compiled, in bf16: its val loss is the CPU's (1.6320)
+    within what bf16 and another machine's kernels change, under 1.70."""
+    run_train(f"--out_dir={tmp_path}")
+    rows = log_rows(tmp_path)
+    print(f"the default run on {torch.cuda.get_device_name()}: val {rows[-1]['val']:.4f} in {rows[-1]['time']:.1f} s")
+    assert rows[-1]["val"] < 1.70
 
 
 # ==================================================================================================
