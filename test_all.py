@@ -50,6 +50,9 @@ using c10::Stream;
 namespace {
 std::atomic<int> gpus{0};            // 0: off, a CPU build's answers
 thread_local DeviceIndex current = 0;  // cudaSetDevice's state is per host thread
+// the most GPUs a simulated machine has: the guard's device count, on or off, since autograd's engine sizes its
+// per-device queues once, at the process's first backward (on a CPU build: idle queues, no work)
+constexpr DeviceIndex most_gpus = 8;
 
 void check_on(DeviceIndex index) {
   TORCH_CHECK(gpus > 0, "PyTorch is not linked with support for cuda devices");
@@ -70,7 +73,7 @@ struct SimulatedGuard final : c10::impl::DeviceGuardImplInterface {
   Stream getStream(Device d) const override { check_on(d.index()); return Stream(Stream::DEFAULT, d); }
   Stream getNewStream(Device d, int) const override { return getStream(d); }
   Stream exchangeStream(Stream s) const override { return getStream(s.device()); }
-  DeviceIndex deviceCount() const noexcept override { return gpus; }
+  DeviceIndex deviceCount() const noexcept override { return most_gpus; }
   // events and streams: nothing runs, so everything is complete at once
   void record(void**, const Stream&, const DeviceIndex, const c10::EventFlag) const override {}
   void block(void*, const Stream&) const override {}
@@ -126,7 +129,7 @@ struct SimulatedHooks final : at::CUDAHooksInterface {
 C10_REGISTER_GUARD_IMPL(CUDA, SimulatedGuard);
 namespace at { C10_REGISTER_TYPED_CLASS(CUDAHooksRegistry, "CUDAHooks", SimulatedHooks); }
 
-extern "C" void simulated_cuda_turn_on(int count) { gpus = count; current = 0; }
+extern "C" void simulated_cuda_turn_on(int count) { gpus = count < most_gpus ? count : most_gpus; current = 0; }
 extern "C" int simulated_cuda_device() { return current; }
 extern "C" void simulated_cuda_set_device(int index) { current = index; }
 """
