@@ -33,11 +33,17 @@ ValueError). Reductions and recurrences run in fp32 and results are cast back to
 states S_T, h_T come back in fp32. Any sequence length works (chunked paths pad the tail internally). The Triton
 kernels' dots take bf16 inputs as they are, accumulating in fp32. After the ops, the checks a CPU can make of a
 GPU run: every launch recorded on fake tensors (its grid, or compiled ahead of time for its registers, spills and
-shared memory), and what autograd keeps for the backward (kept_bytes).
+shared memory), and what autograd keeps for the backward (kept_bytes); then the kernel cost report
+(kernel_cost_report, printed by `python kernels.py`): per launch of a mixer's forward + backward, the bytes, dot FLOPs,
+exps and sequential steps counted in Triton's interpreter, with its sm_90 occupancy and an estimated H100 time.
 """
 
+import ast
+import collections
 import contextlib
 import functools
+import itertools
+import math
 import os
 import sys
 from typing import Optional
@@ -2822,10 +2828,11 @@ SHARED_LIMIT = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448, 120: 
 _TRITON_DTYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64"}
 
 
-def _record_launches(step, on_launch):
+def _record_launches(step, on_launch, around_body=None):
     """Run step() under FakeTensorMode (step makes its tensors there, so any shape is free) with every Triton launch
     handed to on_launch(kernel, grid, args, kwargs) instead of run. Each Triton op's custom ops run their own bodies
-    there, not their fake functions, so the wrappers choose their launches as they would on a GPU."""
+    there, not their fake functions, so the wrappers choose their launches as they would on a GPU; around_body(name),
+    if given, is the context each body of custom op `name` runs in."""
     from unittest import mock
     from torch._subclasses.fake_tensor import FakeTensorMode
     ops = [op for op in globals().values() if isinstance(op, torch._library.custom_ops.CustomOpDef)]
@@ -2834,9 +2841,18 @@ def _record_launches(step, on_launch):
     def record(self, *args, grid, warmup, **kwargs):
         on_launch(self, tuple(grid), args, kwargs)
 
+    def body(op):
+        if around_body is None:
+            return op._init_fn
+
+        def run_around(*args, **kwargs):
+            with around_body(op._name):
+                return op._init_fn(*args, **kwargs)
+        return run_around
+
     try:
         for op in ops:
-            op.register_fake(op._init_fn)
+            op.register_fake(body(op))
         with FakeTensorMode(), mock.patch.object(type(_rms_norm_fwd_kernel), "run", record):
             step()
     finally:
@@ -2847,28 +2863,35 @@ def _record_launches(step, on_launch):
 def triton_launches(step):
     """[(kernel, signature, constexprs, options)], one per distinct launch that step() (Triton ops forward and
     backward) makes, recorded on fake tensors (_record_launches)."""
-    import inspect
     launches = {}
 
     def record(kernel, grid, args, kwargs):
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-        bound = inspect.signature(kernel.fn).bind(*args, **kwargs).arguments
-        signature, constexprs = {}, {}
-        for param in kernel.params:
-            value = bound[param.name]
-            if param.is_constexpr or value is None:
-                signature[param.name], constexprs[param.name] = "constexpr", value
-            elif torch.is_tensor(value):
-                signature[param.name] = _TRITON_DTYPES[value.dtype]
-            elif isinstance(value, float):
-                signature[param.name] = "fp32"
-            else:
-                signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        signature, constexprs, options = _launch_signature(kernel, args, kwargs)
         key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
         launches.setdefault(key, (kernel, signature, constexprs, options))
 
     _record_launches(step, record)
     return list(launches.values())
+
+
+def _launch_signature(kernel, args, kwargs):
+    """(signature, constexprs, options) of one launch, as triton.compile takes them."""
+    import inspect
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    bound = inspect.signature(kernel.fn).bind(*args, **kwargs).arguments
+    signature, constexprs = {}, {}
+    for param in kernel.params:
+        value = bound[param.name]
+        if param.is_constexpr or value is None:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+        elif torch.is_tensor(value):
+            signature[param.name] = _TRITON_DTYPES[value.dtype]
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        else:
+            signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+    return signature, constexprs, options
 
 
 def triton_grids(step):
@@ -3000,6 +3023,482 @@ def triton_resource_table(archs=(80, 89, 90), dtypes=(torch.float32, torch.bfloa
               + " ".join(f"{c:>22s}" for c in cells))
     return rows
 
+
+# -----------------------------------------------------------------------------
+# Kernel cost, counted on a CPU. Per Triton launch of a mixer's forward + backward: the unique bytes it reads and
+# writes, its dot FLOPs and exps, counted by running it in Triton's interpreter with the interpreter's builder
+# instrumented (_counting_interpreter), and its sequential steps; these counts are multilinear in the batch B, the
+# length T (in whole chunks) and the heads H, so eight small runs (each of B, T, H at two sizes) give them exactly at
+# any shape (scaled_counts; a launch whose constexprs change with H is replayed at the real H). The launches at the real shape (grids, warps, stages) are recorded on fake tensors, their
+# registers and shared memory compiled for sm_90 (triton_resources), and the eager aten ops inside each custom op's
+# body counted there too (torch.compile cannot fuse into a custom op), each op as the body calls it (a composite
+# op such as einsum by its inputs and outputs). What is estimated, not counted: the time, a roofline at the H100 SXM's
+# datasheet peaks with a latency floor per sequential step (kernel_cost_rows). Unique bytes are what a launch needs
+# from memory at the least (a GPU's caches may not keep every re-read); a dot's FLOPs are 2·M·N·K whatever its
+# operand kind (3xTF32 runs three).
+
+H100_SXM = dict(bandwidth=3.35e12, dot_flops=989e12, sms=132, step_latency=1e-6)  # B/s, dense bf16 FLOP/s, SMs, s
+SM90_LIMITS = dict(registers=65536, shared=233472, threads=2048, blocks=32)        # per SM (CUDA programming guide)
+# the mixers of the report: GPTConfig keys for H heads, the heads it reports (the hybrid preset's G and A: 704 wide,
+# 11 heads of 64; Mamba2 at GPT-2 small's 768: 48 heads of 32, state 64), and the fewest heads at which the counts are
+# linear in H (ssd's dB/dC programs sum over groups of 8 heads)
+COST_MIXERS = {"G": (lambda H: dict(n_embd=64 * H, n_head=H), 11, 1),
+               "M": (lambda H: dict(n_embd=16 * H, n_head=1, mamba_headdim=32, mamba_d_state=64), 48, 8),
+               "A": (lambda H: dict(n_embd=64 * H, n_head=H, qk_norm=True), 11, 1)}
+
+
+def blocks_per_sm(regs, num_warps, shared, limits=SM90_LIMITS):
+    """Resident blocks of one launch per SM: registers are allocated per warp in units of 256 (regs·32 rounded up),
+    shared memory per block with 1 KB reserved by the driver; at most limits["threads"] threads and
+    limits["blocks"] blocks."""
+    by_regs = limits["registers"] // (num_warps * -(-regs * 32 // 256) * 256)
+    by_shared = limits["shared"] // (shared + 1024)
+    return min(by_regs, by_shared, limits["threads"] // (32 * num_warps), limits["blocks"])
+
+
+class _LoopSteps(ast.NodeTransformer):
+    """Wraps every loop of a kernel (tl.static_range's unrolled ones apart) between the counting builder's
+    _cost_loop_enter / _cost_loop_exit, and marks the start of each iteration (_cost_iteration); the builder is
+    reached by the name the interpreter itself gives its kernels (interpreter_builder)."""
+
+    def __init__(self, rewrite_assign):
+        self.rewrite_assign = rewrite_assign  # the interpreter's own rewrite of the kernel's assignments
+
+    def visit_Assign(self, node):
+        return self.rewrite_assign(node)
+
+    @staticmethod
+    def hook(name):
+        builder = ast.Name(id="interpreter_builder", ctx=ast.Load())
+        return ast.Expr(ast.Call(ast.Attribute(builder, name, ast.Load()), args=[], keywords=[]))
+
+    def visit_For(self, node):
+        self.generic_visit(node)
+        unrolled = isinstance(node.iter, ast.Call) and getattr(node.iter.func, "attr", "") == "static_range"
+        if unrolled:
+            return node
+        node.body.insert(0, self.hook("_cost_iteration"))
+        return [self.hook("_cost_loop_enter"), ast.Try(body=[node], handlers=[], orelse=[],
+                                                       finalbody=[self.hook("_cost_loop_exit")])]
+
+    visit_While = visit_For
+
+
+class _LaunchCounts:
+    """What one launch touches: the unique addresses it loads and stores (per element size), its dot FLOPs, the
+    elements it exponentiates, and the most loop steps one of its programs walks."""
+
+    def __init__(self, kernel, grid, params):
+        self.kernel, self.grid, self.params = kernel, grid, params
+        self.addresses = {"read": {}, "written": {}}    # element bytes -> [address arrays]
+        self.dot_flops = self.exps = self.steps = self.pending = 0
+        self.program_steps = self.depth = 0
+        self.iteration_open = self.iteration_loaded = False
+
+    def touch(self, kind, ptrs, mask):
+        import numpy as np
+        size = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
+        lanes = np.broadcast_to(mask.data, ptrs.data.shape) if mask is not None else None
+        addresses = ptrs.data[lanes] if lanes is not None else ptrs.data.ravel()
+        pending = self.addresses[kind].setdefault(size, [])
+        pending.append(np.asarray(addresses, dtype=np.uint64).ravel())
+        self.pending += pending[-1].size
+        if self.pending > 1 << 23:  # keep memory bounded: fold what each list holds into its unique addresses
+            for arrays in (a for by_size in self.addresses.values() for a in by_size.values()):
+                arrays[:] = [np.unique(np.concatenate(arrays))]
+            self.pending = 0
+        if kind == "read":
+            self.iteration_loaded = True
+
+    def close_iteration(self):
+        if self.iteration_open and self.iteration_loaded:
+            self.program_steps += 1
+        self.iteration_open = False
+
+    def next_program(self):
+        self.close_iteration()
+        self.steps = max(self.steps, self.program_steps)
+        self.program_steps, self.depth = 0, 0
+
+    def bytes(self, kind):
+        import numpy as np
+        return sum(size * len(np.unique(np.concatenate(arrays))) for size, arrays in self.addresses[kind].items())
+
+    def counts(self):
+        self.next_program()
+        return dict(kernel=self.kernel, params=self.params, programs=math.prod(self.grid), read=self.bytes("read"),
+                    written=self.bytes("written"), dot_flops=self.dot_flops, exps=self.exps, steps=max(1, self.steps))
+
+
+@contextlib.contextmanager
+def _counting_interpreter():
+    """Triton's interpreter (3.6 and 3.7) with its builder instrumented for counting: this patches the interpreter,
+    not the kernels under test, whose every load, store, dot and exp still runs as before. Yields the list that
+    collects one _LaunchCounts per launch. Loads and stores count the addresses of their unmasked lanes; atomics
+    (none in kernels.py today) read and write theirs; a dot counts 2·M·N·K FLOPs, an exp every element of its tile;
+    a program's steps are the iterations of its outermost loops that load from memory (tl.static_range's unrolled
+    loops are straight-line code), the launch's the most any program walks."""
+    from unittest import mock
+    from triton.runtime import interpreter
+    builder = interpreter.InterpreterBuilder
+    launches = []
+    current = lambda: launches[-1]
+    run, load, store = interpreter.InterpretedFunction.run, builder.create_masked_load, builder.create_masked_store
+    rmw, cas, dot, exp, exp2 = (builder.create_atomic_rmw, builder.create_atomic_cas, builder.create_dot,
+                                builder.create_exp, builder.create_exp2)
+    set_grid_idx, patch_lang_tensor = builder.set_grid_idx, interpreter._patch_lang_tensor
+
+    def counted_run(self, *args, grid, warmup, **kwargs):
+        launches.append(_LaunchCounts(self.fn.__name__, tuple(grid), _launch_params(self.fn, args, kwargs)))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    def counted_load(self, ptrs, mask, *rest, **kwargs):
+        current().touch("read", ptrs, mask)
+        return load(self, ptrs, mask, *rest, **kwargs)
+
+    def counted_store(self, ptrs, value, mask, *rest, **kwargs):
+        current().touch("written", ptrs, mask)
+        return store(self, ptrs, value, mask, *rest, **kwargs)
+
+    def counted_rmw(self, op, ptr, val, mask, *rest):
+        for kind in ("read", "written"):
+            current().touch(kind, ptr, mask)
+        return rmw(self, op, ptr, val, mask, *rest)
+
+    def counted_cas(self, ptr, *rest):
+        for kind in ("read", "written"):
+            current().touch(kind, ptr, None)
+        return cas(self, ptr, *rest)
+
+    def counted_dot(self, a, b, *rest):
+        current().dot_flops += 2 * a.data.size * b.data.shape[-1]   # a [.., M, K] @ b [.., K, N]
+        return dot(self, a, b, *rest)
+
+    def counted(fn):
+        def exponentiate(self, arg):
+            current().exps += arg.data.size
+            return fn(self, arg)
+        return exponentiate
+
+    def loop_enter(self):
+        current().depth += 1
+
+    def iteration(self):
+        if current().depth == 1:
+            current().close_iteration()
+            current().iteration_open, current().iteration_loaded = True, False
+
+    def loop_exit(self):
+        current().depth -= 1
+        if current().depth == 0:
+            current().close_iteration()
+
+    def next_program(self, *idx):
+        current().next_program()
+        return set_grid_idx(self, *idx)
+
+    def patch_tensor(tensor, scope):   # 3.6's loops took int() of a [1] array, which numpy 2 refuses; 3.7's squeeze
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patches = dict(create_masked_load=counted_load, create_masked_store=counted_store, create_atomic_rmw=counted_rmw,
+                   create_atomic_cas=counted_cas, create_dot=counted_dot, create_exp=counted(exp),
+                   create_exp2=counted(exp2), set_grid_idx=next_program, _cost_loop_enter=loop_enter,
+                   _cost_iteration=iteration, _cost_loop_exit=loop_exit)
+    steps = _LoopSteps(interpreter.ASTTransformer().visit_Assign)
+    with contextlib.ExitStack() as stack:
+        for name, fn in patches.items():
+            stack.enter_context(mock.patch.object(builder, name, fn, create=True))
+        stack.enter_context(mock.patch.object(interpreter.InterpretedFunction, "run", counted_run))
+        stack.enter_context(mock.patch.object(interpreter.FunctionRewriter, "ast_transformer", steps))
+        stack.enter_context(mock.patch.object(interpreter.InterpretedFunction, "rewritten_fn", {}))  # fresh rewrites
+        stack.enter_context(mock.patch.object(interpreter, "_patch_lang_tensor", patch_tensor))
+        yield launches
+
+
+def _launch_params(fn, args, kwargs):
+    """A launch's constexprs and its options (num_warps, num_stages): what compiles it, as a dict."""
+    import inspect
+    signature = inspect.signature(fn)
+    bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k in signature.parameters}).arguments
+    constexprs = {name: bound.get(name) for name, p in signature.parameters.items() if p.annotation is tl.constexpr}
+    return {**constexprs, **{k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}}
+
+
+def interpreter_counts(step):
+    """[dict(kernel, params, programs, read, written, dot_flops, exps, steps)], one per Triton launch of step() in
+    launch order, counted in Triton's instrumented interpreter (_counting_interpreter): read and written are unique
+    bytes, params the launch's constexprs and options."""
+    if not (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"):
+        raise RuntimeError("counting launches needs Triton's interpreter: set TRITON_INTERPRET=1 before Python starts")
+    with _counting_interpreter() as launches:
+        step()
+    return [launch.counts() for launch in launches]
+
+
+_COUNTED = ("programs", "read", "written", "dot_flops", "exps", "steps")
+
+
+def _multilinear(corners, lo, hi, at):
+    """The value at `at` (a Fraction) of the function that is linear in each coordinate (for (B, T, H):
+    a·B·T·H + b·B·T + … + h) and equals corners[c] at each corner c, a tuple of 0 (lo) or 1 (hi) per
+    coordinate."""
+    from fractions import Fraction
+    total = Fraction(0)
+    for corner, value in corners.items():
+        weight = Fraction(1)
+        for i, x, a, b in zip(corner, at, lo, hi):
+            weight *= Fraction(x - a, b - a) if i else Fraction(b - x, b - a)
+        total += weight * value
+    return total
+
+
+def scaled_counts(counts_at, lo, hi, at):
+    """The counts of interpreter_counts at the shape `at`, each the multilinear function (_multilinear) through the
+    shapes whose every coordinate is at lo or hi; counts_at(shape) gives interpreter_counts there, the same kernels
+    in the same order at every shape. params is None where it differs between the shapes, a count None where it
+    comes out a fraction (work that does not scale multilinearly: a grid of ⌈rows / block⌉ programs, say);
+    corners holds the counts at each shape."""
+    runs = {corner: counts_at(tuple(h if i else l for i, l, h in zip(corner, lo, hi)))
+            for corner in itertools.product((0, 1), repeat=len(lo))}
+    names = {corner: [c["kernel"] for c in counts] for corner, counts in runs.items()}
+    if len({tuple(n) for n in names.values()}) != 1:
+        raise ValueError(f"the launches differ between the shapes {lo} and {hi}: {names}")
+    scaled = []
+    for i, first in enumerate(next(iter(runs.values()))):
+        values = {key: _multilinear({c: runs[c][i][key] for c in runs}, lo, hi, at) for key in _COUNTED}
+        params = first["params"] if all(runs[c][i]["params"] == first["params"] for c in runs) else None
+        scaled.append(dict(kernel=first["kernel"], params=params, corners={c: runs[c][i] for c in runs},
+                           **{k: int(v) if v.denominator == 1 else None for k, v in values.items()}))
+    return scaled
+
+
+def _unique_bytes(t):
+    """Bytes of t's elements, each once: a broadcast (stride-0) dimension adds none (t's layout is taken as
+    non-overlapping otherwise)."""
+    return t.element_size() * math.prod(n for n, s in zip(t.shape, t.stride()) if s != 0)
+
+
+def _eager_op_bytes():
+    """A TorchDispatchMode that sums, into .bytes, what the aten ops it sees read (each input tensor's elements) and
+    write (each output tensor). Moving nothing: an op whose outputs are all views of its inputs (a view, a reshape or
+    .contiguous() that needs no copy, .to() its own dtype) unless it mutates them, allocations, and ops that return
+    no tensor (a tensor's device)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    free = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default, torch.ops.aten.empty_like.default,
+            torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default}
+    tensors = lambda tree: [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    storage = lambda t: StorageWeakRef(t.untyped_storage())
+
+    class EagerBytes(TorchDispatchMode):
+        bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins, outs = tensors((args, kwargs)), tensors(out)
+            views = {storage(t) for t in ins}.issuperset(storage(t) for t in outs) and not func._schema.is_mutable
+            if outs and not views and func not in free:
+                self.bytes += sum(_unique_bytes(t) for t in ins + outs)
+            return out
+    return EagerBytes()
+
+
+class _TensorSpec:
+    """A fake tensor argument of a recorded launch, as what replays it needs: its storage (an id shared by the
+    arguments that alias one) and its view of it."""
+
+    def __init__(self, t, storages):
+        storage = t.untyped_storage()
+        self.storage = storages.setdefault(id(storage), (len(storages), storage.nbytes()))
+        self.dtype, self.offset, self.size, self.stride = t.dtype, t.storage_offset(), t.shape, t.stride()
+
+
+def replay_counts(launch):
+    """interpreter_counts of one launch recorded by real_launches (its kernel, grid and arguments), run again on CPU
+    tensors of its own shapes, strides and aliasing (zeros): exact at any shape, at the interpreter's speed."""
+    storages = {}
+
+    def real(arg):
+        if not isinstance(arg, _TensorSpec):
+            return arg
+        key, nbytes = arg.storage
+        storage = storages.setdefault(key, torch.zeros(nbytes, dtype=torch.uint8).untyped_storage())
+        return torch.empty(0, dtype=arg.dtype).set_(storage, arg.offset, arg.size, arg.stride)
+    args, kwargs = [real(a) for a in launch["args"]], {k: real(v) for k, v in launch["kwargs"].items()}
+    return interpreter_counts(lambda: launch["fn"][launch["grid"]](*args, **kwargs))[0]
+
+
+def real_launches(step, signatures=False):
+    """(launches, eager): step()'s Triton launches recorded on fake tensors (_record_launches), in order, each
+    dict(kernel name, fn, grid, params, options, args and kwargs (tensors as _TensorSpec), and with signatures=True
+    also signature, constexprs: what triton.compile takes, not available in the interpreter), and {custom op: bytes
+    its body's aten ops move}."""
+    launches, eager, storages = [], collections.Counter(), {}
+    spec = lambda a: _TensorSpec(a, storages) if isinstance(a, torch.Tensor) else a
+
+    def record(kernel, grid, args, kwargs):
+        launch = dict(kernel=kernel.fn.__name__, fn=kernel, grid=grid, params=_launch_params(kernel.fn, args, kwargs),
+                      options={k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs},
+                      args=[spec(a) for a in args], kwargs={k: spec(v) for k, v in kwargs.items()})
+        if signatures:
+            launch["signature"], launch["constexprs"], _ = _launch_signature(kernel, args, kwargs)
+        launches.append(launch)
+
+    @contextlib.contextmanager
+    def count_eager(name):
+        with _eager_op_bytes() as mode:
+            yield
+        eager[name] += mode.bytes
+
+    _record_launches(step, record, count_eager)
+    return launches, dict(eager)
+
+
+def mixer_step(mixer, B, T, H, dtype=torch.bfloat16):
+    """A thunk that builds one `mixer` (a letter of COST_MIXERS) with H heads, kernels="triton", and runs it forward
+    and backward on a [B, T, n_embd] input, under autocast to dtype (none for fp32). GPTConfig's other keys keep
+    their defaults (the chunk lengths among them): the report is of the model as it is configured."""
+    import model
+    cfg = model.GPTConfig(block_size=T, mixer=mixer, kernels="triton", **COST_MIXERS[mixer][0](H))
+
+    def step():
+        torch.manual_seed(0)
+        layer = model.MIXERS[mixer](cfg)
+        x = torch.randn(B, T, cfg.n_embd).to(dtype).requires_grad_()
+        rope = model.rope_cache(T, cfg.n_embd // cfg.n_head, cfg.rope_base)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            y = layer(x, rope)
+        y.backward(torch.randn_like(y))
+    return step
+
+
+def sm90_resources(mixer, B, T, dtype):
+    """[dict(regs, shared, stack)] per launch of mixer_step at (B, T, the report's heads), compiled for sm_90 (each
+    distinct launch once); in a process that imported triton without the interpreter."""
+    launches, _ = real_launches(mixer_step(mixer, B, T, COST_MIXERS[mixer][1], dtype), signatures=True)
+    keys = [(l["kernel"], tuple(l["signature"].items()), tuple(l["constexprs"].items()), tuple(l["options"].items()))
+            for l in launches]
+    distinct = {key: (l["fn"], l["signature"], l["constexprs"], l["options"]) for key, l in zip(keys, launches)}
+    found = dict(zip(distinct, triton_resources(list(distinct.values()), archs=(90,))))
+    return [{k: found[key][k] for k in ("regs", "shared", "stack")} for key in keys]
+
+
+def _in_compiling_python(expression):
+    """The JSON value of a kernels.py expression, evaluated in a fresh Python that imports triton itself without
+    the interpreter, so that kernels compile (the interpreter's cannot)."""
+    import json
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    program = f"import json, torch, triton, kernels; print(json.dumps({expression}))"
+    run = subprocess.run([sys.executable, "-c", program], cwd=os.path.dirname(os.path.abspath(__file__)), env=env,
+                         capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"compiling for sm_90 failed: {run.stderr[-2000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def kernel_cost_rows(mixer, B=16, T=1024, dtype=torch.bfloat16, resources=True, gpu=H100_SXM):
+    """(rows, eager) for one `mixer` (a letter of COST_MIXERS) forward + backward at [B, T], its report's heads, under
+    autocast to dtype. rows: one dict per Triton launch, in order: kernel, grid, read and written (unique bytes),
+    dot_flops, exps, steps, num_warps, num_stages, counted: scaled from eight small shapes (scaled_counts), or, for a
+    launch whose constexprs or grid do not scale with the heads, replayed at the real heads and four small (B, T)
+    and scaled in those (a count that still does not scale is None: rms_norm's persistent backward's steps, whose
+    grid is 4 programs on a CPU, 4 per SM on a GPU: steps that grow with the batch are those of a loop over such a
+    grid, not a serial chain, and are None too). With resources also regs, shared, stack (sm_90) and the estimate:
+    blocks_per_sm, waves = ⌈programs / (blocks_per_sm · SMs)⌉, t_bytes = bytes / bandwidth, t_flops = dot FLOPs /
+    peak, t_floor = waves · steps · step_latency where a launch does not pipeline its loop (num_stages = 1; with
+    num_stages ≥ 2, Triton's default 3, one step a wave), and time = the largest of the three. eager: {custom op:
+    bytes its body's aten ops move}, counted on fake tensors at [B, T]."""
+    import model
+    heads, fewest = COST_MIXERS[mixer][1:]
+    defaults = model.GPTConfig()
+    chunk = {"G": defaults.gdn_chunk_size, "M": defaults.chunk_size}.get(mixer, 16)
+    short = chunk * (64 // chunk + 1)   # whole chunks, past gdn2's fused recurrent kernel (T ≤ 64)
+    lo, hi = (1, short, fewest), (2, short + chunk, 2 * fewest)
+    recorded = functools.lru_cache(maxsize=None)(lambda shape: real_launches(mixer_step(mixer, *shape, dtype))[0])
+    counts = scaled_counts(lambda shape: interpreter_counts(mixer_step(mixer, *shape, dtype)), lo, hi, (B, T, heads))
+    launches, eager = real_launches(mixer_step(mixer, B, T, heads, dtype))
+    if [c["kernel"] for c in counts] != [launch["kernel"] for launch in launches]:
+        raise ValueError(f"{mixer}: the launches at [{B}, {T}] are not those of the small shapes")
+    rows = []
+    for i, (c, launch) in enumerate(zip(counts, launches)):
+        if c["params"] != launch["params"] or c["programs"] != math.prod(launch["grid"]):
+            # its constexprs or grid change with the heads (rms_norm over Mamba2's inner width, a grid of row blocks):
+            # this launch alone, replayed at the real heads, scaled in B and T
+            replayed = lambda shape: [replay_counts(recorded((*shape, heads))[i])]
+            c = scaled_counts(replayed, lo[:2], hi[:2], (B, T))[0]
+            if c["params"] != launch["params"]:
+                raise ValueError(f"{mixer}: {launch['kernel']}'s constexprs change with B and T: not counted")
+        if c["read"] is None or c["written"] is None:
+            raise ValueError(f"{mixer}: {launch['kernel']}'s bytes do not scale with the shape")
+        if any(n["steps"] != c["corners"][(1, *rest)]["steps"] for (b, *rest), n in c["corners"].items() if not b):
+            c["steps"] = None   # steps that grow with the batch: a loop over a device-sized (persistent) grid
+        rows.append(dict(c, programs=math.prod(launch["grid"]), grid=launch["grid"],
+                         num_warps=launch["options"].get("num_warps", 4),
+                         num_stages=launch["options"].get("num_stages", 3)))
+    if resources:
+        for row, found in zip(rows, _in_compiling_python(f"kernels.sm90_resources({mixer!r}, {B}, {T}, {dtype})")):
+            row.update(found, blocks_per_sm=blocks_per_sm(found["regs"], row["num_warps"], found["shared"]))
+            row["waves"] = -(-math.prod(row["grid"]) // (max(1, row["blocks_per_sm"]) * gpu["sms"]))
+            row["t_bytes"] = (row["read"] + row["written"]) / gpu["bandwidth"]
+            row["t_flops"] = row["dot_flops"] / gpu["dot_flops"]
+            steps = row["steps"] if row["num_stages"] == 1 else 1
+            if steps is None:
+                raise ValueError(f"{mixer}: {row['kernel']} does not pipeline its loop and its steps are not counted")
+            row["t_floor"] = row["waves"] * steps * gpu["step_latency"]
+            row["time"] = max(row["t_bytes"], row["t_flops"], row["t_floor"])
+    return rows, eager
+
+
+def cost_totals(rows, eager, gpu=H100_SXM):
+    """One mixer's totals from kernel_cost_rows: launches, Triton bytes (read + written), eager bytes, dot FLOPs and
+    exps (of the launches that have them counted), the most steps of a launch, and (with resources) the estimated
+    time: the launches' plus the eager bytes at the bandwidth (their own launch latencies left out)."""
+    known = lambda key: [r[key] for r in rows if r[key] is not None]
+    totals = dict(launches=len(rows), triton=sum(r["read"] + r["written"] for r in rows), eager=sum(eager.values()),
+                  dot_flops=sum(known("dot_flops")), exps=sum(known("exps")), steps=max(known("steps"), default=1))
+    if all("time" in r for r in rows):
+        totals["time"] = sum(r["time"] for r in rows) + totals["eager"] / gpu["bandwidth"]
+    return totals
+
+
+def _shown(value, unit, width, digits):
+    """value / unit in a column of `width`, or – where it was not counted."""
+    return f"{'–':>{width}s}" if value is None else f"{value / unit:{width}.{digits}f}"
+
+
+def kernel_cost_report(mixers="GMA", B=16, T=1024, dtype=torch.bfloat16, resources=True):
+    """Print kernel_cost_rows for each mixer (its launches, the eager bytes inside its custom ops) and the totals;
+    returns {mixer: (rows, eager)}."""
+    reports = {m: kernel_cost_rows(m, B, T, dtype, resources) for m in mixers}
+    bound = lambda r: max(("bytes", r["t_bytes"]), ("flops", r["t_flops"]), ("steps", r["t_floor"]), key=lambda x: x[1])
+    for mixer, (rows, eager) in reports.items():
+        cfg, heads = COST_MIXERS[mixer][0](COST_MIXERS[mixer][1]), COST_MIXERS[mixer][1]
+        print(f"\n== {mixer} ({cfg['n_embd']} wide, {heads} heads): one layer forward + backward, B={B} T={T} "
+              f"{str(dtype).split('.')[-1]}, per Triton launch (counted) and its time on an H100 SXM (estimated) ==")
+        print(f"{'kernel':30s} {'grid':>12s} {'read MB':>9s} {'write MB':>9s} {'GFLOP':>7s} {'Mexp':>7s} {'steps':>5s} "
+              f"{'warps':>5s} {'stages':>6s}" + (f" {'regs':>4s} {'smem KB':>7s} {'blk/SM':>6s} {'waves':>5s} "
+                                                 f"{'est us':>7s} bound" if resources else ""))
+        for r in rows:
+            line = (f"{r['kernel']:30s} {'x'.join(map(str, r['grid'])):>12s} {r['read'] / 1e6:9.1f} "
+                    f"{r['written'] / 1e6:9.1f} {_shown(r['dot_flops'], 1e9, 7, 2)} {_shown(r['exps'], 1e6, 7, 1)} "
+                    f"{_shown(r['steps'], 1, 5, 0)} {r['num_warps']:5d} {r['num_stages']:6d}")
+            if resources:
+                line += (f" {r['regs']:4d} {r['shared'] / 1024:7.1f} {r['blocks_per_sm']:6d} {r['waves']:5d} "
+                         f"{r['time'] * 1e6:7.1f} {bound(r)[0]}")
+            print(line)
+        print("– not counted (kernel_cost_rows says why); eager aten ops inside the custom ops: " + (", ".join(
+            f"{op} {n / 1e6:.1f} MB" for op, n in sorted(eager.items(), key=lambda kv: -kv[1]) if n) or "none"))
+    print(f"\n== totals, one layer forward + backward, B={B} T={T}: bytes and FLOPs counted, time estimated ==")
+    print(f"{'mixer':5s} {'launches':>8s} {'Triton GB':>9s} {'eager GB':>8s} {'total GB':>8s} {'dot GFLOP':>9s} "
+          f"{'Gexp':>6s} {'most steps':>10s}" + (f" {'est us':>7s}" if resources else ""))
+    for mixer, (rows, eager) in reports.items():
+        t = cost_totals(rows, eager)
+        print(f"{mixer:5s} {t['launches']:8d} {t['triton'] / 1e9:9.2f} {t['eager'] / 1e9:8.2f} "
+              f"{(t['triton'] + t['eager']) / 1e9:8.2f} {t['dot_flops'] / 1e9:9.1f} {t['exps'] / 1e9:6.2f} "
+              f"{t['steps']:10d}" + (f" {t['time'] * 1e6:7.0f}" if resources else ""))
+    return reports
 
 # -----------------------------------------------------------------------------
 # The Triton side of `python kernels.py` (called from the __main__ block below): a walk through the
@@ -3258,3 +3757,7 @@ if __name__ == "__main__":
                     "K=64, V=64, heads_ssd=8, p=64, n=128, chunk=64)"], env=env, cwd=here)
     print("\n== What autograd keeps for one mixer's backward ==")
     subprocess.run([sys.executable, "-c", "import triton, model; model.kept_activation_table()"], env=env, cwd=here)
+    # in Triton's interpreter (it counts; the sm_90 compile runs in a process of its own): the kernel cost report
+    # at the hybrid preset's shapes, a few minutes on a CPU
+    subprocess.run([sys.executable, "-c", "import kernels; kernels.kernel_cost_report()"],
+                   env=dict(env, TRITON_INTERPRET="1"), cwd=here)

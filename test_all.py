@@ -2417,6 +2417,130 @@ def test_triton_op_bodies_keep_their_dtypes_under_autocast(op):
     assert all(torch.equal(a, b) for a, b in zip(*results)), [rel_err(a, b) for a, b in zip(*results)]
 
 
+# Kernel cost, counted on a CPU (kernels.kernel_cost_rows): Triton's interpreter, its builder instrumented, counts
+# each launch's unique bytes, dot FLOPs, exps and loop steps; small shapes scale to real ones exactly.
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts in Triton's interpreter")
+
+if kernels.HAS_TRITON:
+    @triton.jit
+    def _cost_probe_load(ptr, offs, REPEAT: tl.constexpr):
+        # one tile loaded REPEAT times in a loop of its own: still one step of the caller's loop, its bytes once
+        total = tl.load(ptr + offs)
+        for _ in range(REPEAT - 1):
+            total += tl.load(ptr + offs)
+        return total
+
+    @triton.jit
+    def _cost_probe_kernel(a_ptr, b_ptr, out_ptr, n_steps, N: tl.constexpr):
+        rows = tl.arange(0, N)
+        offs = rows[:, None] * N + rows[None, :]
+        acc = tl.zeros((N, N), dtype=tl.float32)
+        for _ in range(n_steps):  # a step each: it loads
+            acc += tl.dot(_cost_probe_load(a_ptr, offs, 2), tl.load(b_ptr + offs))
+        for _ in range(3):  # no step: it loads nothing
+            acc = acc * 0.5
+        for _ in tl.static_range(2):  # unrolled: straight-line code
+            acc += tl.load(b_ptr + offs)
+        tl.store(out_ptr + offs, tl.exp(acc), mask=rows[:, None] < N - 1)
+
+
+@INTERPRETED
+def test_kernel_cost_counts_match_a_hand_count():
+    """Two launches counted by hand. A probe kernel, 2 programs on the same fp32 [16, 16] tiles a, b: 5 loop steps
+    each of a @ b (a loaded twice a step in a nested loop), a loop that loads nothing, an unrolled one, an exp of
+    the tile and a store of its first 15 rows: unique bytes a + b read (2·256·4), 15·16·4 written, 2·5·2·16³ dot
+    FLOPs, 2·256 exps, 5 steps. The gated rms_norm forward over 70 bf16 rows of 48 (fp32 weight): 2 programs of
+    64 × 64 lanes, reading x, gate (70·48·2 each) and the weight once (48·4), writing y (70·48·2) and each row's
+    rstd (70·4), one exp per lane for the sigmoid, masked lanes included."""
+    a, b, out = torch.randn(16, 16), torch.randn(16, 16), torch.zeros(16, 16)
+    probe = kernels.interpreter_counts(lambda: _cost_probe_kernel[(2,)](a, b, out, 5, N=16))
+    assert [{k: c[k] for k in kernels._COUNTED} for c in probe] == [
+        dict(programs=2, read=2 * 256 * 4, written=15 * 16 * 4, dot_flops=2 * 5 * 2 * 16 ** 3, exps=2 * 256, steps=5)]
+    x, gate = torch.randn(70, 48).bfloat16(), torch.randn(70, 48).bfloat16()
+    norm = kernels.interpreter_counts(lambda: kernels.rms_norm_triton(x, torch.ones(48), 1e-6, gate))
+    assert [{k: c[k] for k in ("kernel", *kernels._COUNTED)} for c in norm] == [
+        dict(kernel="_rms_norm_fwd_kernel", programs=2, read=2 * 70 * 48 * 2 + 48 * 4, written=70 * 48 * 2 + 70 * 4,
+             dot_flops=0, exps=2 * 64 * 64, steps=1)]
+
+
+def gdn2_cost_step(B, T, H, K=16, chunk=16):
+    """gdn2's gates and chunked recurrence (Triton) forward and backward at [B, T, H, K] in bf16, as a thunk."""
+    def step():
+        gen = torch.Generator().manual_seed(0)
+        leaf = lambda *shape, dtype=torch.bfloat16: torch.randn(*shape, generator=gen).to(dtype).requires_grad_()
+        k = leaf(B, T, H, K)
+        f32 = torch.float32
+        log_decay, erase_gate = kernels.gdn2_gates_triton(leaf(B, T, H, K), leaf(B, T, H, K), k, leaf(H, dtype=f32),
+                                                           leaf(H * K, dtype=f32))
+        o, state = kernels.gdn2_chunked_triton(leaf(B, T, H, K), k, leaf(B, T, H, K), log_decay, erase_gate,
+                                               leaf(B, T, H, K), chunk_size=chunk)
+        torch.autograd.backward([o, state], [torch.randn(o.shape, generator=gen).to(o.dtype), torch.ones_like(state)])
+    return step
+
+
+@INTERPRETED
+def test_kernel_cost_counts_scale_exactly_in_batch_length_and_heads():
+    """What gdn2's launches (gates, chunked forward and backward: 9 kernels) read, write, dot, exponentiate and walk
+    is multilinear in (B, T, H): fitted through the eight shapes with B in {1, 2}, T in {16, 32} (chunks of 16),
+    H in {1, 2}, it predicts the direct count at (3, 48, 3), where no coordinate is a fitted one, exactly."""
+    lo, hi, at = (1, 16, 1), (2, 32, 2), (3, 48, 3)
+    scaled = kernels.scaled_counts(lambda shape: kernels.interpreter_counts(gdn2_cost_step(*shape)), lo, hi, at)
+    direct = kernels.interpreter_counts(gdn2_cost_step(*at))
+    assert len(direct) == 9 and all(c["params"] is not None for c in scaled)
+    assert [{k: c[k] for k in ("kernel", "params", *kernels._COUNTED)} for c in scaled] == \
+        [{k: c[k] for k in ("kernel", "params", *kernels._COUNTED)} for c in direct]
+    assert max(c["steps"] for c in direct) == 3   # the state passes walk the 3 chunks
+
+
+def test_kernel_cost_eager_bytes_inside_custom_ops_by_hand():
+    """The aten ops inside the custom ops' bodies, counted on fake tensors (kernels.real_launches): for rms_norm on
+    a transposed (non-contiguous) bf16 x of 320 rows of 64, the forward's .contiguous() copies x (read and written,
+    2·320·64·2) and the backward's again, plus the sum of its 4 programs' fp32 dw partials (read 4·64·4, written
+    64·4); views, allocations and .contiguous() of contiguous tensors move nothing. The launches: a forward of 5
+    programs (64 rows a block), a backward of 4 (a CPU's persistent grid)."""
+    def step():
+        x = torch.randn(64, 320, dtype=torch.bfloat16).t().requires_grad_()
+        y = kernels.rms_norm_triton(x, torch.ones(64), 1e-6)
+        y.backward(torch.ones_like(y))
+    launches, eager = kernels.real_launches(step)
+    assert [(launch["kernel"], launch["grid"]) for launch in launches] == [("_rms_norm_fwd_kernel", (5,)),
+                                                                           ("_rms_norm_bwd_kernel", (4,))]
+    assert eager == {"rms_norm_fwd": 2 * 320 * 64 * 2, "rms_norm_bwd": 2 * 320 * 64 * 2 + 4 * 64 * 4 + 64 * 4}
+
+
+@INTERPRETED
+@pytest.mark.aot  # several minutes on 2 cores (the interpreter's counts, then the sm_90 compile)
+def test_kernel_cost_report_of_g_and_m_at_the_hybrid_shapes():
+    """kernels.kernel_cost_rows for G (704 wide, 11 heads of 64) and M (768 wide, 48 heads of 32, state 64), one
+    layer forward + backward at B 16, T 1024 in bf16: rms_norm's launches, scaled (G's forward) or replayed at the
+    real heads (M's, over 1536 channels, and both backwards), read and write exactly their closed forms at that
+    shape (rows·C bf16 of x, the gate and dy, C fp32 of the weight, rows fp32 of rstd; outputs y or dx and dgate, and
+    4·C fp32 dw partials); every launch compiles for sm_90 without spills and is resident at least once per SM; the
+    estimate is the largest of its three bounds."""
+    B, T = 16, 1024
+    for mixer, rows_per_norm, C, gated in (("G", B * T * 11, 64, False), ("M", B * T, 1536, True)):
+        rows, _ = kernels.kernel_cost_rows(mixer, B, T, torch.bfloat16)
+        x_bytes = rows_per_norm * C * 2 * (1 + gated)
+        forward = dict(read=x_bytes + C * 4, written=rows_per_norm * (C * 2 + 4))
+        backward = dict(read=x_bytes + rows_per_norm * (C * 2 + 4) + C * 4, written=x_bytes + 4 * C * 4)
+        norms = [(r["kernel"], r["read"], r["written"]) for r in rows if r["kernel"].startswith("_rms_norm")]
+        assert norms and all((k, r, w) in {("_rms_norm_fwd_kernel", *forward.values()),
+                                           ("_rms_norm_bwd_kernel", *backward.values())} for k, r, w in norms), norms
+        assert all(r["stack"] == 0 and r["blocks_per_sm"] >= 1 and r["waves"] >= 1 for r in rows)
+        assert all(r["time"] == max(r["t_bytes"], r["t_flops"], r["t_floor"]) > 0 for r in rows)
+
+
+def test_kernel_cost_blocks_per_sm_by_hand():
+    """Resident blocks per sm_90 SM (65536 registers in warp units of 256, 228 KB of shared memory with 1 KB reserved
+    per block, 2048 threads, 32 blocks): 8 warps at 128 registers fill the registers with 2 blocks; at 255
+    registers (8160 a warp, allocated 8192) 4 warps fit twice; 100 KB of shared memory fits twice; a 1-warp block of
+    32 registers is held to 32 blocks."""
+    assert kernels.blocks_per_sm(128, 8, 0) == 2
+    assert kernels.blocks_per_sm(255, 4, 0) == 2
+    assert kernels.blocks_per_sm(64, 4, 100 * 1024) == 2
+    assert kernels.blocks_per_sm(32, 1, 0) == 32
+
+
 # ==================================================================================================
 # model.py  (pytest -m model)
 
