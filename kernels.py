@@ -173,27 +173,31 @@ def _double_backward(forward, inputs, cotangents):
 
 # -----------------------------------------------------------------------------
 # rms_norm: y = g / sqrt(mean(g²) + eps) * weight with g = x, or g = x ⊙ silu(gate) (Mamba2's gated norm, one op so
-# that autograd keeps x and gate, not silu(gate) and the product too); in fp32, cast back to x's dtype
+# that autograd keeps x and gate, not silu(gate) and the product too); in fp32, written once in out_dtype (x's dtype
+# by default; under autocast the model asks for the dtype its next matmul reads, so no cast follows)
+# Under torch.compile the dispatchers of rms_norm and rope take their torch paths, which inductor fuses with their
+# neighbours (the residual add before a norm, the cast and the projections' epilogues around it); a Triton op is an
+# opaque custom op there, and every one reads and writes its whole tensor.
 
-def rms_norm_ref(x, weight, eps=1e-6, gate=None):
+def rms_norm_ref(x, weight, eps=1e-6, gate=None, out_dtype=None):
     xf = x.float() if gate is None else x.float() * F.silu(gate.float())
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return y.to(x.dtype)
+    return y.to(out_dtype or x.dtype)
 
 
-def rms_norm_torch(x, weight, eps=1e-6, gate=None):
+def rms_norm_torch(x, weight, eps=1e-6, gate=None, out_dtype=None):
     dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 is computed in fp32, fp64 stays fp64
     g = x.to(dtype) if gate is None else x.to(dtype) * F.silu(gate.to(dtype))
-    return F.rms_norm(g, (x.shape[-1],), weight.to(dtype), eps).to(x.dtype)
+    return F.rms_norm(g, (x.shape[-1],), weight.to(dtype), eps).to(out_dtype or x.dtype)
 
 
-def rms_norm(x, weight, eps=1e-6, gate=None, kernels="auto"):
+def rms_norm(x, weight, eps=1e-6, gate=None, out_dtype=None, kernels="auto"):
     path = _path("rms_norm", kernels, x)
-    if path == "triton":
-        return rms_norm_triton(x, weight, eps, gate)
+    if path == "triton" and not torch.compiler.is_compiling():
+        return rms_norm_triton(x, weight, eps, gate, out_dtype)
     if path == "ref":
-        return rms_norm_ref(x, weight, eps, gate)
-    return rms_norm_torch(x, weight, eps, gate)
+        return rms_norm_ref(x, weight, eps, gate, out_dtype)
+    return rms_norm_torch(x, weight, eps, gate, out_dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -218,10 +222,10 @@ def rope_torch(x, cos, sin):
 
 def rope(x, cos, sin, kernels="auto"):
     path = _path("rope", kernels, x)
-    if path == "triton":
+    if path == "triton" and not torch.compiler.is_compiling():
         return rope_triton(x, cos, sin)
-    if path == "ref":
-        return rope_ref(x, cos, sin)
+    if path == "ref" or torch.compiler.is_compiling():  # under torch.compile the real products: inductor fuses them
+        return rope_ref(x, cos, sin)                     # (complex numbers it leaves to eager kernels)
     return rope_torch(x, cos, sin)
 
 
@@ -1006,13 +1010,14 @@ def _rms_norm_blocks(n_cols):
 
 
 @_triton_op("specgpt::rms_norm_fwd")
-def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                  gate: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd): the normalised x (⊙ silu(gate)) and each row's 1/rms, which the backward reuses."""
+def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: Optional[torch.Tensor],
+                  out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): the normalised x (⊙ silu(gate)) in out_dtype (x's by default) and each row's 1/rms, which the
+    backward reuses."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     n_rows, n_cols = x2.shape
     gate2 = x2 if gate is None else gate.reshape(n_rows, n_cols).contiguous()
-    y = torch.empty_like(x2)
+    y = torch.empty_like(x2, dtype=out_dtype or x.dtype)
     rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
     block_r, block_c, warps = _rms_norm_blocks(n_cols)
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
@@ -1022,8 +1027,8 @@ def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @_rms_norm_fwd.register_fake
-def _(x, weight, eps, gate):
-    return x.new_empty(x.shape), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+def _(x, weight, eps, gate, out_dtype=None):
+    return x.new_empty(x.shape, dtype=out_dtype or x.dtype), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
 
 
 @_triton_op("specgpt::rms_norm_bwd")
@@ -1050,7 +1055,7 @@ def _(dy, x, weight, rstd, gate):
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, weight, eps, gate = inputs
+    x, weight, eps, gate, out_dtype = inputs
     ctx.save_for_backward(x, weight, output[1], gate)
     ctx.mark_non_differentiable(output[1])
 
@@ -1058,14 +1063,14 @@ def _rms_norm_setup(ctx, inputs, output):
 def _rms_norm_backward(ctx, dy, d_rstd):
     x, weight, rstd, gate = ctx.saved_tensors
     dx, dweight, dgate = _rms_norm_bwd(dy, x, weight, rstd, gate)
-    return dx, dweight, None, dgate if gate is not None else None
+    return dx, dweight, None, dgate if gate is not None else None, None
 
 
 _rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 
 
-def rms_norm_triton(x, weight, eps=1e-6, gate=None):
-    return _rms_norm_fwd(x, weight, eps, gate)[0]
+def rms_norm_triton(x, weight, eps=1e-6, gate=None, out_dtype=None):
+    return _rms_norm_fwd(x, weight, eps, gate, out_dtype)[0]
 
 
 # -----------------------------------------------------------------------------

@@ -111,8 +111,8 @@ def config_choices():
 
 class RMSNorm(nn.Module):
     """y = g / sqrt(mean(g²) + eps) ⊙ weight with g = x, or g = x ⊙ SiLU(gate) (Mamba2's gated norm, one op).
-    Under autocast y comes in the autocast dtype: what reads it is a matmul, and one cast here is one copy,
-    where attention's q, k and v projections would each cast (and keep) their own."""
+    Under autocast y is written once, in the autocast dtype: what reads it is a matmul, which would cast it anyway
+    (attention's q, k and v projections each their own copy)."""
 
     def __init__(self, dim, eps=1e-6, kernels_path="auto"):
         super().__init__()
@@ -121,11 +121,10 @@ class RMSNorm(nn.Module):
         self.kernels_path = kernels_path
 
     def forward(self, x, gate=None):
-        y = kernels.rms_norm(x, self.weight, self.eps, gate, kernels=self.kernels_path)
-        kind = y.device.type
-        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
-            return y.to(torch.get_autocast_dtype(kind))
-        return y
+        kind = x.device.type
+        autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+        return kernels.rms_norm(x, self.weight, self.eps, gate, torch.get_autocast_dtype(kind) if autocast else None,
+                                kernels=self.kernels_path)
 
 
 ROPE_SCALINGS = ("none", "pi", "ntk", "yarn")
