@@ -3284,9 +3284,10 @@ def _unique_bytes(t):
     return t.element_size() * math.prod(n for n, s in zip(t.shape, t.stride()) if s != 0)
 
 
-def _eager_op_bytes():
-    """A TorchDispatchMode that sums, into .bytes, what the aten ops it sees read (each input tensor's elements) and
-    write (each output tensor). Moving nothing: an op whose outputs are all views of its inputs (a view, a reshape or
+def _eager_op_bytes(by_op=None):
+    """A TorchDispatchMode that sums, into .bytes (and by_op[op name], if given), what the aten ops it sees read
+    (each input tensor's elements) and write (each output tensor). This file's custom ops move what their bodies
+    do (counted there, _record_launches' around_body). Moving nothing: an op whose outputs are all views of its inputs (a view, a reshape or
     .contiguous() that needs no copy, .to() its own dtype) unless it mutates them, allocations, and ops that return
     no tensor (a tensor's device)."""
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -3303,8 +3304,11 @@ def _eager_op_bytes():
             out = func(*args, **(kwargs or {}))
             ins, outs = tensors((args, kwargs)), tensors(out)
             views = {storage(t) for t in ins}.issuperset(storage(t) for t in outs) and not func._schema.is_mutable
-            if outs and not views and func not in free:
-                self.bytes += sum(_unique_bytes(t) for t in ins + outs)
+            if outs and not views and func not in free and func.namespace != "specgpt":  # Triton ops: their bodies
+                moved = sum(_unique_bytes(t) for t in ins + outs)
+                self.bytes += moved
+                if by_op is not None:
+                    by_op[str(func)] += moved
             return out
     return EagerBytes()
 
@@ -3358,6 +3362,25 @@ def real_launches(step, signatures=False):
 
     _record_launches(step, record, count_eager)
     return launches, dict(eager)
+
+
+def step_bytes(step):
+    """{op or kernel name: bytes} that step() (making its tensors itself) moves, on fake tensors: every aten op by
+    _eager_op_bytes' rules, inside the Triton ops' bodies too, and every Triton launch by its tensor arguments, each
+    element once (exact for a kernel that touches every element of its arguments once, as rms_norm's and rope's do;
+    a lower bound for one that re-reads, and no substitute for the interpreter's counts of the recurrences)."""
+    moved = collections.Counter()
+
+    def record(kernel, grid, args, kwargs):
+        views = {(id(t.untyped_storage()), t.storage_offset(), t.shape, t.stride()): t
+                 for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+        moved[kernel.fn.__name__] += sum(_unique_bytes(t) for t in views.values())
+
+    def run():
+        with _eager_op_bytes(moved):
+            step()
+    _record_launches(run, record, lambda name: _eager_op_bytes(moved))
+    return dict(moved)
 
 
 def mixer_step(mixer, B, T, H, dtype=torch.bfloat16):

@@ -2084,8 +2084,9 @@ def test_compiled_block_fuses_norms_and_rope(mixer):
 @pytest.mark.inductor  # inductor compiles C++ on a CPU: seconds warm, a minute cold
 def test_rms_norm_writes_the_matmuls_dtype_once():
     """Under bf16 autocast the block norm of an fp32 stream is written once, in bf16, and nothing casts it after:
-    eagerly (the Triton op's output is bf16 and the next op on that shape is the matmul), and compiled by inductor
-    (one fused kernel computes it and stores bf16; no fp32 buffer of its shape is allocated)."""
+    eagerly (the Triton op's output is bf16, the only op on the way to the matmul), and compiled by inductor on the
+    CPU (one fused kernel computes it and stores bf16; no fp32 buffer of its shape is allocated). RoPE compiled is
+    one fused kernel as well."""
     from torch._inductor.utils import run_and_get_code
     norm, linear = model_module.RMSNorm(64, kernels_path="triton"), nn.Linear(64, 32, bias=False)
     x = torch.randn(96, 64, requires_grad=True)
@@ -2106,6 +2107,12 @@ def test_rms_norm_writes_the_matmuls_dtype_once():
     full = re.findall(r"empty_strided_cpu\(\(96, 64\), \(64, 1\), (torch\.\w+)\)", code)
     assert full == ["torch.bfloat16"], full
     assert len(re.findall(r"cpp_fused_\w*rsqrt\w*\(", code)) == 1   # one call of one fused kernel
+    # RoPE compiles to one fused kernel too, and no eager aten call (its complex-number form would leave three)
+    angle = torch.randn(96, 16)
+    torch._dynamo.reset()
+    _, (code, *_) = run_and_get_code(torch.compile(lambda q: kernels.rope(q, angle.cos(), angle.sin(), "triton")),
+                                     torch.randn(2, 96, 2, 32))
+    assert len(set(re.findall(r"(cpp_fused_\w+) = ", code))) == 1 and not re.search(r"torch\.ops\.aten\.\w+\.", code)
 
 
 @pytest.mark.parametrize("path", ["torch"] + ["triton"] * bool(kernels.HAS_TRITON))
@@ -2606,6 +2613,19 @@ def test_kernel_cost_report_of_g_and_m_at_the_hybrid_shapes():
                                            ("_rms_norm_bwd_kernel", *backward.values())} for k, r, w in norms), norms
         assert all(r["stack"] == 0 and r["blocks_per_sm"] >= 1 and r["waves"] >= 1 for r in rows)
         assert all(r["time"] == max(r["t_bytes"], r["t_flops"], r["t_floor"]) > 0 for r in rows)
+
+
+def test_step_bytes_by_hand():
+    """kernels.step_bytes on fake tensors: a bf16 x of 96 rows of 64 cast to fp32 (read 2, written 4 bytes an element)
+    and its gated rms_norm in bf16 by Triton: the launch's tensor arguments each once (x, the gate and y bf16, the
+    fp32 weight and rstd), the custom op itself nothing beyond its body (which here copies nothing)."""
+    def step():
+        x = torch.randn(96, 64, dtype=torch.bfloat16)
+        x.float()
+        kernels.rms_norm_triton(x, torch.ones(64), 1e-6, torch.randn(96, 64, dtype=torch.bfloat16))
+    moved = kernels.step_bytes(step)
+    assert moved == {"aten._to_copy.default": 96 * 64 * (2 + 4), "aten.randn.default": 2 * 96 * 64 * 2,
+                     "aten.ones.default": 64 * 4, "_rms_norm_fwd_kernel": 3 * 96 * 64 * 2 + 64 * 4 + 96 * 4}, moved
 
 
 def test_kernel_cost_blocks_per_sm_by_hand():
