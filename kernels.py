@@ -3500,7 +3500,8 @@ def kernel_cost_report(mixers="GMA", B=16, T=1024, dtype=torch.bfloat16, resourc
     """Print kernel_cost_rows for each mixer (its launches, the eager bytes inside its custom ops) and the totals;
     returns {mixer: (rows, eager)}."""
     reports = {m: kernel_cost_rows(m, B, T, dtype, resources) for m in mixers}
-    bound = lambda r: max(("bytes", r["t_bytes"]), ("flops", r["t_flops"]), ("steps", r["t_floor"]), key=lambda x: x[1])
+    bound = lambda r: max(("bytes", r["t_bytes"]), ("flops", r["t_flops"]), ("latency", r["t_floor"]),
+                          key=lambda x: x[1])
     for mixer, (rows, eager) in reports.items():
         cfg, heads = COST_MIXERS[mixer][0](COST_MIXERS[mixer][1]), COST_MIXERS[mixer][1]
         print(f"\n== {mixer} ({cfg['n_embd']} wide, {heads} heads): one layer forward + backward, B={B} T={T} "
