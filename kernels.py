@@ -33,9 +33,10 @@ ValueError). Reductions and recurrences run in fp32 and results are cast back to
 states S_T, h_T come back in fp32. Any sequence length works (chunked paths pad the tail internally). The Triton
 kernels' dots take bf16 inputs as they are, accumulating in fp32. After the ops, the checks a CPU can make of a
 GPU run: every launch recorded on fake tensors (its grid, or compiled ahead of time for its registers, spills and
-shared memory), and what autograd keeps for the backward (kept_bytes); then the kernel cost report
-(kernel_cost_report, printed by `python kernels.py`): per launch of a mixer's forward + backward, the bytes, dot FLOPs,
-exps and sequential steps counted in Triton's interpreter, with its sm_90 occupancy and an estimated H100 time.
+shared memory), and what autograd keeps for the backward (kept_bytes); then the kernel cost report (kernel_costs,
+which model.kernel_cost_report runs on the mixers and `python kernels.py` prints): per launch of a forward +
+backward, the bytes, dot FLOPs, exps and sequential steps counted in Triton's interpreter, with its sm_90
+occupancy and an estimated H100 time.
 """
 
 import ast
@@ -3030,26 +3031,22 @@ def triton_resource_table(archs=(80, 89, 90), dtypes=(torch.float32, torch.bfloa
 
 
 # -----------------------------------------------------------------------------
-# Kernel cost, counted on a CPU. Per Triton launch of a mixer's forward + backward: the unique bytes it reads and
-# writes, its dot FLOPs and exps, counted by running it in Triton's interpreter with the interpreter's builder
-# instrumented (_counting_interpreter), and its sequential steps; these counts are multilinear in the batch B, the
-# length T (in whole chunks) and the heads H, so eight small runs (each of B, T, H at two sizes) give them exactly at
-# any shape (scaled_counts; a launch whose constexprs change with H is replayed at the real H). The launches at the real shape (grids, warps, stages) are recorded on fake tensors, their
-# registers and shared memory compiled for sm_90 (triton_resources), and the eager aten ops inside each custom op's
-# body counted there too (torch.compile cannot fuse into a custom op), each op as the body calls it (a composite
-# op such as einsum by its inputs and outputs). What is estimated, not counted: the time, a roofline at the H100 SXM's
-# datasheet peaks with a latency floor per sequential step (kernel_cost_rows). Unique bytes are what a launch needs
-# from memory at the least (a GPU's caches may not keep every re-read); a dot's FLOPs are 2·M·N·K whatever its
-# operand kind (3xTF32 runs three).
+# Kernel cost, counted on a CPU. Per Triton launch of a mixer's forward + backward: the unique bytes it reads
+# and writes, its dot FLOPs and exps, counted by running it in Triton's interpreter with the interpreter's
+# builder instrumented (_counting_interpreter), and its sequential steps; these counts are multilinear in the
+# batch B, the length T (in whole chunks) and the heads H, so eight small runs (each of B, T, H at two sizes)
+# give them exactly at any shape (scaled_counts; a launch whose constexprs change with H is replayed at the real
+# H). The launches at the real shape (grids, warps, stages) are recorded on fake tensors, their registers and
+# shared memory compiled for sm_90 (triton_resources), and the eager aten ops inside each custom op's body
+# counted there too (torch.compile cannot fuse into a custom op), each op as the body calls it (a composite op
+# such as einsum by its inputs and outputs). What is estimated, not counted: the time, a roofline at the H100
+# SXM's datasheet peaks with a latency floor per sequential step (kernel_costs). model.kernel_cost_report runs
+# it on the mixers. Unique bytes are what a launch needs from memory at the least (a GPU's caches may not keep
+# every re-read); a dot's FLOPs are 2·M·N·K whatever its operand kind (3xTF32 runs three).
 
 H100_SXM = dict(bandwidth=3.35e12, dot_flops=989e12, sms=132, step_latency=1e-6)  # B/s, dense bf16 FLOP/s, SMs, s
 SM90_LIMITS = dict(registers=65536, shared=233472, threads=2048, blocks=32)        # per SM (CUDA programming guide)
-# the mixers of the report: GPTConfig keys for H heads, the heads it reports (the hybrid preset's G and A: 704 wide,
-# 11 heads of 64; Mamba2 at GPT-2 small's 768: 48 heads of 32, state 64), and the fewest heads at which the counts are
-# linear in H (ssd's dB/dC programs sum over groups of 8 heads)
-COST_MIXERS = {"G": (lambda H: dict(n_embd=64 * H, n_head=H), 11, 1),
-               "M": (lambda H: dict(n_embd=16 * H, n_head=1, mamba_headdim=32, mamba_d_state=64), 48, 8),
-               "A": (lambda H: dict(n_embd=64 * H, n_head=H, qk_norm=True), 11, 1)}
+
 
 
 def blocks_per_sm(regs, num_warps, shared, limits=SM90_LIMITS):
@@ -3286,10 +3283,10 @@ def _unique_bytes(t):
 
 def _eager_op_bytes(by_op=None):
     """A TorchDispatchMode that sums, into .bytes (and by_op[op name], if given), what the aten ops it sees read
-    (each input tensor's elements) and write (each output tensor). This file's custom ops move what their bodies
-    do (counted there, _record_launches' around_body). Moving nothing: an op whose outputs are all views of its inputs (a view, a reshape or
-    .contiguous() that needs no copy, .to() its own dtype) unless it mutates them, allocations, and ops that return
-    no tensor (a tensor's device)."""
+    (each input tensor's elements) and write (each output tensor). This file's custom ops move what their bodies do
+    (counted there, _record_launches' around_body). Moving nothing: an op whose outputs are all views of its inputs
+    (a view, a reshape or .contiguous() that needs no copy, .to() its own dtype) unless it mutates them,
+    allocations, and ops that return no tensor (a tensor's device)."""
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     free = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default, torch.ops.aten.empty_like.default,
@@ -3383,28 +3380,10 @@ def step_bytes(step):
     return dict(moved)
 
 
-def mixer_step(mixer, B, T, H, dtype=torch.bfloat16):
-    """A thunk that builds one `mixer` (a letter of COST_MIXERS) with H heads, kernels="triton", and runs it forward
-    and backward on a [B, T, n_embd] input, under autocast to dtype (none for fp32). GPTConfig's other keys keep
-    their defaults (the chunk lengths among them): the report is of the model as it is configured."""
-    import model
-    cfg = model.GPTConfig(block_size=T, mixer=mixer, kernels="triton", **COST_MIXERS[mixer][0](H))
-
-    def step():
-        torch.manual_seed(0)
-        layer = model.MIXERS[mixer](cfg)
-        x = torch.randn(B, T, cfg.n_embd).to(dtype).requires_grad_()
-        rope = model.rope_cache(T, cfg.n_embd // cfg.n_head, cfg.rope_base)
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            y = layer(x, rope)
-        y.backward(torch.randn_like(y))
-    return step
-
-
-def sm90_resources(mixer, B, T, dtype):
-    """[dict(regs, shared, stack)] per launch of mixer_step at (B, T, the report's heads), compiled for sm_90 (each
-    distinct launch once); in a process that imported triton without the interpreter."""
-    launches, _ = real_launches(mixer_step(mixer, B, T, COST_MIXERS[mixer][1], dtype), signatures=True)
+def sm90_resources(step):
+    """[dict(regs, shared, stack)] per Triton launch of step() (recorded on fake tensors), compiled for sm_90, each
+    distinct launch once; in a process that imported triton without the interpreter (in_compiling_python)."""
+    launches, _ = real_launches(step, signatures=True)
     keys = [(l["kernel"], tuple(l["signature"].items()), tuple(l["constexprs"].items()), tuple(l["options"].items()))
             for l in launches]
     distinct = {key: (l["fn"], l["signature"], l["constexprs"], l["options"]) for key, l in zip(keys, launches)}
@@ -3412,13 +3391,12 @@ def sm90_resources(mixer, B, T, dtype):
     return [{k: found[key][k] for k in ("regs", "shared", "stack")} for key in keys]
 
 
-def _in_compiling_python(expression):
-    """The JSON value of a kernels.py expression, evaluated in a fresh Python that imports triton itself without
-    the interpreter, so that kernels compile (the interpreter's cannot)."""
+def in_compiling_python(program):
+    """The JSON value that a Python program prints last, run in a fresh Python without Triton's interpreter, so that
+    kernels compile (the interpreter's cannot); the program imports what it needs, triton before this file."""
     import json
     import subprocess
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    program = f"import json, torch, triton, kernels; print(json.dumps({expression}))"
     run = subprocess.run([sys.executable, "-c", program], cwd=os.path.dirname(os.path.abspath(__file__)), env=env,
                          capture_output=True, text=True)
     if run.returncode:
@@ -3426,29 +3404,24 @@ def _in_compiling_python(expression):
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def kernel_cost_rows(mixer, B=16, T=1024, dtype=torch.bfloat16, resources=True, gpu=H100_SXM):
-    """(rows, eager) for one `mixer` (a letter of COST_MIXERS) forward + backward at [B, T], its report's heads, under
-    autocast to dtype. rows: one dict per Triton launch, in order: kernel, grid, read and written (unique bytes),
-    dot_flops, exps, steps, num_warps, num_stages, counted: scaled from eight small shapes (scaled_counts), or, for a
-    launch whose constexprs or grid do not scale with the heads, replayed at the real heads and four small (B, T)
-    and scaled in those (a count that still does not scale is None: rms_norm's persistent backward's steps, whose
-    grid is 4 programs on a CPU, 4 per SM on a GPU: steps that grow with the batch are those of a loop over such a
-    grid, not a serial chain, and are None too). With resources also regs, shared, stack (sm_90) and the estimate:
-    blocks_per_sm, waves = ⌈programs / (blocks_per_sm · SMs)⌉, t_bytes = bytes / bandwidth, t_flops = dot FLOPs /
-    peak, t_floor = waves · steps · step_latency where a launch does not pipeline its loop (num_stages = 1; with
-    num_stages ≥ 2, Triton's default 3, one step a wave), and time = the largest of the three. eager: {custom op:
-    bytes its body's aten ops move}, counted on fake tensors at [B, T]."""
-    import model
-    heads, fewest = COST_MIXERS[mixer][1:]
-    defaults = model.GPTConfig()
-    chunk = {"G": defaults.gdn_chunk_size, "M": defaults.chunk_size}.get(mixer, 16)
-    short = chunk * (64 // chunk + 1)   # whole chunks, past gdn2's fused recurrent kernel (T ≤ 64)
-    lo, hi = (1, short, fewest), (2, short + chunk, 2 * fewest)
-    recorded = functools.lru_cache(maxsize=None)(lambda shape: real_launches(mixer_step(mixer, *shape, dtype))[0])
-    counts = scaled_counts(lambda shape: interpreter_counts(mixer_step(mixer, *shape, dtype)), lo, hi, (B, T, heads))
-    launches, eager = real_launches(mixer_step(mixer, B, T, heads, dtype))
+def kernel_costs(step_at, lo, hi, at, resources=None, gpu=H100_SXM):
+    """(rows, eager) for the step step_at(B, T, H) at `at` = (B, T, H), from the shapes with each coordinate at lo
+    or hi. rows: one dict per Triton launch, in order: kernel, grid, read and written (unique bytes), dot_flops,
+    exps, steps, num_warps, num_stages, counted: scaled from the eight small shapes (scaled_counts), or, for a launch
+    whose constexprs or grid do not scale with H, replayed at the real H and the four small (B, T) and scaled in
+    those (a count that still does not scale is None: rms_norm's persistent backward's steps, whose grid is 4
+    programs on a CPU, 4 per SM on a GPU; steps that grow with the batch are those of a loop over such a grid, not a
+    serial chain, and are None too). With resources (sm90_resources of the same step) also regs, shared, stack and
+    the estimate: blocks_per_sm, waves = ⌈programs / (blocks_per_sm · SMs)⌉, t_bytes = bytes / bandwidth, t_flops =
+    dot FLOPs / peak, t_floor = waves · steps · step_latency where a launch does not pipeline its loop (num_stages =
+    1; with num_stages ≥ 2, Triton's default 3, one step a wave), and time = the largest of the three. eager:
+    {custom op: bytes its body's aten ops move}, counted on fake tensors at `at`."""
+    B, T, heads = at
+    recorded = functools.lru_cache(maxsize=None)(lambda shape: real_launches(step_at(*shape))[0])
+    counts = scaled_counts(lambda shape: interpreter_counts(step_at(*shape)), lo, hi, at)
+    launches, eager = real_launches(step_at(*at))
     if [c["kernel"] for c in counts] != [launch["kernel"] for launch in launches]:
-        raise ValueError(f"{mixer}: the launches at [{B}, {T}] are not those of the small shapes")
+        raise ValueError(f"the launches at {at} are not those of the small shapes")
     rows = []
     for i, (c, launch) in enumerate(zip(counts, launches)):
         if c["params"] != launch["params"] or c["programs"] != math.prod(launch["grid"]):
@@ -3457,32 +3430,31 @@ def kernel_cost_rows(mixer, B=16, T=1024, dtype=torch.bfloat16, resources=True, 
             replayed = lambda shape: [replay_counts(recorded((*shape, heads))[i])]
             c = scaled_counts(replayed, lo[:2], hi[:2], (B, T))[0]
             if c["params"] != launch["params"]:
-                raise ValueError(f"{mixer}: {launch['kernel']}'s constexprs change with B and T: not counted")
+                raise ValueError(f"{launch['kernel']}'s constexprs change with B and T: not counted")
         if c["read"] is None or c["written"] is None:
-            raise ValueError(f"{mixer}: {launch['kernel']}'s bytes do not scale with the shape")
+            raise ValueError(f"{launch['kernel']}'s bytes do not scale with the shape")
         if any(n["steps"] != c["corners"][(1, *rest)]["steps"] for (b, *rest), n in c["corners"].items() if not b):
             c["steps"] = None   # steps that grow with the batch: a loop over a device-sized (persistent) grid
         rows.append(dict(c, programs=math.prod(launch["grid"]), grid=launch["grid"],
                          num_warps=launch["options"].get("num_warps", 4),
                          num_stages=launch["options"].get("num_stages", 3)))
-    if resources:
-        for row, found in zip(rows, _in_compiling_python(f"kernels.sm90_resources({mixer!r}, {B}, {T}, {dtype})")):
-            row.update(found, blocks_per_sm=blocks_per_sm(found["regs"], row["num_warps"], found["shared"]))
-            row["waves"] = -(-math.prod(row["grid"]) // (max(1, row["blocks_per_sm"]) * gpu["sms"]))
-            row["t_bytes"] = (row["read"] + row["written"]) / gpu["bandwidth"]
-            row["t_flops"] = row["dot_flops"] / gpu["dot_flops"]
-            steps = row["steps"] if row["num_stages"] == 1 else 1
-            if steps is None:
-                raise ValueError(f"{mixer}: {row['kernel']} does not pipeline its loop and its steps are not counted")
-            row["t_floor"] = row["waves"] * steps * gpu["step_latency"]
-            row["time"] = max(row["t_bytes"], row["t_flops"], row["t_floor"])
+    for row, found in zip(rows, resources or []):
+        row.update(found, blocks_per_sm=blocks_per_sm(found["regs"], row["num_warps"], found["shared"]))
+        row["waves"] = -(-row["programs"] // (max(1, row["blocks_per_sm"]) * gpu["sms"]))
+        row["t_bytes"] = (row["read"] + row["written"]) / gpu["bandwidth"]
+        row["t_flops"] = row["dot_flops"] / gpu["dot_flops"]
+        steps = row["steps"] if row["num_stages"] == 1 else 1
+        if steps is None:
+            raise ValueError(f"{row['kernel']} does not pipeline its loop and its steps are not counted")
+        row["t_floor"] = row["waves"] * steps * gpu["step_latency"]
+        row["time"] = max(row["t_bytes"], row["t_flops"], row["t_floor"])
     return rows, eager
 
 
 def cost_totals(rows, eager, gpu=H100_SXM):
-    """One mixer's totals from kernel_cost_rows: launches, Triton bytes (read + written), eager bytes, dot FLOPs and
-    exps (of the launches that have them counted), the most steps of a launch, and (with resources) the estimated
-    time: the launches' plus the eager bytes at the bandwidth (their own launch latencies left out)."""
+    """One step's totals from kernel_costs: launches, Triton bytes (read + written), eager bytes, dot FLOPs and exps
+    (of the launches that have them counted), the most steps of a launch, and (with resources) the estimated time:
+    the launches' plus the eager bytes at the bandwidth (their own launch latencies left out)."""
     known = lambda key: [r[key] for r in rows if r[key] is not None]
     totals = dict(launches=len(rows), triton=sum(r["read"] + r["written"] for r in rows), eager=sum(eager.values()),
                   dot_flops=sum(known("dot_flops")), exps=sum(known("exps")), steps=max(known("steps"), default=1))
@@ -3496,16 +3468,15 @@ def _shown(value, unit, width, digits):
     return f"{'–':>{width}s}" if value is None else f"{value / unit:{width}.{digits}f}"
 
 
-def kernel_cost_report(mixers="GMA", B=16, T=1024, dtype=torch.bfloat16, resources=True):
-    """Print kernel_cost_rows for each mixer (its launches, the eager bytes inside its custom ops) and the totals;
-    returns {mixer: (rows, eager)}."""
-    reports = {m: kernel_cost_rows(m, B, T, dtype, resources) for m in mixers}
+def print_kernel_costs(reports, shape):
+    """Print kernel_costs' rows and eager bytes of each {name: (title, rows, eager)} (per launch: counted; its time on
+    an H100 SXM: estimated, where the rows have it), then their totals; `shape` says what was run."""
+    resources = all("time" in r for _, rows, _ in reports.values() for r in rows)
     bound = lambda r: max(("bytes", r["t_bytes"]), ("flops", r["t_flops"]), ("latency", r["t_floor"]),
                           key=lambda x: x[1])
-    for mixer, (rows, eager) in reports.items():
-        cfg, heads = COST_MIXERS[mixer][0](COST_MIXERS[mixer][1]), COST_MIXERS[mixer][1]
-        print(f"\n== {mixer} ({cfg['n_embd']} wide, {heads} heads): one layer forward + backward, B={B} T={T} "
-              f"{str(dtype).split('.')[-1]}, per Triton launch (counted) and its time on an H100 SXM (estimated) ==")
+    for title, rows, eager in reports.values():
+        print(f"\n== {title}: {shape}, per Triton launch (counted)" + (" and its time on an H100 SXM (estimated)"
+                                                                       if resources else "") + " ==")
         print(f"{'kernel':30s} {'grid':>12s} {'read MB':>9s} {'write MB':>9s} {'GFLOP':>7s} {'Mexp':>7s} {'steps':>5s} "
               f"{'warps':>5s} {'stages':>6s}" + (f" {'regs':>4s} {'smem KB':>7s} {'blk/SM':>6s} {'waves':>5s} "
                                                  f"{'est us':>7s} bound" if resources else ""))
@@ -3517,17 +3488,17 @@ def kernel_cost_report(mixers="GMA", B=16, T=1024, dtype=torch.bfloat16, resourc
                 line += (f" {r['regs']:4d} {r['shared'] / 1024:7.1f} {r['blocks_per_sm']:6d} {r['waves']:5d} "
                          f"{r['time'] * 1e6:7.1f} {bound(r)[0]}")
             print(line)
-        print("– not counted (kernel_cost_rows says why); eager aten ops inside the custom ops: " + (", ".join(
+        print("– not counted (kernel_costs says why); eager aten ops inside the custom ops: " + (", ".join(
             f"{op} {n / 1e6:.1f} MB" for op, n in sorted(eager.items(), key=lambda kv: -kv[1]) if n) or "none"))
-    print(f"\n== totals, one layer forward + backward, B={B} T={T}: bytes and FLOPs counted, time estimated ==")
-    print(f"{'mixer':5s} {'launches':>8s} {'Triton GB':>9s} {'eager GB':>8s} {'total GB':>8s} {'dot GFLOP':>9s} "
+    print(f"\n== totals, {shape}: bytes and FLOPs counted" + (", time estimated" if resources else "") + " ==")
+    print(f"{'name':5s} {'launches':>8s} {'Triton GB':>9s} {'eager GB':>8s} {'total GB':>8s} {'dot GFLOP':>9s} "
           f"{'Gexp':>6s} {'most steps':>10s}" + (f" {'est us':>7s}" if resources else ""))
-    for mixer, (rows, eager) in reports.items():
+    for name, (_, rows, eager) in reports.items():
         t = cost_totals(rows, eager)
-        print(f"{mixer:5s} {t['launches']:8d} {t['triton'] / 1e9:9.2f} {t['eager'] / 1e9:8.2f} "
+        print(f"{name:5s} {t['launches']:8d} {t['triton'] / 1e9:9.2f} {t['eager'] / 1e9:8.2f} "
               f"{(t['triton'] + t['eager']) / 1e9:8.2f} {t['dot_flops'] / 1e9:9.1f} {t['exps'] / 1e9:6.2f} "
               f"{t['steps']:10d}" + (f" {t['time'] * 1e6:7.0f}" if resources else ""))
-    return reports
+
 
 # -----------------------------------------------------------------------------
 # The Triton side of `python kernels.py` (called from the __main__ block below): a walk through the
@@ -3788,5 +3759,5 @@ if __name__ == "__main__":
     subprocess.run([sys.executable, "-c", "import triton, model; model.kept_activation_table()"], env=env, cwd=here)
     # in Triton's interpreter (it counts; the sm_90 compile runs in a process of its own): the kernel cost report
     # at the hybrid preset's shapes, a few minutes on a CPU
-    subprocess.run([sys.executable, "-c", "import kernels; kernels.kernel_cost_report()"],
+    subprocess.run([sys.executable, "-c", "import model; model.kernel_cost_report()"],
                    env=dict(env, TRITON_INTERPRET="1"), cwd=here)

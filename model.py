@@ -687,6 +687,60 @@ def kept_activation_table(shapes=((16, 2048, 2048, 16), (8, 1024, 768, 12))):
               "  ".join(f"{m} {mixer_kept_activations(cfg(m), B, T):5.2f}x" for m in MIXERS))
 
 
+# The mixers of the kernel cost report (kernels.kernel_costs): GPTConfig keys for H heads, the heads it reports
+# (the hybrid preset's G and A: 704 wide, 11 heads of 64; Mamba2 at GPT-2 small's 768: 48 heads of 32, state 64),
+# and the fewest heads at which its counts are linear in H (ssd's dB/dC programs sum over groups of 8 heads)
+COST_MIXERS = {"G": (lambda H: dict(n_embd=64 * H, n_head=H, gdn_variant="gdn2", gdn_expand_v=1), 11, 1),
+               "M": (lambda H: dict(n_embd=16 * H, n_head=1, mamba_expand=2, mamba_headdim=32, mamba_d_state=64), 48,
+                     8),
+               "A": (lambda H: dict(n_embd=64 * H, n_head=H, qk_norm=True, rope="fixed", attention="sdpa"), 11, 1)}
+
+
+def mixer_cost_step(mixer, B, T, H, dtype=torch.bfloat16):
+    """A thunk that builds one `mixer` (a letter of COST_MIXERS) with H heads, kernels="triton", and runs it forward
+    and backward on a [B, T, n_embd] input under autocast to dtype (none for fp32). GPTConfig's other keys keep
+    their defaults (the chunk lengths among them): the report is of the model as it is configured."""
+    cfg = GPTConfig(block_size=T, mixer=mixer, kernels="triton", **COST_MIXERS[mixer][0](H))
+
+    def step():
+        torch.manual_seed(0)
+        layer = MIXERS[mixer](cfg)
+        x = torch.randn(B, T, cfg.n_embd).to(dtype).requires_grad_()
+        rope = rope_cache(T, cfg.n_embd // cfg.n_head, cfg.rope_base)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            y = layer(x, rope)
+        y.backward(torch.randn_like(y))
+    return step
+
+
+def kernel_cost_rows(mixer, B=16, T=1024, dtype=torch.bfloat16, resources=True):
+    """kernels.kernel_costs of one `mixer` forward + backward at [B, T] and its report's heads, counted in Triton's
+    interpreter (TRITON_INTERPRET=1) at small shapes: B 1 and 2, the two shortest lengths of whole chunks past 64
+    (gdn2's fused recurrent kernel takes T ≤ 64), the fewest heads and twice them; with resources, compiled for
+    sm_90 in a Python of its own."""
+    heads, fewest = COST_MIXERS[mixer][1:]
+    chunk = {"G": GPTConfig().gdn_chunk_size, "M": GPTConfig().chunk_size}.get(mixer, 16)
+    short = chunk * (64 // chunk + 1)
+    found = None
+    if resources:
+        found = kernels.in_compiling_python(
+            "import json, torch, triton, kernels, model; print(json.dumps(kernels.sm90_resources("
+            f"model.mixer_cost_step({mixer!r}, {B}, {T}, {heads}, {dtype}))))")
+    return kernels.kernel_costs(lambda b, t, h: mixer_cost_step(mixer, b, t, h, dtype), (1, short, fewest),
+                                (2, short + chunk, 2 * fewest), (B, T, heads), found)
+
+
+def kernel_cost_report(mixers="GMA", B=16, T=1024, dtype=torch.bfloat16, resources=True):
+    """Print kernel_cost_rows for each mixer (its launches, the eager bytes inside its custom ops) and their totals;
+    returns {mixer: (rows, eager)}."""
+    reports = {}
+    for m in mixers:
+        keys, heads = COST_MIXERS[m][0](COST_MIXERS[m][1]), COST_MIXERS[m][1]
+        reports[m] = (f"{m} ({keys['n_embd']} wide, {heads} heads)", *kernel_cost_rows(m, B, T, dtype, resources))
+    kernels.print_kernel_costs(reports, f"one layer forward + backward, B={B} T={T} {str(dtype).split('.')[-1]}")
+    return {m: report[1:] for m, report in reports.items()}
+
+
 # -----------------------------------------------------------------------------
 # Hyper-connections: n parallel residual streams X (B, T, n, C), one HyperConnection per sublayer.
 

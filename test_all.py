@@ -2502,7 +2502,7 @@ def test_triton_op_bodies_keep_their_dtypes_under_autocast(op):
     assert all(torch.equal(a, b) for a, b in zip(*results)), [rel_err(a, b) for a, b in zip(*results)]
 
 
-# Kernel cost, counted on a CPU (kernels.kernel_cost_rows): Triton's interpreter, its builder instrumented, counts
+# Kernel cost, counted on a CPU (kernels.kernel_costs): Triton's interpreter, its builder instrumented, counts
 # each launch's unique bytes, dot FLOPs, exps and loop steps; small shapes scale to real ones exactly.
 INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts in Triton's interpreter")
 
@@ -2596,7 +2596,7 @@ def test_kernel_cost_eager_bytes_inside_custom_ops_by_hand():
 @INTERPRETED
 @pytest.mark.aot  # several minutes on 2 cores (the interpreter's counts, then the sm_90 compile)
 def test_kernel_cost_report_of_g_and_m_at_the_hybrid_shapes():
-    """kernels.kernel_cost_rows for G (704 wide, 11 heads of 64) and M (768 wide, 48 heads of 32, state 64), one
+    """model.kernel_cost_rows for G (704 wide, 11 heads of 64) and M (768 wide, 48 heads of 32, state 64), one
     layer forward + backward at B 16, T 1024 in bf16: rms_norm's launches, scaled (G's forward) or replayed at the
     real heads (M's, over 1536 channels, and both backwards), read and write exactly their closed forms at that
     shape (rows·C bf16 of x, the gate and dy, C fp32 of the weight, rows fp32 of rstd; outputs y or dx and dgate, and
@@ -2604,7 +2604,7 @@ def test_kernel_cost_report_of_g_and_m_at_the_hybrid_shapes():
     estimate is the largest of its three bounds."""
     B, T = 16, 1024
     for mixer, rows_per_norm, C, gated in (("G", B * T * 11, 64, False), ("M", B * T, 1536, True)):
-        rows, _ = kernels.kernel_cost_rows(mixer, B, T, torch.bfloat16)
+        rows, _ = model_module.kernel_cost_rows(mixer, B, T, torch.bfloat16)
         x_bytes = rows_per_norm * C * 2 * (1 + gated)
         forward = dict(read=x_bytes + C * 4, written=rows_per_norm * (C * 2 + 4))
         backward = dict(read=x_bytes + rows_per_norm * (C * 2 + 4) + C * 4, written=x_bytes + 4 * C * 4)
