@@ -39,6 +39,7 @@ Hessian-vector products need.
 During training, `train.py --analyze_every=N` calls analyze_during_training (the cheap sections,
 one JSON line per call) and plot_training_analysis draws them against the step.
 """
+import ast
 import dataclasses
 import inspect
 import json
@@ -1120,6 +1121,7 @@ class Section:
     needs: tuple = ()
     default: bool = True
     during_training: object = None
+    two_batch_sizes: bool = False  # it compares the micro-batches' gradients with their mean's: --micro_batches >= 2
 
 
 SECTIONS = {  # in run order: a section's needs come before it
@@ -1131,9 +1133,9 @@ SECTIONS = {  # in run order: a section's needs come before it
         lanczos_iters=inputs["opts"]["lanczos_iters"], n_slq=inputs["opts"]["n_slq"], seed=inputs["opts"]["seed"],
         verbose=True), plot_hessian, show_hessian, during_training=hessian_during_training),
     "gradients": Section(lambda model, inputs: gradient_stats(model, inputs["batches"]), plot_gradients,
-                         show_gradients, during_training=gradients_during_training),
+                         show_gradients, during_training=gradients_during_training, two_batch_sizes=True),
     "noise": Section(lambda model, inputs: (curvature_noise_scale(model, inputs["batches"]), {}), None, show_noise,
-                     during_training=noise_during_training),
+                     during_training=noise_during_training, two_batch_sizes=True),
     "ns": Section(ns_section, plot_ns, show_ns, needs=("gradients",)),
     "hc": Section(lambda model, inputs: hc_spectra(model, inputs["idx"]), plot_hc, show_hc,
                   during_training=hc_during_training),
@@ -1485,7 +1487,7 @@ OPTIONS = {  # analysis options; every GPTConfig key is also accepted (fresh ini
     "ckpt": "",                        # a train.py checkpoint to analyse (empty: a fresh init)
     "out_dir": "",                     # where the outputs go (empty: the checkpoint's folder + /analysis)
     "sections": ",".join(DEFAULT_SECTIONS),  # comma-separated names from SECTIONS (coord, lr_transfer: opt-in)
-    "device": "auto",                  # auto (cuda > mps > cpu) | cpu | cuda | cuda:1 | mps
+    "device": "auto",                  # as train.py's --device: auto (cuda > mps > cpu) | cpu | cuda | cuda:1 | mps
     "seed": 0,                         # seeds a fresh init, the batches and the probes
     "dataset": "shakespeare_char",     # as train.py's --dataset (a checkpoint names its own)
     "tokenizer": "auto",               # as train.py's --tokenizer
@@ -1507,26 +1509,61 @@ OPTIONS = {  # analysis options; every GPTConfig key is also accepted (fresh ini
     "mpl_predict": "",                 # run folders whose loss curves the fitted law predicts
     "lengths": "",                     # length_extrapolation instead, at these multiples of block_size (e.g. 1,2,4,8)
 }
-# the allowed values of the numeric options (data.in_range)
+# the allowed values of the numeric options and model keys (data.in_range)
 RANGES = {"seed": "in [0, 2**63)", "batch_size": ">= 1", "micro_batches": ">= 1", "hessian_batches": ">= 1",
           "top_k": ">= 1", "power_iters": ">= 1", "n_probes": ">= 1", "lanczos_iters": ">= 1", "n_slq": ">= 1",
-          "scan_target": "> 0", "scan_max_iters": ">= 1", "scan_analyze_batch": ">= 0"}
+          "scan_target": "> 0", "scan_max_iters": ">= 1", "scan_analyze_batch": ">= 0", **model_module.CONFIG_RANGES}
+
+
+def choices():
+    """The options and model keys that take one of a set of values, and those values (the mixer's letters apart:
+    GPTConfig checks them)."""
+    return {"split": ("train", "val"), "tokenizer": ("auto", *data.TOKENIZERS),
+            **{k: v for k, v in model_module.config_choices().items() if k != "mixer"}}
+
+
+def train_settings():
+    """The names of train.py's run settings (its module-level assignments above RUN_DEFAULTS), read from its source,
+    as analyze.py does not import train.py: the keys of a train.py config file that analyze.py skips."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")) as f:
+        body = ast.parse(f.read()).body
+    names = [node.targets[0].id for node in body
+             if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)]
+    return names[:names.index("RUN_DEFAULTS")]
 
 
 def parse_args(argv):
     """data.parse_config (train.py's parser) over OPTIONS and the GPTConfig keys, with GPTConfig's
     defaults. A bare path or --config=path is a train.py config file; only its model keys, dataset and
-    tokenizer are used (its other keys are training settings). Returns (options, model overrides)."""
+    tokenizer are used (its other keys are train.py's settings; a key that is neither is refused). Every value is
+    checked as train.py checks its own (data.check_values, GPTConfig's rules), and the sections chosen. Returns
+    (options, model overrides)."""
     model_keys = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size"}
     with open(__file__) as f:
         options_source = f.read().split("\nOPTIONS = {", 1)[1]
     descriptions = {**data.source_comments(inspect.getsource(GPTConfig)), **data.source_comments(options_source)}
     given = data.parse_config(argv, {**OPTIONS, **model_keys}, __doc__, descriptions,
-                              file_keys={*model_keys, "dataset", "tokenizer"},
-                              allowed={k: " | ".join(v) for k, v in model_module.config_choices().items()})
+                              file_keys={*model_keys, "dataset", "tokenizer"}, file_others=train_settings(),
+                              allowed={**RANGES, **{k: " | ".join(v) for k, v in choices().items()}})
     opts = {**OPTIONS, **{k: v for k, v in given.items() if k in OPTIONS}}
-    data.check_ranges(opts, RANGES)
-    return opts, {k: v for k, v in given.items() if k not in OPTIONS}
+    overrides = {k: v for k, v in given.items() if k not in OPTIONS}
+    data.check_values({**model_keys, **given}, RANGES, choices())
+    GPTConfig(**{**model_keys, **overrides})  # the model's own rules, with a stand-in vocabulary
+    check_sections(opts)
+    return opts, overrides
+
+
+def check_sections(opts):
+    """--sections names sections of SECTIONS, and --micro_batches is enough for them."""
+    sections = [s for s in opts["sections"].split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown sections {sorted(unknown)}: choose from {','.join(SECTIONS)}")
+    two = [s for s in sections if SECTIONS[s].two_batch_sizes]
+    if two and opts["micro_batches"] < 2:
+        raise ValueError(f"--micro_batches={opts['micro_batches']} is too few for the {', '.join(two)} section"
+                         f"{'s' * (len(two) > 1)}, which compare two batch sizes: use --micro_batches=2 or more, or "
+                         f"--sections without {', '.join(two)}")
 
 
 def parse_list(opts, key, kind):
@@ -1616,11 +1653,6 @@ def main(argv):
     if opts["mpl_fit"]:
         return main_mpl(opts)
     sections = [s for s in opts["sections"].split(",") if s]
-    unknown = set(sections) - set(SECTIONS)
-    if unknown:
-        raise ValueError(f"unknown sections {sorted(unknown)}: choose from {','.join(SECTIONS)}")
-    if opts["split"] not in ("train", "val"):
-        raise ValueError(f"--split={opts['split']!r} is not valid: use train or val")
     device = kernels.use_device(opts["device"])  # made current: Triton launches on the current GPU
     factors = parse_list(opts, "lengths", float) if opts["lengths"] else None
     out_dir = opts["out_dir"] or os.path.join(os.path.dirname(opts["ckpt"]) if opts["ckpt"] else "out", "analysis")

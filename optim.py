@@ -13,6 +13,7 @@ kernel per op for the whole group, which is what makes them fast on the CPU. Mat
 
 import inspect
 import math
+import sys
 from typing import NamedTuple
 
 import torch
@@ -626,17 +627,25 @@ def lr_multiplier(it, total, warmup, floor, schedule, decay_frac):
     return floor + 0.5 * (1 + math.cos(math.pi * ratio)) * (1 - floor)
 
 
-def state_bytes(optimizer):
-    """Bytes held in tensors of the optimizer state."""
+def state_bytes(optimizer, params=None):
+    """Bytes held in tensors of the optimizer state (of params only, when given)."""
     opts = optimizer.optimizers if isinstance(optimizer, CombinedOptimizer) else [optimizer]
-    return sum(v.numel() * v.element_size() for opt in opts for s in opt.state.values()
-               for v in s.values() if torch.is_tensor(v))
+    kept = None if params is None else {id(p) for p in params}
+    return sum(v.numel() * v.element_size() for opt in opts for p, s in opt.state.items()
+               if kept is None or id(p) in kept for v in s.values() if torch.is_tensor(v))
 
 
 # -----------------------------------------------------------------------------
 # demo: msign's singular-value band, then each optimizer's state memory and step time against AdamW
 
 if __name__ == "__main__":
+    usage = ("python optim.py   msign's singular-value band, Muon's moonlight scale, each optimizer's state memory "
+             'and step time against AdamW')
+    if sys.argv[1:]:  # the demo takes no arguments
+        if sys.argv[1:] not in (["-h"], ["--help"]):
+            sys.exit(f"optim.py takes no arguments (got {sys.argv[1]!r}): {usage}")
+        print(usage)
+        sys.exit()
     import time
 
     torch.manual_seed(0)

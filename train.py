@@ -19,7 +19,6 @@ settings from the checkpoint, except those given again. A new run never replaces
 and out_dir/.lock keeps a second process out while one trains there. Ctrl-C (or SIGTERM) stops the run after
 the step it is in, with a checkpoint to resume from.
 """
-import difflib
 import glob
 import inspect
 import json
@@ -29,7 +28,7 @@ import signal
 import sys
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import fields
+from dataclasses import fields, replace
 from types import SimpleNamespace
 
 import torch
@@ -45,7 +44,7 @@ from model import GPT, GPTConfig
 # the comment beside each is its --help text)
 out_dir = "out"                # folder for ckpt.pt, log.jsonl, loss.png
 init_from = "scratch"          # where the run starts: from scratch, or resume out_dir/ckpt.pt
-overwrite = False              # a new run may replace the run in out_dir (its checkpoint, log and plots)
+overwrite = False              # a new run may replace the run in out_dir (deleted at the new one's first checkpoint)
 sample_only = False            # load out_dir/ckpt.pt, print samples, exit
 eval_interval = 250            # steps between evals (each eval writes the checkpoint)
 eval_iters = 20                # validation batches per eval (a fixed set, the same at every eval)
@@ -110,7 +109,8 @@ RESUME_CHANGEABLE = ("kernels", "attention", "chunk_size", "dropout", "rope_scal
 COMMAND_KEYS = ("out_dir", "init_from", "overwrite", "sample_only")
 # the files a run writes in out_dir
 RUN_FILES = ("ckpt.pt", "log.jsonl", "loss.png", "analysis.jsonl", "analysis.png")
-# the allowed values of each numeric key (data.in_range): ">= a", "> a", or an interval "in [a, b)"
+# the allowed values of each numeric key (data.in_range): ">= a", "> a", or an interval "in [a, b)"; the model's
+# keys' are model.CONFIG_RANGES (analyze.py checks them too)
 RANGES = {"eval_interval": ">= 1", "eval_iters": ">= 1", "log_interval": ">= 1", "analyze_every": ">= 0",
           "seed": "in [0, 2**63)",
           "batch_size": ">= 1", "gradient_accumulation_steps": ">= 1", "learning_rate": "> 0", "min_lr": ">= 0",
@@ -118,15 +118,17 @@ RANGES = {"eval_interval": ">= 1", "eval_iters": ">= 1", "log_interval": ">= 1",
           "precond_every": ">= 1", "mousse_alpha": "> 0", "galore_rank": ">= 1", "galore_gap": ">= 1",
           "galore_scale": "> 0", "aux_lr": ">= 0", "grad_clip": ">= 0", "max_iters": ">= 0", "lr_decay_iters": ">= 0",
           "warmup_iters": ">= 0", "wsd_decay_frac": "in [0, 1]", "num_samples": ">= 0", "max_new_tokens": ">= 0",
-          "temperature": ">= 0", "top_k": ">= 1", "peak_tflops": ">= 0",
-          "block_size": ">= 1", "n_layer": ">= 1", "n_head": ">= 1", "n_embd": ">= 1", "hc_streams": ">= 1",
-          "mamba_headdim": ">= 1", "vocab_multiple": ">= 1", "rope_base": "> 0", "dropout": "in [0, 1)"}
+          "temperature": ">= 0", "top_k": ">= 1", "peak_tflops": ">= 0", **model.CONFIG_RANGES}
 # --dtype: the autocast dtype of each choice (float32: no autocast); float16 scales the loss (torch.amp.GradScaler)
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # with no config file on a GPU, train.py still trains the CPU baby model, and names this preset (see gpu_hint)
 GPU_PRESET = "config/shakespeare_char_gpu.py"
 # one training step that would take longer than this at the device's peak FLOP/s is a typo, not a run
 MAX_STEP_SECONDS = 3600
+# a CPU run that would take longer than this (at the CPU's measured matmul rate) is told it is sized for a GPU
+LONG_CPU_RUN_SECONDS = 600
+# a long phase (an eval) prints a progress line after this many seconds, and again after each such interval
+PROGRESS_SECONDS = 5
 
 
 def model_defaults():
@@ -148,41 +150,25 @@ def config_help():
     return {**data.source_comments(inspect.getsource(GPTConfig)), **data.source_comments(open(__file__).read())}
 
 
-def one_of(allowed):
-    return ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
-
-
 def check_settings(c):
-    """The ranges and choices of every key (GPTConfig checks the model's other rules), the rules between keys,
-    and the device."""
-    data.check_ranges(c, RANGES)
-    for key, allowed in choices().items():
-        if key in c and key != "mixer" and c[key] not in allowed:
-            close = difflib.get_close_matches(str(c[key]), allowed, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise data.ConfigError(f"--{key}={c[key]!r} is not valid: use {one_of(allowed)}{hint}")
+    """Every key's range and choice and the device (data.check_values, as analyze.py checks them), the model's own
+    rules (GPTConfig's, with a stand-in vocabulary: before any data is read), the rule between the lrs, and the kernel
+    path."""
+    data.check_values(c, RANGES, {key: allowed for key, allowed in choices().items() if key != "mixer"})
+    GPTConfig(**{key: c[key] for key in model_defaults()})  # mixer letters, head size, ...
     if c["min_lr"] > c["learning_rate"]:
         raise data.ConfigError(f"--min_lr={c['min_lr']!r} is above --learning_rate={c['learning_rate']!r}: the "
                                f"schedule decays from the learning rate down to min_lr; use a smaller --min_lr")
-    check_device(c["device"])
+    check_kernel_path(c["kernels"], c["device"])
 
 
-def check_device(name):
-    """name must be auto or a device of this machine: cpu, cuda (cuda:N) or mps."""
-    if name == "auto":
-        return
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda", "mps"):
-        raise data.ConfigError(f"--device={name!r} is not a device: use auto, cpu, cuda, cuda:1 or mps")
-    gpus = torch.cuda.device_count()
-    if device.type == "cuda" and (device.index or 0) >= gpus:
-        have = f"{gpus} CUDA GPU{'s' * (gpus > 1)} (cuda:0 .. cuda:{gpus - 1})" if gpus else "no CUDA GPU"
-        raise data.ConfigError(f"--device={name!r}: this machine has {have}: use --device=auto or cpu")
-    if device.type == "mps" and not kernels.mps_available():
-        raise data.ConfigError(f"--device={name!r}: this machine has no MPS (Apple GPU): use --device=auto or cpu")
+def check_kernel_path(path, device):
+    """--kernels=triton needs Triton where the run computes: a CUDA GPU, or on a CPU Triton's interpreter (set before
+    Python starts)."""
+    on_gpu = torch.cuda.is_available() if device == "auto" else torch.device(device).type == "cuda"
+    if path == "triton" and not (kernels.HAS_TRITON and (on_gpu or os.environ.get("TRITON_INTERPRET") == "1")):
+        raise data.ConfigError("--kernels='triton' needs Triton on a CUDA GPU (on a CPU, slowly, its interpreter: "
+                               "TRITON_INTERPRET=1 python train.py ...): use --kernels=auto or torch")
 
 
 def check_run_folder(out_dir, init_from, overwrite):
@@ -193,18 +179,36 @@ def check_run_folder(out_dir, init_from, overwrite):
 
 
 def prepare_run_folder(out_dir, resume_iter):
-    """A new run (resume_iter None) deletes the files of the run it replaces; a resumed one keeps the rows of its
-    logs up to its checkpoint's step, dropping (and saying so) lines that a crash or a full disk cut short."""
+    """A new run (resume_iter None) sets the files of the run it replaces aside (data.set_aside_run: deleted at its
+    first checkpoint, put back if it stops before) and returns whether there were any; a resumed one keeps the rows
+    of its logs up to its checkpoint's step, dropping (and saying so) lines that a crash or a full disk cut short and
+    rows that are no step's."""
+    if resume_iter is None:
+        return data.set_aside_run(out_dir, RUN_FILES)
     for name in RUN_FILES:
         path = os.path.join(out_dir, name)
-        if resume_iter is None and os.path.exists(path):
-            os.remove(path)
-        elif resume_iter is not None and name.endswith(".jsonl") and os.path.exists(path):
-            rows, torn = data.read_jsonl(path)
+        if name.endswith(".jsonl") and os.path.exists(path):
+            rows, dropped = data.read_jsonl(path)
             kept = "".join(json.dumps(row) + "\n" for row in rows if row["step"] <= resume_iter)
             data.atomic_write_bytes(path, kept.encode())
-            if torn:
-                print(f"note: dropped {torn} line{'s' * (torn > 1)} of {path} cut short by a crash or a full disk")
+            for why, count in dropped.items():
+                print(f"note: dropped {count} line{'s' * (count > 1)} of {path} {why}")
+    return False
+
+
+def put_back_replaced_run(out_dir):
+    """The run a new run set aside comes back when the new one ends before its first checkpoint."""
+    if data.restore_run(out_dir, RUN_FILES):
+        print(f"note: {out_dir} holds the run it held before again: this run stopped before its first checkpoint")
+
+
+def schedule_note(c):
+    """A warmup longer than the schedule is legal (a short trial run) but worth a line: the lr never peaks."""
+    schedule = c.lr_decay_iters or c.max_iters
+    if c.max_iters and c.warmup_iters > schedule:
+        return (f"note: the warmup ({c.warmup_iters} iters) is longer than the schedule ({schedule} iters): the lr "
+                f"never reaches --learning_rate={c.learning_rate:g}; a shorter --warmup_iters makes it")
+    return None
 
 
 def resumed_settings(saved, given):
@@ -356,18 +360,38 @@ def optimizer_options(c):
 
 
 @torch.no_grad()
-def evaluate(model, val_tokens, batch_size, block_size, eval_iters, device, autocast):
-    """The mean validation loss over eval_iters batches, the same ones at every call (seed 0)."""
+def evaluate(model, val_tokens, batch_size, block_size, eval_iters, device, autocast, received=None):
+    """The mean validation loss over eval_iters batches, the same ones at every call (seed 0), with progress lines when
+    it runs long; None when a signal came (received: stop_signals' list): the eval is abandoned at once."""
     was_training = model.training
     model.eval()
     sampler = data.BatchSampler(val_tokens, batch_size, block_size, seed=0, device=device)
     total = torch.zeros((), device=device)
-    for _ in range(eval_iters):
-        x, y = sampler.next_batch()
-        with autocast:
-            total += model(x, y)[1].float()
-    model.train(was_training)
+    try:
+        with abandoned_on_signal(received):
+            for _ in progress(range(eval_iters), "eval", "batches"):
+                x, y = sampler.next_batch()
+                with autocast:
+                    total += model(x, y)[1].float()
+    except Abandoned:
+        return None
+    finally:
+        model.train(was_training)
     return total.item() / eval_iters  # one host sync per eval
+
+
+def progress(items, label, unit):
+    """items one by one, printing `label: i/n unit, t s, about r s to go` (rank 0) every PROGRESS_SECONDS while it runs:
+    a long phase never looks like a hang."""
+    start = last = time.time()
+    talk = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    for done, item in enumerate(items, 1):
+        yield item
+        now = time.time()
+        if talk and now - last >= PROGRESS_SECONDS and done < len(items):
+            print(f"{label}: {done}/{len(items)} {unit}, {now - start:.0f} s, about "
+                  f"{(now - start) * (len(items) - done) / done:.0f} s to go", flush=True)
+            last = now
 
 
 def all_finite(model):
@@ -394,12 +418,38 @@ WANDB_KEYS = {"loss": "train/loss", "val": "val/loss"}
 
 
 def import_wandb():
+    """wandb, once it is known that it can log: installed, and logged in (an API key in WANDB_API_KEY, ~/.netrc or
+    wandb's settings, found by wandb's own lookup, without the network) unless WANDB_MODE or wandb's settings make it
+    offline or disabled. Anything else is one line now, before any work."""
     try:
         import wandb
+        from wandb.errors import AuthenticationError
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth  # wandb 0.31's credentials lookup (requirements.txt pins that version)
     except ImportError:
         raise data.ConfigError("--wandb_log=True needs the wandb package: pip install wandb (or drop --wandb_log)") \
             from None
+    settings = wandb_setup.singleton().settings
+    if settings.mode in ("offline", "dryrun", "disabled"):
+        return wandb
+    try:
+        key = wbauth.authenticate_session(host=settings.base_url, source="train.py", prompt=False,
+                                          update_session=False)
+    except AuthenticationError as e:
+        raise data.ConfigError(f"wandb's API key is not valid ({e}): run `wandb login`, set WANDB_MODE=offline, or "
+                               f"drop --wandb_log") from None
+    if key is None:
+        raise data.ConfigError("wandb has no API key: run `wandb login`, set WANDB_MODE=offline, or drop --wandb_log")
     return wandb
+
+
+def start_wandb(wandb, c, settings):
+    """The wandb run of this run (its files in out_dir/wandb), or a one-line error (no network to an online server)."""
+    try:
+        return wandb.init(project=c.wandb_project, name=c.wandb_run_name or None, config=settings, dir=c.out_dir)
+    except Exception as e:
+        raise data.ConfigError(f"wandb could not start its run ({type(e).__name__}: {str(e).splitlines()[0]}): check "
+                               f"the network, set WANDB_MODE=offline, or drop --wandb_log") from None
 
 
 def append_log(path, row, wandb_run=None, sync=False):
@@ -423,6 +473,18 @@ def save_run(path, raw_model, opt, sampler, master, settings, meta, **progress):
             "model": raw_model.state_dict(), "optimizer": opt.state_dict(), "config": settings, "meta": meta,
             "sampler": samplers, "rng": {"torch": torch.get_rng_state(),
                                          "cuda": torch.cuda.get_rng_state() if cuda else None}, **progress})
+        data.drop_replaced_run(os.path.dirname(path))  # the first checkpoint of a new run: the one it replaces goes
+
+
+@contextmanager
+def signals_handled_by(handle):
+    """While inside, handle(signum, frame) handles SIGINT (Ctrl-C) and SIGTERM; then the previous handlers are back."""
+    previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 @contextmanager
@@ -436,12 +498,30 @@ def stop_signals(again_stops=True):
         if received and again_stops:
             raise KeyboardInterrupt
         received.append(signum)
-    previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with signals_handled_by(handle):
         yield received
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+
+
+class Abandoned(Exception):
+    """A signal came while inside abandoned_on_signal."""
+
+
+@contextmanager
+def abandoned_on_signal(received):
+    """Inside, SIGINT and SIGTERM are recorded in received (stop_signals' list; None: no change) and raise Abandoned,
+    so what runs inside (an eval, minutes on a CPU) stops within an op, not at its end; a signal received before
+    entering raises it at once. The run then stops as after a step."""
+    if received is None:
+        yield
+        return
+    if received:
+        raise Abandoned
+
+    def handle(signum, frame):
+        received.append(signum)
+        raise Abandoned
+    with signals_handled_by(handle):
+        yield
 
 
 def stop_requested(received, ddp, device):
@@ -473,26 +553,20 @@ def plot_losses(log_path, png_path):
             ax.plot(*zip(*pts), label=label, marker="." if key == "val" else None)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.legend()
+    if ax.lines:  # a run stopped in its first eval has logged nothing yet
+        ax.legend()
     fig.tight_layout()
     data.atomic_write(png_path, lambda f: fig.savefig(f, format="png"))
     plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------------------------
-# the dry run: what a run costs, from its settings alone (the model is built on the meta device: no memory, no
-# data read). Parameters by closed form, checked against the model; memory by formula; time as an estimate.
+# what a run costs, from its settings alone, without building its model: the dry run prints it, and a run checks that
+# it fits before it builds anything. Parameters by closed form, checked against a count; memory by formula; time as an
+# estimate.
 
 ESTIMATE_MFU = 0.4   # the model FLOPs utilisation the time estimates assume
 ESTIMATE_GPUS = {"A100": "NVIDIA A100-SXM4-80GB", "H100": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200"}
-
-
-def dataset_vocab_size(dataset, tokenizer):
-    """The vocabulary a run of dataset gets: GPT-2's for token shards (nothing read), else the prepared data's
-    (a text not prepared yet is prepared now, into data/, as training would)."""
-    if data.is_shard_pattern(dataset):
-        return data.GPT2Tokenizer().meta()["vocab_size"]
-    return data.load_dataset(dataset, tokenizer)[2]["vocab_size"]
 
 
 def size(nbytes):
@@ -504,16 +578,90 @@ def duration(seconds):
         f"{seconds:.0f} s"
 
 
+def run_costs(c, config, world, act):
+    """What the run costs: parameters (counted, and model.param_formula's closed form), FLOPs a token, and the memory
+    of one process by formula (act bytes an activation). Counted on one period of its layers (a block per letter of
+    the mixer string) built on the meta device and scaled to n_layer, so any depth answers at once; the optimizer's
+    state (optim.state_bytes) after one step on the meta device, which creates the state's tensors and computes
+    nothing."""
+    period = min(config.n_layer, len(config.mixer))
+    with torch.device("meta"):
+        gpt = GPT(replace(config, n_layer=period))
+    opt = optim.build_optimizer(gpt, c.optimizer, lr=c.learning_rate, weight_decay=c.weight_decay, aux_lr=c.aux_lr,
+                                aux_betas=(c.beta1, c.beta2), spectral_lr=c.spectral_lr, **optimizer_options(c))
+    for p in gpt.parameters():
+        p.grad = torch.empty_like(p)
+    opt.step()
+    layers = [len(range(i, config.n_layer, period)) for i in range(period)]  # the layers built as block i is
+
+    def scaled(measure):  # measure(module) of the whole model: what lies outside the blocks once, block i per layer
+        blocks = [measure(block) for block in gpt.blocks]
+        return measure(gpt) - sum(blocks) + sum(n * b for n, b in zip(layers, blocks))
+    n_params = scaled(lambda m: sum(p.numel() for p in m.parameters()))
+    matmul_weights = scaled(lambda m: sum(x.weight.numel() for x in m.modules() if isinstance(x, torch.nn.Linear)))
+    extra = sum(n * getattr(b.mixer, "extra_flops_per_token", lambda T: 0)(config.block_size)
+                for n, b in zip(layers, gpt.blocks))
+    state = scaled(lambda m: optim.state_bytes(opt, m.parameters()))
+    memory = {"weights": 4 * n_params, "their bf16 copies": 2 * matmul_weights if act == 2 else 0,
+              "gradients": 4 * n_params, f"{c.optimizer} state": state,
+              f"activations ({c.batch_size} x {config.block_size})":
+                  model.activation_formula(config, c.batch_size, act),
+              "the loss's peak": (act + 4) * c.batch_size * config.block_size * config.padded_vocab_size}
+    return SimpleNamespace(n_params=n_params, parts=model.param_formula(config), memory=memory,
+                           flops_token=6 * matmul_weights + extra)
+
+
+def run_tokens(c, block_size, world):
+    """(tokens a step, training tokens, eval tokens) of the run."""
+    tokens_per_iter = c.gradient_accumulation_steps * world * c.batch_size * block_size
+    eval_tokens = (c.max_iters // c.eval_interval + 1) * c.eval_iters * c.batch_size * block_size * world
+    return tokens_per_iter, tokens_per_iter * c.max_iters, eval_tokens
+
+
+def run_flops(flops_token, train_tokens, eval_tokens):
+    return flops_token * (train_tokens + eval_tokens / 3)  # an eval is the forward third of a training step
+
+
+def check_fit(memory, device):
+    """The run's memory by formula (run_costs at bf16 activations, without the weights' bf16 copies: the least it can
+    need) must fit in the device's: a GPU's total memory, else this machine's physical RAM, which the processes on it
+    share. Refused in one line, with the figures, before anything is built."""
+    need = {k: v for k, v in memory.items() if v and k != "their bf16 copies"}
+    if device.type == "cuda":
+        have, where, processes = torch.cuda.get_device_properties(device).total_memory, str(device), 1
+    else:
+        try:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):  # no sysconf (Windows): nothing to check against
+            return
+        where, processes = "this machine's RAM", int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    total = processes * sum(need.values())
+    if total > have:
+        each = f"{processes} processes x " if processes > 1 else ""
+        raise data.ConfigError(f"this run needs at least {size(total)} by formula ({each}" + ", ".join(
+            f"{k} {size(v)}" for k, v in need.items()) + f"), more than the {size(have)} of {where}: use a smaller "
+            f"--n_layer or --n_embd (the weights and optimizer state) or --batch_size (the activations)")
+
+
+def sized_for_a_gpu(c, flops_per_iter, flops, rate):
+    """A CPU run estimated at over LONG_CPU_RUN_SECONDS (its FLOPs at the CPU's float32 matmul rate) is a GPU preset
+    run on a CPU: the line that says so, with the estimate; None for a CPU-sized run."""
+    if flops / rate < LONG_CPU_RUN_SECONDS:
+        return None
+    return (f"note: this run is sized for a GPU: on this CPU its {c.max_iters} steps and evals take at least "
+            f"{duration(flops / rate)} ({flops_per_iter / rate:.1f} s a step at the {rate / 1e9:.0f} GFLOP/s of a "
+            f"float32 matmul measured now; an optimistic estimate); --dry_run=True prices it on GPUs")
+
+
 def dry_run_report(settings, world):
     """The dry run's lines: the model and its parameters against the closed form, the tokens, the FLOPs, the
     memory of one process (weights, gradients, optimizer state, activations) and the GPU time (estimates)."""
     c = SimpleNamespace(**settings)
-    vocab_size = dataset_vocab_size(c.dataset, c.tokenizer)
+    vocab_size = data.dataset_vocab_size(c.dataset, c.tokenizer)
     config = GPTConfig(vocab_size=vocab_size, **{k: settings[k] for k in model_defaults()})
-    with torch.device("meta"):  # full size, no memory
-        gpt = GPT(config)
-    n_params = gpt.num_params()
-    parts = model.param_formula(config)
+    act = 4 if c.dtype == "float32" else 2  # "auto": bf16 autocast, as on the GPUs priced here
+    costs = run_costs(c, config, world, act)
+    n_params, parts = costs.n_params, costs.parts
     if None in parts.values():
         closed = f"(no closed form for the {', '.join(k for k, v in parts.items() if v is None)}: give the kind an " \
             f"n_params, as model.MIXERS' protocol says)"
@@ -521,38 +669,24 @@ def dry_run_report(settings, world):
         terms = " + ".join(f"{k} {v:,}" for k, v in parts.items() if v)
         closed = f"= the closed form: {terms}" if sum(parts.values()) == n_params else \
             f"but the closed form gives {sum(parts.values()):,} = {terms} (a layer changed: update its n_params)"
-    act = 4 if c.dtype == "float32" else 2  # "auto": bf16 autocast, as on the GPUs priced here
-    tokens_per_iter = c.gradient_accumulation_steps * world * c.batch_size * config.block_size
-    train_tokens = tokens_per_iter * c.max_iters
-    eval_tokens = (c.max_iters // c.eval_interval + 1) * c.eval_iters * c.batch_size * config.block_size * world
-    flops_token = gpt.flops_per_token(config.block_size)
-    flops = flops_token * (train_tokens + eval_tokens / 3)  # an eval is the forward third of a training step
-    opt = optim.build_optimizer(gpt, c.optimizer, lr=c.learning_rate, weight_decay=c.weight_decay, aux_lr=c.aux_lr,
-                                aux_betas=(c.beta1, c.beta2), spectral_lr=c.spectral_lr, **optimizer_options(c))
-    for p in gpt.parameters():
-        p.grad = torch.empty_like(p)
-    opt.step()  # on meta tensors: creates the state's tensors, computes nothing
-    matmul_weights = sum(m.weight.numel() for m in gpt.modules() if isinstance(m, torch.nn.Linear))
-    memory = {"weights": 4 * n_params, "their bf16 copies": 2 * matmul_weights if act == 2 else 0,
-              "gradients": 4 * n_params, f"{c.optimizer} state": optim.state_bytes(opt),
-              f"activations ({c.batch_size} x {config.block_size})":
-                  model.activation_formula(config, c.batch_size, act),
-              "the loss's peak": (act + 4) * c.batch_size * config.block_size * config.padded_vocab_size}
+    tokens_per_iter, train_tokens, eval_tokens = run_tokens(c, config.block_size, world)
+    flops = run_flops(costs.flops_token, train_tokens, eval_tokens)
     seconds = {gpu: flops / (ESTIMATE_MFU * GPU_PEAKS[name][0] * world) for gpu, name in ESTIMATE_GPUS.items()}
+    memory = costs.memory
     if None in memory.values():
         memory_line = "no closed form for the activations of a kind (give it a kept_per_token, see model.MIXERS)"
     else:
         memory_line = f"{sum(memory.values()) / 2**30:.1f} GiB a process, by formula " + \
             f"({'bf16 autocast' if act == 2 else 'fp32'}):\n            " + \
             ", ".join(f"{k} {size(v)}" for k, v in memory.items() if v)
-    lines = ["dry run: nothing is trained or written; the model is built on the meta device",
+    lines = ["dry run: nothing is trained or written; the model is priced on the meta device",
              f"model       mixer {config.mixer}, {config.n_layer} layers x {config.n_embd}, {config.n_head} heads, "
              f"block {config.block_size}, vocab {config.vocab_size} ({config.padded_vocab_size} rows), {c.optimizer}",
              f"parameters  {n_params:,} {closed}",
              f"tokens      {tokens_per_iter:,} a step ({world} x {c.gradient_accumulation_steps} x {c.batch_size} x "
              f"{config.block_size}) x {c.max_iters:,} steps = {train_tokens:.3g} ({train_tokens / n_params:.1f} a "
              f"parameter)",
-             f"FLOPs       {flops_token:.3g} a token (6N = {6 * n_params:.3g}), {flops:.3g} for the run, its "
+             f"FLOPs       {costs.flops_token:.3g} a token (6N = {6 * n_params:.3g}), {flops:.3g} for the run, its "
              f"{eval_tokens:.3g} eval tokens included",
              f"memory      {memory_line}",
              f"time        estimates at {ESTIMATE_MFU:.0%} MFU, not measurements: " +
@@ -581,6 +715,10 @@ def run(args, cleanup):
     given = data.parse_config(args, defaults, __doc__, config_help(), allowed=allowed)
     settings, ckpt, changes = {**defaults, **given}, None, []
     ckpt_path, log_path = os.path.join(settings["out_dir"], "ckpt.pt"), os.path.join(settings["out_dir"], "log.jsonl")
+    if not settings["dry_run"] and int(os.environ.get("RANK", 0)) == 0:  # first, a run that a killed one set aside
+        note = data.recover_run(settings["out_dir"], RUN_FILES)
+        if note:
+            print(note)
     if settings["init_from"] == "resume" and not settings["sample_only"]:
         ckpt = data.load_checkpoint(ckpt_path)
         settings, changes = resumed_settings(ckpt["config"], given)
@@ -619,8 +757,8 @@ def run(args, cleanup):
         print_samples(gpt, tokenizer, c.start, dev, c.num_samples, c.max_new_tokens, c.temperature, c.top_k)
         return 0
 
-    # 3. the run's folder, the data, and the checkpoint's fit (everything that can fail on bad input fails before
-    # a write)
+    # 3. the run's folder, the data, wandb, the checkpoint's fit, the run's size (everything that can fail on bad
+    # input fails before a write, and before the model is built)
     data.check_writable_folder(c.out_dir, "out_dir")
     if master:  # (the other processes would find the lock that rank 0 takes in step 5)
         data.check_unlocked(c.out_dir)
@@ -638,6 +776,7 @@ def run(args, cleanup):
                                    f"{config.block_size + 2}: use more text or a smaller --block_size")
     if c.num_samples > 0 and c.max_new_tokens > 0:
         check_prompt(c.start, data.tokenizer_from_meta(meta), c.dataset)
+    check_fit(run_costs(c, config, world, act=2).memory, dev)
 
     # 4. model and optimizer, and the state of a resumed run
     torch.manual_seed(c.seed)
@@ -672,35 +811,50 @@ def run(args, cleanup):
         from torch.nn.parallel import DistributedDataParallel
         gpt = DistributedDataParallel(compiled)
     total_iters = c.lr_decay_iters or c.max_iters
-    tokens_per_iter = c.gradient_accumulation_steps * world * c.batch_size * config.block_size
+    tokens_per_iter, train_tokens_run, eval_tokens_run = run_tokens(c, config.block_size, world)
     flops_per_iter = raw_model.flops_per_token(config.block_size) * tokens_per_iter / world
     peak = peak_flops(dev, precision, c.peak_tflops)
-    check_step_time(flops_per_iter, peak or (matmul_rate() if dev.type == "cpu" else None), dev)
+    rate = peak or (matmul_rate() if dev.type == "cpu" else None)
+    check_step_time(flops_per_iter, rate, dev)
+    if master and dev.type == "cpu":
+        flops = run_flops(raw_model.flops_per_token(config.block_size), train_tokens_run, eval_tokens_run) / world
+        note = sized_for_a_gpu(c, flops_per_iter, flops, rate)
+        if note:
+            print(note, flush=True)
     if c.analyze_every:  # one fixed training batch, so the spectra logged at different steps are comparable
         import analyze
         analysis_batch = data.BatchSampler(train_tokens, c.batch_size, config.block_size, seed=1,
                                            device=dev).next_batch()
 
-    # 5. the run's folder, locked: a new run clears it; a resumed one drops what was logged after its checkpoint
+    # 5. the run's folder, locked, and wandb's run; then a new run sets the run it replaces aside (deleted at its
+    # first checkpoint, put back if it stops before), a resumed one drops what was logged after its checkpoint
     if master:
         data.make_folder(c.out_dir, "out_dir")
         cleanup.callback(data.release_lock, data.take_lock(c.out_dir))
         check_run_folder(c.out_dir, c.init_from, c.overwrite)  # again: a run may have ended there since step 3
         data.remove_orphan_temporaries(c.out_dir)
-        prepare_run_folder(c.out_dir, iter_num if ckpt is not None else None)
+    wandb_run = start_wandb(wandb, c, settings) if wandb else None
+    if master:
+        if prepare_run_folder(c.out_dir, iter_num if ckpt is not None else None):
+            cleanup.callback(put_back_replaced_run, c.out_dir)
+        threads = torch.get_num_threads()
         print(f"{c.dataset}: {len(train_tokens):,} train tokens, vocab {meta['vocab_size']} | model "
               f"{raw_model.num_params() / 1e6:.2f}M params, mixer {config.mixer}, residual {config.residual} | "
               f"{c.optimizer}, lr {c.learning_rate:g} {c.schedule} to {c.min_lr:g} over {total_iters} iters "
-              f"(warmup {c.warmup_iters}) | {dev} {precision} | {tokens_per_iter:,} tokens/iter "
+              f"(warmup {c.warmup_iters}) | {dev} {precision}, {'compiled' if compiled is not raw_model else 'eager'}, "
+              f"{threads} thread{'s' * (threads > 1)} | {tokens_per_iter:,} tokens/iter "
               f"({world} x {c.gradient_accumulation_steps} x {c.batch_size} x {config.block_size}) | "
               + (f"MFU against {peak / 1e12:g} TFLOP/s" if peak else "no MFU (no known peak: --peak_tflops)"))
+        if schedule_note(c):
+            print(schedule_note(c))
+        if compiled is not raw_model:
+            print("torch.compile compiles the model at its first use: the first eval and step take a minute or more")
         if ckpt is not None:
             print(f"resuming at iter {iter_num}" + (f"; changed: {', '.join(changes)}" if changes else ""))
-    wandb_run = wandb.init(project=c.wandb_project, name=c.wandb_run_name or None, config=settings,
-                           dir=c.out_dir) if wandb else None
 
     # 6. the loop: an eval (and checkpoint) every eval_interval steps and at the end, a log line every log_interval
-    # steps (and after the first and the last); a signal stops it after the step it is in, with a checkpoint
+    # steps (and after the first and the last); a signal stops it after the step it is in (or abandons the eval it
+    # came in), with a checkpoint
     received = cleanup.enter_context(stop_signals(again_stops=not ddp))
     t_start, first_step = time.time() - elapsed, iter_num + 1
     loss_sum, steps_since_log = torch.zeros((), device=dev), 0  # the loss stays on the device until a log line
@@ -712,8 +866,12 @@ def run(args, cleanup):
     while True:
         if (iter_num % c.eval_interval == 0 or iter_num >= c.max_iters) and iter_num != last_eval:
             t_eval = time.time()
-            val_loss, last_eval = evaluate(compiled, val_tokens, c.batch_size, config.block_size, c.eval_iters, dev,
-                                           autocast), iter_num
+            val = evaluate(compiled, val_tokens, c.batch_size, config.block_size, c.eval_iters, dev, autocast,
+                           received)
+            stopped = stop_requested(received, ddp, dev)  # a signal abandoned the eval (val None): the loop stops
+            if stopped:
+                break
+            val_loss, last_eval = val, iter_num
             if not math.isfinite(val_loss) or not all_finite(raw_model):
                 raise FloatingPointError(diverged(f"val loss {val_loss} (or a weight not finite)", iter_num,
                                                   ckpt_path, saved_iter, c.learning_rate, c.grad_clip))
@@ -766,6 +924,9 @@ def run(args, cleanup):
 
         log_now = iter_num % c.log_interval == 0 or iter_num in (first_step, c.max_iters)
         stopped = (log_now or not ddp) and stop_requested(received, ddp, dev)
+        if ddp and log_now:  # every process logs at the same steps: the logged loss is the mean over them
+            torch.distributed.all_reduce(loss_sum)
+            loss_sum /= world
         if (log_now or stopped) and master:
             loss_total, norm = torch.stack([loss_sum, grad_norm.float()]).tolist()  # the loop's only host sync
             mean_loss = loss_total / steps_since_log
@@ -790,13 +951,14 @@ def run(args, cleanup):
             loss_sum.zero_()
             steps_since_log = 0
         if stopped:
-            if not all_finite(raw_model):
-                raise FloatingPointError(diverged("a weight not finite", iter_num, ckpt_path, saved_iter,
-                                                  c.learning_rate, c.grad_clip))
-            save_run(ckpt_path, raw_model, opt, train_sampler, master, settings, meta, iter_num=iter_num,
-                     best_val_loss=best_val, val_loss=val_loss, val_iter=last_eval, elapsed=time.time() - t_start,
-                     scaler=scaler.state_dict())
             break
+    if stopped:  # by a signal, after the step it came in or in the eval it abandoned: a checkpoint to resume from
+        if not all_finite(raw_model):
+            raise FloatingPointError(diverged("a weight not finite", iter_num, ckpt_path, saved_iter,
+                                              c.learning_rate, c.grad_clip))
+        save_run(ckpt_path, raw_model, opt, train_sampler, master, settings, meta, iter_num=iter_num,
+                 best_val_loss=best_val, val_loss=val_loss, val_iter=last_eval, elapsed=time.time() - t_start,
+                 scaler=scaler.state_dict())
 
     # 7. the end: the loss curve, and samples (or, after a signal, how to continue)
     if master:
