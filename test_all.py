@@ -241,9 +241,9 @@ def make_config(**keys):
 set_gptconfig_defaults(json.loads(os.environ.get("SPECGPT_TEST_DEFAULTS", "{}")))
 
 
-def run_train(*args, cwd=ROOT, check=True):
-    """python train.py args... in a subprocess; returns the CompletedProcess."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def run_train(*args, cwd=ROOT, check=True, env=None):
+    """python train.py args... in a subprocess (env: variables to set for it); returns the CompletedProcess."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
@@ -5069,6 +5069,8 @@ def test_train_smoke_then_sample(tmp_path):
     assert vals[-1] < vals[0] - 0.3, vals
     assert os.path.exists(os.path.join(out, "ckpt.pt")) and os.path.exists(os.path.join(out, "loss.png"))
     assert "sample 1" in proc.stdout and "tokens/s" in proc.stdout and "mfu" in proc.stdout
+    banner = next(line for line in proc.stdout.splitlines() if "train tokens" in line)  # the run's first line
+    assert "| cpu, float32, eager, 1 thread |" in banner, banner  # run_train's OMP_NUM_THREADS=1
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
     assert ckpt["iter_num"] == 40
     sample = run_train("--sample_only=True", f"--out_dir={out}", "--max_new_tokens=30", "--start=ROMEO:")
@@ -5192,6 +5194,9 @@ def test_bad_values_are_one_line_errors_before_anything_is_created(tmp_path):
     stray_text.write_text("max_iters = 3\nthese words are no assignment\n")
     failing = tmp_path / "failing.py"
     failing.write_text("max_iters = 3\nwarmup_iters = undefined_name\n")
+    exits, infinite = tmp_path / "exits.py", tmp_path / "infinite.py"
+    exits.write_text("import sys\nsys.exit(3)\n")
+    infinite.write_text("learning_rate = 1e999\n")
     out = tmp_path / "never"
     cases = [(["--block_size=-1"], "--block_size=-1 is not valid: use at least 1"),
              (["--n_layer=0"], "--n_layer=0 is not valid"),
@@ -5224,8 +5229,11 @@ def test_bad_values_are_one_line_errors_before_anything_is_created(tmp_path):
              ([str(syntax_error)], f"config file {syntax_error}, line 1: invalid syntax"),
              ([str(stray_text)], f"config file {stray_text}, line 2: invalid syntax"),
              ([str(failing)], f"config file {failing}, line 2: NameError"),
+             ([str(exits)], f"config file {exits}, line 2: it calls sys.exit(3)"),
+             ([str(infinite)], "--learning_rate=inf is not a finite number"),
              (["--lr=0.01"], "did you mean --learning_rate"),
-             (["--block_size=300000", "--device=cpu"], "hours on cpu even at its peak"),
+             (["--block_size=300000", "--device=cpu"], "this run needs at least"),  # 24 x 300000: activations
+             (["--block_size=300000", "--batch_size=1", "--device=cpu"], "hours on cpu even at its peak"),
              (["--optimizer=adamw", "--beta2=1.5"], "--beta2=1.5 is not valid"),
              ([f"--dataset={no_newline}", "--num_samples=1"], "--start='\\n' (the samples' prompt) does not fit"),
              (["--start=", "--num_samples=1"], "--start='' (the samples' prompt) is empty"),
@@ -5342,10 +5350,16 @@ def parse_size(text):
 def test_dry_run_prices_every_preset_and_writes_nothing(name, tmp_path):
     """python train.py config/X.py --dry_run=True, run from an empty folder: the parameters it prints are the
     built model's and equal its closed form; tokens, FLOPs, optimizer state and time follow from them (the time at
-    40% of the vendors' peaks, marked as an estimate); nothing is written, not even out_dir."""
+    40% of the vendors' peaks, marked as an estimate); nothing is written, not even out_dir, nor the data the run
+    would prepare (in a data folder that holds only the downloaded sdists, the vocabulary is read in memory)."""
     settings, cfg = preset_config(name)
-    proc = run_train(os.path.join(ROOT, "config", name), "--dry_run=True", cwd=tmp_path)
-    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+    cwd, data_dir = tmp_path / "cwd", tmp_path / "data"
+    cwd.mkdir()
+    data_dir.mkdir()
+    os.symlink(os.path.join(TEST_DATA_DIR, "_downloads"), data_dir / "_downloads")
+    proc = run_train(os.path.join(ROOT, "config", name), "--dry_run=True", cwd=cwd,
+                     env={"SPECGPT_DATA_DIR": str(data_dir)})
+    assert os.listdir(cwd) == [] and os.listdir(data_dir) == ["_downloads"], (os.listdir(cwd), os.listdir(data_dir))
     report = dict(line.split(None, 1) for line in proc.stdout.splitlines() if line[:1].isalpha() and " " in line)
     with torch.device("meta"):
         gpt = GPT(cfg)
@@ -5543,7 +5557,9 @@ def test_wandb_and_huggingface_hub_are_imported_only_when_asked(tmp_path, monkey
 
 
 def test_ddp_two_processes_on_cpu(tmp_path):
-    """torchrun --nproc_per_node=2 (gloo): both ranks train in step and rank 0 checkpoints."""
+    """torchrun --nproc_per_node=2 (gloo): both ranks train in step and rank 0 checkpoints. The logged training loss
+    is the mean over the ranks: at step 1 (the same init on both) the mean of the two ranks' first batches' losses
+    (seeds 1337 and 1338), computed here on the model built as train.py builds it, not rank 0's alone."""
     out = str(tmp_path / "ddp")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -5555,6 +5571,16 @@ def test_ddp_two_processes_on_cpu(tmp_path):
     vals = [r["val"] for r in log_rows(out) if "val" in r]
     assert vals[-1] < vals[0] - 0.3
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 30
+    train_tokens, _, meta = data.load_dataset("shakespeare_char")
+    cfg = GPTConfig(vocab_size=meta["vocab_size"], **{**train.model_defaults(), "n_layer": 1, "n_embd": 32,
+                                                      "n_head": 2, "block_size": 32})
+    torch.manual_seed(1337)
+    gpt = GPT(cfg)
+    with torch.no_grad():
+        losses = [gpt(*data.BatchSampler(train_tokens, 4, 32, seed=1337 + rank).next_batch())[1].item()
+                  for rank in range(2)]
+    first = next(r["loss"] for r in log_rows(out) if r["step"] == 1)
+    assert first == pytest.approx(sum(losses) / 2, rel=1e-5) and abs(losses[0] - losses[1]) > 1e-3, (first, losses)
 
 
 def test_mfu_peaks_by_exact_gpu_name_and_dtype(simulated_gpu):
@@ -5870,12 +5896,15 @@ def test_resume_keeps_its_settings_and_changes_the_schedule_only_when_asked(tmp_
         assert lrs[step] == pytest.approx(0.01 * cosine, rel=1e-12), step
 
 
-def test_a_short_run_logs_at_once_and_the_eta_counts_the_evals(tmp_path):
-    """A run shorter than log_interval logs its first and last steps; evals_left (the ETA's count of the evals to
-    come) against counting them one by one."""
+def test_a_short_run_logs_at_once_and_the_eta_counts_the_evals(tmp_path, capsys):
+    """A run shorter than log_interval logs its first and last steps (and says that its warmup, longer than it, never
+    lets the lr peak); evals_left (the ETA's count of the evals to come) against counting them one by one."""
     out = str(tmp_path / "run")
-    train.main([*TINY, "--max_iters=7", "--log_interval=50", "--eval_interval=5", f"--out_dir={out}"])
+    capsys.readouterr()
+    train.main([*TINY, "--max_iters=7", "--log_interval=50", "--eval_interval=5", "--warmup_iters=8",
+                f"--out_dir={out}"])
     assert [r["step"] for r in log_rows(out) if "loss" in r] == [1, 7]
+    assert "note: the warmup (8 iters) is longer than the schedule (7 iters)" in capsys.readouterr().out
     for max_iters, interval in itertools.product(range(30), range(1, 12)):
         for it in range(1, max_iters + 1):  # the log line of step it comes before the eval at step it
             counted = sum(1 for s in range(it, max_iters + 1) if s % interval == 0 or s == max_iters)
@@ -6112,6 +6141,70 @@ def test_resume_drops_log_rows_that_are_not_steps_and_says_so(tmp_path):
     assert f"note: dropped {len(strays)} lines of {out}/log.jsonl that are not a step's row" in proc.stdout
     assert f"note: dropped 1 line of {out}/log.jsonl cut short" in proc.stdout
     assert [r["step"] for r in log_rows(out) if "val" in r] == [0, 10, 20, 30]
+
+
+def test_every_script_prints_its_usage_with_help_and_refuses_unknown_arguments(tmp_path):
+    """python X.py --help for every project file prints its usage (the command it describes) and exits 0 without
+    running anything; an unknown argument is one line on stderr and exit 1; data.py's extra arguments and a --dir
+    that is a file are one line too."""
+    scripts = sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and f != "test_all.py")
+    assert scripts == ["analyze.py", "data.py", "init.py", "kernels.py", "model.py", "optim.py", "train.py"]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    wrong = {"analyze.py": (["--no_such_key=1"], "unknown config key 'no_such_key'"),
+             "data.py": (["--bogus"], "unexpected argument '--bogus'"),
+             "init.py": (["--bogus"], "init.py takes no arguments (got '--bogus')"),
+             "kernels.py": (["--bogus"], "kernels.py takes no arguments (got '--bogus')"),
+             "model.py": (["--bogus"], "'--bogus' is not a mixer string"),
+             "optim.py": (["--bogus"], "optim.py takes no arguments (got '--bogus')"),
+             "train.py": (["--no_such_key=1"], "unknown config key 'no_such_key'")}
+    runs = [(script, ["--help"], None) for script in scripts] + [(s, *wrong[s]) for s in scripts]
+    runs += [("data.py", ["shakespeare_char", "char", "extra"], "unexpected argument 'extra'"),
+             ("data.py", ["fineweb10B", "--shards=1", f"--dir={a_file}"], f"{a_file} is a file, not a folder")]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, script), *args], cwd=tmp_path, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for script, args, _ in runs]
+    for (script, args, message), proc in zip(runs, procs):
+        stdout, stderr = proc.communicate(timeout=600)
+        if message is None:
+            assert proc.returncode == 0 and f"python {script}" in stdout and stderr == "", (script, stdout, stderr)
+        else:
+            lines = stderr.strip().splitlines()
+            assert proc.returncode == 1 and len(lines) == 1 and message in lines[0], (script, args, stderr)
+    assert os.listdir(tmp_path) == ["a_file"]
+
+
+def test_the_tests_prepare_their_data_in_a_temporary_folder(tmp_path):
+    """SPECGPT_DATA_DIR, set at the top of this file, sends every prepared dataset (of this process and of the
+    scripts it starts) to TEST_DATA_DIR: a text prepared by python data.py lands there, and nothing in the clone's
+    data/ changes."""
+    assert data.DATA_DIR == TEST_DATA_DIR and not os.path.abspath(TEST_DATA_DIR).startswith(ROOT + os.sep)
+    clone_data = os.path.join(ROOT, "data")
+    before = sorted(os.listdir(clone_data))
+    text = tmp_path / "hamlet.txt"
+    text.write_text("to be or not to be, that is the question\n" * 20)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), str(text)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0 and f"preparing hamlet_char_" in proc.stdout and TEST_DATA_DIR in proc.stdout, proc
+    assert [d for d in os.listdir(TEST_DATA_DIR) if d.startswith("hamlet_char_")]
+    assert sorted(os.listdir(clone_data)) == before
+
+
+def test_a_checkpoint_that_does_not_fit_names_the_key_and_both_shapes(tmp_path):
+    """Weights of a 32-wide model loaded into a 64-wide one: the one-line error names the first key that differs, with
+    its shape in the checkpoint and in the model, and how many more differ; keys missing or extra are named too."""
+    small, wide = GPT(tiny_config(n_embd=32, n_head=2)), GPT(tiny_config(n_embd=64, n_head=2))
+    differ = [k for k, v in wide.state_dict().items() if small.state_dict()[k].shape != v.shape]
+    with pytest.raises(ValueError) as error:
+        data.load_weights(wide, {"model": small.state_dict()}, "small.pt")
+    first = differ[0]
+    want = (f"the weights in small.pt do not fit this model: {first} is {list(small.state_dict()[first].shape)} "
+            f"there, {list(wide.state_dict()[first].shape)} here (and {len(differ) - 1} more)")
+    assert str(error.value).startswith(want) and "\n" not in str(error.value), str(error.value)
+    saved = dict(small.state_dict())
+    saved["extra.weight"] = saved.pop("norm_f.weight")
+    with pytest.raises(ValueError, match=r"norm_f\.weight is missing there \(and 1 more\)"):
+        data.load_weights(GPT(tiny_config(n_embd=32, n_head=2)), {"model": saved}, "edited.pt")
 
 
 def generated_bad_values(defaults, ranges, choices):

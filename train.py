@@ -640,7 +640,7 @@ def check_fit(memory, device):
         each = f"{processes} processes x " if processes > 1 else ""
         raise data.ConfigError(f"this run needs at least {size(total)} by formula ({each}" + ", ".join(
             f"{k} {size(v)}" for k, v in need.items()) + f"), more than the {size(have)} of {where}: use a smaller "
-            f"--n_layer or --n_embd (the weights and optimizer state) or --batch_size (the activations)")
+            f"--n_layer or --n_embd (the weights and optimizer state), --batch_size or --block_size (the activations)")
 
 
 def sized_for_a_gpu(c, flops_per_iter, flops, rate):
