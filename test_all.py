@@ -5282,10 +5282,12 @@ def test_parse_config_types_and_files(tmp_path):
             parse(arg)
     config = tmp_path / "c.py"
     config.write_text("n = 7\nname = 'z'\nmax_iters = 9\n")
-    assert parse(str(config), "--name=y", file_keys={"n", "name"}) == {"n": 7, "name": "y"}
-    assert parse(f"--config={config}", file_keys={"n"}) == {"n": 7}
-    with pytest.raises(ValueError, match="unknown config key 'max_iters'"):
-        parse(str(config))
+    others = ("name", "max_iters")  # another script's settings: a config file may hold them
+    assert parse(str(config), "--name=y", file_keys={"n", "name"}, file_others=others) == {"n": 7, "name": "y"}
+    assert parse(f"--config={config}", file_keys={"n"}, file_others=others) == {"n": 7}
+    for kw in ({}, {"file_keys": {"n", "name"}}):  # a key neither script knows
+        with pytest.raises(ValueError, match="unknown config key 'max_iters'"):
+            parse(str(config), **kw)
     imports = tmp_path / "imports.py"  # what a config file imports or defines is no key; what it computes is
     imports.write_text("import math\nfrom os import path\ndef helper():\n    return 1\nclass K:\n    pass\n"
                        "n = helper() + 2 ** 3\nlr = math.pi / 4\nname = path.basename('a/b')\n")
@@ -6237,6 +6239,16 @@ def generated_bad_values(defaults, ranges, choices):
     return cases
 
 
+def refuses_each_in_one_line(main, cases, out):
+    """main([--key=value, --out_dir=out]) for each case of generated_bad_values: a ValueError of one line naming the
+    key, and out never made."""
+    for sort, key, value in cases:
+        with pytest.raises(ValueError) as error:
+            main([f"--{key}={value}", f"--out_dir={out}"])
+        assert key in str(error.value) and "\n" not in str(error.value), (sort, key, value, str(error.value))
+        assert not out.exists(), (key, value)
+
+
 def train_bad_values():
     return generated_bad_values({**train.RUN_DEFAULTS, **train.model_defaults()}, train.RANGES, train.choices())
 
@@ -6248,11 +6260,7 @@ def test_every_rule_of_train_py_refuses_its_bad_values_in_one_line(tmp_path):
     cases = train_bad_values()
     assert {sort for sort, _, _ in cases} == {"type", "range", "choice", "infinite"} and len(cases) > 100
     out = tmp_path / "never"
-    for sort, key, value in cases:
-        with pytest.raises(ValueError) as error:
-            train.main([f"--{key}={value}", f"--out_dir={out}"])
-        assert key in str(error.value) and "\n" not in str(error.value), (sort, key, value, str(error.value))
-        assert not out.exists(), (key, value)
+    refuses_each_in_one_line(train.main, cases, out)
     broken = tmp_path / "broken.py"
     broken.write_text("max_iters = = 3\n")
     first = {sort: [f"--{key}={value}"] for sort, key, value in reversed(cases)}  # the first case of each sort
@@ -6300,10 +6308,7 @@ def test_every_rule_of_analyze_py_refuses_its_bad_values_in_one_line(tmp_path):
                                  {**analyze.choices(), "mixer": model_module.config_choices()["mixer"]})
     assert {sort for sort, _, _ in cases} == {"type", "range", "choice", "infinite"} and len(cases) > 80
     out = tmp_path / "never"
-    for sort, key, value in cases:
-        with pytest.raises(ValueError) as error:
-            analyze.main([f"--{key}={value}", f"--out_dir={out}"])
-        assert key in str(error.value) and "\n" not in str(error.value), (sort, key, value, str(error.value))
+    refuses_each_in_one_line(analyze.main, cases, out)
     typo, run_config = tmp_path / "typo.py", tmp_path / "run.py"
     typo.write_text("n_layr = 2\n")
     run_config.write_text("n_layer = 2\nmax_iters = 10\nlearning_rate = 0.01\n")

@@ -16,8 +16,9 @@ wrong key, type or value stops with a one-line error. The checkpoint out_dir/ckp
 atomically at every eval, only while the loss and weights are finite) holds the model, the optimizer,
 the config, the RNG and sampler states, so a resumed CPU run continues bit for bit; a resumed run takes its
 settings from the checkpoint, except those given again. A new run never replaces the run in out_dir unasked,
-and out_dir/.lock keeps a second process out while one trains there. Ctrl-C (or SIGTERM) stops the run after
-the step it is in, with a checkpoint to resume from.
+and with --overwrite=True deletes it only after its own first checkpoint (out_dir/.replaced holds it until then);
+out_dir/.lock keeps a second process out while one trains there. Ctrl-C (or SIGTERM) stops the run after the
+step it is in (or abandons the eval it is in), with a checkpoint to resume from.
 """
 import glob
 import inspect
@@ -841,7 +842,7 @@ def run(args, cleanup):
         print(f"{c.dataset}: {len(train_tokens):,} train tokens, vocab {meta['vocab_size']} | model "
               f"{raw_model.num_params() / 1e6:.2f}M params, mixer {config.mixer}, residual {config.residual} | "
               f"{c.optimizer}, lr {c.learning_rate:g} {c.schedule} to {c.min_lr:g} over {total_iters} iters "
-              f"(warmup {c.warmup_iters}) | {dev} {precision}, {'compiled' if compiled is not raw_model else 'eager'}, "
+              f"(warmup {c.warmup_iters}) | {dev}, {precision}, {'compiled' if compiled is not raw_model else 'eager'}, "
               f"{threads} thread{'s' * (threads > 1)} | {tokens_per_iter:,} tokens/iter "
               f"({world} x {c.gradient_accumulation_steps} x {c.batch_size} x {config.block_size}) | "
               + (f"MFU against {peak / 1e12:g} TFLOP/s" if peak else "no MFU (no known peak: --peak_tflops)"))
