@@ -842,7 +842,7 @@ def run(args, cleanup):
         print(f"{c.dataset}: {len(train_tokens):,} train tokens, vocab {meta['vocab_size']} | model "
               f"{raw_model.num_params() / 1e6:.2f}M params, mixer {config.mixer}, residual {config.residual} | "
               f"{c.optimizer}, lr {c.learning_rate:g} {c.schedule} to {c.min_lr:g} over {total_iters} iters "
-              f"(warmup {c.warmup_iters}) | {dev}, {precision}, {'compiled' if compiled is not raw_model else 'eager'}, "
+              f"(warmup {c.warmup_iters}) | {dev}, {precision}, {'eager' if compiled is raw_model else 'compiled'}, "
               f"{threads} thread{'s' * (threads > 1)} | {tokens_per_iter:,} tokens/iter "
               f"({world} x {c.gradient_accumulation_steps} x {c.batch_size} x {config.block_size}) | "
               + (f"MFU against {peak / 1e12:g} TFLOP/s" if peak else "no MFU (no known peak: --peak_tflops)"))
