@@ -3661,8 +3661,8 @@ def triton_report(device):
 
 if __name__ == "__main__":
     usage = ("python kernels.py   each op's error against its reference and its timings, the Triton kernels' "
-             'registers and spills, what each mixer keeps (on a CPU, TRITON_INTERPRET=1 runs the Triton side in '
-             'the interpreter)')
+             "registers and spills, what each mixer keeps, the kernel cost report (on a CPU, TRITON_INTERPRET=1 runs "
+             "the Triton side in the interpreter)")
     if sys.argv[1:]:  # the demo takes no arguments
         if sys.argv[1:] not in (["-h"], ["--help"]):
             sys.exit(f"kernels.py takes no arguments (got {sys.argv[1]!r}): {usage}")
