@@ -5233,7 +5233,9 @@ def test_bad_values_are_one_line_errors_before_anything_is_created(tmp_path):
              ([str(infinite)], "--learning_rate=inf is not a finite number"),
              (["--lr=0.01"], "did you mean --learning_rate"),
              (["--block_size=300000", "--device=cpu"], "this run needs at least"),  # 24 x 300000: activations
-             (["--block_size=300000", "--batch_size=1", "--device=cpu"], "hours on cpu even at its peak"),
+             # a stated peak of 1 GFLOP/s: the refusal does not hang on how fast this CPU is
+             (["--block_size=300000", "--batch_size=1", "--device=cpu", "--peak_tflops=0.001"],
+              "hours on cpu even at its peak"),
              (["--optimizer=adamw", "--beta2=1.5"], "--beta2=1.5 is not valid"),
              ([f"--dataset={no_newline}", "--num_samples=1"], "--start='\\n' (the samples' prompt) does not fit"),
              (["--start=", "--num_samples=1"], "--start='' (the samples' prompt) is empty"),
