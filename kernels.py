@@ -1918,10 +1918,12 @@ _gdn2_recurrent_fwd.register_autograd(_gdn2_recurrent_backward, setup_context=_g
 if HAS_TRITON:
     @triton.jit
     def _gdn2_dot(a, b, DOT: tl.constexpr):
-        # a @ b accumulated in fp32. DOT "bf16" rounds both operands to bf16; "tf32x3" (three TF32 products, fp32's
-        # accuracy to about 1e-6) and "tf32" take fp32 operands; all run on tensor cores
+        # a @ b accumulated in fp32. DOT "bf16" / "fp16" round both operands to that dtype; "tf32x3" (three TF32
+        # products, fp32's accuracy to about 1e-6) and "tf32" take fp32 operands; all run on tensor cores
         if DOT == "bf16":
             out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        elif DOT == "fp16":
+            out = tl.dot(a.to(tl.float16), b.to(tl.float16))
         else:
             out = tl.dot(a, b, input_precision=DOT)
         return out
@@ -2172,12 +2174,12 @@ if HAS_TRITON:
 
 
 def _gdn2_dot_kind(x):
-    """The chunked kernels' dot operands for inputs like x: bf16 for 16-bit inputs; for fp32 ones TF32 where torch
-    allows it for fp32 matmuls (torch.set_float32_matmul_precision("high")), else 3xTF32, near fp32's accuracy on
-    tensor cores (IEEE fp32 dots run on CUDA cores with whole operand rows in registers: they spilled at head dim
-    128)."""
+    """The chunked kernels' dot operands for inputs like x: bf16 or fp16 as the inputs are (GPUs without bf16, sm_75,
+    have no bf16 tensor cores); for fp32 ones TF32 where torch allows it for fp32 matmuls
+    (torch.set_float32_matmul_precision("high")), else 3xTF32, near fp32's accuracy on tensor cores (IEEE fp32 dots
+    run on CUDA cores with whole operand rows in registers: they spilled at head dim 128)."""
     if x.dtype != torch.float32:
-        return "bf16"
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}[x.dtype]
     return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
@@ -2207,7 +2209,7 @@ def _gdn2_chunk_intra(q, k, v, g, b, w, scale, chunk, dot):
     V = v.shape[-1]
     N = triton.cdiv(T, chunk)
     f32 = dict(device=q.device, dtype=torch.float32)
-    operand = dict(device=q.device, dtype=torch.bfloat16 if dot == "bf16" else torch.float32)
+    operand = dict(device=q.device, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(dot, torch.float32))
     Ainv, Aqk = torch.empty(B, N, H, chunk, chunk, **f32), torch.empty(B, N, H, chunk, chunk, **f32)
     Y, q_in, k_out = (torch.empty(B, T, H, K, **operand) for _ in range(3))
     U0, decay = torch.empty(B, T, H, V, **f32), torch.empty(B, N, H, K, **f32)
@@ -2690,8 +2692,9 @@ SSD_HEADS_PER_PROGRAM = 8   # heads one dB/dC program sums over: partial sums fo
 def _ssd_blocks(x, n, Cs):
     """(BLOCK_P, BLOCK_N, BLOCK_C, num_warps) for x [b,l,h,p]: tl.dot wants every dimension ≥ 16; p and n are
     walked in blocks of 32 for bf16 dots, 16 for fp32 ones (whose operands take twice the registers, and IEEE dots
-    run on FMA units that hold a thread's whole reduction slice), a chunk of up to 64 in one tile over 8 warps."""
-    most = 32 if x.dtype != torch.float32 else 16
+    run on FMA units that hold a thread's whole reduction slice) and fp16 ones (the dtype of Turing, sm_75, whose
+    smaller mma tiles spill at 32), a chunk of up to 64 in one tile over 8 warps."""
+    most = 32 if x.dtype == torch.bfloat16 else 16
     block = lambda d, most: max(16, min(most, triton.next_power_of_2(d)))
     BC = block(Cs, 64)
     return block(x.shape[-1], most), block(n, most), BC, 8 if BC == 64 else 4
