@@ -781,9 +781,14 @@ def _pyplot():
 
 
 def _save(plt, fig, path):
-    """Write the figure to a temporary name, then rename: a crash never leaves half a PNG."""
+    """Write the figure to a temporary name, then rename: a crash never leaves half a PNG. The PNG is titled by its
+    name (a section's: weights.png is "weights"), on the figure where it has no title of its own and in the file's
+    Title field."""
+    title = os.path.splitext(os.path.basename(path))[0]
+    if not fig.get_suptitle():
+        fig.suptitle(title)
     fig.tight_layout()
-    data.atomic_write(path, lambda f: fig.savefig(f, dpi=110, format="png"))
+    data.atomic_write(path, lambda f: fig.savefig(f, dpi=110, format="png", metadata={"Title": title}))
     plt.close(fig)
 
 
@@ -1142,10 +1147,11 @@ SECTIONS = {  # in run order: a section's needs come before it
     "gates": Section(lambda model, inputs: gdn2_gates(model, inputs["idx"]), plot_gates, show_gates,
                      during_training=gates_during_training),
     "isotropy": Section(lambda model, inputs: isotropy(model, inputs["idx"]), plot_isotropy, show_isotropy),
-    "coord": Section(lambda model, inputs: coordinate_transfer(), plot_coordinate_transfer, show_coordinate_transfer,
-                     default=False),
-    "lr_transfer": Section(lambda model, inputs: lr_transfer(inputs["opts"]["dataset"], inputs["opts"]["tokenizer"]),
-                           plot_lr_transfer, show_lr_transfer, default=False),
+    "coord": Section(lambda model, inputs: coordinate_transfer(parse_list(inputs["opts"], "coord_widths", int)),
+                     plot_coordinate_transfer, show_coordinate_transfer, default=False),
+    "lr_transfer": Section(lambda model, inputs: lr_transfer(
+        inputs["opts"]["dataset"], inputs["opts"]["tokenizer"], parse_list(inputs["opts"], "lr_transfer_widths", int),
+        steps=inputs["opts"]["lr_transfer_steps"]), plot_lr_transfer, show_lr_transfer, default=False),
     "sparsity": Section(lambda model, inputs: attention_sparsity(model, inputs["batches"][0]), plot_sparsity,
                         show_sparsity),
 }
@@ -1508,11 +1514,15 @@ OPTIONS = {  # analysis options; every GPTConfig key is also accepted (fresh ini
     "mpl_fit": "",                     # multi-power-law fit instead: comma-separated train.py runs (--log_interval=1)
     "mpl_predict": "",                 # run folders whose loss curves the fitted law predicts
     "lengths": "",                     # length_extrapolation instead, at these multiples of block_size (e.g. 1,2,4,8)
+    "coord_widths": "64,128,256,512",  # the coord section's model widths
+    "lr_transfer_widths": "64,256",    # the lr_transfer section's model widths
+    "lr_transfer_steps": 200,          # the lr_transfer section's training steps per run (20 of them warm up)
 }
 # the allowed values of the numeric options and model keys (data.in_range)
 RANGES = {"seed": "in [0, 2**63)", "batch_size": ">= 1", "micro_batches": ">= 1", "hessian_batches": ">= 1",
           "top_k": ">= 1", "power_iters": ">= 1", "n_probes": ">= 1", "lanczos_iters": ">= 1", "n_slq": ">= 1",
-          "scan_target": "> 0", "scan_max_iters": ">= 1", "scan_analyze_batch": ">= 0", **model_module.CONFIG_RANGES}
+          "scan_target": "> 0", "scan_max_iters": ">= 1", "scan_analyze_batch": ">= 0", "lr_transfer_steps": ">= 1",
+          **model_module.CONFIG_RANGES}
 
 
 def choices():
@@ -1523,13 +1533,14 @@ def choices():
 
 
 def train_settings():
-    """The names of train.py's run settings (its module-level assignments above RUN_DEFAULTS), read from its source,
-    as analyze.py does not import train.py: the keys of a train.py config file that analyze.py skips."""
+    """The names of train.py's run settings (its module-level assignments above OPTIMIZER_SETTINGS, read from its
+    source, as analyze.py does not import train.py) and the optimizers' settings (optim.OPTIMIZERS' rows): the keys
+    of a train.py config file that analyze.py skips."""
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")) as f:
         body = ast.parse(f.read()).body
     names = [node.targets[0].id for node in body
              if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)]
-    return names[:names.index("RUN_DEFAULTS")]
+    return names[:names.index("OPTIMIZER_SETTINGS")] + list(optim.optimizer_settings(optim.OPTIMIZERS))
 
 
 def parse_args(argv):
@@ -1544,7 +1555,9 @@ def parse_args(argv):
     descriptions = {**data.source_comments(inspect.getsource(GPTConfig)), **data.source_comments(options_source)}
     given = data.parse_config(argv, {**OPTIONS, **model_keys}, __doc__, descriptions,
                               file_keys={*model_keys, "dataset", "tokenizer"}, file_others=train_settings(),
-                              allowed={**RANGES, **{k: " | ".join(v) for k, v in choices().items()}})
+                              allowed={**RANGES, **data.choices_help(choices(), {
+                                  **{key: (model_module, table) for key, table in model_module.CHOICE_TABLES.items()},
+                                  "tokenizer": (data, "TOKENIZERS")})})
     opts = {**OPTIONS, **{k: v for k, v in given.items() if k in OPTIONS}}
     overrides = {k: v for k, v in given.items() if k not in OPTIONS}
     data.check_values({**model_keys, **given}, RANGES, choices())
@@ -1554,11 +1567,13 @@ def parse_args(argv):
 
 
 def check_sections(opts):
-    """--sections names sections of SECTIONS, and --micro_batches is enough for them."""
+    """--sections names sections of SECTIONS, --micro_batches is enough for them, and the widths are lists."""
     sections = [s for s in opts["sections"].split(",") if s]
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown sections {sorted(unknown)}: choose from {','.join(SECTIONS)}")
+    for key in ("coord_widths", "lr_transfer_widths"):
+        parse_list(opts, key, int)
     two = [s for s in sections if SECTIONS[s].two_batch_sizes]
     if two and opts["micro_batches"] < 2:
         raise ValueError(f"--micro_batches={opts['micro_batches']} is too few for the {', '.join(two)} section"

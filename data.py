@@ -28,6 +28,7 @@ import difflib
 import errno
 import glob
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -426,7 +427,10 @@ class GPT2Tokenizer:
 #   from_meta(meta)  the same tokenizer again, from what meta() returned (it is saved in meta.json and checkpoints)
 #   meta()           a JSON-able dict with at least vocab_size (ids are 0 .. vocab_size − 1, at most 65,536)
 #   encode(text) -> list of ids,  decode(ids) -> text
-TOKENIZERS = {"char": CharTokenizer, "gpt2": GPT2Tokenizer}
+TOKENIZERS = {
+    "char": CharTokenizer,   # one id per character of the training text
+    "gpt2": GPT2Tokenizer,   # GPT-2's byte-level BPE by tiktoken, 50257 tokens
+}
 
 
 def tokenizer_class(name):
@@ -700,6 +704,21 @@ def source_comments(source):
     for name, comment in re.findall(r'^\s*"?(\w+)"?\s*[:=][^#\n]*#\s*(.*)$', source, re.M):
         found.setdefault(name, comment)
     return found
+
+
+def row_comments(module, table):
+    """{key: comment} for the rows of the dict `table = {` in module's source, one `"key": value,  # comment` a line:
+    the one-line description each kind's row carries, for --help (a row without a comment has none)."""
+    body = inspect.getsource(module).split(f"\n{table} = {{", 1)[1].split("\n}", 1)[0]
+    return dict(re.findall(r'^\s*"([^"]+)"\s*:[^#\n]*#\s*(.*)$', body, re.M))
+
+
+def choices_help(choices, tables):
+    """{key: --help's text of its allowed values}, e.g. "A attention | G gated delta | M Mamba2": each value of
+    choices[key] with its row's comment in its table (tables: {key: (module, table name)}), where it has one."""
+    about = {key: row_comments(module, table) for key, (module, table) in tables.items()}
+    return {key: " | ".join(f"{v} ({about[key][v]})" if v in about.get(key, {}) else v for v in values)
+            for key, values in choices.items()}
 
 
 def parse_config(args, defaults, usage, descriptions, file_keys=None, allowed=None, file_others=()):

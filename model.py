@@ -32,9 +32,9 @@ class GPTConfig:
     n_layer: int = 4                 # blocks (mixer + MLP)
     n_head: int = 4                  # heads of every mixer; n_embd / n_head is the head size (even)
     n_embd: int = 128                # residual stream width
-    mixer: str = "A"               # letters cycled over layers (MIXERS): A attention, G gated delta, M Mamba2
+    mixer: str = "A"               # letters cycled over layers (MIXERS)
     mlp: str = "relu2"             # the MLP's activation (MLPS)
-    residual: str = "res"          # the residual stream (RESIDUALS): res plain, the others hyper-connections
+    residual: str = "res"          # the residual stream (RESIDUALS)
     hc_streams: int = 4              # parallel residual streams of the hyper-connection residuals
     rope_base: float = 10000.0       # RoPE's base: the slowest pair turns once per ~2π·rope_base tokens
     rope: str = "fixed"            # RoPE's fixed θ_i, learned θ per head, or lie (θ and a trainable basis U)
@@ -44,8 +44,8 @@ class GPTConfig:
     tie_embeddings: bool = True      # lm_head shares the token embedding's weight
     bias: bool = False               # biases in the linear layers
     dropout: float = 0.0             # dropout probability (embeddings, attention, residual branches)
-    attention: str = "sdpa"        # fused sdpa, math (explicit softmax: double backward) or sparsemax (ATTENTIONS)
-    gdn_variant: str = "gdn2"      # G mixer: which gates are per channel, per head or absent (GatedDelta)
+    attention: str = "sdpa"        # attention's weighting (ATTENTIONS)
+    gdn_variant: str = "gdn2"      # G mixer: which gates are per channel, per head or absent (GDN_VARIANTS)
     gdn_clip: bool = True            # gdn2: the spectral clip that keeps each transition contractive
     gdn_expand_v: int = 1            # G mixer: value width = gdn_expand_v x head size
     conv_size: int = 4               # G and M mixers: width of the causal short convolution
@@ -104,6 +104,11 @@ class GPTConfig:
 # GPTConfig itself checks the rules between keys
 CONFIG_RANGES = {"block_size": ">= 1", "n_layer": ">= 1", "n_head": ">= 1", "n_embd": ">= 1", "hc_streams": ">= 1",
                  "mamba_headdim": ">= 1", "vocab_multiple": ">= 1", "rope_base": "> 0", "dropout": "in [0, 1)"}
+
+
+# the module-level table each choice key of GPTConfig reads its kinds from (their rows' comments: --help's text)
+CHOICE_TABLES = {"mixer": "MIXERS", "mlp": "MLPS", "residual": "RESIDUALS", "attention": "ATTENTIONS",
+                 "gdn_variant": "GDN_VARIANTS"}
 
 
 def config_choices():
@@ -216,7 +221,11 @@ def attention_sparsemax(q, k, v, dropout=0.0, kernels_path="auto"):
 
 
 # GPTConfig.attention: how the scores become weights, each (q, k, v, dropout, kernels_path) -> (B, nh, T, d)
-ATTENTIONS = {"sdpa": attention_sdpa, "math": attention_math, "sparsemax": attention_sparsemax}
+ATTENTIONS = {
+    "sdpa": attention_sdpa,             # softmax, by PyTorch's fused kernels
+    "math": attention_math,             # softmax by plain ops: supports double backward
+    "sparsemax": attention_sparsemax,   # sparsemax: exact zeros for low scores
+}
 
 
 class Attention(nn.Module):
@@ -399,8 +408,12 @@ def keep_only(*ops):
 
 # G's variants (GPTConfig.gdn_variant): the width of the erase gate b, the write gate w and the log-decay g, each
 # per key channel ("key"), per value channel ("value"), one per head ("head") or absent (None: w = b = β, g = 0)
-GDN_VARIANTS = {"gdn2": ("key", "value", "key"), "kda": ("head", None, "key"), "gdn": ("head", None, "head"),
-                "deltanet": ("head", None, None)}
+GDN_VARIANTS = {
+    "gdn2": ("key", "value", "key"),   # Gated DeltaNet-2
+    "kda": ("head", None, "key"),      # Kimi delta attention
+    "gdn": ("head", None, "head"),     # Gated DeltaNet
+    "deltanet": ("head", None, None),  # DeltaNet
+}
 
 
 def gated_delta_rows(cfg):
@@ -622,10 +635,23 @@ class Mamba2(nn.Module):
 #              that each mixer writes to it.
 #   extra_flops_per_token(T) (optional)    training FLOPs per token beyond 6 per matmul weight (MFU); else 0
 #   n_params(cfg), kept_per_token(cfg, act) (optional, static)   closed forms of its parameter count and of the
-#                                          bytes a token keeps for the backward, for train.py's dry run
+#                                          bytes a token keeps for the backward, for train.py's dry run (without
+#                                          them it names the figure missing and the closed-form tests skip the
+#                                          kind); what a sequence keeps, e.g. an (H, T, T) matrix, is divided
+#                                          by T = cfg.block_size: H·block_size·act bytes a token
 #   context_limited = True (optional)      it sees at most block_size·rope_factor tokens (attention's RoPE
 #                                          cache): longer inputs are refused, generation re-reads a window
-MIXERS = {"A": Attention, "G": GatedDelta, "M": Mamba2}
+# Three rules go by name and shape (init.py, optim.py), for every kind:
+#   a Linear named out_proj writes into the residual stream: its init std is divided by sqrt(2·n_layer)
+#   every 2-D parameter under blocks. (outside a residual module) trains with the matrix optimizer (Muon,
+#   Mousse, ...): keep a per-head gain 1-D, (H,) not (H, 1), or Muon orthogonalises it
+#   a Linear that fuses several projections sets .row_splits (their output sizes) so the spectral init
+#   scales each part by its own shape
+MIXERS = {
+    "A": Attention,    # attention
+    "G": GatedDelta,   # gated delta rule
+    "M": Mamba2,       # Mamba2
+}
 
 
 def relu_squared(h):
@@ -635,7 +661,11 @@ def relu_squared(h):
 
 # The MLP kinds (GPTConfig.mlp): name -> (activation φ, gated). Plain: W_out φ(W_in x); gated:
 # W_out (φ(W_gate x) ⊙ W_in x), whose third matrix is paid for with a hidden layer 2/3 as wide.
-MLPS = {"relu2": (relu_squared, False), "gelu": (F.gelu, False), "swiglu": (F.silu, True)}
+MLPS = {
+    "relu2": (relu_squared, False),   # relu²
+    "gelu": (F.gelu, False),          # gelu
+    "swiglu": (F.silu, True),         # gated silu
+}
 
 
 class MLP(nn.Module):
@@ -1093,8 +1123,15 @@ class Residual(nn.Module):
 #   n_params(cfg), kept_per_token(cfg, act) (optional, static)   closed forms for the dry run, as for a mixer
 # Its parameters go to AdamW (optim.is_block_matrix) and keep their own init (init.py skips "_residual" modules).
 # The hyper-connection kinds share one module; each one's H_res is in hc_num_res, hc_res_init and res_matrix.
-RESIDUALS = {"res": Residual, "hc": HyperConnection, "mhc": HyperConnection, "mhc-lite": HyperConnection,
-             "kromhc": HyperConnection, "shc": HyperConnection, "markov": HyperConnection}
+RESIDUALS = {
+    "res": Residual,                   # plain x + F(x)
+    "hc": HyperConnection,             # hyper-connections, H_res free
+    "mhc": HyperConnection,            # H_res by Sinkhorn
+    "mhc-lite": HyperConnection,       # H_res a mix of permutations
+    "kromhc": HyperConnection,         # H_res a Kronecker product
+    "shc": HyperConnection,            # H_res spectral, norm 1
+    "markov": HyperConnection,         # H_res a Markov generator's exp
+}
 
 
 class Block(nn.Module):
@@ -1212,6 +1249,15 @@ class GPT(nn.Module):
 # -----------------------------------------------------------------------------
 # closed forms of a configuration's size, from each kind's n_params and kept_per_token (train.py's dry run)
 
+def kinds_without(cfg, closed_form):
+    """The kinds cfg builds ("mixer 'G'", "residual 'mhc'") that lack the optional closed form named (n_params or
+    kept_per_token): the dry run names them where its figure is missing, and the tests that check the forms skip."""
+    letters = dict.fromkeys(cfg.mixer[i % len(cfg.mixer)] for i in range(cfg.n_layer))
+    kinds = {**{f"mixer {letter!r}": MIXERS[letter] for letter in letters},
+             f"residual {cfg.residual!r}": RESIDUALS[cfg.residual]}
+    return [name for name, kind in kinds.items() if not hasattr(kind, closed_form)]
+
+
 def param_formula(cfg):
     """{part: parameters} by closed form, from each kind's n_params; None for a part whose kind has none."""
     d, L = cfg.n_embd, cfg.n_layer
@@ -1228,12 +1274,12 @@ def activation_formula(cfg, batch_size, act):
     (each kind's kept_per_token; None where a kind has none), act bytes an activation: per layer the fp32 inputs
     of its two norms, its mixer's, MLP's and two residual modules' share; then the final norm's fp32 input, the
     head's input and the loss's fp32 log-softmax. The weights' bf16 copies are not counted here."""
-    d, L = cfg.n_embd, cfg.n_layer
-    kinds = [MIXERS[cfg.mixer[i % len(cfg.mixer)]] for i in range(L)] + [RESIDUALS[cfg.residual]]
-    if not all(hasattr(kind, "kept_per_token") for kind in kinds):
+    if kinds_without(cfg, "kept_per_token"):
         return None
-    per_layer = 2 * 4 * d + MLP.kept_per_token(cfg, act) + 2 * kinds[-1].kept_per_token(cfg, act)
-    per_token = sum(kind.kept_per_token(cfg, act) for kind in kinds[:-1]) + L * per_layer + \
+    d, L = cfg.n_embd, cfg.n_layer
+    mixers = [MIXERS[cfg.mixer[i % len(cfg.mixer)]] for i in range(L)]
+    per_layer = 2 * 4 * d + MLP.kept_per_token(cfg, act) + 2 * RESIDUALS[cfg.residual].kept_per_token(cfg, act)
+    per_token = sum(kind.kept_per_token(cfg, act) for kind in mixers) + L * per_layer + \
         (4 + act) * d + 4 * cfg.padded_vocab_size
     return batch_size * cfg.block_size * per_token
 
@@ -1355,9 +1401,8 @@ if __name__ == "__main__":
         """`python model.py residuals`: the training step of the default model (A mixer, n = 4 streams) for every
         residual kind, batch 16 x 64, against `res` timed in the same interleaved rounds (8 rounds of 3 steps)."""
         B, T, V, rounds, steps = 16, 64, 84, 8, 3
-        kinds = ["res", "hc", "mhc", "mhc-lite", "kromhc", "shc", "markov"]
         runs = {}
-        for kind in kinds:
+        for kind in RESIDUALS:
             torch.manual_seed(0)
             runs[kind] = train_step(GPT(GPTConfig(vocab_size=V, block_size=T, residual=kind)), B, T, V)
         seconds = interleaved_seconds(runs, rounds, steps)

@@ -14,6 +14,7 @@ kernel per op for the whole group, which is what makes them fast on the CPU. Mat
 import inspect
 import math
 import sys
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -417,34 +418,74 @@ class GaLore(torch.optim.Optimizer):
 # -----------------------------------------------------------------------------
 # the optimizer kinds
 
+@dataclass(frozen=True)
+class Setting:
+    """One hyper-parameter an optimizer takes. train.py makes it a config key (--key=value), checks it against allowed
+    and lists it in --help with help and the optimizers that take it: an optimizer's settings live in its row."""
+    key: str              # train.py's config key
+    default: object = None  # its value when not given (its type is the key's type): required
+    allowed: object = None  # a number's range as data.in_range reads it (">= a", "> a", "in [a, b)"), or a dict of
+    #                         choices: required
+    help: str = ""          # the --help text
+
+
 class OptimizerKind(NamedTuple):
     cls: type        # a torch.optim.Optimizer, built as cls(param_groups, lr=, weight_decay=, **options)
     matrix: bool     # takes only the blocks' 2-D matrices; build_optimizer gives the rest to AdamW
     family: str      # how the size of its update depends on the shape (spectral_lr_scale): adam, low_rank_adam,
     #                  msign or gradient
-    lr: float        # a typical peak learning rate (python optim.py's demo)
-    options: dict    # {constructor argument: train.py config key, or a tuple of keys for a tuple argument}
+    lr: float        # its default peak learning rate (train.py's, where --learning_rate is not given)
+    options: dict    # {constructor argument: a Setting, or a tuple of Settings for a tuple argument}
 
 
-# train.py's --optimizer. A new one is its class above and one row here.
-BETAS = ("beta1", "beta2")
+# the settings the rows below take (a setting shared by several optimizers is one Setting)
+BETAS = (Setting("beta1", 0.9, "in [0, 1)", "decay of the first moment (lion: the update's mix)"),
+         Setting("beta2", 0.99, "in [0, 1)", "decay of the second moment (lion: the momentum's; shampoo: L's, R's)"))
+MOMENTUM = Setting("momentum", 0.95, "in [0, 1)", "momentum")
+NS = Setting("ns_coeffs", "dion", NS_COEFFS, "Newton-Schulz coefficients (optim.NS_COEFFS)")
+PRECOND_EVERY = Setting("precond_every", 10, ">= 1", "steps between eigendecompositions")
+
+# train.py's --optimizer. A new one is its class above and one row here, its settings declared in the row.
 OPTIMIZERS = {
-    "sgd": OptimizerKind(SGD, False, "gradient", 0.1, {"momentum": "momentum"}),
-    "signsgd": OptimizerKind(SignSGD, False, "adam", 1e-4, {}),
-    "adamw": OptimizerKind(AdamW, False, "adam", 1e-3, {"betas": BETAS}),
-    "nadam": OptimizerKind(NAdam, False, "adam", 1e-3, {"betas": BETAS}),
-    "lion": OptimizerKind(Lion, False, "adam", 1e-4, {"betas": BETAS}),
-    "tiger": OptimizerKind(Tiger, False, "adam", 1e-4, {}),
-    "muon": OptimizerKind(Muon, True, "msign", 0.02,
-                          {"momentum": "momentum", "scale": "muon_scale", "ns_coeffs": "ns_coeffs"}),
-    "shampoo": OptimizerKind(Shampoo, True, "adam", 1e-3, {"betas": BETAS, "precond_every": "precond_every"}),
-    "mousse": OptimizerKind(Mousse, True, "msign", 0.02, {"momentum": "momentum", "alpha": "mousse_alpha",
-                                                            "precond_every": "precond_every",
-                                                            "ns_coeffs": "ns_coeffs"}),
-    "galore": OptimizerKind(GaLore, True, "low_rank_adam", 1e-2, {"betas": BETAS, "rank": "galore_rank",
-                                                                    "update_proj_gap": "galore_gap",
-                                                                    "scale": "galore_scale"}),
+    "sgd": OptimizerKind(SGD, False, "gradient", 0.1, {"momentum": MOMENTUM}),  # SGD with momentum
+    "signsgd": OptimizerKind(SignSGD, False, "adam", 1e-4, {}),  # the sign of the gradient
+    "adamw": OptimizerKind(AdamW, False, "adam", 1e-3, {"betas": BETAS}),  # Adam, decoupled decay
+    "nadam": OptimizerKind(NAdam, False, "adam", 1e-3, {"betas": BETAS}),  # Adam, Nesterov momentum
+    "lion": OptimizerKind(Lion, False, "adam", 1e-4, {"betas": BETAS}),  # the sign of a momentum mix
+    "tiger": OptimizerKind(Tiger, False, "adam", 1e-4, {}),  # the sign of a momentum
+    "muon": OptimizerKind(Muon, True, "msign", 0.02, {  # msign of the momentum, by Newton-Schulz
+        "momentum": MOMENTUM, "ns_coeffs": NS,
+        "scale": Setting("muon_scale", "jordan", MUON_SCALES, "shape factor on msign's output (optim.MUON_SCALES)")}),
+    "shampoo": OptimizerKind(Shampoo, True, "adam", 1e-3,  # Kronecker-factored preconditioner
+                             {"betas": BETAS, "precond_every": PRECOND_EVERY}),
+    "mousse": OptimizerKind(Mousse, True, "msign", 0.02, {  # msign in Shampoo's preconditioned frame
+        "momentum": MOMENTUM, "precond_every": PRECOND_EVERY, "ns_coeffs": NS,
+        "alpha": Setting("mousse_alpha", 0.125, "> 0", "preconditioner exponent, L^-alpha g R^-alpha")}),
+    "galore": OptimizerKind(GaLore, True, "low_rank_adam", 1e-2, {  # Adam in a low-rank gradient subspace
+        "betas": BETAS, "rank": Setting("galore_rank", 32, ">= 1", "rank of the projection"),
+        "update_proj_gap": Setting("galore_gap", 200, ">= 1", "steps between projection updates"),
+        "scale": Setting("galore_scale", 0.25, "> 0", "scale of the projected update")}),
 }
+
+
+def optimizer_settings(rows):
+    """{key: (Setting, [the optimizers that take it])} over rows (OPTIMIZERS) and the aux AdamW's betas: train.py's
+    optimizer keys. Each option must be a Setting, and one key one Setting: else a one-line error (at import)."""
+    found = {s.key: (s, ["the matrix optimizers' aux AdamW"]) for s in BETAS}
+    for name, kind in rows.items():
+        for arg, declared in kind.options.items():
+            for s in declared if isinstance(declared, tuple) else (declared,):
+                if not isinstance(s, Setting) or s.default is None or s.allowed is None:
+                    raise TypeError(f"optim.OPTIMIZERS[{name!r}] option {arg!r} is {s!r}, which names no default or "
+                                    f"no allowed values: declare it as Setting(key, default, allowed, help)")
+                if found.setdefault(s.key, (s, []))[0] != s:
+                    raise ValueError(f"optim.OPTIMIZERS[{name!r}] declares the setting {s.key!r} unlike another row "
+                                     f"does: {s} against {found[s.key][0]}; declare it once and share it")
+                found[s.key][1].append(name)
+    return found
+
+
+optimizer_settings(OPTIMIZERS)  # a row that declares a setting badly fails here, at import
 
 
 def optimizer_kind(name):

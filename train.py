@@ -61,21 +61,12 @@ dataset = "shakespeare_char"   # shakespeare_char | shakespeare | path/to/file.t
 tokenizer = "auto"             # data.TOKENIZERS; auto: the dataset's own (gpt2: shakespeare, shards; else char)
 batch_size = 24                # sequences per micro-step (per process)
 gradient_accumulation_steps = 1  # micro-steps per optimizer step (per process)
-# optimizer (see optim.py)
+# optimizer (see optim.py; each optimizer's own settings, momentum, beta1, ..., are declared in its row of
+# optim.OPTIMIZERS and become config keys here: OPTIMIZER_SETTINGS below)
 optimizer = "muon"             # the optimizer of the blocks' matrices (optim.OPTIMIZERS)
-learning_rate = 0.02           # peak lr of the schedule
+learning_rate = 0.0            # peak lr of the schedule; 0: the optimizer's own (its row's lr: muon 0.02)
 min_lr = 3e-4                  # the schedule's floor; every param group is scaled by the same multiplier
 weight_decay = 0.1             # decoupled weight decay of the matrices
-beta1 = 0.9                    # adamw, nadam, lion, shampoo, galore (and the aux AdamW of matrix optimizers)
-beta2 = 0.99                   # as beta1
-momentum = 0.95                # sgd, muon, mousse
-muon_scale = "jordan"          # muon: the shape factor on msign's output (optim.MUON_SCALES)
-ns_coeffs = "dion"             # muon, mousse: Newton-Schulz coefficients (optim.NS_COEFFS)
-precond_every = 10             # shampoo, mousse: steps between eigendecompositions
-mousse_alpha = 0.125           # mousse: preconditioner exponent, L^-alpha g R^-alpha
-galore_rank = 32               # galore: rank of the projection
-galore_gap = 200               # galore: steps between projection updates
-galore_scale = 0.25            # galore: scale of the projected update
 aux_lr = 3e-3                  # matrix optimizers: AdamW's lr for embeddings, head, norms, gates, HC
 spectral_lr = False            # scale each block matrix's lr by optim.spectral_lr_scale(fan_out, fan_in)
 grad_clip = 1.0                # clip the gradient's global norm to this; 0 disables
@@ -97,8 +88,11 @@ temperature = 0.8              # softmax temperature of sampling; 0 is greedy
 top_k = 40                     # sample among the top_k most likely tokens (the vocabulary size: all)
 start = "\n"                   # the prompt of every sample
 # ----------------------------------------------------------------------------------------------------
-RUN_DEFAULTS = {k: v for k, v in globals().items()
-                if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))}
+# the optimizers' settings: {key: (optim.Setting, the optimizers that take it)}, then every run setting's default
+OPTIMIZER_SETTINGS = optim.optimizer_settings(optim.OPTIMIZERS)
+RUN_DEFAULTS = {**{k: v for k, v in globals().items()
+                   if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))},
+                **{key: setting.default for key, (setting, _) in OPTIMIZER_SETTINGS.items()}}
 # the model's keys are GPTConfig's fields (vocab_size comes from the data); the run's own defaults:
 # nanoGPT's shakespeare_char context; one Mamba2 layer below three attention layers, narrowed to an inner width
 # of n_embd and a state of 16 (its short convolution and recurrence lower the loss per step far more than the
@@ -114,12 +108,11 @@ RUN_FILES = ("ckpt.pt", "log.jsonl", "loss.png", "analysis.jsonl", "analysis.png
 # keys' are model.CONFIG_RANGES (analyze.py checks them too)
 RANGES = {"eval_interval": ">= 1", "eval_iters": ">= 1", "log_interval": ">= 1", "analyze_every": ">= 0",
           "seed": "in [0, 2**63)",
-          "batch_size": ">= 1", "gradient_accumulation_steps": ">= 1", "learning_rate": "> 0", "min_lr": ">= 0",
-          "weight_decay": ">= 0", "beta1": "in [0, 1)", "beta2": "in [0, 1)", "momentum": "in [0, 1)",
-          "precond_every": ">= 1", "mousse_alpha": "> 0", "galore_rank": ">= 1", "galore_gap": ">= 1",
-          "galore_scale": "> 0", "aux_lr": ">= 0", "grad_clip": ">= 0", "max_iters": ">= 0", "lr_decay_iters": ">= 0",
+          "batch_size": ">= 1", "gradient_accumulation_steps": ">= 1", "learning_rate": ">= 0", "min_lr": ">= 0",
+          "weight_decay": ">= 0", "aux_lr": ">= 0", "grad_clip": ">= 0", "max_iters": ">= 0", "lr_decay_iters": ">= 0",
           "warmup_iters": ">= 0", "wsd_decay_frac": "in [0, 1]", "num_samples": ">= 0", "max_new_tokens": ">= 0",
-          "temperature": ">= 0", "top_k": ">= 1", "peak_tflops": ">= 0", **model.CONFIG_RANGES}
+          "temperature": ">= 0", "top_k": ">= 1", "peak_tflops": ">= 0", **model.CONFIG_RANGES,
+          **{key: s.allowed for key, (s, _) in OPTIMIZER_SETTINGS.items() if isinstance(s.allowed, str)}}
 # --dtype: the autocast dtype of each choice (float32: no autocast); float16 scales the loss (torch.amp.GradScaler)
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # with no config file on a GPU, train.py still trains the CPU baby model, and names this preset (see gpu_hint)
@@ -141,14 +134,25 @@ def choices():
     """The keys that take one of a set of values, and those values; the kinds come from their tables, read
     when asked, so a kind added to a table is allowed and listed at once."""
     return {"init_from": ("scratch", "resume"), "tokenizer": ("auto", *data.TOKENIZERS),
-            "optimizer": tuple(optim.OPTIMIZERS), "muon_scale": tuple(optim.MUON_SCALES),
-            "ns_coeffs": tuple(optim.NS_COEFFS), "schedule": ("cosine", "wsd"),
-            "dtype": ("auto", *DTYPES), **model.config_choices()}
+            "optimizer": tuple(optim.OPTIMIZERS), "schedule": ("cosine", "wsd"), "dtype": ("auto", *DTYPES),
+            **model.config_choices(),
+            **{key: tuple(s.allowed) for key, (s, _) in OPTIMIZER_SETTINGS.items() if not isinstance(s.allowed, str)}}
 
 
 def config_help():
-    """{key: description}: the comment beside each run setting above and each GPTConfig field."""
-    return {**data.source_comments(inspect.getsource(GPTConfig)), **data.source_comments(open(__file__).read())}
+    """{key: description}: the comment beside each run setting above and each GPTConfig field, each optimizer
+    setting's help with the optimizers that take it, and each choice's values with their rows' comments."""
+    settings = {key: f"{', '.join(users)}: {s.help}"
+                for key, (s, users) in OPTIMIZER_SETTINGS.items()}
+    return {**data.source_comments(inspect.getsource(GPTConfig)), **data.source_comments(open(__file__).read()),
+            **settings}
+
+
+def allowed_help():
+    """{key: --help's text of its allowed values}: the ranges, and each choice with its table row's comment."""
+    tables = {**{key: (model, table) for key, table in model.CHOICE_TABLES.items()},
+              "optimizer": (optim, "OPTIMIZERS"), "tokenizer": (data, "TOKENIZERS")}
+    return {**RANGES, **data.choices_help(choices(), tables)}
 
 
 def check_settings(c):
@@ -157,10 +161,17 @@ def check_settings(c):
     path."""
     data.check_values(c, RANGES, {key: allowed for key, allowed in choices().items() if key != "mixer"})
     GPTConfig(**{key: c[key] for key in model_defaults()})  # mixer letters, head size, ...
-    if c["min_lr"] > c["learning_rate"]:
-        raise data.ConfigError(f"--min_lr={c['min_lr']!r} is above --learning_rate={c['learning_rate']!r}: the "
-                               f"schedule decays from the learning rate down to min_lr; use a smaller --min_lr")
+    if c["min_lr"] > peak_lr(c):
+        given = f"--learning_rate={c['learning_rate']!r}" if c["learning_rate"] else \
+            f"{c['optimizer']}'s own learning rate {peak_lr(c)!r} (optim.OPTIMIZERS)"
+        raise data.ConfigError(f"--min_lr={c['min_lr']!r} is above {given}: the schedule decays from the learning "
+                               f"rate down to min_lr; use a smaller --min_lr (1.5% of it: {0.015 * peak_lr(c):.3g})")
     check_kernel_path(c["kernels"], c["device"])
+
+
+def peak_lr(c):
+    """--learning_rate, or where it is 0 the optimizer's own: its row's lr in optim.OPTIMIZERS."""
+    return c["learning_rate"] or optim.OPTIMIZERS[c["optimizer"]].lr
 
 
 def check_kernel_path(path, device):
@@ -356,8 +367,8 @@ def synchronize(device):
 def optimizer_options(c):
     """The settings the chosen optimizer takes, by its constructor's argument names (optim.OPTIMIZERS)."""
     options = optim.optimizer_kind(c.optimizer).options
-    return {arg: tuple(vars(c)[k] for k in key) if isinstance(key, tuple) else vars(c)[key]
-            for arg, key in options.items()}
+    return {arg: tuple(vars(c)[s.key] for s in declared) if isinstance(declared, tuple) else vars(c)[declared.key]
+            for arg, declared in options.items()}
 
 
 @torch.no_grad()
@@ -664,8 +675,8 @@ def dry_run_report(settings, world):
     costs = run_costs(c, config, world, act)
     n_params, parts = costs.n_params, costs.parts
     if None in parts.values():
-        closed = f"(no closed form for the {', '.join(k for k, v in parts.items() if v is None)}: give the kind an " \
-            f"n_params, as model.MIXERS' protocol says)"
+        closed = f"(no closed form: {', '.join(model.kinds_without(config, 'n_params'))} declares no n_params; see " \
+            f"model.MIXERS' protocol)"
     else:
         terms = " + ".join(f"{k} {v:,}" for k, v in parts.items() if v)
         closed = f"= the closed form: {terms}" if sum(parts.values()) == n_params else \
@@ -675,7 +686,9 @@ def dry_run_report(settings, world):
     seconds = {gpu: flops / (ESTIMATE_MFU * GPU_PEAKS[name][0] * world) for gpu, name in ESTIMATE_GPUS.items()}
     memory = costs.memory
     if None in memory.values():
-        memory_line = "no closed form for the activations of a kind (give it a kept_per_token, see model.MIXERS)"
+        missing = ", ".join(model.kinds_without(config, "kept_per_token"))
+        memory_line = f"no closed form for the activations: {missing} declares no kept_per_token (see model.MIXERS' " \
+            f"protocol)"
     else:
         memory_line = f"{sum(memory.values()) / 2**30:.1f} GiB a process, by formula " + \
             f"({'bf16 autocast' if act == 2 else 'fp32'}):\n            " + \
@@ -712,8 +725,7 @@ def run(args, cleanup):
     # 1. settings: defaults (a resumed run: its checkpoint's settings), then config files, then --key=value;
     # every value is checked here
     defaults = {**RUN_DEFAULTS, **model_defaults()}
-    allowed = {**RANGES, **{key: " | ".join(values) for key, values in choices().items()}}
-    given = data.parse_config(args, defaults, __doc__, config_help(), allowed=allowed)
+    given = data.parse_config(args, defaults, __doc__, config_help(), allowed=allowed_help())
     settings, ckpt, changes = {**defaults, **given}, None, []
     ckpt_path, log_path = os.path.join(settings["out_dir"], "ckpt.pt"), os.path.join(settings["out_dir"], "log.jsonl")
     if not settings["dry_run"] and int(os.environ.get("RANK", 0)) == 0:  # first, a run that a killed one set aside
@@ -724,6 +736,7 @@ def run(args, cleanup):
         ckpt = data.load_checkpoint(ckpt_path)
         settings, changes = resumed_settings(ckpt["config"], given)
     check_settings(settings)
+    settings["learning_rate"] = peak_lr(settings)
     if ckpt is not None:
         check_schedule_length(ckpt["config"], settings, given)
     c = SimpleNamespace(**settings)
