@@ -37,10 +37,13 @@ The model runs in fp32 with kernels="torch" and the explicit-softmax attention, 
 sparsemax model (analysis_model): fused SDPA and the Triton kernels have no second derivative, which
 Hessian-vector products need.
 During training, `train.py --analyze_every=N` calls analyze_during_training (the cheap sections,
-one JSON line per call) and plot_training_analysis draws them against the step.
+one JSON line per call) and plot_training_analysis draws them against the step. train.py also draws its loss.png
+here (plot_losses), and prices a run here before it builds anything: dry_run_report (--dry_run=True), check_fit,
+and the GPUs' peaks that MFU is measured against (GPU_PEAKS, peak_flops).
 """
 import ast
 import dataclasses
+import glob
 import inspect
 import json
 import math
@@ -48,6 +51,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import torch
@@ -792,6 +796,22 @@ def _save(plt, fig, path):
     plt.close(fig)
 
 
+def plot_losses(log_path, png_path):
+    """train.py's loss.png: the training loss (every log line) and the validation loss (every eval) against the step."""
+    plt = _pyplot()
+    rows, _ = data.read_jsonl(log_path)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("loss", "train"), ("val", "val")):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if pts:
+            ax.plot(*zip(*pts), label=label, marker="." if key == "val" else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    if ax.lines:  # a run stopped in its first eval has logged nothing yet
+        ax.legend()
+    _save(plt, fig, png_path)
+
+
 def _mp_density(lam, sigma2, gamma):
     lo, hi = sigma2 * (1 - math.sqrt(gamma)) ** 2, sigma2 * (1 + math.sqrt(gamma)) ** 2
     inside = (lam > lo) & (lam < hi)
@@ -1484,6 +1504,186 @@ def mpl_predict(fit_dirs, predict_dirs, png_path=None):
         ax2.legend(fontsize=7)
         _save(plt, fig, png_path)
     return result
+
+
+# ----------------------------------------------------------------------------------------------------
+# what a train.py run costs, from its settings alone, without building its model: the dry run prints it, and a run
+# checks that it fits before it builds anything. Parameters by closed form, checked against a count; memory by formula;
+# time as an estimate; MFU against the GPUs' peaks.
+
+# a CPU run that would take longer than this (at the CPU's measured matmul rate) is told it is sized for a GPU
+LONG_CPU_RUN_SECONDS = 600
+
+# Dense (no sparsity) peaks per GPU, from NVIDIA's datasheets (half their sparse figures; the Turing whitepaper for
+# the RTX 20 cards), by the exact name torch.cuda.get_device_name() reports, in FLOP/s for each --dtype: bfloat16 and
+# float16 tensor cores accumulating in fp32 (as autocast's matmuls do), float32 on TF32 tensor cores where the GPU
+# has them, else on CUDA cores (Volta, Turing); None: the GPU has no bf16. A GPU not listed gets no MFU unless
+# --peak_tflops states its peak.
+PEAK_DTYPES = ("bfloat16", "float16", "float32")
+GPU_PEAKS = {
+    "NVIDIA B200": (2250e12, 2250e12, 1100e12),
+    "NVIDIA H200": (989e12, 989e12, 495e12), "NVIDIA H200 NVL": (835e12, 835e12, 418e12),
+    "NVIDIA H100 80GB HBM3": (989e12, 989e12, 495e12), "NVIDIA H100 NVL": (835e12, 835e12, 418e12),
+    "NVIDIA H100 PCIe": (756e12, 756e12, 378e12),
+    "NVIDIA A100-SXM4-80GB": (312e12, 312e12, 156e12), "NVIDIA A100-SXM4-40GB": (312e12, 312e12, 156e12),
+    "NVIDIA A100 80GB PCIe": (312e12, 312e12, 156e12), "NVIDIA A100-PCIE-40GB": (312e12, 312e12, 156e12),
+    "NVIDIA L40S": (362e12, 362e12, 183e12), "NVIDIA L40": (181e12, 181e12, 90.5e12),
+    "NVIDIA L4": (121e12, 121e12, 60e12), "NVIDIA A10": (125e12, 125e12, 62.5e12),
+    "NVIDIA RTX A6000": (155e12, 155e12, 77.4e12), "NVIDIA RTX 6000 Ada Generation": (364e12, 364e12, 182e12),
+    "NVIDIA GeForce RTX 4090": (165e12, 165e12, 82.6e12), "NVIDIA GeForce RTX 3090": (71e12, 71e12, 35.6e12),
+    # without bf16: float16 autocast with a GradScaler
+    "Tesla T4": (None, 65e12, 8.1e12),
+    "Tesla V100-SXM2-16GB": (None, 125e12, 15.7e12), "Tesla V100-SXM2-32GB": (None, 125e12, 15.7e12),
+    "Tesla V100-PCIE-16GB": (None, 112e12, 14e12), "Tesla V100-PCIE-32GB": (None, 112e12, 14e12),
+    "NVIDIA TITAN RTX": (None, 130.5e12, 16.3e12), "Quadro RTX 6000": (None, 130.5e12, 16.3e12),
+    "Quadro RTX 8000": (None, 130.5e12, 16.3e12), "NVIDIA GeForce RTX 2080 Ti": (None, 53.8e12, 13.4e12),
+}
+
+
+def peak_flops(device, dtype, stated_tflops):
+    """The FLOP/s that MFU is measured against: the stated peak, else for a listed GPU its dense peak in dtype (a
+    PEAK_DTYPES name); None (no MFU) on a CPU or an unlisted GPU, where no honest peak is known."""
+    if stated_tflops:
+        return stated_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    peaks = GPU_PEAKS.get(torch.cuda.get_device_name(device))
+    return None if peaks is None else peaks[PEAK_DTYPES.index(dtype)]
+
+
+ESTIMATE_MFU = 0.4   # the model FLOPs utilisation the time estimates assume
+ESTIMATE_GPUS = {"A100": "NVIDIA A100-SXM4-80GB", "H100": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200"}
+
+
+def size(nbytes):
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def duration(seconds):
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min" if seconds >= 60 else \
+        f"{seconds:.0f} s"
+
+
+def run_costs(c, config, world, act):
+    """What the run costs: parameters (counted, and model.param_formula's closed form), FLOPs a token, and the memory
+    of one process by formula (act bytes an activation). Counted on one period of its layers (a block per letter of
+    the mixer string) built on the meta device and scaled to n_layer, so any depth answers at once; the optimizer's
+    state (optim.state_bytes) after one step on the meta device, which creates the state's tensors and computes
+    nothing."""
+    period = min(config.n_layer, len(config.mixer))
+    with torch.device("meta"):
+        gpt = GPT(dataclasses.replace(config, n_layer=period))
+    opt = optim.build_optimizer(gpt, c.optimizer, lr=c.learning_rate, weight_decay=c.weight_decay, aux_lr=c.aux_lr,
+                                aux_betas=(c.beta1, c.beta2), spectral_lr=c.spectral_lr,
+                                **optim.optimizer_options(c.optimizer, vars(c)))
+    for p in gpt.parameters():
+        p.grad = torch.empty_like(p)
+    opt.step()
+    layers = [len(range(i, config.n_layer, period)) for i in range(period)]  # the layers built as block i is
+
+    def scaled(measure):  # measure(module) of the whole model: what lies outside the blocks once, block i per layer
+        blocks = [measure(block) for block in gpt.blocks]
+        return measure(gpt) - sum(blocks) + sum(n * b for n, b in zip(layers, blocks))
+    n_params = scaled(lambda m: sum(p.numel() for p in m.parameters()))
+    matmul_weights = scaled(lambda m: sum(x.weight.numel() for x in m.modules() if isinstance(x, torch.nn.Linear)))
+    extra = sum(n * getattr(b.mixer, "extra_flops_per_token", lambda T: 0)(config.block_size)
+                for n, b in zip(layers, gpt.blocks))
+    state = scaled(lambda m: optim.state_bytes(opt, m.parameters()))
+    memory = {"weights": 4 * n_params, "their bf16 copies": 2 * matmul_weights if act == 2 else 0,
+              "gradients": 4 * n_params, f"{c.optimizer} state": state,
+              f"activations ({c.batch_size} x {config.block_size})":
+                  model_module.activation_formula(config, c.batch_size, act),
+              "the loss's peak": (act + 4) * c.batch_size * config.block_size * config.padded_vocab_size}
+    return types.SimpleNamespace(n_params=n_params, parts=model_module.param_formula(config), memory=memory,
+                           flops_token=6 * matmul_weights + extra)
+
+
+def run_tokens(c, block_size, world):
+    """(tokens a step, training tokens, eval tokens) of the run."""
+    tokens_per_iter = c.gradient_accumulation_steps * world * c.batch_size * block_size
+    eval_tokens = (c.max_iters // c.eval_interval + 1) * c.eval_iters * c.batch_size * block_size * world
+    return tokens_per_iter, tokens_per_iter * c.max_iters, eval_tokens
+
+
+def run_flops(flops_token, train_tokens, eval_tokens):
+    return flops_token * (train_tokens + eval_tokens / 3)  # an eval is the forward third of a training step
+
+
+def check_fit(memory, device):
+    """The run's memory by formula (run_costs at bf16 activations, without the weights' bf16 copies: the least it can
+    need) must fit in the device's: a GPU's total memory, else this machine's physical RAM, which the processes on it
+    share. Refused in one line, with the figures, before anything is built."""
+    need = {k: v for k, v in memory.items() if v and k != "their bf16 copies"}
+    if device.type == "cuda":
+        have, where, processes = torch.cuda.get_device_properties(device).total_memory, str(device), 1
+    else:
+        try:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):  # no sysconf (Windows): nothing to check against
+            return
+        where, processes = "this machine's RAM", int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    total = processes * sum(need.values())
+    if total > have:
+        each = f"{processes} processes x " if processes > 1 else ""
+        raise data.ConfigError(f"this run needs at least {size(total)} by formula ({each}" + ", ".join(
+            f"{k} {size(v)}" for k, v in need.items()) + f"), more than the {size(have)} of {where}: use a smaller "
+            f"--n_layer or --n_embd (the weights and optimizer state), --batch_size or --block_size (the activations)")
+
+
+def sized_for_a_gpu(c, flops_per_iter, flops, rate):
+    """A CPU run estimated at over LONG_CPU_RUN_SECONDS (its FLOPs at the CPU's float32 matmul rate) is a GPU preset
+    run on a CPU: the line that says so, with the estimate; None for a CPU-sized run."""
+    if flops / rate < LONG_CPU_RUN_SECONDS:
+        return None
+    return (f"note: this run is sized for a GPU: on this CPU its {c.max_iters} steps and evals take at least "
+            f"{duration(flops / rate)} ({flops_per_iter / rate:.1f} s a step at the {rate / 1e9:.0f} GFLOP/s of a "
+            f"float32 matmul measured now; an optimistic estimate); --dry_run=True prices it on GPUs")
+
+
+def dry_run_report(settings, config, world):
+    """The dry run's lines for train.py's settings and the model config they make: the model and its parameters
+    against the closed form, the tokens, the FLOPs, the memory of one process (weights, gradients, optimizer state,
+    activations) and the GPU time (estimates)."""
+    c = types.SimpleNamespace(**settings)
+    act = 4 if c.dtype == "float32" else 2  # "auto": bf16 autocast, as on the GPUs priced here
+    costs = run_costs(c, config, world, act)
+    n_params, parts = costs.n_params, costs.parts
+    if None in parts.values():
+        missing = ", ".join(model_module.kinds_without(config, "n_params"))
+        closed = f"(no closed form: {missing} declares no n_params; see model.MIXERS' protocol)"
+    else:
+        terms = " + ".join(f"{k} {v:,}" for k, v in parts.items() if v)
+        closed = f"= the closed form: {terms}" if sum(parts.values()) == n_params else \
+            f"but the closed form gives {sum(parts.values()):,} = {terms} (a layer changed: update its n_params)"
+    tokens_per_iter, train_tokens, eval_tokens = run_tokens(c, config.block_size, world)
+    flops = run_flops(costs.flops_token, train_tokens, eval_tokens)
+    seconds = {gpu: flops / (ESTIMATE_MFU * GPU_PEAKS[name][0] * world) for gpu, name in ESTIMATE_GPUS.items()}
+    memory = costs.memory
+    if None in memory.values():
+        missing = ", ".join(model_module.kinds_without(config, "kept_per_token"))
+        memory_line = f"no closed form for the activations: {missing} declares no kept_per_token (see model.MIXERS' " \
+            f"protocol)"
+    else:
+        memory_line = f"{sum(memory.values()) / 2**30:.1f} GiB a process, by formula " + \
+            f"({'bf16 autocast' if act == 2 else 'fp32'}):\n            " + \
+            ", ".join(f"{k} {size(v)}" for k, v in memory.items() if v)
+    lines = ["dry run: nothing is trained or written; the model is priced on the meta device",
+             f"model       mixer {config.mixer}, {config.n_layer} layers x {config.n_embd}, {config.n_head} heads, "
+             f"block {config.block_size}, vocab {config.vocab_size} ({config.padded_vocab_size} rows), {c.optimizer}",
+             f"parameters  {n_params:,} {closed}",
+             f"tokens      {tokens_per_iter:,} a step ({world} x {c.gradient_accumulation_steps} x {c.batch_size} x "
+             f"{config.block_size}) x {c.max_iters:,} steps = {train_tokens:.3g} ({train_tokens / n_params:.1f} a "
+             f"parameter)",
+             f"FLOPs       {costs.flops_token:.3g} a token (6N = {6 * n_params:.3g}), {flops:.3g} for the run, its "
+             f"{eval_tokens:.3g} eval tokens included",
+             f"memory      {memory_line}",
+             f"time        estimates at {ESTIMATE_MFU:.0%} MFU, not measurements: " +
+             ", ".join(f"{gpu} {duration(t)}" for gpu, t in seconds.items()) + (f", {world} GPUs" if world > 1 else "")]
+    if data.is_shard_pattern(c.dataset):
+        found = len(glob.glob(c.dataset))
+        lines.append(f"data        {found} files match {c.dataset}" if found else f"data        no files match "
+                     f"{c.dataset} yet: python data.py fineweb10B --shards=N fetches N x ~100M tokens")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------

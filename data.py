@@ -18,8 +18,10 @@ Everything here works offline once the two sdists are in data/_downloads (fetche
 SPECGPT_DATA_DIR=folder puts all of data/ (downloads, prepared data, FineWeb) there instead; the tests point it
 at a temporary folder.
 
-The other files specgpt reads live here too, below the model and the tools that use them: config files and
---key=value arguments (parse_config, shared by train.py and analyze.py) and checkpoints.
+The other files specgpt reads and writes live here too, below the model and the tools that use them: config
+files and --key=value arguments (parse_config, shared by train.py and analyze.py), checkpoints, and a run's folder
+(its lock, the run a new one replaces, its log.jsonl and wandb run), with the Ctrl-C and SIGTERM handling that
+stops a run between steps.
 """
 import ast
 import base64
@@ -34,6 +36,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -296,6 +299,152 @@ def recover_run(folder, names):
         return None
     finally:
         release_lock(lock)
+
+
+
+# the files a run writes in its folder, its checkpoint first (set_aside_run's names)
+RUN_FILES = ("ckpt.pt", "log.jsonl", "loss.png", "analysis.jsonl", "analysis.png")
+
+
+def check_run_folder(out_dir, init_from, overwrite):
+    """A new run never replaces the run in out_dir (its checkpoint) unasked."""
+    if init_from == "scratch" and not overwrite and os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+        raise ConfigError(f"--out_dir={out_dir!r} holds a run (ckpt.pt): continue it with --init_from=resume, "
+                               f"start this one in another --out_dir, or replace it with --overwrite=True")
+
+
+def prepare_run_folder(out_dir, resume_iter):
+    """A new run (resume_iter None) sets the files of the run it replaces aside (set_aside_run: deleted at its
+    first checkpoint, put back if it stops before) and returns whether there were any; a resumed one keeps the rows
+    of its logs up to its checkpoint's step, dropping (and saying so) lines that a crash or a full disk cut short and
+    rows that are no step's."""
+    if resume_iter is None:
+        return set_aside_run(out_dir, RUN_FILES)
+    for name in RUN_FILES:
+        path = os.path.join(out_dir, name)
+        if name.endswith(".jsonl") and os.path.exists(path):
+            rows, dropped = read_jsonl(path)
+            kept = "".join(json.dumps(row) + "\n" for row in rows if row["step"] <= resume_iter)
+            atomic_write_bytes(path, kept.encode())
+            for why, count in dropped.items():
+                print(f"note: dropped {count} line{'s' * (count > 1)} of {path} {why}")
+    return False
+
+
+def put_back_replaced_run(out_dir):
+    """The run a new run set aside comes back when the new one ends before its first checkpoint."""
+    if restore_run(out_dir, RUN_FILES):
+        print(f"note: {out_dir} holds the run it held before again: this run stopped before its first checkpoint")
+
+
+# ----------------------------------------------------------------------------------------------------
+# stopping a run: Ctrl-C and SIGTERM end it after the step it is in (or abandon the eval it is in)
+
+@contextmanager
+def signals_handled_by(handle):
+    """While inside, handle(signum, frame) handles SIGINT (Ctrl-C) and SIGTERM; then the previous handlers are back."""
+    previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextmanager
+def stop_signals(again_stops=True):
+    """While inside, SIGINT (Ctrl-C) and SIGTERM append their number to the list this yields, and the loop
+    stops after the step it is in; a second signal raises KeyboardInterrupt (stop at once, saving nothing), unless
+    again_stops is False: torchrun passes each signal it gets on to every process (which got Ctrl-C already)."""
+    received = []
+
+    def handle(signum, frame):
+        if received and again_stops:
+            raise KeyboardInterrupt
+        received.append(signum)
+    with signals_handled_by(handle):
+        yield received
+
+
+class Abandoned(Exception):
+    """A signal came while inside abandoned_on_signal."""
+
+
+@contextmanager
+def abandoned_on_signal(received):
+    """Inside, SIGINT and SIGTERM are recorded in received (stop_signals' list; None: no change) and raise Abandoned,
+    so what runs inside (an eval, minutes on a CPU) stops within an op, not at its end; a signal received before
+    entering raises it at once. The run then stops as after a step."""
+    if received is None:
+        yield
+        return
+    if received:
+        raise Abandoned
+
+    def handle(signum, frame):
+        received.append(signum)
+        raise Abandoned
+    with signals_handled_by(handle):
+        yield
+
+
+def stop_requested(received, ddp, device):
+    """Whether a signal asked the run to stop; under DDP, whether one reached any process (each calls this at
+    the same steps, so that all stop after the same one)."""
+    if not ddp:
+        return bool(received)
+    flag = torch.tensor([float(bool(received))], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+# ----------------------------------------------------------------------------------------------------
+# a run's log: out_dir/log.jsonl, and its wandb run when --wandb_log=True
+
+# log.jsonl's keys as they are named in wandb (the others keep their names)
+WANDB_KEYS = {"loss": "train/loss", "val": "val/loss"}
+
+
+def import_wandb():
+    """wandb, once it is known that it can log: installed, and logged in (an API key in WANDB_API_KEY, ~/.netrc or
+    wandb's settings, found by wandb's own lookup, without the network) unless WANDB_MODE or wandb's settings make it
+    offline or disabled. Anything else is one line now, before any work."""
+    try:
+        import wandb
+        from wandb.errors import AuthenticationError
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth  # wandb 0.31's credentials lookup (requirements.txt pins that version)
+    except ImportError:
+        raise ConfigError("--wandb_log=True needs the wandb package: pip install wandb (or drop --wandb_log)") \
+            from None
+    settings = wandb_setup.singleton().settings
+    if settings.mode in ("offline", "dryrun", "disabled"):
+        return wandb
+    try:
+        key = wbauth.authenticate_session(host=settings.base_url, source="train.py", prompt=False,
+                                          update_session=False)
+    except AuthenticationError as e:
+        raise ConfigError(f"wandb's API key is not valid ({e}): run `wandb login`, set WANDB_MODE=offline, or "
+                               f"drop --wandb_log") from None
+    if key is None:
+        raise ConfigError("wandb has no API key: run `wandb login`, set WANDB_MODE=offline, or drop --wandb_log")
+    return wandb
+
+
+def start_wandb(wandb, c, settings):
+    """The wandb run of this run (its files in out_dir/wandb), or a one-line error (no network to an online server)."""
+    try:
+        return wandb.init(project=c.wandb_project, name=c.wandb_run_name or None, config=settings, dir=c.out_dir)
+    except Exception as e:
+        raise ConfigError(f"wandb could not start its run ({type(e).__name__}: {str(e).splitlines()[0]}): check "
+                               f"the network, set WANDB_MODE=offline, or drop --wandb_log") from None
+
+
+def append_log(path, row, wandb_run=None, sync=False):
+    """One row of out_dir/log.jsonl (whole or not at all: append_line), and of the wandb run if there is one."""
+    append_line(path, json.dumps(row), sync=sync)
+    if wandb_run:
+        wandb_run.log({WANDB_KEYS.get(k, k): v for k, v in row.items() if k != "step"}, step=row["step"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -949,6 +1098,23 @@ def load_weights(model, ckpt, path):
         raise ConfigError(f"the weights in {path} do not fit this model: {misfits[0]}{more}: train again with this "
                           f"version of model.py, or load it with the model it was trained with")
     model.load_state_dict(saved)
+
+
+def save_run(path, raw_model, opt, sampler, master, settings, meta, **progress):
+    """Writes the checkpoint: the model, the optimizer, the settings, the RNG and every process's sampler state
+    (so that a resumed run sees the batches it would have seen), and progress (iter_num, losses, time). Under
+    DDP every process calls it: the sampler states are gathered."""
+    samplers = [sampler.state_dict()]
+    if torch.distributed.is_initialized():
+        samplers = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(samplers, sampler.state_dict())
+    if master:
+        cuda = next(raw_model.parameters()).device.type == "cuda"
+        save_checkpoint(path, {
+            "model": raw_model.state_dict(), "optimizer": opt.state_dict(), "config": settings, "meta": meta,
+            "sampler": samplers, "rng": {"torch": torch.get_rng_state(),
+                                         "cuda": torch.cuda.get_rng_state() if cuda else None}, **progress})
+        drop_replaced_run(os.path.dirname(path))  # the first checkpoint of a new run: the one it replaces goes
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ import itertools
 import math
 import os
 import sys
+import time
 from typing import Optional
 
 import torch
@@ -141,6 +142,25 @@ def autocast_dtype(device):
     """The 16-bit dtype of mixed precision on a GPU: bf16 where it computes bf16 natively (compute capability 8.0 and
     up: A100, H100, RTX 30xx and later), else fp16 (T4, V100, RTX 20xx), which needs a GradScaler."""
     return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
+
+
+def matmul_rate():
+    """A float32 matmul rate of this machine measured now (0.2 s): an optimistic speed for check_step_time only,
+    as MFU against it would swing with the machine's load."""
+    a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))  # leaves the global RNG alone
+    b = a @ a
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.2:
+        a @ b
+        n += 1
+    return 2 * 512 ** 3 * n / (time.perf_counter() - t0)
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def _fp32(fn):
@@ -3671,7 +3691,6 @@ if __name__ == "__main__":
             sys.exit(f"kernels.py takes no arguments (got {sys.argv[1]!r}): {usage}")
         print(usage)
         sys.exit()
-    import time
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"

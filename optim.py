@@ -495,6 +495,13 @@ def optimizer_kind(name):
     return OPTIMIZERS[name]
 
 
+def optimizer_options(name, settings):
+    """{constructor argument: value} of the settings optimizer name takes (its row's Settings), from settings
+    (train.py's config, {key: value})."""
+    return {arg: tuple(settings[s.key] for s in declared) if isinstance(declared, tuple) else settings[declared.key]
+            for arg, declared in optimizer_kind(name).options.items()}
+
+
 # -----------------------------------------------------------------------------
 # routing: which parameter goes to which optimizer
 

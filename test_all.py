@@ -5622,19 +5622,19 @@ def test_mfu_peaks_by_exact_gpu_name_and_dtype(simulated_gpu):
     --peak_tflops states one."""
     def peak(name, dtype="bfloat16", stated=0.0):
         simulated_gpu(name=name)
-        return train.peak_flops(torch.device("cuda"), dtype, stated)
+        return analyze.peak_flops(torch.device("cuda"), dtype, stated)
     assert peak("NVIDIA H100 PCIe") < peak("NVIDIA H100 NVL") < peak("NVIDIA H100 80GB HBM3")
     assert peak("NVIDIA L40") != peak("NVIDIA L4") and peak("NVIDIA A10") != peak("NVIDIA A100-SXM4-80GB")
-    for name, (bf16, fp16, fp32) in train.GPU_PEAKS.items():
+    for name, (bf16, fp16, fp32) in analyze.GPU_PEAKS.items():
         if bf16 is None:
             assert peak(name) is None and peak(name, "float32") < peak(name, "float16") / 3, name
         else:
             assert peak(name, "float16") == peak(name) and peak(name, "float32") == pytest.approx(peak(name) / 2,
                                                                                                 rel=0.05), name
-    assert {"Tesla T4", "Tesla V100-SXM2-16GB"} <= set(train.GPU_PEAKS)
+    assert {"Tesla T4", "Tesla V100-SXM2-16GB"} <= set(analyze.GPU_PEAKS)
     assert peak("NVIDIA GeForce GTX 1080") is None and peak("NVIDIA GeForce GTX 1080", stated=8.9) == 8.9e12
     cpu = torch.device("cpu")
-    assert train.peak_flops(cpu, "float32", 0.0) is None and train.peak_flops(cpu, "float32", 1.5) == 1.5e12
+    assert analyze.peak_flops(cpu, "float32", 0.0) is None and analyze.peak_flops(cpu, "float32", 1.5) == 1.5e12
 
 
 def test_tokens_per_second_leaves_out_evals_and_the_first_step(tmp_path, monkeypatch):
@@ -5886,12 +5886,12 @@ def test_stop_signals_first_asks_then_stops_at_once_and_restores_the_handlers():
     """The first signal is recorded, a second raises KeyboardInterrupt (under DDP, again_stops=False, it is only
     recorded); the previous handlers are back afterwards."""
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    with train.stop_signals() as received:
+    with data.stop_signals() as received:
         signal.raise_signal(signal.SIGTERM)
         assert received == [signal.SIGTERM]
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
-    with train.stop_signals(again_stops=False) as received:
+    with data.stop_signals(again_stops=False) as received:
         signal.raise_signal(signal.SIGINT)
         signal.raise_signal(signal.SIGINT)
         assert received == [signal.SIGINT, signal.SIGINT]
@@ -6021,7 +6021,7 @@ def test_overwrite_deletes_the_old_run_at_the_new_first_checkpoint_and_a_kill_be
 
 
 def test_wandb_credentials_are_found_as_wandb_finds_them_without_a_network(tmp_path):
-    """train.import_wandb in fresh processes whose HOME and wandb folders are in tmp_path: with no key anywhere it is
+    """data.import_wandb in fresh processes whose HOME and wandb folders are in tmp_path: with no key anywhere it is
     one line; a key in WANDB_API_KEY or ~/.netrc (api.wandb.ai), WANDB_MODE=offline or disabled, or mode = offline
     in wandb's settings file let it pass; a malformed key is one line. Nothing here reaches a network."""
     home, netrc_home, settings = tmp_path / "home", tmp_path / "netrc_home", tmp_path / "settings"
@@ -6036,7 +6036,7 @@ def test_wandb_credentials_are_found_as_wandb_finds_them_without_a_network(tmp_p
              ({"HOME": str(netrc_home)}, "ready"), ({"WANDB_MODE": "offline"}, "ready"),
              ({"WANDB_MODE": "disabled"}, "ready"), ({"WANDB_CONFIG_DIR": str(settings)}, "ready"),
              ({"WANDB_API_KEY": "short"}, "wandb's API key is not valid")]
-    code = "import train\ntry:\n    train.import_wandb()\n    print('ready')\nexcept ValueError as e:\n    print(e)\n"
+    code = "import data\ntry:\n    data.import_wandb()\n    print('ready')\nexcept ValueError as e:\n    print(e)\n"
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**base, **extra}, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for extra, _ in cases]
     for (extra, want), proc in zip(cases, procs):
@@ -6134,7 +6134,7 @@ def test_the_dry_run_of_any_depth_answers_in_seconds(tmp_path, capsys):
 
 
 def test_run_costs_of_one_period_of_layers_equal_the_whole_models():
-    """train.run_costs builds one block per letter of the mixer string and scales: for several depths (a multiple of
+    """analyze.run_costs builds one block per letter of the mixer string and scales: for several depths (a multiple of
     the period and not), mixers and residuals, and every optimizer, its parameters, FLOPs a token, weights to cast
     and optimizer state equal those of the whole model built on the meta device."""
     for case in (dict(mixer="GGGA", n_layer=6), dict(mixer="MAAA", n_layer=5, residual="mhc", hc_streams=2),
@@ -6145,9 +6145,9 @@ def test_run_costs_of_one_period_of_layers_equal_the_whole_models():
         matmul = sum(m.weight.numel() for m in whole.modules() if isinstance(m, nn.Linear))
         for name in optim.OPTIMIZERS:
             c = types.SimpleNamespace(**{**train.RUN_DEFAULTS, "optimizer": name})
-            costs = train.run_costs(c, cfg, 1, act=2)
+            costs = analyze.run_costs(c, cfg, 1, act=2)
             opt = optim.build_optimizer(whole, name, lr=c.learning_rate, weight_decay=c.weight_decay, aux_lr=c.aux_lr,
-                                        aux_betas=(c.beta1, c.beta2), **train.optimizer_options(c))
+                                        aux_betas=(c.beta1, c.beta2), **optim.optimizer_options(c.optimizer, vars(c)))
             for p in whole.parameters():
                 p.grad = torch.empty_like(p)
             opt.step()
@@ -6618,10 +6618,10 @@ def test_gpu_twenty_compiled_steps_of_each_preset(preset, tmp_path):
     run_train(*args)
     rows = [r for r in log_rows(tmp_path / "out") if "loss" in r]
     print(f"{preset} on {torch.cuda.get_device_name()}: {rows[-1]['tokens_per_s']:,.0f} tokens/s, MFU "
-          f"{rows[-1]['mfu']} (the dry run assumes {train.ESTIMATE_MFU})")
+          f"{rows[-1]['mfu']} (the dry run assumes {analyze.ESTIMATE_MFU})")
     assert all(math.isfinite(r["loss"]) for r in rows) and rows[-1]["tokens_per_s"] > 0
-    if torch.cuda.get_device_name() in train.GPU_PEAKS:
-        assert rows[-1]["mfu"] >= train.ESTIMATE_MFU / 4
+    if torch.cuda.get_device_name() in analyze.GPU_PEAKS:
+        assert rows[-1]["mfu"] >= analyze.ESTIMATE_MFU / 4
 
 
 @pytest.mark.gpu
@@ -7002,9 +7002,10 @@ def test_attention_sparsity_counts_exact_zeros_per_layer_and_head():
 
 def test_analyze_runs_every_section_of_its_table_end_to_end(tmp_path, capsys):
     """python analyze.py with --sections naming every row of analyze.SECTIONS (the opt-in ones too: coord and
-    lr_transfer at small widths, lr_transfer for 2 steps), on a fresh tiny model that has every part a section reads (G and sparsemax attention, mHC
-    streams): each section computes and prints; each that plots writes a PNG that opens as an image of some size,
-    titled by its section (the figure and the file's Title field); summary.json holds every section."""
+    lr_transfer at small widths, lr_transfer for 2 steps), on a fresh tiny model that has every part a section reads
+    (G and sparsemax attention, mHC streams): each section computes and prints; each that plots writes a PNG that
+    opens as an image of some size, titled by its section (the figure and the file's Title field); summary.json holds
+    every section."""
     from PIL import Image
     out = tmp_path / "analysis"
     analyze.main([f"--sections={','.join(analyze.SECTIONS)}", "--mixer=GA", "--attention=sparsemax", "--residual=mhc",
