@@ -12,6 +12,7 @@ import datetime
 import errno
 import functools
 import hashlib
+import importlib
 import inspect
 import io
 import itertools
@@ -270,14 +271,6 @@ def rel_err(got, want):
 # The simulated GPU (SIMULATED_CUDA at the top of this file provides its C++ runtime): the fixture simulated_gpu turns
 # this process into a machine with GPUs for one test. Every GPU-path test goes through it.
 
-# the names torch/cuda/__init__.py binds from torch._C when it is imported (a CUDA build binds these very entry points;
-# a CPU build None or a stand-in that raises): the simulated machine binds its entry points there, as an import would
-CUDA_IMPORT_BINDINGS = {"_cudart": "_cudart", "_exchange_device": "_cuda_exchangeDevice",
-                        "_maybe_exchange_device": "_cuda_maybeExchangeDevice"}
-# torch.cuda's state of a CUDA not yet initialised, which its lazy initialisation (and _cuda_init's C++) fills in
-CUDA_FRESH_STATE = {"_initialized": False, "_queued_calls": [], "_cached_device_count": None, "default_generators": ()}
-
-
 class SimulatedGPU:
     """A machine with `count` GPUs called `name`, as torch's CUDA entry points (torch._C._cuda_*) answer for it, with
     what was asked of them, in order, in `calls`. Its current device is the C++ runtime's (one state for both)."""
@@ -327,27 +320,36 @@ class SimulatedGPU:
 
 
 @pytest.fixture
-def simulated_gpu(monkeypatch):
+def simulated_gpu():
     """simulated_gpu(count=1, name=..., capability=(9, 0), memory=80 GiB) makes this process a machine with that many
-    GPUs until the test ends, faking only what a CPU build of torch lacks: the torch._C entry points, the names
-    torch.cuda bound to them at import (CUDA_IMPORT_BINDINGS), the state of a fresh CUDA, and the C++ runtime. No
-    Python function of torch, torch.cuda, torch.backends or of this project is replaced."""
+    GPUs until the test ends, faking only what a CPU build of torch lacks: the torch._C entry points and the C++
+    runtime. torch/cuda/__init__.py then runs again (importlib.reload), so that torch's own import binds those entry
+    points and starts from a CUDA not yet initialised, as on a CUDA build; at the end the entry points go and it runs
+    once more. No Python function of torch, torch.cuda, torch.backends or of this project is replaced."""
     if SIMULATED_CUDA is None:
         pytest.skip(f"no simulated GPU: {NO_SIMULATED_CUDA}")
     tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # train.py turns both on
+    absent = object()
+    originals = {}
 
     def turn_on(count=1, name="NVIDIA H100 80GB HBM3", capability=(9, 0), memory=80 * 2**30):
         machine = SimulatedGPU(count, name, capability, memory)
         for entry, answer in machine.entry_points().items():
-            monkeypatch.setattr(torch._C, entry, answer, raising=False)
-        for name, entry in CUDA_IMPORT_BINDINGS.items():
-            monkeypatch.setattr(torch.cuda, name, getattr(torch._C, entry))
-        for name, value in {**CUDA_FRESH_STATE, "_get_device_properties": None}.items():
-            monkeypatch.setattr(torch.cuda, name, value, raising=False)
+            originals.setdefault(entry, getattr(torch._C, entry, absent))
+            setattr(torch._C, entry, answer)
+        importlib.reload(torch.cuda)
         SIMULATED_CUDA.simulated_cuda_turn_on(count)
         return machine
     yield turn_on
     SIMULATED_CUDA.simulated_cuda_turn_on(0)
+    for entry, value in originals.items():
+        if value is absent:
+            delattr(torch._C, entry)
+        else:
+            setattr(torch._C, entry, value)
+    if originals:
+        vars(torch.cuda).pop("_get_device_properties", None)  # what the simulated _cuda_init defined
+        importlib.reload(torch.cuda)
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
@@ -4881,10 +4883,9 @@ def test_a_gpu_that_is_not_there_or_not_this_process_is_one_line(simulated_gpu, 
 
 def test_tests_fake_a_gpu_only_where_a_cpu_build_lacks_one():
     """No test sets, deletes or patches an attribute of torch.cuda, torch.backends or torch._C, or assigns one, outside
-    the simulated machine (the simulated_gpu fixture, and SimulatedGPU.init, which defines on torch.cuda what
-    _cuda_init's C++ does): a test that replaces the function it exercises cannot fail. The fixture binds in torch.cuda
-    only what torch.cuda binds from torch._C at import, as torch's own source says, and the state of a CUDA not yet
-    initialised."""
+    the simulated machine (the simulated_gpu fixture, which sets torch._C's CUDA entry points, and SimulatedGPU.init,
+    which defines on torch.cuda what _cuda_init's C++ does): a test that replaces the function it exercises cannot
+    fail. The fixture sets nothing on torch.cuda itself: torch's own import code, run again, binds the entry points."""
     tree = ast.parse(open(__file__).read())
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
 
@@ -4909,9 +4910,8 @@ def test_tests_fake_a_gpu_only_where_a_cpu_build_lacks_one():
     outside = sorted({(node.lineno, what) for node, what in touched
                       if what.startswith(guarded) and not in_fixture(node)})
     assert not outside, f"tests that replace torch's CUDA functions or flags: {outside}"
-    source = inspect.getsource(torch.cuda)
-    for name, entry in CUDA_IMPORT_BINDINGS.items():
-        assert f"{name} = torch._C.{entry}" in source or f"from torch._C import {entry}" in source, name
+    fixture = {id(node) for node in ast.walk(next(n for n in tree.body if getattr(n, "name", "") == "simulated_gpu"))}
+    assert not [what for node, what in touched if id(node) in fixture and what.startswith("torch.cuda")]
 
 
 def fineweb_like_shards(folder, vocab_size=50257, tokens=5000):
