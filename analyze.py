@@ -1564,7 +1564,7 @@ def duration(seconds):
         f"{seconds:.0f} s"
 
 
-def run_costs(c, config, world, act):
+def run_costs(c, config, act):
     """What the run costs: parameters (counted, and model.param_formula's closed form), FLOPs a token, and the memory
     of one process by formula (act bytes an activation). Counted on one period of its layers (a block per letter of
     the mixer string) built on the meta device and scaled to n_layer, so any depth answers at once; the optimizer's
@@ -1595,7 +1595,7 @@ def run_costs(c, config, world, act):
                   model_module.activation_formula(config, c.batch_size, act),
               "the loss's peak": (act + 4) * c.batch_size * config.block_size * config.padded_vocab_size}
     return types.SimpleNamespace(n_params=n_params, parts=model_module.param_formula(config), memory=memory,
-                           flops_token=6 * matmul_weights + extra)
+                                 flops_token=6 * matmul_weights + extra)
 
 
 def run_tokens(c, block_size, world):
@@ -1646,7 +1646,7 @@ def dry_run_report(settings, config, world):
     activations) and the GPU time (estimates)."""
     c = types.SimpleNamespace(**settings)
     act = 4 if c.dtype == "float32" else 2  # "auto": bf16 autocast, as on the GPUs priced here
-    costs = run_costs(c, config, world, act)
+    costs = run_costs(c, config, act)
     n_params, parts = costs.n_params, costs.parts
     if None in parts.values():
         missing = ", ".join(model_module.kinds_without(config, "n_params"))
@@ -1733,14 +1733,14 @@ def choices():
 
 
 def train_settings():
-    """The names of train.py's run settings (its module-level assignments above OPTIMIZER_SETTINGS, read from its
+    """The names of train.py's run settings (its module-level assignments above RUN_DEFAULTS, read from its
     source, as analyze.py does not import train.py) and the optimizers' settings (optim.OPTIMIZERS' rows): the keys
     of a train.py config file that analyze.py skips."""
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")) as f:
         body = ast.parse(f.read()).body
     names = [node.targets[0].id for node in body
              if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)]
-    return names[:names.index("OPTIMIZER_SETTINGS")] + list(optim.optimizer_settings(optim.OPTIMIZERS))
+    return names[:names.index("RUN_DEFAULTS")] + list(optim.SETTINGS)
 
 
 def parse_args(argv):

@@ -301,7 +301,6 @@ def recover_run(folder, names):
         release_lock(lock)
 
 
-
 # the files a run writes in its folder, its checkpoint first (set_aside_run's names)
 RUN_FILES = ("ckpt.pt", "log.jsonl", "loss.png", "analysis.jsonl", "analysis.png")
 
@@ -310,7 +309,7 @@ def check_run_folder(out_dir, init_from, overwrite):
     """A new run never replaces the run in out_dir (its checkpoint) unasked."""
     if init_from == "scratch" and not overwrite and os.path.exists(os.path.join(out_dir, "ckpt.pt")):
         raise ConfigError(f"--out_dir={out_dir!r} holds a run (ckpt.pt): continue it with --init_from=resume, "
-                               f"start this one in another --out_dir, or replace it with --overwrite=True")
+                          f"start this one in another --out_dir, or replace it with --overwrite=True")
 
 
 def prepare_run_folder(out_dir, resume_iter):
@@ -425,7 +424,7 @@ def import_wandb():
                                           update_session=False)
     except AuthenticationError as e:
         raise ConfigError(f"wandb's API key is not valid ({e}): run `wandb login`, set WANDB_MODE=offline, or "
-                               f"drop --wandb_log") from None
+                          f"drop --wandb_log") from None
     if key is None:
         raise ConfigError("wandb has no API key: run `wandb login`, set WANDB_MODE=offline, or drop --wandb_log")
     return wandb
@@ -437,7 +436,7 @@ def start_wandb(wandb, c, settings):
         return wandb.init(project=c.wandb_project, name=c.wandb_run_name or None, config=settings, dir=c.out_dir)
     except Exception as e:
         raise ConfigError(f"wandb could not start its run ({type(e).__name__}: {str(e).splitlines()[0]}): check "
-                               f"the network, set WANDB_MODE=offline, or drop --wandb_log") from None
+                          f"the network, set WANDB_MODE=offline, or drop --wandb_log") from None
 
 
 def append_log(path, row, wandb_run=None, sync=False):
@@ -863,7 +862,7 @@ def row_comments(module, table):
 
 
 def choices_help(choices, tables):
-    """{key: --help's text of its allowed values}, e.g. "A attention | G gated delta | M Mamba2": each value of
+    """{key: --help's text of its allowed values}, e.g. "A (attention) | G (gated delta rule)": each value of
     choices[key] with its row's comment in its table (tables: {key: (module, table name)}), where it has one."""
     about = {key: row_comments(module, table) for key, (module, table) in tables.items()}
     return {key: " | ".join(f"{v} ({about[key][v]})" if v in about.get(key, {}) else v for v in values)

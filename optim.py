@@ -485,7 +485,9 @@ def optimizer_settings(rows):
     return found
 
 
-optimizer_settings(OPTIMIZERS)  # a row that declares a setting badly fails here, at import
+# train.py's optimizer keys: {key: (Setting, the optimizers that take it)}; a row that declares a setting badly
+# fails here, at import
+SETTINGS = optimizer_settings(OPTIMIZERS)
 
 
 def optimizer_kind(name):

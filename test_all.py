@@ -4977,8 +4977,9 @@ def test_each_readme_gpu_command_reaches_its_first_cuda_tensor(command, simulate
         train.main(args)
         assert "H100" in capsys.readouterr().out and not os.path.exists(tmp_path / "out")
     else:
-        with pytest.raises((RuntimeError, NotImplementedError), match="with arguments from the 'CUDA' backend"):
+        with pytest.raises(RuntimeError, match="with arguments from the 'CUDA' backend") as error:
             script.main(args)
+        assert type(error.value).__name__ == "NotImplementedError", error.value  # torch's: no CUDA kernel here
     assert ("set_device", index) in machine.calls and torch.cuda.current_device() == index
     if script is train and "--dry_run=True" not in args:
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
@@ -5320,7 +5321,7 @@ def test_train_py_defines_no_model_key_and_documents_every_key(capsys):
     assigned = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
                 if isinstance(t, ast.Name)}
     assert assigned and not assigned & model_keys
-    optimizer_keys = set(optim.optimizer_settings(optim.OPTIMIZERS))
+    optimizer_keys = set(optim.SETTINGS)
     assert set(train.RUN_DEFAULTS) <= assigned | optimizer_keys and optimizer_keys <= set(train.RUN_DEFAULTS)
     assert not assigned & optimizer_keys and not optimizer_keys & model_keys
     assert set(train.model_defaults()) == model_keys - {"vocab_size"}
@@ -6145,7 +6146,7 @@ def test_run_costs_of_one_period_of_layers_equal_the_whole_models():
         matmul = sum(m.weight.numel() for m in whole.modules() if isinstance(m, nn.Linear))
         for name in optim.OPTIMIZERS:
             c = types.SimpleNamespace(**{**train.RUN_DEFAULTS, "optimizer": name})
-            costs = analyze.run_costs(c, cfg, 1, act=2)
+            costs = analyze.run_costs(c, cfg, act=2)
             opt = optim.build_optimizer(whole, name, lr=c.learning_rate, weight_decay=c.weight_decay, aux_lr=c.aux_lr,
                                         aux_betas=(c.beta1, c.beta2), **optim.optimizer_options(c.optimizer, vars(c)))
             for p in whole.parameters():
@@ -6509,7 +6510,8 @@ def test_an_optimizer_declared_by_its_row_alone_gets_its_keys_help_checks_and_lr
     edits nothing else: train.py's --help lists it with its description and its setting with the optimizers that
     take it and its range; a value out of range is one line; a 2-step run with it takes the row's lr (5e-4, no
     --learning_rate given) and passes the setting to the optimizer (the checkpoint's param groups hold beta 0.5).
-    The same row with a setting that names no default fails at import with one line naming the row and the key."""
+    The same row with a setting that names no default fails at import with one line naming the row and the key, and
+    a row that declares a shared key (momentum) with another default is refused."""
     fork = forked(tmp_path, "optim.py", "}\n\n\ndef optimizer_settings(rows):", SIGNUM_ROW)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = lambda *args: subprocess.run([sys.executable, "train.py", *args], cwd=fork, env=env, capture_output=True,
@@ -6539,6 +6541,10 @@ def test_an_optimizer_declared_by_its_row_alone_gets_its_keys_help_checks_and_lr
     last = imported.stderr.strip().splitlines()[-1]
     assert imported.returncode == 1 and last.startswith("TypeError: optim.OPTIMIZERS['signum'] option 'beta' ") \
         and "names no default" in last, imported.stderr
+    clashing = optim.OptimizerKind(optim.SGD, False, "gradient", 0.1,
+                                   {"momentum": optim.Setting("momentum", 0.5, "in [0, 1)", "another momentum")})
+    with pytest.raises(ValueError, match=r"OPTIMIZERS\['clashing'\] declares the setting 'momentum' unlike another"):
+        optim.optimizer_settings({**optim.OPTIMIZERS, "clashing": clashing})
 
 
 def test_a_dummy_mixer_keeps_the_protocol_and_a_forgetful_one_fails_loudly(monkeypatch):

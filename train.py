@@ -61,7 +61,7 @@ tokenizer = "auto"             # data.TOKENIZERS; auto: the dataset's own (gpt2:
 batch_size = 24                # sequences per micro-step (per process)
 gradient_accumulation_steps = 1  # micro-steps per optimizer step (per process)
 # optimizer (see optim.py; each optimizer's own settings, momentum, beta1, ..., are declared in its row of
-# optim.OPTIMIZERS and become config keys here: OPTIMIZER_SETTINGS below)
+# optim.OPTIMIZERS and become config keys here: optim.SETTINGS)
 optimizer = "muon"             # the optimizer of the blocks' matrices (optim.OPTIMIZERS)
 learning_rate = 0.0            # peak lr of the schedule; 0: the optimizer's own (its row's lr: muon 0.02)
 min_lr = 3e-4                  # the schedule's floor; every param group is scaled by the same multiplier
@@ -87,11 +87,10 @@ temperature = 0.8              # softmax temperature of sampling; 0 is greedy
 top_k = 40                     # sample among the top_k most likely tokens (the vocabulary size: all)
 start = "\n"                   # the prompt of every sample
 # ----------------------------------------------------------------------------------------------------
-# the optimizers' settings: {key: (optim.Setting, the optimizers that take it)}, then every run setting's default
-OPTIMIZER_SETTINGS = optim.optimizer_settings(optim.OPTIMIZERS)
+# every run setting's default: the assignments above, then the optimizers' settings
 RUN_DEFAULTS = {**{k: v for k, v in globals().items()
                    if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))},
-                **{key: setting.default for key, (setting, _) in OPTIMIZER_SETTINGS.items()}}
+                **{key: setting.default for key, (setting, _) in optim.SETTINGS.items()}}
 # the model's keys are GPTConfig's fields (vocab_size comes from the data); the run's own defaults:
 # nanoGPT's shakespeare_char context; one Mamba2 layer below three attention layers, narrowed to an inner width
 # of n_embd and a state of 16 (its short convolution and recurrence lower the loss per step far more than the
@@ -109,7 +108,7 @@ RANGES = {"eval_interval": ">= 1", "eval_iters": ">= 1", "log_interval": ">= 1",
           "weight_decay": ">= 0", "aux_lr": ">= 0", "grad_clip": ">= 0", "max_iters": ">= 0", "lr_decay_iters": ">= 0",
           "warmup_iters": ">= 0", "wsd_decay_frac": "in [0, 1]", "num_samples": ">= 0", "max_new_tokens": ">= 0",
           "temperature": ">= 0", "top_k": ">= 1", "peak_tflops": ">= 0", **model.CONFIG_RANGES,
-          **{key: s.allowed for key, (s, _) in OPTIMIZER_SETTINGS.items() if isinstance(s.allowed, str)}}
+          **{key: s.allowed for key, (s, _) in optim.SETTINGS.items() if isinstance(s.allowed, str)}}
 # --dtype: the autocast dtype of each choice (float32: no autocast); float16 scales the loss (torch.amp.GradScaler)
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # with no config file on a GPU, train.py still trains the CPU baby model, and names this preset (see gpu_hint)
@@ -131,14 +130,14 @@ def choices():
     return {"init_from": ("scratch", "resume"), "tokenizer": ("auto", *data.TOKENIZERS),
             "optimizer": tuple(optim.OPTIMIZERS), "schedule": ("cosine", "wsd"), "dtype": ("auto", *DTYPES),
             **model.config_choices(),
-            **{key: tuple(s.allowed) for key, (s, _) in OPTIMIZER_SETTINGS.items() if not isinstance(s.allowed, str)}}
+            **{key: tuple(s.allowed) for key, (s, _) in optim.SETTINGS.items() if not isinstance(s.allowed, str)}}
 
 
 def config_help():
     """{key: description}: the comment beside each run setting above and each GPTConfig field, and each optimizer
     setting's help with the optimizers that take it."""
     settings = {key: f"{', '.join(users)}: {s.help}"
-                for key, (s, users) in OPTIMIZER_SETTINGS.items()}
+                for key, (s, users) in optim.SETTINGS.items()}
     return {**data.source_comments(inspect.getsource(GPTConfig)), **data.source_comments(open(__file__).read()),
             **settings}
 
@@ -364,7 +363,7 @@ def run(args, cleanup):
         return sample_from_checkpoint(c, given, dev)
     # 3. the data, wandb, the checkpoint's fit, the run's size: everything that can fail on bad input fails here,
     # before a write and before the model is built
-    train_tokens, val_tokens, meta, config, wandb = check_run(c, settings, ckpt, dev, world)
+    train_tokens, val_tokens, meta, config, wandb = check_run(c, settings, ckpt, dev, rank == 0)
     # 4. model, optimizer, precision and sampler, and the state of a resumed run
     r = build_run(c, config, ckpt, train_tokens, dev, rank, world)
     # 5. the run's folder, locked, wandb's run, and the banner
@@ -424,11 +423,10 @@ def sample_from_checkpoint(c, given, dev):
     return 0
 
 
-def check_run(c, settings, ckpt, dev, world):
+def check_run(c, settings, ckpt, dev, master):
     """Step 3: (train tokens, val tokens, meta, the model's config, wandb or None), once the folder, the data, wandb,
     the vocabulary of a resumed run, the prompt and the run's memory have passed their checks."""
     data.check_writable_folder(c.out_dir, "out_dir")
-    master = int(os.environ.get("RANK", 0)) == 0
     if master:  # (the other processes would find the lock that rank 0 takes in step 5)
         data.check_unlocked(c.out_dir)
         data.check_run_folder(c.out_dir, c.init_from, c.overwrite)
@@ -445,7 +443,7 @@ def check_run(c, settings, ckpt, dev, world):
                                    f"{config.block_size + 2}: use more text or a smaller --block_size")
     if c.num_samples > 0 and c.max_new_tokens > 0:
         check_prompt(c.start, data.tokenizer_from_meta(meta), c.dataset)
-    analyze.check_fit(analyze.run_costs(c, config, world, act=2).memory, dev)
+    analyze.check_fit(analyze.run_costs(c, config, act=2).memory, dev)
     return train_tokens, val_tokens, meta, config, wandb
 
 
