@@ -1949,22 +1949,32 @@ if HAS_TRITON:
         return out
 
     @triton.jit
-    def _gdn2_chunk_tile(ptr, bi, c, hi, T, H, D, cols, CHUNK: tl.constexpr):
-        # chunk c's rows of a [B, T, H, D] tensor at columns cols, in its own dtype (0 past T and past D)
+    def _gdn2_chunk_rows(row, bi, c, hi, T, D, cols, CHUNK: tl.constexpr):
+        # offsets and mask of chunk c's rows at columns cols in a [B, T, H, D] tensor whose tokens lie `row` elements
+        # apart (H·D when contiguous; wider for a slice of in_proj's output, read in place)
         pos = c * CHUNK + tl.arange(0, CHUNK)
-        offs = ((bi * T + pos[:, None]).to(tl.int64) * H + hi) * D + cols[None, :]
-        mask = (pos[:, None] < T) & (cols[None, :] < D)
+        offs = (bi * T + pos[:, None]).to(tl.int64) * row + hi * D + cols[None, :]
+        return offs, (pos[:, None] < T) & (cols[None, :] < D)
+
+    @triton.jit
+    def _gdn2_chunk_tile(ptr, row, bi, c, hi, T, D, cols, CHUNK: tl.constexpr):
+        # chunk c's rows at columns cols, in the tensor's own dtype (0 past T and past D)
+        offs, mask = _gdn2_chunk_rows(row, bi, c, hi, T, D, cols, CHUNK)
         return tl.load(ptr + offs, mask=mask, other=0.0), offs, mask
 
     @triton.jit
-    def _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K, k0,
+    def _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale, bi, c, hi, T, H, K, k0,
                             CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
-        # q̃, k, b, G in fp32 at channels k0 .. k0 + BLOCK_K of the chunk (G per channel needs no other channel)
-        q, offs, mask = _gdn2_chunk_tile(q_ptr, bi, c, hi, T, H, K, k0 + tl.arange(0, BLOCK_K), CHUNK)
-        k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        G = tl.cumsum(tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32), axis=0)  # tail: g = 0, G flat
+        # q̃, k, b, G in fp32 at channels k0 .. k0 + BLOCK_K of the chunk (G per channel needs no other channel), and
+        # the offsets of those rows and channels in a contiguous [B, T, H, K] output
+        cols = k0 + tl.arange(0, BLOCK_K)
+        q, _, mask = _gdn2_chunk_tile(q_ptr, row_q, bi, c, hi, T, K, cols, CHUNK)
+        k = _gdn2_chunk_tile(k_ptr, row_k, bi, c, hi, T, K, cols, CHUNK)[0].to(tl.float32)
+        b = _gdn2_chunk_tile(b_ptr, row_b, bi, c, hi, T, K, cols, CHUNK)[0].to(tl.float32)
+        g = _gdn2_chunk_tile(g_ptr, row_g, bi, c, hi, T, K, cols, CHUNK)[0].to(tl.float32)
+        G = tl.cumsum(g, axis=0)                                    # tail: g = 0, G flat
         G_last = tl.sum(tl.where(tl.arange(0, CHUNK)[:, None] == CHUNK - 1, G, 0.0), axis=0)
+        offs = _gdn2_chunk_rows(H * K, bi, c, hi, T, K, cols, CHUNK)[0]
         return q.to(tl.float32) * scale, k, b, G, G_last, offs, mask
 
     @triton.jit
@@ -1980,7 +1990,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _gdn2_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, Aqk_ptr, Y_ptr, U0_ptr, q_in_ptr,
-                                 k_out_ptr, decay_ptr, scale, T, H, K, V, n_chunks, CHUNK: tl.constexpr,
+                                 k_out_ptr, decay_ptr, row_q, row_k, row_g, row_b, row_v, row_w, scale, T, H, K, V,
+                                 n_chunks, CHUNK: tl.constexpr,
                                  BLOCK_KP: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_V: tl.constexpr,
                                  DOT: tl.constexpr):
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
@@ -1990,8 +2001,8 @@ if HAS_TRITON:
         Aqk = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
         diag = tl.zeros((CHUNK,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_KP):
-            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H,
-                                                                     K, k0, CHUNK, BLOCK_KP)
+            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(
+                q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale, bi, c, hi, T, H, K, k0, CHUNK, BLOCK_KP)
             P = _gdn2_chunk_pair_decay(G, CHUNK)
             L += tl.sum((b * k)[:, None, :] * P * k[None, :, :], axis=2)
             Aqk += tl.sum(q[:, None, :] * P * k[None, :, :], axis=2)
@@ -2006,8 +2017,8 @@ if HAS_TRITON:
         tl.store(Ainv_ptr + cc_offs, Ainv)
         tl.store(Aqk_ptr + cc_offs, Aqk)
         for k0 in range(0, K, BLOCK_KS):
-            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H,
-                                                                     K, k0, CHUNK, BLOCK_KS)
+            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(
+                q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale, bi, c, hi, T, H, K, k0, CHUNK, BLOCK_KS)
             tl.store(Y_ptr + k_offs, _gdn2_dot(Ainv, tl.exp(G) * b * k, DOT).to(Y_ptr.dtype.element_ty), mask=k_mask)
             tl.store(q_in_ptr + k_offs, (tl.exp(G) * q).to(q_in_ptr.dtype.element_ty), mask=k_mask)
             tl.store(k_out_ptr + k_offs, (tl.exp(G_last[None, :] - G) * k).to(k_out_ptr.dtype.element_ty), mask=k_mask)
@@ -2015,9 +2026,10 @@ if HAS_TRITON:
             tl.store(decay_ptr + (pid_bc * H + hi).to(tl.int64) * K + ks, tl.exp(G_last), mask=ks < K)
         for v0 in range(0, V, BLOCK_V):
             vs = v0 + tl.arange(0, BLOCK_V)
-            v, v_offs, v_mask = _gdn2_chunk_tile(v_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-            w = tl.load(w_ptr + v_offs, mask=v_mask, other=0.0).to(tl.float32)
-            tl.store(U0_ptr + v_offs, _gdn2_dot(Ainv, v.to(tl.float32) * w, DOT), mask=v_mask)
+            v, _, v_mask = _gdn2_chunk_tile(v_ptr, row_v, bi, c, hi, T, V, vs, CHUNK)
+            w = _gdn2_chunk_tile(w_ptr, row_w, bi, c, hi, T, V, vs, CHUNK)[0].to(tl.float32)
+            U0_offs = _gdn2_chunk_rows(H * V, bi, c, hi, T, V, vs, CHUNK)[0]
+            tl.store(U0_ptr + U0_offs, _gdn2_dot(Ainv, v.to(tl.float32) * w, DOT), mask=v_mask)
 
     @triton.jit
     def _gdn2_chunk_split(ptr, bi, c, hi, T, H, D, SPLIT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
@@ -2049,7 +2061,7 @@ if HAS_TRITON:
             S = tl.load(s0_ptr + pid_bh.to(tl.int64) * K * V + st_offs, mask=st_mask, other=0.0).to(tl.float32)
         for c in range(n_chunks):
             Y = _gdn2_chunk_split(Y_ptr, bi, c, hi, T, H, K, SPLIT_K, CHUNK, BLOCK_K)
-            U0, v_offs, v_mask = _gdn2_chunk_tile(U0_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            U0, v_offs, v_mask = _gdn2_chunk_tile(U0_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)
             U = U0 - tl.sum(_gdn2_dot(Y, S, DOT), axis=0)
             if RECOMPUTE:
                 tl.store(S_in_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V + st_offs,
@@ -2069,7 +2081,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _gdn2_chunk_bwd_state_kernel(Aqk_ptr, Y_ptr, q_in_ptr, k_out_ptr, decay_ptr, do_ptr, dsT_ptr, dS_next_ptr,
-                                     dU_ptr, ds0_ptr, T, H, K, V, n_chunks, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                                     dU_ptr, ds0_ptr, row_do, T, H, K, V, n_chunks, CHUNK: tl.constexpr,
+                                     BLOCK_K: tl.constexpr,
                                      SPLIT_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT: tl.constexpr):
         # reverse over the chunks: dU = Aqkᵀ dO + k_out dS',  dS = q_inᵀ dO + Diag(d) dS' − Yᵀ dU, with dS' the
         # gradient of the chunk's exit state (dS_T for the last one), held in SPLIT_K channel blocks as the state pass
@@ -2087,11 +2100,12 @@ if HAS_TRITON:
             c = n_chunks - 1 - cc
             chunk = ((bi * n_chunks + c) * H + hi).to(tl.int64)
             tl.store(dS_next_ptr + chunk * K * V + st_offs, dS.to(dS_next_ptr.dtype.element_ty), mask=st_mask)
-            dO, v_offs, v_mask = _gdn2_chunk_tile(do_ptr, bi, c, hi, T, H, V, vs, CHUNK)
+            dO, _, v_mask = _gdn2_chunk_tile(do_ptr, row_do, bi, c, hi, T, V, vs, CHUNK)
             k_out = _gdn2_chunk_split(k_out_ptr, bi, c, hi, T, H, K, SPLIT_K, CHUNK, BLOCK_K)
             Aqk = tl.load(Aqk_ptr + _gdn2_chunk_offsets(bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK))
             dU = _gdn2_dot(tl.trans(Aqk), dO, DOT) + tl.sum(_gdn2_dot(k_out, dS, DOT), axis=0)
-            tl.store(dU_ptr + v_offs, dU.to(dU_ptr.dtype.element_ty), mask=v_mask)
+            tl.store(dU_ptr + _gdn2_chunk_rows(H * V, bi, c, hi, T, V, vs, CHUNK)[0], dU.to(dU_ptr.dtype.element_ty),
+                     mask=v_mask)
             q_in = _gdn2_chunk_split(q_in_ptr, bi, c, hi, T, H, K, SPLIT_K, CHUNK, BLOCK_K)
             Y = _gdn2_chunk_split(Y_ptr, bi, c, hi, T, H, K, SPLIT_K, CHUNK, BLOCK_K)
             d = tl.load(decay_ptr + chunk * K + ks, mask=ks < K, other=0.0)
@@ -2104,11 +2118,12 @@ if HAS_TRITON:
     @triton.jit
     def _gdn2_chunk_bwd_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, S_in_ptr, U_ptr, dS_next_ptr,
                                      dU_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, db_ptr, dw_ptr, dG_ptr, dL_ptr, dAqk_ptr,
-                                     scale, T, H, K, V, n_chunks, CHUNK: tl.constexpr, BLOCK_KS: tl.constexpr,
-                                     BLOCK_V: tl.constexpr, DOT: tl.constexpr):
+                                     row_q, row_k, row_g, row_b, row_v, row_w, row_do, scale, T, H, K, V, n_chunks,
+                                     CHUNK: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_V: tl.constexpr,
+                                     DOT: tl.constexpr):
         # one program per (batch·chunk, head), all but the pair weights. Pass 1 walks V for dAqk = dO Uᵀ, dU Zᵀ and
         # dZ = Ainvᵀ dU (dv, dw); pass 2 walks K in blocks, each over V, for the operands' terms dO Sᵀ, U dS'ᵀ and
-        # dY = −dU Sᵀ, parked in dq, dk, db (as de), dG;
+        # dY = −dU Sᵀ, parked in dq, dk, db (as de), dG (fp32); dv and dw are final, in their inputs' dtypes;
         # then dL = −Ainvᵀ (dU Zᵀ + dY (exp(G)⊙e)ᵀ) Ainvᵀ. Ainv is reloaded where used (kept live across the
         # passes, it spilled registers at chunk 32)
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
@@ -2118,19 +2133,20 @@ if HAS_TRITON:
         dAqk = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
         dAinv = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)               # dU Zᵀ + dY (exp(G)⊙e)ᵀ
         for v0 in range(0, V, BLOCK_V):
-            dO, v_offs, v_mask = _gdn2_chunk_tile(do_ptr, bi, c, hi, T, H, V, v0 + tl.arange(0, BLOCK_V), CHUNK)
-            U = tl.load(U_ptr + v_offs, mask=v_mask, other=0.0)
+            vs = v0 + tl.arange(0, BLOCK_V)
+            dO, _, v_mask = _gdn2_chunk_tile(do_ptr, row_do, bi, c, hi, T, V, vs, CHUNK)
+            U, v_offs, _ = _gdn2_chunk_tile(U_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)
             dU = tl.load(dU_ptr + v_offs, mask=v_mask, other=0.0)
-            v = tl.load(v_ptr + v_offs, mask=v_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + v_offs, mask=v_mask, other=0.0).to(tl.float32)
+            v = _gdn2_chunk_tile(v_ptr, row_v, bi, c, hi, T, V, vs, CHUNK)[0].to(tl.float32)
+            w = _gdn2_chunk_tile(w_ptr, row_w, bi, c, hi, T, V, vs, CHUNK)[0].to(tl.float32)
             dAqk += _gdn2_dot(dO, tl.trans(U), DOT)
             dAinv += _gdn2_dot(dU, tl.trans(w * v), DOT)
             dZ = _gdn2_dot(tl.trans(tl.load(Ainv_ptr + cc_offs)), dU, DOT)
             tl.store(dv_ptr + v_offs, dZ * w, mask=v_mask)
             tl.store(dw_ptr + v_offs, dZ * v, mask=v_mask)
         for k0 in range(0, K, BLOCK_KS):
-            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H,
-                                                                     K, k0, CHUNK, BLOCK_KS)
+            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(
+                q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale, bi, c, hi, T, H, K, k0, CHUNK, BLOCK_KS)
             ks = k0 + tl.arange(0, BLOCK_KS)
             dq_state = tl.zeros((CHUNK, BLOCK_KS), dtype=tl.float32)    # dO Sᵀ
             dk_state = tl.zeros((CHUNK, BLOCK_KS), dtype=tl.float32)    # U dS'ᵀ
@@ -2141,8 +2157,8 @@ if HAS_TRITON:
                 st_mask = (ks[:, None] < K) & (vs[None, :] < V)
                 S = tl.load(S_in_ptr + st_offs, mask=st_mask, other=0.0)
                 dSn = tl.load(dS_next_ptr + st_offs, mask=st_mask, other=0.0)
-                dO, v_offs, v_mask = _gdn2_chunk_tile(do_ptr, bi, c, hi, T, H, V, vs, CHUNK)
-                U = tl.load(U_ptr + v_offs, mask=v_mask, other=0.0)
+                dO = _gdn2_chunk_tile(do_ptr, row_do, bi, c, hi, T, V, vs, CHUNK)[0]
+                U, v_offs, v_mask = _gdn2_chunk_tile(U_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)
                 dU = tl.load(dU_ptr + v_offs, mask=v_mask, other=0.0)
                 dq_state += _gdn2_dot(dO, tl.trans(S), DOT)
                 dk_state += _gdn2_dot(U, tl.trans(dSn), DOT)
@@ -2152,7 +2168,7 @@ if HAS_TRITON:
             tl.store(dq_ptr + k_offs, tl.exp(G) * dq_state, mask=k_mask)
             tl.store(dk_ptr + k_offs, decay_out * dk_state, mask=k_mask)
             # the gauge's share of the state term, but none in the last chunk: its writes cancel the end-state term,
-            # which the wrapper adds without them
+            # which _gdn2_chunk_bwd_dg_kernel adds without them
             tl.store(dG_ptr + k_offs, tl.where(c == n_chunks - 1, 0.0, -k * decay_out * dk_state), mask=k_mask)
             de = _gdn2_dot(tl.trans(tl.load(Ainv_ptr + cc_offs)), dY, DOT)    # dẼ = Ainvᵀ dY, de = exp(G)⊙dẼ
             tl.store(db_ptr + k_offs, tl.exp(G) * de, mask=k_mask)
@@ -2163,11 +2179,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _gdn2_chunk_bwd_pairs_kernel(q_ptr, k_ptr, g_ptr, b_ptr, dL_ptr, dAqk_ptr, dq_ptr, dk_ptr, db_ptr, dG_ptr,
-                                     scale, T, H, K, n_chunks, CHUNK: tl.constexpr, BLOCK_KP: tl.constexpr):
+                                     dq_out_ptr, dk_out_ptr, db_out_ptr, row_q, row_k, row_g, row_b, scale, T, H, K,
+                                     n_chunks, CHUNK: tl.constexpr, BLOCK_KP: tl.constexpr):
         # the pair weights' terms per channel block, P_rsd = exp(G_rd − G_sd) for s < r (the intra kernel's L, Aqk):
         #   dq̃_r += Σ_s dAqk_rs k_s P_rs,  de_r += Σ_s dL_rs k_s P_rs,
         #   dk_s += Σ_r (dL_rs e_r + dAqk_rs q̃_r) P_rs,
-        # added to the terms parked in dq, dk, db (as de) and dG; then dq = scale·dq̃, db = k⊙de
+        # added to the terms parked in dq, dk, db (as de) and dG; then dq = scale·dq̃, db = k⊙de, written to dq_out,
+        # dk_out, db_out in the inputs' dtypes (for fp32 inputs the parked tensors themselves)
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, CHUNK)
@@ -2177,8 +2195,8 @@ if HAS_TRITON:
         dAqk_diag = tl.sum(tl.where(rs[:, None] == rs[None, :], dAqk, 0.0), axis=1)
         dAqk = tl.where(rs[:, None] > rs[None, :], dAqk, 0.0)
         for k0 in range(0, K, BLOCK_KP):
-            qb, kb, bb, Gb, _, offs, mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, scale, bi, c, hi, T, H, K,
-                                                                k0, CHUNK, BLOCK_KP)
+            qb, kb, bb, Gb, _, offs, mask = _gdn2_chunk_load_qk(
+                q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale, bi, c, hi, T, H, K, k0, CHUNK, BLOCK_KP)
             eb = bb * kb
             P = _gdn2_chunk_pair_decay(Gb, CHUNK)
             dq = tl.load(dq_ptr + offs, mask=mask, other=0.0) + tl.sum(dAqk[:, :, None] * kb[None, :, :] * P, axis=1)
@@ -2188,9 +2206,59 @@ if HAS_TRITON:
             tl.store(dG_ptr + offs, tl.load(dG_ptr + offs, mask=mask, other=0.0) + qb * dq + eb * de - kb * dk_pairs,
                      mask=mask)
             dk_write = tl.load(dk_ptr + offs, mask=mask, other=0.0) + dk_pairs + dAqk_diag[:, None] * qb
-            tl.store(dq_ptr + offs, (dq + dAqk_diag[:, None] * kb) * scale, mask=mask)
-            tl.store(dk_ptr + offs, dk_write + bb * de, mask=mask)
-            tl.store(db_ptr + offs, kb * de, mask=mask)
+            tl.store(dq_out_ptr + offs, (dq + dAqk_diag[:, None] * kb) * scale, mask=mask)
+            tl.store(dk_out_ptr + offs, dk_write + bb * de, mask=mask)
+            tl.store(db_out_ptr + offs, kb * de, mask=mask)
+
+    @triton.jit
+    def _gdn2_chunk_bwd_dg_kernel(dG_ptr, g_ptr, k_ptr, U_ptr, S_in_ptr, dsT_ptr, dg_ptr, row_g, row_k, T, H, K, V,
+                                  n_chunks, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  BLOCK_V: tl.constexpr):
+        # dg_t = Σ_{s≥t} dG_s plus the end state's term Σ_v dS_T⊙S_T, split as S_T = Diag(exp G_C) S_in +
+        # Σ_s k_out,s u_sᵀ over the last chunk (whose k⊙dk state share the intra kernel left out): the first part
+        # reaches every token's dg, the write of token s only the dg of the tokens after it in that chunk. Written
+        # out, it would cancel those writes, O(1) terms whose difference is small under steep decays.
+        # One program per (batch·head, block of channels): the last chunk, then the rest in blocks of BLOCK_T
+        # tokens towards the start, a running sum carried over.
+        pid_bh, pid_k = tl.program_id(0), tl.program_id(1)
+        bi, hi = pid_bh // H, pid_bh % H
+        c = n_chunks - 1
+        rs = tl.arange(0, CHUNK)
+        ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        g, _, mask = _gdn2_chunk_tile(g_ptr, row_g, bi, c, hi, T, K, ks, CHUNK)
+        g = g.to(tl.float32)
+        later = tl.cumsum(g, axis=0, reverse=True)                  # row t: G_C − G_{t−1}, the decay after token t − 1
+        # token t − 1's k and u on row t (none on the chunk's first row)
+        k_prev = tl.load(k_ptr + _gdn2_chunk_rows(row_k, bi, c, hi, T, K, ks, CHUNK)[0] - row_k,
+                         mask=mask & (rs[:, None] > 0), other=0.0).to(tl.float32)
+        u_dS = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)        # u_{t−1} · dS_T (over v)
+        end = tl.zeros((BLOCK_K,), dtype=tl.float32)               # Σ_v dS_T⊙S_in
+        state = pid_bh.to(tl.int64) * K * V
+        for v0 in range(0, V, BLOCK_V):
+            vs = v0 + tl.arange(0, BLOCK_V)
+            U_offs, v_mask = _gdn2_chunk_rows(H * V, bi, c, hi, T, V, vs, CHUNK)
+            U_prev = tl.load(U_ptr + U_offs - H * V, mask=v_mask & (rs[:, None] > 0), other=0.0).to(tl.float32)
+            st_offs = ks[:, None] * V + vs[None, :]
+            st_mask = (ks[:, None] < K) & (vs[None, :] < V)
+            dS_T = tl.load(dsT_ptr + state + st_offs, mask=st_mask, other=0.0)
+            S_in = tl.load(S_in_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V + st_offs, mask=st_mask,
+                           other=0.0).to(tl.float32)
+            u_dS += tl.sum(U_prev[:, None, :] * dS_T[None, :, :], axis=2)
+            end += tl.sum(dS_T * S_in, axis=1)
+        end *= tl.exp(tl.sum(g, axis=0))
+        writes_before = tl.cumsum(tl.exp(later) * k_prev * u_dS, axis=0)
+        dG, offs, _ = _gdn2_chunk_tile(dG_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)
+        tl.store(dg_ptr + offs, tl.cumsum(dG, axis=0, reverse=True) + writes_before + end[None, :], mask=mask)
+        after = tl.sum(dG, axis=0)
+        start = c * CHUNK
+        for i in range(0, tl.cdiv(start, BLOCK_T)):
+            pos = start - (i + 1) * BLOCK_T + tl.arange(0, BLOCK_T)
+            rows = (bi * T + pos[:, None]).to(tl.int64)
+            block_mask = (pos[:, None] >= 0) & (ks[None, :] < K)
+            dG_block = tl.load(dG_ptr + rows * H * K + hi * K + ks[None, :], mask=block_mask, other=0.0)
+            tl.store(dg_ptr + rows * H * K + hi * K + ks[None, :],
+                     tl.cumsum(dG_block, axis=0, reverse=True) + after[None, :] + end[None, :], mask=block_mask)
+            after += tl.sum(dG_block, axis=0)
 
 
 def _gdn2_dot_kind(x):
@@ -2212,17 +2280,35 @@ def _gdn2_chunk_blocks(K, chunk):
     block_k = max(16, triton.next_power_of_2(K))
     return dict(
         intra=dict(CHUNK=chunk, BLOCK_KP=min(block_k, 8192 // chunk ** 2), BLOCK_KS=min(block_k, 32), BLOCK_V=32,
-                   num_warps=4 if chunk == 16 else 8, num_stages=1),
+                   num_warps=8, num_stages=1),
         state=dict(CHUNK=chunk, BLOCK_K=block_k, SPLIT_K=block_k // 16, BLOCK_V=32 if chunk == 16 else 16, num_warps=8,
                    num_stages=1),
         bwd_intra=dict(CHUNK=chunk, BLOCK_KS=16, BLOCK_V=16, num_warps=8, num_stages=1),
-        bwd_pairs=dict(CHUNK=chunk, BLOCK_KP=min(block_k, 8192 // chunk ** 2), num_warps=8, num_stages=1))
+        bwd_pairs=dict(CHUNK=chunk, BLOCK_KP=min(block_k, 8192 // chunk ** 2), num_warps=8, num_stages=1),
+        bwd_dg=dict(CHUNK=chunk, BLOCK_T=64, BLOCK_K=16, BLOCK_V=16, num_warps=4))
 
 
 GDN2_TRITON_CHUNKS = (16, 32)   # the chunk sizes the Triton path compiles for (longer chunks exceed shared memory)
 
 
-def _gdn2_chunk_intra(q, k, v, g, b, w, scale, chunk, dot):
+def token_rows(t):
+    """(t, row stride) for a kernel that addresses t [B, T, H, D] as (b·T + t)·row + h·D + d: t itself where its
+    strides allow that (a slice of a wider last dimension does: the projections' outputs are read in place), else a
+    contiguous copy."""
+    B, T, H, D = t.shape
+    row = t.stride(1)
+    if (D == 1 or t.stride(3) == 1) and (H == 1 or t.stride(2) == D) and (B == 1 or t.stride(0) == T * row):
+        return t, row
+    return t.contiguous(), H * D
+
+
+def _gdn2_token_rows(q, k, v, g, b, w):
+    """(q, k, v, g, b, w) as token_rows leaves them and their row strides in the kernels' order (q, k, g, b, v, w)."""
+    (q, row_q), (k, row_k), (v, row_v), (g, row_g), (b, row_b), (w, row_w) = map(token_rows, (q, k, v, g, b, w))
+    return (q, k, v, g, b, w), (row_q, row_k, row_g, row_b, row_v, row_w)
+
+
+def _gdn2_chunk_intra(q, k, v, g, b, w, rows, scale, chunk, dot):
     """The intra kernel's per-chunk quantities (Ainv, Aqk, Y, U0, q_in, k_out, d): the dots' operands Y, q_in, k_out
     in their dtype, the rest in fp32."""
     B, T, H, K = q.shape
@@ -2233,8 +2319,8 @@ def _gdn2_chunk_intra(q, k, v, g, b, w, scale, chunk, dot):
     Ainv, Aqk = torch.empty(B, N, H, chunk, chunk, **f32), torch.empty(B, N, H, chunk, chunk, **f32)
     Y, q_in, k_out = (torch.empty(B, T, H, K, **operand) for _ in range(3))
     U0, decay = torch.empty(B, T, H, V, **f32), torch.empty(B, N, H, K, **f32)
-    _gdn2_chunk_intra_kernel[(B * N, H)](q, k, g, b, v, w, Ainv, Aqk, Y, U0, q_in, k_out, decay, scale, T, H, K, V, N,
-                                         DOT=dot, **_gdn2_chunk_blocks(K, chunk)["intra"])
+    _gdn2_chunk_intra_kernel[(B * N, H)](q, k, g, b, v, w, Ainv, Aqk, Y, U0, q_in, k_out, decay, *rows, scale, T, H, K,
+                                         V, N, DOT=dot, **_gdn2_chunk_blocks(K, chunk)["intra"])
     return Ainv, Aqk, Y, U0, q_in, k_out, decay
 
 
@@ -2245,9 +2331,9 @@ def _gdn2_chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     """(o, S_T). Nothing else is kept: the backward recomputes the chunks' quantities and states."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
+    (q, k, v, g, b, w), rows = _gdn2_token_rows(q, k, v, g, b, w)
     dot = _gdn2_dot_kind(q)
-    Ainv, Aqk, Y, U0, q_in, k_out, decay = _gdn2_chunk_intra(q, k, v, g, b, w, scale, chunk, dot)
+    Ainv, Aqk, Y, U0, q_in, k_out, decay = _gdn2_chunk_intra(q, k, v, g, b, w, rows, scale, chunk, dot)
     state = _gdn2_chunk_blocks(K, chunk)["state"]
     o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
     S_T = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
@@ -2270,15 +2356,16 @@ def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: 
                       g: torch.Tensor, b: torch.Tensor, w: torch.Tensor, initial_state: Optional[torch.Tensor],
                       scale: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                          torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dg, db, dw, d initial_state): the intra kernel and the state pass rerun (writing each chunk's
-    entering state S and U), then the reverse state pass, the per-chunk backward and the pair weights' backward."""
+    """(dq, dk, dv, dg, db, dw, d initial_state), each in its input's dtype (d initial_state in fp32): the intra
+    kernel and the state pass rerun (writing each chunk's entering state S and U), then the reverse state pass, the
+    per-chunk backward, the pair weights' backward and dg's reverse cumulative sum."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    q, k, v, g, b, w = (t.contiguous() for t in (q, k, v, g, b, w))
+    (q, k, v, g, b, w), rows = _gdn2_token_rows(q, k, v, g, b, w)
     N = triton.cdiv(T, chunk)
     dot = _gdn2_dot_kind(q)
     blocks = _gdn2_chunk_blocks(K, chunk)
-    Ainv, Aqk, Y, U0, q_in, k_out, decay = _gdn2_chunk_intra(q, k, v, g, b, w, scale, chunk, dot)
+    Ainv, Aqk, Y, U0, q_in, k_out, decay = _gdn2_chunk_intra(q, k, v, g, b, w, rows, scale, chunk, dot)
     grid = (B * H, triton.cdiv(V, blocks["state"]["BLOCK_V"]))
     f32 = dict(device=q.device, dtype=torch.float32)
     operand = dict(device=q.device, dtype=Y.dtype)
@@ -2286,30 +2373,26 @@ def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: 
     s0 = initial_state.contiguous() if initial_state is not None else S_in
     _gdn2_chunk_state_kernel[grid](Aqk, Y, U0, q_in, k_out, decay, s0, U0, U0, S_in, U, T, H, K, V, N,
                                    HAS_INITIAL=initial_state is not None, RECOMPUTE=True, DOT=dot, **blocks["state"])
-    do, dS_T = do.contiguous(), dS_T.contiguous()
+    (do, row_do), dS_T = token_rows(do), dS_T.contiguous()
     dS_next, dU = torch.empty(B, N, H, K, V, **operand), torch.empty(B, T, H, V, **operand)
     ds0 = torch.empty(B, H, K, V, **f32)
-    _gdn2_chunk_bwd_state_kernel[grid](Aqk, Y, q_in, k_out, decay, do, dS_T, dS_next, dU, ds0, T, H, K, V, N, DOT=dot,
-                                       **blocks["state"])
-    dq, dk, db, dG = (torch.empty(B, T, H, K, **f32) for _ in range(4))
-    dv, dw = torch.empty(B, T, H, V, **f32), torch.empty(B, T, H, V, **f32)
+    _gdn2_chunk_bwd_state_kernel[grid](Aqk, Y, q_in, k_out, decay, do, dS_T, dS_next, dU, ds0, row_do, T, H, K, V, N,
+                                       DOT=dot, **blocks["state"])
+    dq, dk, db, dG = (torch.empty(B, T, H, K, **f32) for _ in range(4))      # parked terms, summed in fp32
+    dv, dw = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype), torch.empty(B, T, H, V, device=q.device,
+                                                                                    dtype=w.dtype)
     dL, dAqk = torch.empty_like(Ainv), torch.empty_like(Ainv)
     _gdn2_chunk_bwd_intra_kernel[(B * N, H)](
-        q, k, g, b, v, w, Ainv, S_in, U, dS_next, dU, do, dq, dk, dv, db, dw, dG, dL, dAqk, scale, T, H, K, V, N,
-        DOT=dot, **blocks["bwd_intra"])
-    _gdn2_chunk_bwd_pairs_kernel[(B * N, H)](q, k, g, b, dL, dAqk, dq, dk, db, dG, scale, T, H, K, N,
-                                             **blocks["bwd_pairs"])
-    # The end-state term Σ_v dS_T⊙S_T of the gauge identity, split as S_T = Diag(exp G_C) S_in + Σ_s k_out,s u_sᵀ
-    # over the last chunk (whose k⊙dk state shares the kernel left out): the first part reaches every token's
-    # dg, the write of token s only the dg of the tokens after it. Written out, it would cancel those writes.
-    start = (N - 1) * chunk
-    g_last = g[:, start:].float()
-    later = F.pad(g_last.flip(1).cumsum(1).flip(1)[:, 1:], (0, 0, 0, 0, 0, 1))   # G_C − G_s, from the later g
-    writes = torch.einsum("bhkv,bshv->bshk", dS_T, U[:, start:].float()) * later.exp() * k[:, start:].float()
-    dg = dG.flip(1).cumsum(1).flip(1)
-    dg += (dS_T * S_in[:, -1].float()).sum(-1)[:, None] * g_last.sum(1, keepdim=True).exp()
-    dg[:, start + 1:] += writes.cumsum(1)[:, :-1]
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(b.dtype), dw.to(w.dtype), ds0
+        q, k, g, b, v, w, Ainv, S_in, U, dS_next, dU, do, dq, dk, dv, db, dw, dG, dL, dAqk, *rows, row_do, scale, T, H,
+        K, V, N, DOT=dot, **blocks["bwd_intra"])
+    dq_out, dk_out, db_out = (part if t.dtype == torch.float32 else torch.empty_like(part, dtype=t.dtype)
+                              for part, t in ((dq, q), (dk, k), (db, b)))
+    _gdn2_chunk_bwd_pairs_kernel[(B * N, H)](q, k, g, b, dL, dAqk, dq, dk, db, dG, dq_out, dk_out, db_out, *rows[:4],
+                                             scale, T, H, K, N, **blocks["bwd_pairs"])
+    dg = torch.empty(B, T, H, K, device=q.device, dtype=g.dtype)
+    _gdn2_chunk_bwd_dg_kernel[(B * H, triton.cdiv(K, blocks["bwd_dg"]["BLOCK_K"]))](
+        dG, g, k, U, S_in, dS_T, dg, rows[2], rows[1], T, H, K, V, N, **blocks["bwd_dg"])
+    return dq_out, dk_out, dv, dg, db_out, dw, ds0
 
 
 @_gdn2_chunked_bwd.register_fake

@@ -1706,6 +1706,32 @@ def test_triton_gdn2_chunked(with_initial, decay, scale, chunk, device):
     triton_assert_close(errs)
 
 
+def as_slices_of_one_projection(*tensors):
+    """[B, T, H, D] tensors as the mixers get them: column slices of one [B, T, Σ H·D] output, each viewed as
+    [B, T, H, D] (its tokens that wide apart, not H·D), differentiable back to the inputs."""
+    B, T = tensors[0].shape[:2]
+    wide = torch.cat([t.flatten(2) for t in tensors], dim=-1)
+    slices = wide.split([t.shape[2] * t.shape[3] for t in tensors], dim=-1)
+    return [s.view(t.shape) for s, t in zip(slices, tensors)]
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_gdn2_chunked_reads_slices_in_place(device):
+    # q, k, v, g, b, w as column slices of one projection (the layout GatedDelta passes): the kernels read them
+    # through their row strides, with no copy, and match the token loop as contiguous inputs do (chunk 16, T = 37)
+    inputs = triton_gdn2_inputs(K=20)
+    names = ("q", "k", "v", "g", "b", "w")
+    views = as_slices_of_one_projection(*(inputs[n] for n in names))
+    assert all(kernels.token_rows(t)[0] is t and t.stride(1) > t.shape[2] * t.shape[3] for t in views)
+
+    def sliced(fn):
+        return lambda **kw: fn(*as_slices_of_one_projection(*(kw[n] for n in names)))
+    errs = triton_compare(sliced(lambda *t: kernels.gdn2_chunked_triton(*t, chunk_size=16)), sliced(kernels.gdn2_ref),
+                          inputs, device)
+    assert {"out0", "out1", "dq", "dk", "dv", "dg", "db", "dw"} <= set(errs)
+    triton_assert_close(errs)
+
+
 def triton_on(device, fn):
     """fn run on `device`: tensor arguments moved there, outputs moved back to the CPU (differentiably)."""
     def run(*args):
