@@ -1932,7 +1932,9 @@ _gdn2_recurrent_fwd.register_autograd(_gdn2_recurrent_backward, setup_context=_g
 #   per chunk:                dAqk = dO Uᵀ,  dZ = Ainvᵀ dU (dv = dZ⊙w, dw = dZ⊙v),  dY = −dU Sᵀ,
 #                             dL = −Ainvᵀ (dU Zᵀ + dY (exp(G)⊙e)ᵀ) Ainvᵀ,
 #                             then the pair weights per channel,
-# and dg by the gauge identity as above, the pair weights' diagonal (s = r, exp 0 = 1) kept out of it as in gdn2_torch.
+# and dg by the gauge identity as above, the pair weights' diagonal (s = r, exp 0 = 1) kept out of it as in gdn2_torch,
+# its reverse cumulative sum over the sequence in a kernel of its own. The kernels read q, k, v, g, b, w and dO where
+# they lie (token_rows: a slice of the projection's output is not copied) and write the gradients in their dtypes.
 # Every tl.dot accumulates in fp32; its operands are bf16 for bf16 inputs, else fp32 at torch's matmul precision
 # (_gdn2_dot_kind). The pair weights, the solve, the decays and the states stay fp32.
 if HAS_TRITON:
@@ -2265,11 +2267,13 @@ def _gdn2_dot_kind(x):
 
 
 def _gdn2_chunk_blocks(K, chunk):
-    """Launch parameters of the chunked kernels, none of which spills registers on sm_80 / sm_90 at head sizes 32 to
-    128 and chunks 16 and 32, with bf16, TF32 or 3xTF32 dots (the ahead-of-time test compiles them all). The state
-    passes hold their [K, BLOCK_V] tile as K/16 blocks of 16 channels, one small dot each: one dot over all of K keeps
-    the whole [C, K] operand in every warp's registers. The pair tiles [C, C, BLOCK_KP] hold about 8K elements.
-    Kernels that loop launch with num_stages=1: software pipelining of their tiles costs shared memory, saves little."""
+    """Launch parameters of the chunked kernels, none of which spills registers on sm_75 / sm_80 / sm_90 at head sizes
+    32 to 128 and chunks 16 and 32, with bf16, fp16, TF32 or 3xTF32 dots (the ahead-of-time test compiles them all).
+    The state passes hold their [K, BLOCK_V] tile as K/16 blocks of 16 channels, one small dot each: one dot over all
+    of K keeps the whole [C, K] operand in every warp's registers. Up to head size 64 they run 4 warps on value blocks
+    of 16 with their loads pipelined (num_stages=2): 114-152 registers, 3-4 blocks an sm_90 SM, the grid 4 programs
+    a head; at 128 that spilled, and they keep 8 unpipelined warps. The pair tiles [C, C, BLOCK_KP] hold about 8K
+    elements; the pair kernel's loop gains nothing from pipelining (ptxas gives it no more shared memory)."""
     block_k = max(16, triton.next_power_of_2(K))
     return dict(
         intra=dict(CHUNK=chunk, BLOCK_KP=min(block_k, 8192 // chunk ** 2), BLOCK_KS=min(block_k, 32), BLOCK_V=32,
