@@ -2425,7 +2425,7 @@ def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16)
 #   4 chunk C·Bᵀ     CB_rs = C_r·B_s
 #   5 chunk scan     y_r = Σ_{s≤r} CB_rs exp(a_r − a_s) dt_s x_s + exp(a_r) h_in C_r + D x_r
 # The forward keeps nothing but its inputs: the backward reruns kernels 1–4 for a, CB and h_in (h_in alone is p·n
-# fp32 numbers per chunk and head, four bf16 activations' worth at Mamba2's p = 32, n = 64, chunk 64), then
+# numbers per chunk and head, two bf16 activations' worth at Mamba2's p = 32, n = 64, chunk 64), then
 #   6 dh_out     dh_out[c] = Σ_r exp(a_r) dy_rᵀ C_r                                (kernel 2's shape)
 #   7 reverse state passing: dS_next[c], the gradient of chunk c's end state, and ∂L/∂a_last[c]
 #   8 dx         per (chunk, head, block of p): dx, and the terms of ddt that read x
@@ -2434,7 +2434,9 @@ def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16)
 #  11 dB, dC     per (chunk, group of heads, block of n), and the term of ddt from reading h_in
 # Dots take their operands in the inputs' dtype and accumulate in fp32: bf16 inputs (x, B, C, dy) go in as loaded
 # and the fp32 factors that meet them (decays, dt, states) are rounded to bf16 there; fp32 inputs take IEEE or
-# TF32 dots (_dot_precision). Cumulative decays, states and accumulators stay fp32. Every grid puts batch ×
+# TF32 dots (_dot_precision). Cumulative decays, the chunks' own states (kernel 2), the final state and every
+# accumulator stay fp32; the passed states h_in and the backward's dh_out and dS_next are stored in the inputs'
+# dtype (_ssd_passed_dtype, as mamba_ssm keeps them), which is what every dot reads them in. Every grid puts batch ×
 # chunks (× heads) on axis 0 (up to 2³¹ − 1 programs), and only small counts (blocks of p or n) on axis 1.
 # x, dt, B, C and dy are read where they lie, each token's row at its own stride (_ssd_rows: the model's are column
 # slices of in_proj's output); what the kernels write is contiguous.
@@ -2500,13 +2502,14 @@ if HAS_TRITON:
         y = tl.load(y_ptr + (bi * l + pos[:, None]).to(tl.int64) * stride_y + ns[None, :],
                     mask=valid[:, None] & (ns[None, :] < n), other=0.0).to(tl.float32)          # [BLOCK_C, BLOCK_N]
         acc = tl.dot(xT, (y * scale[:, None]).to(xT.dtype), input_precision=DOT)
-        tl.store(out_ptr + (pid_bch.to(tl.int64) * p + ps[:, None]) * n + ns[None, :], acc,
+        tl.store(out_ptr + (pid_bch.to(tl.int64) * p + ps[:, None]) * n + ns[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(ps[:, None] < p) & (ns[None, :] < n))
 
     @triton.jit
     def _ssd_state_passing_kernel(states_ptr, a_ptr, h0_ptr, entering_ptr, hT_ptr, h, dim, n_chunks, Cs,
                                   HAS_INITIAL: tl.constexpr, BLOCK: tl.constexpr):
-        # sequential over chunks for a BLOCK-slice of the flattened p·n state; one program per (batch·head, slice)
+        # sequential over chunks for a BLOCK-slice of the flattened p·n state, carried in fp32 and stored in
+        # entering's dtype; one program per (batch·head, slice)
         pid_bh = tl.program_id(0)
         bi, hi = pid_bh // h, pid_bh % h
         ms = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -2516,7 +2519,7 @@ if HAS_TRITON:
             hs = tl.load(h0_ptr + pid_bh.to(tl.int64) * dim + ms, mask=mask, other=0.0).to(tl.float32)
         for c in range(n_chunks):
             offs = ((bi * n_chunks + c) * h + hi).to(tl.int64) * dim + ms
-            tl.store(entering_ptr + offs, hs, mask=mask)
+            tl.store(entering_ptr + offs, hs.to(entering_ptr.dtype.element_ty), mask=mask)
             a_last = tl.load(a_ptr + (pid_bh * n_chunks + c).to(tl.int64) * Cs + Cs - 1)
             hs = tl.exp(a_last) * hs + tl.load(states_ptr + offs, mask=mask, other=0.0)
         tl.store(hT_ptr + pid_bh.to(tl.int64) * dim + ms, hs, mask=mask)
@@ -2591,7 +2594,8 @@ if HAS_TRITON:
     @triton.jit
     def _ssd_state_passing_bwd_kernel(dh_out_ptr, entering_ptr, a_ptr, dhT_ptr, dS_next_ptr, dh0_ptr, da_last_ptr,
                                       h, dim, n_chunks, Cs, BLOCK: tl.constexpr):
-        # reverse of kernel 3: dS_next[c] = ds (gradient of chunk c's end state); ds ← dh_out[c] + exp(a_last[c]) ds;
+        # reverse of kernel 3, ds carried in fp32: dS_next[c] = ds (gradient of chunk c's end state);
+        # ds ← dh_out[c] + exp(a_last[c]) ds;
         # and ∂L/∂a_last[c] from the passed-through state, ⟨ds, exp(a_last) h_in[c]⟩ (partial over this slice).
         # One program per (batch·head, slice of the p·n state)
         pid_bh, pid_m = tl.program_id(0), tl.program_id(1)
@@ -2602,12 +2606,12 @@ if HAS_TRITON:
         for cc in range(n_chunks):
             c = n_chunks - 1 - cc
             offs = ((bi * n_chunks + c) * h + hi).to(tl.int64) * dim + ms
-            tl.store(dS_next_ptr + offs, ds, mask=mask)
+            tl.store(dS_next_ptr + offs, ds.to(dS_next_ptr.dtype.element_ty), mask=mask)
             decay = tl.exp(tl.load(a_ptr + (pid_bh * n_chunks + c).to(tl.int64) * Cs + Cs - 1))
-            h_in = tl.load(entering_ptr + offs, mask=mask, other=0.0)
+            h_in = tl.load(entering_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(da_last_ptr + ((pid_bh * n_chunks + c) * tl.num_programs(1) + pid_m).to(tl.int64),
                      tl.sum(ds * h_in, axis=0) * decay)
-            ds = tl.load(dh_out_ptr + offs, mask=mask, other=0.0) + decay * ds
+            ds = tl.load(dh_out_ptr + offs, mask=mask, other=0.0).to(tl.float32) + decay * ds
         tl.store(dh0_ptr + pid_bh.to(tl.int64) * dim + ms, ds, mask=mask)
 
     @triton.jit
@@ -2797,6 +2801,12 @@ def _ssd_blocks(dtype, p, n, Cs):
     return block(p, most), block(n, most), BC, 8 if BC == 64 else 4
 
 
+def _ssd_passed_dtype(x):
+    """The dtype of the passed states h_in and the backward's dh_out, dS_next: 16-bit inputs' own (mamba_ssm's
+    choice: half the bytes of fp32, and the dots read them in that dtype), else fp32."""
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
 def _ssd_rows(x, dt, B, C):
     """x, dt, B, C as the kernels read them, each as (rows of one token, the token stride) (_rows): the model's
     are column slices of in_proj's output (x, B, C) and views."""
@@ -2819,7 +2829,7 @@ def _ssd_chunk_states(rows, A, shape, Cs, initial_state):
     _ssd_chunk_outer_kernel[(b * N * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))](
         x, B, dt, A, a, states, l, h, p, n, N, Cs, sx, sB, sdt, FROM_START=False, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC,
         DOT=dot, num_warps=warps)
-    entering = torch.empty(b, N, h, p, n, **f32)
+    entering = torch.empty(b, N, h, p, n, device=x.device, dtype=_ssd_passed_dtype(x))
     h_T = torch.empty(b, h, p, n, **f32)
     block = min(1024, triton.next_power_of_2(p * n))
     h0 = initial_state.contiguous() if initial_state is not None else h_T
@@ -2875,13 +2885,14 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
     BP, BN, BC, warps = _ssd_blocks(x.dtype, p, n, Cs)
     dot = _dot_precision(x)
     f32 = dict(device=x.device, dtype=torch.float32)
-    dh_out = torch.empty(b, N, h, p, n, **f32)
+    passed = dict(device=x.device, dtype=_ssd_passed_dtype(x))
+    dh_out = torch.empty(b, N, h, p, n, **passed)
     _ssd_chunk_outer_kernel[(b * N * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))](
         dy2, C2, dt2, A, a, dh_out, l, h, p, n, N, Cs, sdy, sC, sdt, FROM_START=True, BLOCK_P=BP, BLOCK_N=BN,
         BLOCK_C=BC, DOT=dot, num_warps=warps)
     block = min(1024, triton.next_power_of_2(p * n))
     n_mb = triton.cdiv(p * n, block)
-    dS_next, dh0 = torch.empty(b, N, h, p, n, **f32), torch.empty(b, h, p, n, **f32)
+    dS_next, dh0 = torch.empty(b, N, h, p, n, **passed), torch.empty(b, h, p, n, **f32)
     da_last = torch.empty(b, h, N, n_mb, **f32)
     _ssd_state_passing_bwd_kernel[(b * h, n_mb)](dh_out, entering, a, dh_T.contiguous(), dS_next, dh0, da_last, h,
                                                  p * n, N, Cs, BLOCK=block)
