@@ -959,6 +959,41 @@ def _triton_op(name):
         return torch.library.custom_op(name, mutates_args=())(on_inputs_device)
     return register
 
+
+def _rows(t, width):
+    """(t as rows of its last `width` values, the stride between rows), which the kernels' pointer arithmetic
+    takes: a view where those values are contiguous and the leading dims flatten to one stride (a slice of a wider
+    tensor along its last dim, as the models pass their projections' columns), else a contiguous copy."""
+    rows = t.reshape(-1, width)
+    if width > 1 and rows.stride(1) != 1:
+        rows = rows.contiguous()
+    return rows, rows.stride(0)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _sum_partials_kernel(partials_ptr, out_ptr, n_parts, numel, BLOCK: tl.constexpr):
+        # out = Σ_k partials[k], BLOCK values a program, added in fp32 and stored once in out's dtype
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        ptrs = partials_ptr + offs
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for _ in range(n_parts):
+            acc += tl.load(ptrs, mask=mask, other=0.0)
+            ptrs += numel
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _sum_partials(partials, dtype):
+    """Σ over the first dim of a few contiguous fp32 partial sums [n, ...] of many values, added in fp32 and written
+    once in dtype: one launch, each program a block of values and a loop over the partials, where eager ops take two
+    (a sum, then a cast) or round every partial to dtype first (torch.sum(dtype=) casts its input). Many short
+    partials (over the batch and the chunks, or a persistent grid's programs) are summed by torch, which spreads
+    such a reduction over the GPU."""
+    out = torch.empty(partials.shape[1:], device=partials.device, dtype=dtype)
+    _sum_partials_kernel[(triton.cdiv(out.numel(), 1024),)](partials, out, partials.shape[0], out.numel(), BLOCK=1024)
+    return out
+
 # -----------------------------------------------------------------------------
 # rms_norm in Triton
 
@@ -971,16 +1006,18 @@ def _programs_for(x, rows):
 
 if HAS_TRITON:
     @triton.jit
-    def _rms_norm_fwd_kernel(x_ptr, gate_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, eps, HAS_GATE: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # one program normalises BLOCK_R rows of g = x (⊙ silu(gate)); the whole row sits in registers, sums in fp32
+    def _rms_norm_fwd_kernel(x_ptr, gate_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, stride_x, stride_gate, eps,
+                             HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # one program normalises BLOCK_R rows of g = x (⊙ silu(gate)); the whole row sits in registers, sums in fp32.
+        # x and the gate are read at their row strides, y written contiguous
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_C)
         mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
         offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
-        g = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_GATE:
-            z = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(gate_ptr + rows[:, None].to(tl.int64) * stride_gate + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
             g *= z * tl.sigmoid(z)
         w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(g * g, axis=1) / n_cols + eps)
@@ -989,7 +1026,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _rms_norm_bwd_kernel(x_ptr, gate_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dgate_ptr, dw_partial_ptr, n_rows,
-                             n_cols, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                             n_cols, stride_x, stride_gate, stride_dy, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_C: tl.constexpr):
         # dg = rstd·(dy⊙w − ĝ·mean(dy⊙w⊙ĝ)) with ĝ = rstd·g; g = x gives dx = dg, g = x⊙silu(z) gives
         # dx = dg⊙silu(z) and dz = dg⊙x⊙silu'(z), silu'(z) = σ(z)(1 + z(1 − σ(z))). Each program also sums
         # dy⊙ĝ over its rows into one dw partial
@@ -1001,12 +1039,15 @@ if HAS_TRITON:
             rows = start + tl.arange(0, BLOCK_R)
             mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
             offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
             g = x
             if HAS_GATE:
-                z = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                z = tl.load(gate_ptr + rows[:, None].to(tl.int64) * stride_gate + cols[None, :], mask=mask,
+                            other=0.0).to(tl.float32)
                 g = x * z * tl.sigmoid(z)
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * stride_dy + cols[None, :], mask=mask,
+                         other=0.0).to(tl.float32)
             rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)
             g_hat = g * rstd[:, None]
             dyw = dy * w[None, :]
@@ -1035,16 +1076,17 @@ def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: Optio
                   out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, rstd): the normalised x (⊙ silu(gate)) in out_dtype (x's by default) and each row's 1/rms, which the
     backward reuses."""
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    n_rows, n_cols = x2.shape
-    gate2 = x2 if gate is None else gate.reshape(n_rows, n_cols).contiguous()
-    y = torch.empty_like(x2, dtype=out_dtype or x.dtype)
+    n_cols = x.shape[-1]
+    x2, stride_x = _rows(x, n_cols)
+    gate2, stride_gate = (x2, stride_x) if gate is None else _rows(gate, n_cols)
+    n_rows = x2.shape[0]
+    y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype)
     rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
     block_r, block_c, warps = _rms_norm_blocks(n_cols)
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-        x2, gate2, weight.contiguous(), y, rstd, n_rows, n_cols, eps, HAS_GATE=gate is not None, BLOCK_R=block_r,
-        BLOCK_C=block_c, num_warps=warps)
-    return y.reshape(x.shape), rstd
+        x2, gate2, weight.contiguous(), y, rstd, n_rows, n_cols, stride_x, stride_gate, eps, HAS_GATE=gate is not None,
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    return y, rstd
 
 
 @_rms_norm_fwd.register_fake
@@ -1056,18 +1098,19 @@ def _(x, weight, eps, gate, out_dtype=None):
 def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                   gate: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dgate); dgate is empty without a gate."""
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    n_rows, n_cols = x2.shape
-    gate2 = x2 if gate is None else gate.reshape(n_rows, n_cols).contiguous()
-    dy2 = dy.reshape(n_rows, n_cols).contiguous()
-    dx = torch.empty_like(x2)
-    dgate = torch.empty_like(gate2) if gate is not None else x2.new_empty(0)
+    n_cols = x.shape[-1]
+    (x2, stride_x), (dy2, stride_dy) = _rows(x, n_cols), _rows(dy, n_cols)
+    gate2, stride_gate = (x2, stride_x) if gate is None else _rows(gate, n_cols)
+    n_rows = x2.shape[0]
+    dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    dgate = torch.empty(gate.shape, device=x.device, dtype=gate.dtype) if gate is not None else x.new_empty(0)
     block_r, block_c, warps = _rms_norm_blocks(n_cols)
     n_prog = _programs_for(x2, triton.cdiv(n_rows, block_r))
-    dw_partial = torch.empty(n_prog, n_cols, device=x2.device, dtype=torch.float32)
+    dw_partial = torch.empty(n_prog, n_cols, device=x.device, dtype=torch.float32)
     _rms_norm_bwd_kernel[(n_prog,)](x2, gate2, weight.contiguous(), rstd, dy2, dx, dgate, dw_partial, n_rows, n_cols,
-                                    HAS_GATE=gate is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
-    return dx.reshape(x.shape), dw_partial.sum(0).to(weight.dtype), dgate if gate is None else dgate.view(gate.shape)
+                                    stride_x, stride_gate, stride_dy, HAS_GATE=gate is not None, BLOCK_R=block_r,
+                                    BLOCK_C=block_c, num_warps=warps)
+    return dx, dw_partial.sum(0).to(weight.dtype), dgate
 
 
 @_rms_norm_bwd.register_fake
@@ -1606,30 +1649,37 @@ if HAS_TRITON:
         return tl.where(x >= 0, 1.0, e) / (1.0 + e)
 
     @triton.jit
-    def _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr, dt_bias_ptr, n_rows, H, K,
-                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        # a [BLOCK_R, BLOCK_K] tile of rows (b, t, h): x = decay_logits + dt_bias[h], A = exp(A_log[h]), the unclipped
-        # g = −A·softplus(x), and b = σ(erase_logits) rounded to erase_logits' dtype, as gdn2_gates returns it
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    def _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr, dt_bias_ptr, n_tokens, H, K, stride_decay,
+                         stride_erase, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        # a [BLOCK_R, BLOCK_K] tile of BLOCK_R tokens of head h = program_id(1): x = decay_logits + dt_bias[h],
+        # A = exp(A_log[h]), the unclipped g = −A·softplus(x), and b = σ(erase_logits) rounded to erase_logits'
+        # dtype, as gdn2_gates returns it. Inputs are read at their token strides; offs addresses a contiguous
+        # [B,T,H,K]
+        h = tl.program_id(1)
+        tokens = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_K)
-        mask = (rows[:, None] < n_rows) & (cols[None, :] < K)
-        offs = rows[:, None].to(tl.int64) * K + cols[None, :]
-        heads = rows % H  # < H on the rows past n_rows too, so the loads by head need no row mask
-        dt_bias = tl.load(dt_bias_ptr + heads[:, None] * K + cols[None, :], mask=cols[None, :] < K, other=0.0)
-        x = tl.load(decay_logits_ptr + offs, mask=mask, other=0.0).to(tl.float32) + dt_bias.to(tl.float32)
-        A = tl.exp(tl.load(A_log_ptr + heads).to(tl.float32))
-        g = -A[:, None] * _softplus(x)
-        erase_logits = tl.load(erase_logits_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mask = (tokens[:, None] < n_tokens) & (cols[None, :] < K)
+        offs = (tokens[:, None].to(tl.int64) * H + h) * K + cols[None, :]
+        dt_bias = tl.load(dt_bias_ptr + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)
+        x = tl.load(decay_logits_ptr + tokens[:, None].to(tl.int64) * stride_decay + h * K + cols[None, :], mask=mask,
+                    other=0.0).to(tl.float32) + dt_bias[None, :]
+        A = tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+        g = -A * _softplus(x)
+        erase_logits = tl.load(erase_logits_ptr + tokens[:, None].to(tl.int64) * stride_erase + h * K + cols[None, :],
+                               mask=mask, other=0.0).to(tl.float32)
         b = _sigmoid(erase_logits).to(erase_logits_ptr.dtype.element_ty).to(tl.float32)
-        return x, A, g, b, rows, offs, mask
+        return x, A, g, b, tokens, cols, offs, mask
 
     @triton.jit
     def _gdn2_gates_fwd_kernel(decay_logits_ptr, erase_logits_ptr, k_ptr, A_log_ptr, dt_bias_ptr, g_ptr, b_ptr,
-                               n_rows, H, K, CLIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        x, A, g, b, rows, offs, mask = _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr, dt_bias_ptr,
-                                                        n_rows, H, K, BLOCK_R, BLOCK_K)
+                               n_tokens, H, K, stride_decay, stride_erase, stride_k, CLIP: tl.constexpr,
+                               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        x, A, g, b, tokens, cols, offs, mask = _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr,
+                                                                dt_bias_ptr, n_tokens, H, K, stride_decay,
+                                                                stride_erase, BLOCK_R, BLOCK_K)
         if CLIP:
-            k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + tokens[:, None].to(tl.int64) * stride_k + tl.program_id(1) * K + cols[None, :],
+                        mask=mask, other=0.0).to(tl.float32)
             bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
             g = tl.minimum(g, bound[:, None])
         tl.store(g_ptr + offs, g, mask=mask)
@@ -1637,38 +1687,48 @@ if HAS_TRITON:
 
     @triton.jit
     def _gdn2_gates_bwd_kernel(decay_logits_ptr, erase_logits_ptr, k_ptr, A_log_ptr, dt_bias_ptr, dg_ptr, db_ptr,
-                               d_decay_logits_ptr, d_erase_logits_ptr, dk_ptr, dA_log_rows_ptr, n_rows, H, K,
-                               CLIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                               d_decay_logits_ptr, d_erase_logits_ptr, dk_ptr, d_dt_bias_ptr, dA_log_ptr, n_tokens, H,
+                               K, stride_decay, stride_erase, stride_k, stride_dg, stride_db, CLIP: tl.constexpr,
+                               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
         # through the clip (shared with the standalone kernel) to dg of the unclipped g = −A·softplus(x); then
-        # dx = −A·σ(x)·dg, which is also dt_bias's gradient per element; ∂g/∂A_log = g, so each row adds
-        # Σ_K dg·g to dA_log[h]; d erase_logits = b(1 − b)·db, db including the clip's share
-        x, A, g, b, rows, offs, mask = _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr, dt_bias_ptr,
-                                                        n_rows, H, K, BLOCK_R, BLOCK_K)
-        dg = tl.load(dg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        db = tl.load(db_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        # dx = −A·σ(x)·dg, which is also dt_bias's gradient per element; ∂g/∂A_log = g, so dA_log[h] = Σ dg·g,
+        # d erase_logits = b(1 − b)·db, db including the clip's share. dt_bias's and A_log's gradients are summed
+        # over the tile's tokens in fp32: one partial per (block of tokens, head), added outside
+        h = tl.program_id(1)
+        x, A, g, b, tokens, cols, offs, mask = _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr,
+                                                                dt_bias_ptr, n_tokens, H, K, stride_decay,
+                                                                stride_erase, BLOCK_R, BLOCK_K)
+        dg = tl.load(dg_ptr + tokens[:, None].to(tl.int64) * stride_dg + h * K + cols[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
+        db = tl.load(db_ptr + tokens[:, None].to(tl.int64) * stride_db + h * K + cols[None, :], mask=mask,
+                     other=0.0).to(tl.float32)
         if CLIP:
-            k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + tokens[:, None].to(tl.int64) * stride_k + h * K + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
             dg, dk, db_clip = _gdn2_clip_bwd(g, k, b, dg)
             db += db_clip
             tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=mask)
-        tl.store(d_decay_logits_ptr + offs, -A[:, None] * _sigmoid(x) * dg, mask=mask)
+        dx = -A * _sigmoid(x) * dg
+        tl.store(d_decay_logits_ptr + offs, dx.to(d_decay_logits_ptr.dtype.element_ty), mask=mask)
         tl.store(d_erase_logits_ptr + offs, (b * (1.0 - b) * db).to(d_erase_logits_ptr.dtype.element_ty), mask=mask)
-        tl.store(dA_log_rows_ptr + rows, tl.sum(dg * g, axis=1), mask=rows < n_rows)
+        partial = tl.program_id(0).to(tl.int64) * H + h
+        tl.store(d_dt_bias_ptr + partial * K + cols, tl.sum(dx, axis=0), mask=cols < K)
+        tl.store(dA_log_ptr + partial, tl.sum(tl.sum(dg * g, axis=1), axis=0))
 
 
 @_triton_op("specgpt::gdn2_gates_fwd")
 def _gdn2_gates_fwd(decay_logits: torch.Tensor, erase_logits: torch.Tensor, k: torch.Tensor, A_log: torch.Tensor,
                     dt_bias: torch.Tensor, clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
     H, K = k.shape[-2:]
-    decay_logits, erase_logits, k = decay_logits.contiguous(), erase_logits.contiguous(), k.contiguous()
-    A_log, dt_bias_hk = A_log.contiguous(), dt_bias.reshape(H, K).contiguous()
-    n_rows = k.numel() // K
+    (decay2, stride_decay), (erase2, stride_erase), (k2, stride_k) = (_rows(t, H * K)
+                                                                      for t in (decay_logits, erase_logits, k))
+    n_tokens = k2.shape[0]
     log_decay = torch.empty(k.shape, device=k.device, dtype=torch.float32)
-    erase_gate = torch.empty_like(erase_logits)
+    erase_gate = torch.empty(k.shape, device=k.device, dtype=erase_logits.dtype)
     block_r, block_k = _gdn2_clip_blocks(K)
-    _gdn2_gates_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-        decay_logits, erase_logits, k, A_log, dt_bias_hk, log_decay, erase_gate, n_rows, H, K,
-        CLIP=clip, BLOCK_R=block_r, BLOCK_K=block_k)
+    _gdn2_gates_fwd_kernel[(triton.cdiv(n_tokens, block_r), H)](
+        decay2, erase2, k2, A_log.contiguous(), dt_bias.contiguous(), log_decay, erase_gate, n_tokens, H, K,
+        stride_decay, stride_erase, stride_k, CLIP=clip, BLOCK_R=block_r, BLOCK_K=block_k)
     return log_decay, erase_gate
 
 
@@ -1683,23 +1743,21 @@ def _gdn2_gates_bwd(d_log_decay: torch.Tensor, d_erase_gate: torch.Tensor, decay
                     clip: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of decay_logits, erase_logits, k, A_log, dt_bias; k's is empty without the clip (none flows)."""
     H, K = k.shape[-2:]
-    decay_logits, erase_logits, k = decay_logits.contiguous(), erase_logits.contiguous(), k.contiguous()
-    A_log, dt_bias_hk = A_log.contiguous(), dt_bias.reshape(H, K).contiguous()
-    n_rows = k.numel() // K
-    # fp32 whatever decay_logits' dtype: summed over B, T it is dt_bias's gradient
-    d_decay_logits = torch.empty(k.shape, device=k.device, dtype=torch.float32)
-    d_erase_logits = torch.empty_like(erase_logits)
-    dk = torch.empty_like(k) if clip else None
-    dA_log_rows = torch.empty(n_rows, device=k.device, dtype=torch.float32)
+    (decay2, stride_decay), (erase2, stride_erase), (k2, stride_k), (dg2, stride_dg), (db2, stride_db) = (
+        _rows(t, H * K) for t in (decay_logits, erase_logits, k, d_log_decay, d_erase_gate))
+    n_tokens = k2.shape[0]
+    new = lambda t: torch.empty(k.shape, device=k.device, dtype=t.dtype)
+    d_decay_logits, d_erase_logits, dk = new(decay_logits), new(erase_logits), new(k) if clip else None
     block_r, block_k = _gdn2_clip_blocks(K)
-    _gdn2_gates_bwd_kernel[(triton.cdiv(n_rows, block_r),)](
-        decay_logits, erase_logits, k, A_log, dt_bias_hk, d_log_decay.contiguous(), d_erase_gate.contiguous(),
-        d_decay_logits, d_erase_logits, dk, dA_log_rows, n_rows, H, K,
-        CLIP=clip, BLOCK_R=block_r, BLOCK_K=block_k)
-    dA_log = dA_log_rows.view(-1, H).sum(0)
-    d_dt_bias = d_decay_logits.view(-1, H * K).sum(0).reshape(dt_bias.shape)
-    return (d_decay_logits.to(decay_logits.dtype), d_erase_logits, dk if clip else k.new_empty(0),
-            dA_log.to(A_log.dtype), d_dt_bias.to(dt_bias.dtype))
+    n_blocks = triton.cdiv(n_tokens, block_r)
+    d_dt_bias = torch.empty(n_blocks, H * K, device=k.device, dtype=torch.float32)
+    dA_log = torch.empty(n_blocks, H, device=k.device, dtype=torch.float32)
+    _gdn2_gates_bwd_kernel[(n_blocks, H)](
+        decay2, erase2, k2, A_log.contiguous(), dt_bias.contiguous(), dg2, db2, d_decay_logits, d_erase_logits, dk,
+        d_dt_bias, dA_log, n_tokens, H, K, stride_decay, stride_erase, stride_k, stride_dg, stride_db, CLIP=clip,
+        BLOCK_R=block_r, BLOCK_K=block_k)
+    return (d_decay_logits, d_erase_logits, dk if clip else k.new_empty(0), dA_log.sum(0).to(A_log.dtype),
+            d_dt_bias.sum(0).to(dt_bias.dtype).view(dt_bias.shape))
 
 
 @_gdn2_gates_bwd.register_fake
@@ -2448,7 +2506,7 @@ def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16)
 #   4 chunk C·Bᵀ     CB_rs = C_r·B_s
 #   5 chunk scan     y_r = Σ_{s≤r} CB_rs exp(a_r − a_s) dt_s x_s + exp(a_r) h_in C_r + D x_r
 # The forward keeps nothing but its inputs: the backward reruns kernels 1–4 for a, CB and h_in (h_in alone is p·n
-# fp32 numbers per chunk and head, four bf16 activations' worth at Mamba2's p = 32, n = 64, chunk 64), then
+# numbers per chunk and head, two bf16 activations' worth at Mamba2's p = 32, n = 64, chunk 64), then
 #   6 dh_out     dh_out[c] = Σ_r exp(a_r) dy_rᵀ C_r                                (kernel 2's shape)
 #   7 reverse state passing: dS_next[c], the gradient of chunk c's end state, and ∂L/∂a_last[c]
 #   8 dx         per (chunk, head, block of p): dx, and the terms of ddt that read x
@@ -2457,11 +2515,15 @@ def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16)
 #  11 dB, dC     per (chunk, group of heads, block of n), and the term of ddt from reading h_in
 # Dots take their operands in the inputs' dtype and accumulate in fp32: bf16 inputs (x, B, C, dy) go in as loaded
 # and the fp32 factors that meet them (decays, dt, states) are rounded to bf16 there; fp32 inputs take IEEE or
-# TF32 dots (_dot_precision). Cumulative decays, states and accumulators stay fp32. Every grid puts batch ×
+# TF32 dots (_dot_precision). Cumulative decays, the chunks' own states (kernel 2), the final state and every
+# accumulator stay fp32; the passed states h_in and the backward's dh_out and dS_next are stored in the inputs'
+# dtype (_ssd_passed_dtype, as mamba_ssm keeps them), which is what every dot reads them in. Every grid puts batch ×
 # chunks (× heads) on axis 0 (up to 2³¹ − 1 programs), and only small counts (blocks of p or n) on axis 1.
+# x, dt, B, C and dy are read where they lie, each token's row at its own stride (_ssd_rows: the model's are column
+# slices of in_proj's output); what the kernels write is contiguous.
 if HAS_TRITON:
     @triton.jit
-    def _ssd_chunk_cumsum_kernel(dt_ptr, A_ptr, a_ptr, l, h, n_chunks, Cs,
+    def _ssd_chunk_cumsum_kernel(dt_ptr, A_ptr, a_ptr, l, h, n_chunks, Cs, stride_dt,
                                  BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
         # one program per (batch·chunk, block of heads)
         pid_bc = tl.program_id(0)
@@ -2469,7 +2531,7 @@ if HAS_TRITON:
         hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         rs = tl.arange(0, BLOCK_C)
         pos = c * Cs + rs
-        dt = tl.load(dt_ptr + (bi * l + pos[None, :]).to(tl.int64) * h + hs[:, None],
+        dt = tl.load(dt_ptr + (bi * l + pos[None, :]).to(tl.int64) * stride_dt + hs[:, None],
                      mask=(hs[:, None] < h) & (rs[None, :] < Cs) & (pos[None, :] < l), other=0.0).to(tl.float32)
         A = tl.load(A_ptr + hs, mask=hs < h, other=0.0).to(tl.float32)
         a = tl.cumsum(dt * A[:, None], axis=1)   # past the sequence end dt = 0, so a stays at its last value
@@ -2485,18 +2547,19 @@ if HAS_TRITON:
         return tl.exp(tl.where(causal, tl.cumsum(steps, axis=0), -float("inf")))
 
     @triton.jit
-    def _ssd_end_decays(dt_ptr, A, bi, l, h, hi, pos, last):
+    def _ssd_end_decays(dt_ptr, stride_dt, A, bi, l, hi, pos, last):
         # E_s = exp(Σ_{s<i<Cs} dt_i A), the decay from token s to the chunk end, again a sum of the steps in between:
         # a reversed cumulative sum of dt_{s+1} A (0 past the chunk's or the sequence's last token)
-        dt_next = tl.load(dt_ptr + (bi * l + pos + 1).to(tl.int64) * h + hi, mask=(pos < last) & (pos + 1 < l),
+        dt_next = tl.load(dt_ptr + (bi * l + pos + 1).to(tl.int64) * stride_dt + hi, mask=(pos < last) & (pos + 1 < l),
                           other=0.0).to(tl.float32)
         return tl.exp(tl.cumsum(dt_next * A, axis=0, reverse=True))
 
     @triton.jit
-    def _ssd_chunk_outer_kernel(x_ptr, y_ptr, dt_ptr, A_ptr, a_ptr, out_ptr, l, h, p, n, n_chunks, Cs,
-                                FROM_START: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        # out[b, c, h] = Σ_s scale_s x_sᵀ y_s ([p, n]), x [b,l,h,p], y [b,l,1,n]. Kernel 2 (chunk state) with x = x,
+    def _ssd_chunk_outer_kernel(x_ptr, y_ptr, dt_ptr, A_ptr, a_ptr, out_ptr, l, h, p, n, n_chunks, Cs, stride_x,
+                                stride_y, stride_dt, FROM_START: tl.constexpr, BLOCK_P: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # out[b, c, h] = Σ_s scale_s x_sᵀ y_s ([p, n]), x [b,l,h,p], y [b,l,1,n] (rows of a token at their token
+        # strides). Kernel 2 (chunk state) with x = x,
         # y = B, scale_s = exp(a_last − a_s)·dt_s; the backward's dh_out with x = dy, y = C, scale_s = exp(a_s).
         # One program per (batch·chunk·head, block of p × block of n); x goes into the dot as loaded, scale·y is
         # rounded to x's dtype
@@ -2512,20 +2575,22 @@ if HAS_TRITON:
             a = tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + rs, mask=rs < Cs, other=0.0)
             scale = tl.exp(a)
         else:
-            dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
-            scale = _ssd_end_decays(dt_ptr, tl.load(A_ptr + hi).to(tl.float32), bi, l, h, hi, pos, c * Cs + Cs - 1) * dt
-        xT = tl.load(x_ptr + ((bi * l + pos[None, :]).to(tl.int64) * h + hi) * p + ps[:, None],
+            dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=valid, other=0.0).to(tl.float32)
+            scale = _ssd_end_decays(dt_ptr, stride_dt, tl.load(A_ptr + hi).to(tl.float32), bi, l, hi, pos,
+                                    c * Cs + Cs - 1) * dt
+        xT = tl.load(x_ptr + (bi * l + pos[None, :]).to(tl.int64) * stride_x + hi * p + ps[:, None],
                      mask=valid[None, :] & (ps[:, None] < p), other=0.0)                        # [BLOCK_P, BLOCK_C]
-        y = tl.load(y_ptr + (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :],
+        y = tl.load(y_ptr + (bi * l + pos[:, None]).to(tl.int64) * stride_y + ns[None, :],
                     mask=valid[:, None] & (ns[None, :] < n), other=0.0).to(tl.float32)          # [BLOCK_C, BLOCK_N]
         acc = tl.dot(xT, (y * scale[:, None]).to(xT.dtype), input_precision=DOT)
-        tl.store(out_ptr + (pid_bch.to(tl.int64) * p + ps[:, None]) * n + ns[None, :], acc,
+        tl.store(out_ptr + (pid_bch.to(tl.int64) * p + ps[:, None]) * n + ns[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(ps[:, None] < p) & (ns[None, :] < n))
 
     @triton.jit
     def _ssd_state_passing_kernel(states_ptr, a_ptr, h0_ptr, entering_ptr, hT_ptr, h, dim, n_chunks, Cs,
                                   HAS_INITIAL: tl.constexpr, BLOCK: tl.constexpr):
-        # sequential over chunks for a BLOCK-slice of the flattened p·n state; one program per (batch·head, slice)
+        # sequential over chunks for a BLOCK-slice of the flattened p·n state, carried in fp32 and stored in
+        # entering's dtype; one program per (batch·head, slice)
         pid_bh = tl.program_id(0)
         bi, hi = pid_bh // h, pid_bh % h
         ms = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -2535,14 +2600,14 @@ if HAS_TRITON:
             hs = tl.load(h0_ptr + pid_bh.to(tl.int64) * dim + ms, mask=mask, other=0.0).to(tl.float32)
         for c in range(n_chunks):
             offs = ((bi * n_chunks + c) * h + hi).to(tl.int64) * dim + ms
-            tl.store(entering_ptr + offs, hs, mask=mask)
+            tl.store(entering_ptr + offs, hs.to(entering_ptr.dtype.element_ty), mask=mask)
             a_last = tl.load(a_ptr + (pid_bh * n_chunks + c).to(tl.int64) * Cs + Cs - 1)
             hs = tl.exp(a_last) * hs + tl.load(states_ptr + offs, mask=mask, other=0.0)
         tl.store(hT_ptr + pid_bh.to(tl.int64) * dim + ms, hs, mask=mask)
 
     @triton.jit
-    def _ssd_chunk_gram(u_ptr, v_ptr, bi, c, l, Cs, stride, width, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                        DOT: tl.constexpr):
+    def _ssd_chunk_gram(u_ptr, stride_u, v_ptr, stride_v, bi, c, l, Cs, width, BLOCK_K: tl.constexpr,
+                        BLOCK_C: tl.constexpr, DOT: tl.constexpr):
         # [r, s] = u_r·v_s over chunk c's tokens, token t's row of `width` values at (bi·l + t)·stride, summed in
         # blocks of BLOCK_K; u goes into the dot as loaded, v in u's dtype
         rs = tl.arange(0, BLOCK_C)
@@ -2551,26 +2616,28 @@ if HAS_TRITON:
         acc = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
         for k0 in range(0, width, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            offs = (bi * l + pos[:, None]).to(tl.int64) * stride + ks[None, :]
+            tokens = (bi * l + pos[:, None]).to(tl.int64)
             m = valid[:, None] & (ks[None, :] < width)
-            u = tl.load(u_ptr + offs, mask=m, other=0.0)
-            acc += tl.dot(u, tl.trans(tl.load(v_ptr + offs, mask=m, other=0.0)).to(u.dtype), input_precision=DOT)
+            u = tl.load(u_ptr + tokens * stride_u + ks[None, :], mask=m, other=0.0)
+            v = tl.load(v_ptr + tokens * stride_v + ks[None, :], mask=m, other=0.0)
+            acc += tl.dot(u, tl.trans(v).to(u.dtype), input_precision=DOT)
         return acc
 
     @triton.jit
-    def _ssd_bmm_kernel(C_ptr, B_ptr, CB_ptr, l, n, n_chunks, Cs, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
-                        DOT: tl.constexpr):
+    def _ssd_bmm_kernel(C_ptr, B_ptr, CB_ptr, l, n, n_chunks, Cs, stride_C, stride_B, BLOCK_C: tl.constexpr,
+                        BLOCK_N: tl.constexpr, DOT: tl.constexpr):
         # CB = C Bᵀ within each chunk (shared by the heads); one program per batch·chunk
         pid_bc = tl.program_id(0)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, BLOCK_C)
-        acc = _ssd_chunk_gram(C_ptr, B_ptr, bi, c, l, Cs, n, n, BLOCK_N, BLOCK_C, DOT)
+        acc = _ssd_chunk_gram(C_ptr, stride_C, B_ptr, stride_B, bi, c, l, Cs, n, BLOCK_N, BLOCK_C, DOT)
         tl.store(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :], acc,
                  mask=(rs[:, None] < Cs) & (rs[None, :] < Cs))
 
     @triton.jit
     def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, A_ptr, a_ptr, CB_ptr, C_ptr, entering_ptr, D_ptr, y_ptr,
-                               l, h, p, n, n_chunks, Cs, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
+                               l, h, p, n, n_chunks, Cs, stride_x, stride_dt, stride_C, HAS_D: tl.constexpr,
+                               BLOCK_P: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
         # y = (CB⊙L⊙dt_s) x + exp(a)⊙(C h_inᵀ) + D x, one program per (batch·chunk·head, block of p); x and C
         # go into the dots as loaded, the pair weights CB⊙L⊙dt and the state h_in are rounded to their dtype
@@ -2582,10 +2649,11 @@ if HAS_TRITON:
         pos = c * Cs + rs
         valid = (rs < Cs) & (pos < l)
         a = tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + rs, mask=rs < Cs, other=0.0)
-        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
-        x_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
+        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=valid, other=0.0).to(tl.float32)
+        y_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
         x_mask = valid[:, None] & (ps[None, :] < p)
-        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+        x = tl.load(x_ptr + (bi * l + pos[:, None]).to(tl.int64) * stride_x + hi * p + ps[None, :], mask=x_mask,
+                    other=0.0)
         L = _ssd_pair_decays(dt, tl.load(A_ptr + hi).to(tl.float32), rs, Cs)
         CB = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
                      mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
@@ -2594,7 +2662,7 @@ if HAS_TRITON:
         y_off = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
         for n0 in range(0, n, BLOCK_N):
             ns = n0 + tl.arange(0, BLOCK_N)
-            Cm = tl.load(C_ptr + (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :],
+            Cm = tl.load(C_ptr + (bi * l + pos[:, None]).to(tl.int64) * stride_C + ns[None, :],
                          mask=valid[:, None] & (ns[None, :] < n), other=0.0)
             h_inT = tl.load(state_base + ps[None, :] * n + ns[:, None], mask=(ps[None, :] < p) & (ns[:, None] < n),
                             other=0.0)
@@ -2602,12 +2670,13 @@ if HAS_TRITON:
         y += tl.exp(a)[:, None] * y_off
         if HAS_D:
             y += tl.load(D_ptr + hi).to(tl.float32) * x.to(tl.float32)
-        tl.store(y_ptr + x_offs, y.to(y_ptr.dtype.element_ty), mask=x_mask)
+        tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=x_mask)
 
     @triton.jit
     def _ssd_state_passing_bwd_kernel(dh_out_ptr, entering_ptr, a_ptr, dhT_ptr, dS_next_ptr, dh0_ptr, da_last_ptr,
                                       h, dim, n_chunks, Cs, BLOCK: tl.constexpr):
-        # reverse of kernel 3: dS_next[c] = ds (gradient of chunk c's end state); ds ← dh_out[c] + exp(a_last[c]) ds;
+        # reverse of kernel 3, ds carried in fp32: dS_next[c] = ds (gradient of chunk c's end state);
+        # ds ← dh_out[c] + exp(a_last[c]) ds;
         # and ∂L/∂a_last[c] from the passed-through state, ⟨ds, exp(a_last) h_in[c]⟩ (partial over this slice).
         # One program per (batch·head, slice of the p·n state)
         pid_bh, pid_m = tl.program_id(0), tl.program_id(1)
@@ -2618,17 +2687,18 @@ if HAS_TRITON:
         for cc in range(n_chunks):
             c = n_chunks - 1 - cc
             offs = ((bi * n_chunks + c) * h + hi).to(tl.int64) * dim + ms
-            tl.store(dS_next_ptr + offs, ds, mask=mask)
+            tl.store(dS_next_ptr + offs, ds.to(dS_next_ptr.dtype.element_ty), mask=mask)
             decay = tl.exp(tl.load(a_ptr + (pid_bh * n_chunks + c).to(tl.int64) * Cs + Cs - 1))
-            h_in = tl.load(entering_ptr + offs, mask=mask, other=0.0)
+            h_in = tl.load(entering_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(da_last_ptr + ((pid_bh * n_chunks + c) * tl.num_programs(1) + pid_m).to(tl.int64),
                      tl.sum(ds * h_in, axis=0) * decay)
-            ds = tl.load(dh_out_ptr + offs, mask=mask, other=0.0) + decay * ds
+            ds = tl.load(dh_out_ptr + offs, mask=mask, other=0.0).to(tl.float32) + decay * ds
         tl.store(dh0_ptr + pid_bh.to(tl.int64) * dim + ms, ds, mask=mask)
 
     @triton.jit
     def _ssd_chunk_bwd_dx_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, CB_ptr, D_ptr, dS_next_ptr, dy_ptr, dx_ptr, ddt_ptr,
-                                 dA_ptr, dD_ptr, b, l, h, p, n, n_chunks, Cs, HAS_D: tl.constexpr,
+                                 dA_ptr, dD_ptr, b, l, h, p, n, n_chunks, Cs, stride_x, stride_dt, stride_B,
+                                 stride_dy, HAS_D: tl.constexpr,
                                  BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                                  DOT: tl.constexpr):
         # One program per (batch·chunk·head, block of p). With xdt = dt⊙x, L_rs = exp(a_r − a_s) (s ≤ r) and
@@ -2643,11 +2713,12 @@ if HAS_TRITON:
         ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
         pos = c * Cs + rs
         valid = (rs < Cs) & (pos < l)
-        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=valid, other=0.0).to(tl.float32)
         A = tl.load(A_ptr + hi).to(tl.float32)
-        x_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
+        tokens = (bi * l + pos[:, None]).to(tl.int64)
+        dx_offs = (tokens * h + hi) * p + ps[None, :]
         x_mask = valid[:, None] & (ps[None, :] < p)
-        dy = tl.load(dy_ptr + x_offs, mask=x_mask, other=0.0)
+        dy = tl.load(dy_ptr + tokens * stride_dy + hi * p + ps[None, :], mask=x_mask, other=0.0)
         CBL = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
                       mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0) * _ssd_pair_decays(dt, A, rs, Cs)
         dxdt = tl.dot(tl.trans(CBL).to(dy.dtype), dy, input_precision=DOT)
@@ -2655,19 +2726,18 @@ if HAS_TRITON:
         st_base = dS_next_ptr + pid_bch.to(tl.int64) * p * n
         for n0 in range(0, n, BLOCK_N):
             ns = n0 + tl.arange(0, BLOCK_N)
-            Bm = tl.load(B_ptr + (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :],
-                         mask=valid[:, None] & (ns[None, :] < n), other=0.0)
+            Bm = tl.load(B_ptr + tokens * stride_B + ns[None, :], mask=valid[:, None] & (ns[None, :] < n), other=0.0)
             dSnT = tl.load(st_base + ps[None, :] * n + ns[:, None], mask=(ps[None, :] < p) & (ns[:, None] < n),
                            other=0.0)
             B_dS += tl.dot(Bm.to(dy.dtype), dSnT.to(dy.dtype), input_precision=DOT)
-        E = _ssd_end_decays(dt_ptr, A, bi, l, h, hi, pos, c * Cs + Cs - 1)
+        E = _ssd_end_decays(dt_ptr, stride_dt, A, bi, l, hi, pos, c * Cs + Cs - 1)
         dxdt += E[:, None] * B_dS
-        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + tokens * stride_x + hi * p + ps[None, :], mask=x_mask, other=0.0).to(tl.float32)
         dx = dxdt * dt[:, None]
         if HAS_D:
             dx += tl.load(D_ptr + hi).to(tl.float32) * dy.to(tl.float32)
             tl.store(dD_ptr + (pid_p * n_chunks * b + pid_bc) * h + hi, tl.sum(tl.sum(dy.to(tl.float32) * x, 1), 0))
-        tl.store(dx_ptr + x_offs, dx.to(dx_ptr.dtype.element_ty), mask=x_mask)
+        tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=x_mask)
         to_end = E * dt * tl.sum(B_dS * x, axis=1)
         writes = tl.sum(tl.where(rs[:, None] < rs[None, :], to_end[:, None], 0.0), axis=0)      # [i] = Σ_{s<i}
         slot = pid_p.to(tl.int64) * b + bi
@@ -2676,33 +2746,38 @@ if HAS_TRITON:
 
     @triton.jit
     def _ssd_chunk_bwd_pairs_kernel(x_ptr, dt_ptr, A_ptr, CB_ptr, da_last_ptr, dy_ptr, ddt_ptr, dA_ptr, l, h, p,
-                                    n_chunks, Cs, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+                                    n_chunks, Cs, n_slices, stride_x, stride_dt, stride_dy, BLOCK_P: tl.constexpr,
+                                    BLOCK_C: tl.constexpr, DOT: tl.constexpr):
         # One program per batch·chunk·head: two terms of ∂L/∂(dt_i A), gathered term by term so that nothing
         # cancels. The pair weights L_rs depend on dt_i A for s < i ≤ r: Σ over the pairs spanning i of
-        # M = CB⊙L⊙(dy xdtᵀ); the passed-on state exp(a_last) depends on every i.
+        # M = CB⊙L⊙(dy xdtᵀ); the passed-on state exp(a_last) depends on every i (its n_slices partials, one per
+        # slice of the state that kernel 7 walked).
         pid_bch = tl.program_id(0)
         hi, pid_bc = pid_bch % h, pid_bch // h
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, BLOCK_C)
         pos = c * Cs + rs
         valid = (rs < Cs) & (pos < l)
-        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=valid, other=0.0).to(tl.float32)
         A = tl.load(A_ptr + hi).to(tl.float32)
-        M = _ssd_chunk_gram(dy_ptr + hi * p, x_ptr + hi * p, bi, c, l, Cs, h * p, p, BLOCK_P, BLOCK_C, DOT)
+        M = _ssd_chunk_gram(dy_ptr + hi * p, stride_dy, x_ptr + hi * p, stride_x, bi, c, l, Cs, p, BLOCK_P, BLOCK_C,
+                            DOT)
         M *= dt[None, :]
         M *= tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
                      mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0) * _ssd_pair_decays(dt, A, rs, Cs)
         before = tl.cumsum(M, axis=1) - M                                        # [r, i] = Σ_{s<i} M_rs
         d_dtA = tl.sum(tl.where(rs[:, None] >= rs[None, :], before, 0.0), axis=0)   # [i] = Σ_{r≥i} Σ_{s<i}
-        d_dtA += tl.load(da_last_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64))
+        for m in range(n_slices):
+            d_dtA += tl.load(da_last_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * n_slices + m)
         tl.store(ddt_ptr + (bi * l + pos).to(tl.int64) * h + hi, A * d_dtA, mask=valid)
         tl.store(dA_ptr + pid_bch.to(tl.int64), tl.sum(dt * d_dtA, axis=0))
 
     @triton.jit
     def _ssd_chunk_bwd_dcb_kernel(x_ptr, dt_ptr, A_ptr, dy_ptr, dCB_ptr, b, l, h, p, n_chunks, Cs, heads_per_program,
-                                  BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+                                  stride_x, stride_dt, stride_dy, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                                  DOT: tl.constexpr):
         # ∂L/∂CB = Σ_h L⊙(dy xdtᵀ) (dy xdtᵀ summed over p), summed over a group of heads: one program per
-        # (batch·chunk, group of heads), the groups added outside. dB and dC take it from there, once per chunk.
+        # (batch·chunk, group of heads), the groups added by kernel 11, which takes dB and dC from there.
         n_groups = tl.cdiv(h, heads_per_program)
         pid_bc, group = tl.program_id(0) // n_groups, tl.program_id(0) % n_groups
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
@@ -2711,8 +2786,9 @@ if HAS_TRITON:
         valid = (rs < Cs) & (pos < l)
         dCB = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
         for hi in range(group * heads_per_program, tl.minimum(group * heads_per_program + heads_per_program, h)):
-            dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
-            dyxT = _ssd_chunk_gram(dy_ptr + hi * p, x_ptr + hi * p, bi, c, l, Cs, h * p, p, BLOCK_P, BLOCK_C, DOT)
+            dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=valid, other=0.0).to(tl.float32)
+            dyxT = _ssd_chunk_gram(dy_ptr + hi * p, stride_dy, x_ptr + hi * p, stride_x, bi, c, l, Cs, p, BLOCK_P,
+                                   BLOCK_C, DOT)
             dCB += _ssd_pair_decays(dt, tl.load(A_ptr + hi).to(tl.float32), rs, Cs) * dyxT * dt[None, :]
         tl.store(dCB_ptr + ((group * b + bi) * n_chunks + c).to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
                  dCB, mask=(rs[:, None] < Cs) & (rs[None, :] < Cs))
@@ -2720,11 +2796,13 @@ if HAS_TRITON:
     @triton.jit
     def _ssd_chunk_bwd_dbc_kernel(x_ptr, B_ptr, C_ptr, a_ptr, dt_ptr, A_ptr, entering_ptr, dS_next_ptr, dCB_ptr,
                                   dy_ptr, ddt_ptr, dA_ptr, dB_ptr, dC_ptr, b, l, h, p, n, n_chunks, Cs,
-                                  heads_per_program, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                                  BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+                                  heads_per_program, stride_x, stride_B, stride_C, stride_dt, stride_dy,
+                                  BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                                  DOT: tl.constexpr):
         # One program per (batch·chunk·group of heads, block of n):
         #   dC = ∂L/∂CB B + Σ_h exp(a)⊙(dy h_in),   dB = (∂L/∂CB)ᵀ C + Σ_h (E⊙dt⊙x) dS_next,
-        # summed over the group's heads (the groups are added outside), the ∂L/∂CB terms added by group 0; and per
+        # summed over the group's heads (the groups are added outside), the ∂L/∂CB terms (kernel 10's partials,
+        # one per group, added here) by group 0; and per
         # head the read of the entering state's term of ∂L/∂(dt_i A): exp(a_r) depends on dt_i A for r ≥ i,
         # Σ_{r≥i} exp(a_r) dy_r·h_in C_r (this n block's part)
         n_groups = tl.cdiv(h, heads_per_program)
@@ -2737,19 +2815,19 @@ if HAS_TRITON:
         dB = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)
         dC = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)
         for hi in range(group * heads_per_program, tl.minimum(group * heads_per_program + heads_per_program, h)):
-            dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0).to(tl.float32)
+            dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=valid, other=0.0).to(tl.float32)
             A = tl.load(A_ptr + hi).to(tl.float32)
-            to_end = _ssd_end_decays(dt_ptr, A, bi, l, h, hi, pos, c * Cs + Cs - 1) * dt
+            to_end = _ssd_end_decays(dt_ptr, stride_dt, A, bi, l, hi, pos, c * Cs + Cs - 1) * dt
             dy_h = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)                 # dy h_in, summed over p blocks
             st_base = (pid_bc * h + hi).to(tl.int64) * p * n
             for p0 in range(0, p, BLOCK_P):
                 ps = p0 + tl.arange(0, BLOCK_P)
-                x_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
+                tokens = (bi * l + pos[:, None]).to(tl.int64)
                 x_mask = valid[:, None] & (ps[None, :] < p)
                 st_offs = st_base + ps[:, None] * n + ns[None, :]
                 st_mask = (ps[:, None] < p) & (ns[None, :] < n)
-                dy = tl.load(dy_ptr + x_offs, mask=x_mask, other=0.0)
-                x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + tokens * stride_dy + hi * p + ps[None, :], mask=x_mask, other=0.0)
+                x = tl.load(x_ptr + tokens * stride_x + hi * p + ps[None, :], mask=x_mask, other=0.0).to(tl.float32)
                 dy_h += tl.dot(dy, tl.load(entering_ptr + st_offs, mask=st_mask, other=0.0).to(dy.dtype),
                                input_precision=DOT)
                 dB += tl.dot((to_end[:, None] * x).to(dy.dtype),
@@ -2757,19 +2835,22 @@ if HAS_TRITON:
             a = tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + rs, mask=rs < Cs, other=0.0)
             dy_h *= tl.exp(a)[:, None]
             dC += dy_h
-            Cm = tl.load(C_ptr + (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :],
+            Cm = tl.load(C_ptr + (bi * l + pos[:, None]).to(tl.int64) * stride_C + ns[None, :],
                          mask=valid[:, None] & (ns[None, :] < n), other=0.0).to(tl.float32)
             d_dtA = tl.cumsum(tl.sum(dy_h * Cm, axis=1), axis=0, reverse=True)    # [i] = Σ_{r≥i}
             slot = pid_n.to(tl.int64) * b + bi
             tl.store(ddt_ptr + (slot * l + pos) * h + hi, A * d_dtA, mask=valid)
             tl.store(dA_ptr + (slot * n_chunks + c) * h + hi, tl.sum(dt * d_dtA, axis=0))
-        bc_offs = (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :]
+        tokens = (bi * l + pos[:, None]).to(tl.int64)
         bc_mask = valid[:, None] & (ns[None, :] < n)
         if group == 0:
-            dCB = tl.load(dCB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
-                          mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
-            Cm = tl.load(C_ptr + bc_offs, mask=bc_mask, other=0.0)
-            dC += tl.dot(dCB.to(Cm.dtype), tl.load(B_ptr + bc_offs, mask=bc_mask, other=0.0).to(Cm.dtype),
+            dCB = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
+            for g in range(n_groups):
+                dCB += tl.load(dCB_ptr + (g * b * n_chunks + pid_bc).to(tl.int64) * Cs * Cs + rs[:, None] * Cs
+                               + rs[None, :], mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
+            Cm = tl.load(C_ptr + tokens * stride_C + ns[None, :], mask=bc_mask, other=0.0)
+            dC += tl.dot(dCB.to(Cm.dtype),
+                         tl.load(B_ptr + tokens * stride_B + ns[None, :], mask=bc_mask, other=0.0).to(Cm.dtype),
                          input_precision=DOT)
             dB += tl.dot(tl.trans(dCB).to(Cm.dtype), Cm, input_precision=DOT)
         slot = group.to(tl.int64) * b + bi
@@ -2790,38 +2871,53 @@ SSD_TRITON_MAX_CHUNK = 64   # longer chunks exceed a block's registers in the ba
 SSD_HEADS_PER_PROGRAM = 8   # heads one dB/dC program sums over: partial sums for h/8 groups, not for every head
 
 
-def _ssd_blocks(x, n, Cs):
-    """(BLOCK_P, BLOCK_N, BLOCK_C, num_warps) for x [b,l,h,p]: tl.dot wants every dimension ≥ 16; p and n are
+def _ssd_blocks(dtype, p, n, Cs):
+    """(BLOCK_P, BLOCK_N, BLOCK_C, num_warps) for inputs of `dtype`: tl.dot wants every dimension ≥ 16; p and n are
     walked in blocks of 32 for bf16 dots, 16 for fp32 ones (whose operands take twice the registers, and IEEE dots
     run on FMA units that hold a thread's whole reduction slice) and fp16 ones (the dtype of Turing, sm_75, whose
     smaller mma tiles spill at 32), a chunk of up to 64 in one tile over 8 warps."""
-    most = 32 if x.dtype == torch.bfloat16 else 16
+    most = 32 if dtype == torch.bfloat16 else 16
     block = lambda d, most: max(16, min(most, triton.next_power_of_2(d)))
     BC = block(Cs, 64)
-    return block(x.shape[-1], most), block(n, most), BC, 8 if BC == 64 else 4
+    return block(p, most), block(n, most), BC, 8 if BC == 64 else 4
 
-def _ssd_chunk_states(x, dt, A, B, C, Cs, initial_state):
-    """Kernels 1–4: (a, CB, entering, h_T); the forward and the backward (which recomputes them) share this."""
-    b, l, h, p = x.shape
-    n = B.shape[-1]
+
+def _ssd_passed_dtype(x):
+    """The dtype of the passed states h_in and the backward's dh_out, dS_next: 16-bit inputs' own (mamba_ssm's
+    choice: half the bytes of fp32, and the dots read them in that dtype), else fp32."""
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def _ssd_rows(x, dt, B, C):
+    """x, dt, B, C as the kernels read them, each as (rows of one token, the token stride) (_rows): the model's
+    are column slices of in_proj's output (x, B, C) and views."""
+    h, p = x.shape[-2:]
+    return _rows(x, h * p), _rows(dt, h), _rows(B, B.shape[-1]), _rows(C, C.shape[-1])
+
+
+def _ssd_chunk_states(rows, A, shape, Cs, initial_state):
+    """Kernels 1–4: (a, CB, entering, h_T) from _ssd_rows' rows and shape = (b, l, h, p, n); the forward and the
+    backward (which recomputes them) share this."""
+    (x, sx), (dt, sdt), (B, sB), (C, sC) = rows
+    b, l, h, p, n = shape
     N = triton.cdiv(l, Cs)
-    BP, BN, BC, warps = _ssd_blocks(x, n, Cs)
+    BP, BN, BC, warps = _ssd_blocks(x.dtype, p, n, Cs)
     dot = _dot_precision(x)
     f32 = dict(device=x.device, dtype=torch.float32)
     a = torch.empty(b, h, N, Cs, **f32)
-    _ssd_chunk_cumsum_kernel[(b * N, triton.cdiv(h, 8))](dt, A, a, l, h, N, Cs, BLOCK_H=8, BLOCK_C=BC)
+    _ssd_chunk_cumsum_kernel[(b * N, triton.cdiv(h, 8))](dt, A, a, l, h, N, Cs, sdt, BLOCK_H=8, BLOCK_C=BC)
     states = torch.empty(b, N, h, p, n, **f32)
     _ssd_chunk_outer_kernel[(b * N * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))](
-        x, B, dt, A, a, states, l, h, p, n, N, Cs, FROM_START=False, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot,
-        num_warps=warps)
-    entering = torch.empty(b, N, h, p, n, **f32)
+        x, B, dt, A, a, states, l, h, p, n, N, Cs, sx, sB, sdt, FROM_START=False, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC,
+        DOT=dot, num_warps=warps)
+    entering = torch.empty(b, N, h, p, n, device=x.device, dtype=_ssd_passed_dtype(x))
     h_T = torch.empty(b, h, p, n, **f32)
     block = min(1024, triton.next_power_of_2(p * n))
     h0 = initial_state.contiguous() if initial_state is not None else h_T
     _ssd_state_passing_kernel[(b * h, triton.cdiv(p * n, block))](
         states, a, h0, entering, h_T, h, p * n, N, Cs, HAS_INITIAL=initial_state is not None, BLOCK=block)
     CB = torch.empty(b, N, Cs, Cs, **f32)
-    _ssd_bmm_kernel[(b * N,)](C, B, CB, l, n, N, Cs, BLOCK_C=BC, BLOCK_N=BN, DOT=dot)
+    _ssd_bmm_kernel[(b * N,)](C, B, CB, l, n, N, Cs, sC, sB, BLOCK_C=BC, BLOCK_N=BN, DOT=dot)
     return a, CB, entering, h_T
 
 
@@ -2833,12 +2929,14 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     b, l, h, p = x.shape
     n = B.shape[-1]
     Cs = chunk_size
-    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
-    a, CB, entering, h_T = _ssd_chunk_states(x, dt, A, B, C, Cs, initial_state)
-    BP, BN, BC, warps = _ssd_blocks(x, n, Cs)
-    y = torch.empty_like(x)
+    rows = _ssd_rows(x, dt, B, C)
+    (x2, sx), (dt2, sdt), _, (C2, sC) = rows
+    A = A.contiguous()
+    a, CB, entering, h_T = _ssd_chunk_states(rows, A, (b, l, h, p, n), Cs, initial_state)
+    BP, BN, BC, warps = _ssd_blocks(x.dtype, p, n, Cs)
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     _ssd_chunk_scan_kernel[(b * triton.cdiv(l, Cs) * h, triton.cdiv(p, BP))](
-        x, dt, A, a, CB, C, entering, D if D is not None else A, y, l, h, p, n, triton.cdiv(l, Cs), Cs,
+        x2, dt2, A, a, CB, C2, entering, D if D is not None else A, y, l, h, p, n, triton.cdiv(l, Cs), Cs, sx, sdt, sC,
         HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=_dot_precision(x), num_warps=warps)
     return y, h_T
 
@@ -2854,53 +2952,59 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
              B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
              chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                        torch.Tensor, torch.Tensor]:
-    """(dx, ddt, dA, dB, dC, dD, d initial_state); dD comes back in fp32 (zeros without D)."""
+    """(dx, ddt, dA, dB, dC, dD, d initial_state) in their inputs' dtypes, d initial_state in fp32; dD is empty
+    without D."""
     b, l, h, p = x.shape
     n = B.shape[-1]
     Cs = chunk_size
     N = triton.cdiv(l, Cs)
-    x, dt, A, B, C, dy = (t.contiguous() for t in (x, dt, A, B, C, dy))
-    a, CB, entering, _ = _ssd_chunk_states(x, dt, A, B, C, Cs, initial_state)
-    BP, BN, BC, warps = _ssd_blocks(x, n, Cs)
+    rows = _ssd_rows(x, dt, B, C)
+    (x2, sx), (dt2, sdt), (B2, sB), (C2, sC) = rows
+    dy2, sdy = _rows(dy, h * p)
+    A = A.contiguous()
+    a, CB, entering, _ = _ssd_chunk_states(rows, A, (b, l, h, p, n), Cs, initial_state)
+    BP, BN, BC, warps = _ssd_blocks(x.dtype, p, n, Cs)
     dot = _dot_precision(x)
     f32 = dict(device=x.device, dtype=torch.float32)
-    dh_out = torch.empty(b, N, h, p, n, **f32)
+    passed = dict(device=x.device, dtype=_ssd_passed_dtype(x))
+    dh_out = torch.empty(b, N, h, p, n, **passed)
     _ssd_chunk_outer_kernel[(b * N * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))](
-        dy, C, dt, A, a, dh_out, l, h, p, n, N, Cs, FROM_START=True, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot,
-        num_warps=warps)
+        dy2, C2, dt2, A, a, dh_out, l, h, p, n, N, Cs, sdy, sC, sdt, FROM_START=True, BLOCK_P=BP, BLOCK_N=BN,
+        BLOCK_C=BC, DOT=dot, num_warps=warps)
     block = min(1024, triton.next_power_of_2(p * n))
     n_mb = triton.cdiv(p * n, block)
-    dS_next, dh0 = torch.empty(b, N, h, p, n, **f32), torch.empty(b, h, p, n, **f32)
+    dS_next, dh0 = torch.empty(b, N, h, p, n, **passed), torch.empty(b, h, p, n, **f32)
     da_last = torch.empty(b, h, N, n_mb, **f32)
     _ssd_state_passing_bwd_kernel[(b * h, n_mb)](dh_out, entering, a, dh_T.contiguous(), dS_next, dh0, da_last, h,
                                                  p * n, N, Cs, BLOCK=block)
-    # partial sums: ddt and dA per block of p (kernel 8), one more (kernel 9) and per block of n (kernel 10);
-    # dD per block of p; dB and dC per group of heads
+    # partial sums: ddt and dA per block of p (kernel 8), one more (kernel 9) and per block of n (kernel 11); dD per
+    # block of p; dB and dC per group of heads. ddt, dB and dC (a few partials of every token) go to _sum_partials
     n_pb, n_nb, n_hg = triton.cdiv(p, BP), triton.cdiv(n, BN), triton.cdiv(h, SSD_HEADS_PER_PROGRAM)
-    dx = torch.empty_like(x)
+    dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     ddt, dA = torch.empty(n_pb + 1 + n_nb, b, l, h, **f32), torch.empty(n_pb + 1 + n_nb, b, N, h, **f32)
-    dD = torch.zeros(n_pb, b, N, h, **f32)
+    dD = torch.empty(n_pb, b, N, h, **f32) if D is not None else None
     _ssd_chunk_bwd_dx_kernel[(b * N * h, n_pb)](
-        x, dt, A, B, CB, D if D is not None else A, dS_next, dy, dx, ddt, dA, dD, b, l, h, p, n, N, Cs,
-        HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot, num_warps=warps)
-    _ssd_chunk_bwd_pairs_kernel[(b * N * h,)](x, dt, A, CB, da_last.sum(-1).contiguous(), dy, ddt[n_pb], dA[n_pb],
-                                              l, h, p, N, Cs, BLOCK_P=BP, BLOCK_C=BC, DOT=dot, num_warps=warps)
+        x2, dt2, A, B2, CB, D if D is not None else A, dS_next, dy2, dx, ddt, dA, dD, b, l, h, p, n, N, Cs, sx, sdt,
+        sB, sdy, HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot, num_warps=warps)
+    _ssd_chunk_bwd_pairs_kernel[(b * N * h,)](x2, dt2, A, CB, da_last, dy2, ddt[n_pb], dA[n_pb], l, h, p, N, Cs, n_mb,
+                                              sx, sdt, sdy, BLOCK_P=BP, BLOCK_C=BC, DOT=dot, num_warps=warps)
     dCB = torch.empty(n_hg, b, N, Cs, Cs, **f32)
-    _ssd_chunk_bwd_dcb_kernel[(b * N * n_hg,)](x, dt, A, dy, dCB, b, l, h, p, N, Cs, SSD_HEADS_PER_PROGRAM,
-                                                BLOCK_P=BP, BLOCK_C=BC, DOT=dot, num_warps=warps, num_stages=1)
+    _ssd_chunk_bwd_dcb_kernel[(b * N * n_hg,)](x2, dt2, A, dy2, dCB, b, l, h, p, N, Cs, SSD_HEADS_PER_PROGRAM, sx, sdt,
+                                                sdy, BLOCK_P=BP, BLOCK_C=BC, DOT=dot, num_warps=warps, num_stages=1)
     dB, dC = torch.empty(n_hg, b, l, n, **f32), torch.empty(n_hg, b, l, n, **f32)
     _ssd_chunk_bwd_dbc_kernel[(b * N * n_hg, n_nb)](
-        x, B, C, a, dt, A, entering, dS_next, dCB.sum(0), dy, ddt[n_pb + 1:], dA[n_pb + 1:], dB, dC,
-        b, l, h, p, n, N, Cs, SSD_HEADS_PER_PROGRAM, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot, num_warps=8,
-        num_stages=1)
-    return (dx, ddt.sum(0).to(dt.dtype), dA.sum((0, 1, 2)).to(A.dtype), dB.sum(0).unsqueeze(2).to(B.dtype),
-            dC.sum(0).unsqueeze(2).to(C.dtype), dD.sum((0, 1, 2)), dh0)
+        x2, B2, C2, a, dt2, A, entering, dS_next, dCB, dy2, ddt[n_pb + 1:], dA[n_pb + 1:], dB, dC,
+        b, l, h, p, n, N, Cs, SSD_HEADS_PER_PROGRAM, sx, sB, sC, sdt, sdy, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC,
+        DOT=dot, num_warps=8, num_stages=1)
+    return (dx, _sum_partials(ddt, dt.dtype), dA.sum((0, 1, 2)).to(A.dtype), _sum_partials(dB, B.dtype).unsqueeze(2),
+            _sum_partials(dC, C.dtype).unsqueeze(2), dD.sum((0, 1, 2)).to(D.dtype) if D is not None else A.new_empty(0),
+            dh0)
 
 
 @_ssd_bwd.register_fake
 def _(dy, dh_T, x, dt, A, B, C, D, initial_state, chunk_size):
-    return (*(t.new_empty(t.shape) for t in (x, dt, A, B, C)), A.new_empty(A.shape, dtype=torch.float32),
-            dh_T.new_empty(dh_T.shape, dtype=torch.float32))
+    dD = D.new_empty(D.shape) if D is not None else A.new_empty(0)
+    return (*(t.new_empty(t.shape) for t in (x, dt, A, B, C)), dD, dh_T.new_empty(dh_T.shape, dtype=torch.float32))
 
 
 def _ssd_setup(ctx, inputs, output):
@@ -2912,8 +3016,7 @@ def _ssd_setup(ctx, inputs, output):
 def _ssd_backward(ctx, dy, dh_T):
     x, dt, A, B, C, D, initial_state = ctx.saved_tensors
     dx, ddt, dA, dB, dC, dD, dh0 = _ssd_bwd(dy, dh_T, x, dt, A, B, C, D, initial_state, ctx.chunk_size)
-    return (dx, ddt, dA, dB, dC, dD.to(D.dtype) if D is not None else None, None,
-            dh0 if ctx.has_initial else None)
+    return dx, ddt, dA, dB, dC, dD if D is not None else None, None, dh0 if ctx.has_initial else None
 
 
 _ssd_fwd.register_autograd(_ssd_backward, setup_context=_ssd_setup)

@@ -1613,7 +1613,7 @@ def test_triton_gdn2_decay_clip_noop_for_kda(device):
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("clip", [True, False])
 def test_triton_gdn2_gates(clip, device):
-    # K = 12 fills 12 of 16 lanes and the 30 rows two row blocks of 16, the second ragged. decay_logits + dt_bias
+    # K = 12 fills 12 of 16 lanes and the 10 tokens one ragged block of 16 a head. decay_logits + dt_bias
     # ≈ N(−4, 2) gives weak decays and erase logits ~ N(0, 4) spread b over channels, so ρ > 1 clips about half
     torch.manual_seed(0)
     B, T, H, K = 2, 5, 3, 12
@@ -1770,6 +1770,64 @@ def test_triton_ssd_steep_decays_match_fp64(device):
     assert max(errs.values()) < 1e-5, errs
 
 
+def triton_column_slices_case(op):
+    """(Triton path, reference, inputs) for op (rms_norm, gdn2_gates or ssd) on the layout the model passes: every
+    activation a column slice of one wider tensor u, whose rows are longer than the op's (x and the gate; the decay
+    and erase logits and the keys; x, B and C, dt of one more), and the outputs concatenated along the last dim
+    with another tensor, so that the gradients reaching the op are column slices of a wider one too. seen collects
+    the strides of those gradients."""
+    gen = torch.Generator().manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=gen)
+    seen = []
+    def joined(outs, extra):  # the first output's gradient is a column slice of the concatenation's
+        first = outs[0].flatten(2) if outs[0].dim() > 3 else outs[0]
+        first.register_hook(lambda g: seen.append(g.stride()))
+        return (torch.cat([first, extra], -1), *outs[1:])
+    if op == "rms_norm":
+        C = 37
+        split = lambda u: (u[..., :C], u[..., C + 3:2 * C + 3])
+        call = lambda fn: lambda u, w: joined((fn(split(u)[0], w, 1e-6, split(u)[1]),), u[..., :2])
+        inputs = dict(u=randn(3, 5, 2 * C + 5), w=randn(C))
+        return call(kernels.rms_norm_triton), call(kernels.rms_norm_ref), inputs, seen
+    if op == "gdn2_gates":
+        B, T, H, K = 2, 5, 3, 12
+        k = F.normalize(randn(B, T, H, K), dim=-1).flatten(2)
+        u = torch.cat([randn(B, T, H * K) - 1, 2 * randn(B, T, H * K), k, randn(B, T, 2)], -1)
+        heads = lambda t: t.unflatten(-1, (H, K))
+        def call(fn):
+            def run(u, A_log, dt_bias):
+                decay, erase, k = (heads(u[..., i * H * K:(i + 1) * H * K]) for i in range(3))
+                g, b = fn(decay, erase, k, A_log, dt_bias)
+                return joined((g, b), u[..., :2])
+            return run
+        inputs = dict(u=u, A_log=torch.rand(H, generator=gen) * 2.7, dt_bias=randn(H * K) - 3)
+        return call(kernels.gdn2_gates_triton), call(kernels.gdn2_gates_ref), inputs, seen
+    b, l, h, p, n = 2, 37, 3, 10, 40
+    def call(fn):
+        def run(u, dt_wide, A, D, initial_state):
+            x, B, C = u[..., :h * p].unflatten(-1, (h, p)), u[..., h * p:h * p + n], u[..., h * p + n:h * p + 2 * n]
+            outs = fn(x, dt_wide[..., :h], A, B.unsqueeze(2), C.unsqueeze(2), D, initial_state=initial_state)
+            return joined(outs, u[..., :2])
+        return run
+    inputs = dict(u=randn(b, l, h * p + 2 * n + 3), dt_wide=F.softplus(randn(b, l, h + 1) - 1),
+                  A=-torch.rand(h, generator=gen) - 0.5, D=randn(h), initial_state=randn(b, h, p, n))
+    return (call(lambda *a, **kw: kernels.ssd_triton(*a, chunk_size=16, **kw)), call(kernels.ssd_ref), inputs, seen)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("op", ["rms_norm", "gdn2_gates", "ssd"])
+def test_triton_ops_take_column_slices(op, device):
+    """rms_norm, gdn2_gates and ssd read the model's column slices in place (the kernels take their row strides) and
+    take gradients that are column slices too: forward and backward match the reference as on contiguous inputs,
+    and the gradient that reached the Triton op had rows longer than its own."""
+    fn, reference, inputs, seen = triton_column_slices_case(op)
+    errs = triton_compare(fn, reference, inputs, device)
+    assert {"out0", "du"} <= set(errs)
+    triton_assert_close(errs)
+    width = {"rms_norm": 37, "gdn2_gates": 36, "ssd": 30}[op]
+    assert seen[0][-1] == 1 and seen[0][-2] == width + 2, seen
+
+
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_gdn2_dispatch_by_length(device):
     # gdn2_triton: recurrent up to 64 tokens, chunked beyond; both agree with the chunked torch path
@@ -1858,8 +1916,8 @@ def test_triton_gdn2_half_error_budget(path, dtype, device):
 @pytest.mark.parametrize("clip", [True, False])
 def test_triton_gdn2_gates_bf16_error_budget(clip, device):
     """gdn2_gates on bf16 logits and keys (A_log, dt_bias fp32) computes in fp32 from the exact bf16 values: g (fp32),
-    dA_log and dt_bias's gradient match the fp64 reference to 1e-5; b, dk (stored in bf16 by the kernel) and the decay
-    logits' gradient (cast by torch) match it after the same rounding, but for values on a rounding boundary (≤ u/16).
+    dA_log and dt_bias's gradient match the fp64 reference to 1e-5; b, dk and the decay logits' gradient (stored in
+    bf16 by the kernel) match it after the same rounding, but for values on a rounding boundary (≤ u/16).
     The erase logits' gradient b(1 − b)·db takes b as rounded, as torch's sigmoid backward does: ≤ 2u
     (measured 1.6u).
     The reference's clip reads b rounded as the kernel returns it, as the kernel's clip does."""
@@ -1884,7 +1942,7 @@ def test_triton_gdn2_gates_bf16_error_budget(clip, device):
     assert g.dtype == torch.float32 and b.dtype == torch.bfloat16
     grads = {n: t.grad.cpu() for n, t in tri.items() if t.grad is not None}
     assert set(grads) == {"decay_logits", "erase_logits", "A_log", "dt_bias"} | ({"k"} if clip else set())
-    rounded_as = {"decay_logits": lambda t: t.to(torch.bfloat16).double(), "k": lambda t: triton_half_store(t, device)}
+    rounded_as = {"decay_logits": lambda t: triton_half_store(t, device), "k": lambda t: triton_half_store(t, device)}
     errs = {"g": (rel_err(g, g_ref), 1e-5), "b": (rel_err(b, b_ref), u / 16), "derase_logits":
             (rel_err(grads["erase_logits"], ref["erase_logits"].grad), 2 * u)}
     errs.update({"d" + n: (rel_err(grads[n], rounded_as[n](ref[n].grad)), u / 16) for n in rounded_as if n in grads})
@@ -2639,6 +2697,25 @@ def test_kernel_cost_eager_bytes_inside_custom_ops_by_hand():
     assert [(launch["kernel"], launch["grid"]) for launch in launches] == [("_rms_norm_fwd_kernel", (5,)),
                                                                            ("_rms_norm_bwd_kernel", (4,))]
     assert eager == {"rms_norm_fwd": 2 * 320 * 64 * 2, "rms_norm_bwd": 2 * 320 * 64 * 2 + 4 * 64 * 4 + 64 * 4}
+
+
+def test_kernel_cost_no_eager_copies_or_casts_inside_the_mixers_custom_ops():
+    """At the mixers' own inputs (column slices of in_proj's output and views of them, under bf16 autocast) the
+    custom ops copy and cast nothing: their kernels read the slices at their row strides and write every final
+    gradient in its input's dtype, and ssd's few partials of every token (ddt's 4, dB's and dC's one per group of 8
+    heads) are added by a Triton launch that writes the sum once. Left to eager ops, on fake tensors
+    (kernels.real_launches), are only the sums of many short fp32 partials into fp32 parameters' gradients, each
+    partial read once and the sum written: M (8 heads of 32, state 64, B 1, T 128, chunks of 64) sums dA over its
+    4 partials in each of 2 chunks, the gated norm's dw (256 channels) over a CPU's 4 programs; G (1 head of 64)
+    sums dt_bias's and A_log's gradients over 128 / 16 = 8 blocks of tokens, o_norm's dw over 2 programs."""
+    sums = lambda parts, width: (parts + 1) * width * 4   # [parts, width] fp32 read, [width] written
+    expected = {"M": {"ssd_fwd": 0, "rms_norm_fwd": 0, "ssd_bwd": sums(4 * 2, 8), "rms_norm_bwd": sums(4, 256)},
+                "G": {"gdn2_gates_fwd": 0, "rms_norm_fwd": 0, "gdn2_gates_bwd": sums(8, 64) + sums(8, 1),
+                      "rms_norm_bwd": sums(2, 64)}}
+    for mixer, heads, triton_sums in (("M", 8, 3), ("G", 1, 0)):
+        launches, eager = kernels.real_launches(model_module.mixer_cost_step(mixer, 1, 128, heads, torch.bfloat16))
+        assert {op: eager.get(op) for op in expected[mixer]} == expected[mixer], eager
+        assert [launch["kernel"] for launch in launches].count("_sum_partials_kernel") == triton_sums
 
 
 @INTERPRETED
