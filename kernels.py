@@ -2348,14 +2348,10 @@ GDN2_TRITON_CHUNKS = (16, 32)   # the chunk sizes the Triton path compiles for (
 
 
 def token_rows(t):
-    """(t, row stride) for a kernel that addresses t [B, T, H, D] as (b·T + t)·row + h·D + d: t itself where its
-    strides allow that (a slice of a wider last dimension does: the projections' outputs are read in place), else a
-    contiguous copy."""
-    B, T, H, D = t.shape
-    row = t.stride(1)
-    if (D == 1 or t.stride(3) == 1) and (H == 1 or t.stride(2) == D) and (B == 1 or t.stride(0) == T * row):
-        return t, row
-    return t.contiguous(), H * D
+    """t [B, T, H, D] as the kernels address it, (b·T + t)·row + h·D + d, and that row stride (_rows: t itself when
+    its strides allow it, as a slice of the projection's output does)."""
+    rows, row = _rows(t, t.shape[2] * t.shape[3])
+    return rows.view(t.shape), row
 
 
 def _gdn2_token_rows(q, k, v, g, b, w):

@@ -1706,32 +1706,6 @@ def test_triton_gdn2_chunked(with_initial, decay, scale, chunk, device):
     triton_assert_close(errs)
 
 
-def as_slices_of_one_projection(*tensors):
-    """[B, T, H, D] tensors as the mixers get them: column slices of one [B, T, Σ H·D] output, each viewed as
-    [B, T, H, D] (its tokens that wide apart, not H·D), differentiable back to the inputs."""
-    B, T = tensors[0].shape[:2]
-    wide = torch.cat([t.flatten(2) for t in tensors], dim=-1)
-    slices = wide.split([t.shape[2] * t.shape[3] for t in tensors], dim=-1)
-    return [s.view(t.shape) for s, t in zip(slices, tensors)]
-
-
-@pytest.mark.parametrize("device", TRITON_DEVICES)
-def test_triton_gdn2_chunked_reads_slices_in_place(device):
-    # q, k, v, g, b, w as column slices of one projection (the layout GatedDelta passes): the kernels read them
-    # through their row strides, with no copy, and match the token loop as contiguous inputs do (chunk 16, T = 37)
-    inputs = triton_gdn2_inputs(K=20)
-    names = ("q", "k", "v", "g", "b", "w")
-    views = as_slices_of_one_projection(*(inputs[n] for n in names))
-    assert all(kernels.token_rows(t)[0] is t and t.stride(1) > t.shape[2] * t.shape[3] for t in views)
-
-    def sliced(fn):
-        return lambda **kw: fn(*as_slices_of_one_projection(*(kw[n] for n in names)))
-    errs = triton_compare(sliced(lambda *t: kernels.gdn2_chunked_triton(*t, chunk_size=16)), sliced(kernels.gdn2_ref),
-                          inputs, device)
-    assert {"out0", "out1", "dq", "dk", "dv", "dg", "db", "dw"} <= set(errs)
-    triton_assert_close(errs)
-
-
 def triton_on(device, fn):
     """fn run on `device`: tensor arguments moved there, outputs moved back to the CPU (differentiably)."""
     def run(*args):
@@ -1771,9 +1745,9 @@ def test_triton_ssd_steep_decays_match_fp64(device):
 
 
 def triton_column_slices_case(op):
-    """(Triton path, reference, inputs) for op (rms_norm, gdn2_gates or ssd) on the layout the model passes: every
-    activation a column slice of one wider tensor u, whose rows are longer than the op's (x and the gate; the decay
-    and erase logits and the keys; x, B and C, dt of one more), and the outputs concatenated along the last dim
+    """(Triton path, reference, inputs) for op (rms_norm, gdn2_gates, gdn2 or ssd) on the layout the model passes:
+    every activation a column slice of one wider tensor u, whose rows are longer than the op's (x and the gate; the
+    decay and erase logits and the keys; q, k, v, g, b, w; x, B and C, dt of one more), and the outputs concatenated along the last dim
     with another tensor, so that the gradients reaching the op are column slices of a wider one too. seen collects
     the strides of those gradients."""
     gen = torch.Generator().manual_seed(0)
@@ -1802,6 +1776,16 @@ def triton_column_slices_case(op):
             return run
         inputs = dict(u=u, A_log=torch.rand(H, generator=gen) * 2.7, dt_bias=randn(H * K) - 3)
         return call(kernels.gdn2_gates_triton), call(kernels.gdn2_gates_ref), inputs, seen
+    if op == "gdn2":  # the chunked kernels (T 37: two chunks of 16 and a ragged one) on q, k, v, g, b, w
+        names, gates = ("q", "k", "v", "g", "b", "w"), triton_gdn2_inputs(K=20)
+        u = torch.cat([gates[name].flatten(2) for name in names] + [randn(2, 37, 3)], -1)
+        def call(fn):
+            def run(u):
+                inputs = u[..., :-3].split([gates[name][0, 0].numel() for name in names], -1)
+                return joined(fn(*(x.unflatten(-1, gates[name].shape[2:]) for x, name in zip(inputs, names))),
+                              u[..., :2])
+            return run
+        return call(lambda *a: kernels.gdn2_chunked_triton(*a, chunk_size=16)), call(kernels.gdn2_ref), dict(u=u), seen
     b, l, h, p, n = 2, 37, 3, 10, 40
     def call(fn):
         def run(u, dt_wide, A, D, initial_state):
@@ -1815,16 +1799,16 @@ def triton_column_slices_case(op):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-@pytest.mark.parametrize("op", ["rms_norm", "gdn2_gates", "ssd"])
+@pytest.mark.parametrize("op", ["rms_norm", "gdn2_gates", "gdn2", "ssd"])
 def test_triton_ops_take_column_slices(op, device):
-    """rms_norm, gdn2_gates and ssd read the model's column slices in place (the kernels take their row strides) and
+    """rms_norm, gdn2_gates, gdn2 (chunked) and ssd read the model's column slices in place (the kernels take their row strides) and
     take gradients that are column slices too: forward and backward match the reference as on contiguous inputs,
     and the gradient that reached the Triton op had rows longer than its own."""
     fn, reference, inputs, seen = triton_column_slices_case(op)
     errs = triton_compare(fn, reference, inputs, device)
     assert {"out0", "du"} <= set(errs)
     triton_assert_close(errs)
-    width = {"rms_norm": 37, "gdn2_gates": 36, "ssd": 30}[op]
+    width = {"rms_norm": 37, "gdn2_gates": 36, "gdn2": 2 * 37, "ssd": 30}[op]
     assert seen[0][-1] == 1 and seen[0][-2] == width + 2, seen
 
 
@@ -2710,8 +2694,8 @@ def test_kernel_cost_no_eager_copies_or_casts_inside_the_mixers_custom_ops():
     sums dt_bias's and A_log's gradients over 128 / 16 = 8 blocks of tokens, o_norm's dw over 2 programs."""
     sums = lambda parts, width: (parts + 1) * width * 4   # [parts, width] fp32 read, [width] written
     expected = {"M": {"ssd_fwd": 0, "rms_norm_fwd": 0, "ssd_bwd": sums(4 * 2, 8), "rms_norm_bwd": sums(4, 256)},
-                "G": {"gdn2_gates_fwd": 0, "rms_norm_fwd": 0, "gdn2_gates_bwd": sums(8, 64) + sums(8, 1),
-                      "rms_norm_bwd": sums(2, 64)}}
+                "G": {"gdn2_gates_fwd": 0, "gdn2_chunked_fwd": 0, "gdn2_chunked_bwd": 0, "rms_norm_fwd": 0,
+                      "gdn2_gates_bwd": sums(8, 64) + sums(8, 1), "rms_norm_bwd": sums(2, 64)}}
     for mixer, heads, triton_sums in (("M", 8, 3), ("G", 1, 0)):
         launches, eager = kernels.real_launches(model_module.mixer_cost_step(mixer, 1, 128, heads, torch.bfloat16))
         assert {op: eager.get(op) for op in expected[mixer]} == expected[mixer], eager
