@@ -2773,7 +2773,7 @@ if HAS_TRITON:
                                   stride_x, stride_dt, stride_dy, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
                                   DOT: tl.constexpr):
         # ∂L/∂CB = Σ_h L⊙(dy xdtᵀ) (dy xdtᵀ summed over p), summed over a group of heads: one program per
-        # (batch·chunk, group of heads), the groups added by kernel 11, which takes dB and dC from there.
+        # (batch·chunk, group of heads), the groups added outside. dB and dC take it from there, once per chunk.
         n_groups = tl.cdiv(h, heads_per_program)
         pid_bc, group = tl.program_id(0) // n_groups, tl.program_id(0) % n_groups
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
@@ -2797,8 +2797,7 @@ if HAS_TRITON:
                                   DOT: tl.constexpr):
         # One program per (batch·chunk·group of heads, block of n):
         #   dC = ∂L/∂CB B + Σ_h exp(a)⊙(dy h_in),   dB = (∂L/∂CB)ᵀ C + Σ_h (E⊙dt⊙x) dS_next,
-        # summed over the group's heads (the groups are added outside), the ∂L/∂CB terms (kernel 10's partials,
-        # one per group, added here) by group 0; and per
+        # summed over the group's heads (the groups are added outside), the ∂L/∂CB terms added by group 0; and per
         # head the read of the entering state's term of ∂L/∂(dt_i A): exp(a_r) depends on dt_i A for r ≥ i,
         # Σ_{r≥i} exp(a_r) dy_r·h_in C_r (this n block's part)
         n_groups = tl.cdiv(h, heads_per_program)
@@ -2840,10 +2839,8 @@ if HAS_TRITON:
         tokens = (bi * l + pos[:, None]).to(tl.int64)
         bc_mask = valid[:, None] & (ns[None, :] < n)
         if group == 0:
-            dCB = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
-            for g in range(n_groups):
-                dCB += tl.load(dCB_ptr + (g * b * n_chunks + pid_bc).to(tl.int64) * Cs * Cs + rs[:, None] * Cs
-                               + rs[None, :], mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
+            dCB = tl.load(dCB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
+                          mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
             Cm = tl.load(C_ptr + tokens * stride_C + ns[None, :], mask=bc_mask, other=0.0)
             dC += tl.dot(dCB.to(Cm.dtype),
                          tl.load(B_ptr + tokens * stride_B + ns[None, :], mask=bc_mask, other=0.0).to(Cm.dtype),
@@ -2974,7 +2971,8 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
     _ssd_state_passing_bwd_kernel[(b * h, n_mb)](dh_out, entering, a, dh_T.contiguous(), dS_next, dh0, da_last, h,
                                                  p * n, N, Cs, BLOCK=block)
     # partial sums: ddt and dA per block of p (kernel 8), one more (kernel 9) and per block of n (kernel 11); dD per
-    # block of p; dB and dC per group of heads. ddt, dB and dC (a few partials of every token) go to _sum_partials
+    # block of p; dB, dC and dCB per group of heads. ddt, dB, dC and dCB (a few partials of many values) go to
+    # _sum_partials
     n_pb, n_nb, n_hg = triton.cdiv(p, BP), triton.cdiv(n, BN), triton.cdiv(h, SSD_HEADS_PER_PROGRAM)
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     ddt, dA = torch.empty(n_pb + 1 + n_nb, b, l, h, **f32), torch.empty(n_pb + 1 + n_nb, b, N, h, **f32)
@@ -2989,7 +2987,7 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
                                                 sdy, BLOCK_P=BP, BLOCK_C=BC, DOT=dot, num_warps=warps, num_stages=1)
     dB, dC = torch.empty(n_hg, b, l, n, **f32), torch.empty(n_hg, b, l, n, **f32)
     _ssd_chunk_bwd_dbc_kernel[(b * N * n_hg, n_nb)](
-        x2, B2, C2, a, dt2, A, entering, dS_next, dCB, dy2, ddt[n_pb + 1:], dA[n_pb + 1:], dB, dC,
+        x2, B2, C2, a, dt2, A, entering, dS_next, _sum_partials(dCB, torch.float32), dy2, ddt[n_pb + 1:], dA[n_pb + 1:], dB, dC,
         b, l, h, p, n, N, Cs, SSD_HEADS_PER_PROGRAM, sx, sB, sC, sdt, sdy, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC,
         DOT=dot, num_warps=8, num_stages=1)
     return (dx, _sum_partials(ddt, dt.dtype), dA.sum((0, 1, 2)).to(A.dtype), _sum_partials(dB, B.dtype).unsqueeze(2),
