@@ -2686,10 +2686,11 @@ def test_kernel_cost_eager_bytes_inside_custom_ops_by_hand():
 def test_kernel_cost_no_eager_copies_or_casts_inside_the_mixers_custom_ops():
     """At the mixers' own inputs (column slices of in_proj's output and views of them, under bf16 autocast) the
     custom ops copy and cast nothing: their kernels read the slices at their row strides and write every final
-    gradient in its input's dtype, and ssd's few partials of many values (ddt's 4 per token; dB's, dC's and the
-    chunks' ∂L/∂CB's one per group of 8 heads) are added by a Triton launch each, which writes the sum once in the
-    gradient's dtype. Left to eager ops, on fake tensors (kernels.real_launches), are only the sums of many short
-    fp32 partials into fp32 parameters' gradients, each partial read once and the sum written: M (8 heads of 32, state 64, B 1, T 128, chunks of 64) sums dA over its
+    gradient in its input's dtype (gdn2's chunked ops move no eager byte at all), and ssd's few partials of many
+    values (ddt's 4 per token; dB's, dC's and the chunks' ∂L/∂CB's one per group of 8 heads) are added by a Triton
+    launch each, which writes the sum once in the gradient's dtype. Left to eager ops, on fake tensors
+    (kernels.real_launches), are only the sums of many short fp32 partials into fp32 parameters' gradients, each
+    partial read once and the sum written: M (8 heads of 32, state 64, B 1, T 128, chunks of 64) sums dA over its
     4 partials in each of 2 chunks, the gated norm's dw (256 channels) over a CPU's 4 programs; G (1 head of 64)
     sums dt_bias's and A_log's gradients over 128 / 16 = 8 blocks of tokens, o_norm's dw over 2 programs."""
     sums = lambda parts, width: (parts + 1) * width * 4   # [parts, width] fp32 read, [width] written
