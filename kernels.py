@@ -2987,9 +2987,9 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
                                                 sdy, BLOCK_P=BP, BLOCK_C=BC, DOT=dot, num_warps=warps, num_stages=1)
     dB, dC = torch.empty(n_hg, b, l, n, **f32), torch.empty(n_hg, b, l, n, **f32)
     _ssd_chunk_bwd_dbc_kernel[(b * N * n_hg, n_nb)](
-        x2, B2, C2, a, dt2, A, entering, dS_next, _sum_partials(dCB, torch.float32), dy2, ddt[n_pb + 1:], dA[n_pb + 1:], dB, dC,
-        b, l, h, p, n, N, Cs, SSD_HEADS_PER_PROGRAM, sx, sB, sC, sdt, sdy, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC,
-        DOT=dot, num_warps=8, num_stages=1)
+        x2, B2, C2, a, dt2, A, entering, dS_next, _sum_partials(dCB, torch.float32), dy2, ddt[n_pb + 1:],
+        dA[n_pb + 1:], dB, dC, b, l, h, p, n, N, Cs, SSD_HEADS_PER_PROGRAM, sx, sB, sC, sdt, sdy, BLOCK_P=BP,
+        BLOCK_N=BN, BLOCK_C=BC, DOT=dot, num_warps=8, num_stages=1)
     return (dx, _sum_partials(ddt, dt.dtype), dA.sum((0, 1, 2)).to(A.dtype), _sum_partials(dB, B.dtype).unsqueeze(2),
             _sum_partials(dC, C.dtype).unsqueeze(2), dD.sum((0, 1, 2)).to(D.dtype) if D is not None else A.new_empty(0),
             dh0)

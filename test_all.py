@@ -1747,9 +1747,9 @@ def test_triton_ssd_steep_decays_match_fp64(device):
 def triton_column_slices_case(op):
     """(Triton path, reference, inputs) for op (rms_norm, gdn2_gates, gdn2 or ssd) on the layout the model passes:
     every activation a column slice of one wider tensor u, whose rows are longer than the op's (x and the gate; the
-    decay and erase logits and the keys; q, k, v, g, b, w; x, B and C, dt of one more), and the outputs concatenated along the last dim
-    with another tensor, so that the gradients reaching the op are column slices of a wider one too. seen collects
-    the strides of those gradients."""
+    decay and erase logits and the keys; q, k, v, g, b, w; x, B and C, dt of one more), and the outputs concatenated
+    along the last dim with another tensor, so that the gradients reaching the op are column slices of a wider one
+    too. seen collects the strides of those gradients."""
     gen = torch.Generator().manual_seed(0)
     randn = lambda *shape: torch.randn(*shape, generator=gen)
     seen = []
@@ -1801,9 +1801,9 @@ def triton_column_slices_case(op):
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("op", ["rms_norm", "gdn2_gates", "gdn2", "ssd"])
 def test_triton_ops_take_column_slices(op, device):
-    """rms_norm, gdn2_gates, gdn2 (chunked) and ssd read the model's column slices in place (the kernels take their row strides) and
-    take gradients that are column slices too: forward and backward match the reference as on contiguous inputs,
-    and the gradient that reached the Triton op had rows longer than its own."""
+    """rms_norm, gdn2_gates, gdn2 (chunked) and ssd read the model's column slices in place (the kernels take their
+    row strides) and take gradients that are column slices too: forward and backward match the reference as on
+    contiguous inputs, and the gradient that reached the Triton op had rows longer than its own."""
     fn, reference, inputs, seen = triton_column_slices_case(op)
     errs = triton_compare(fn, reference, inputs, device)
     assert {"out0", "du"} <= set(errs)
