@@ -2074,8 +2074,8 @@ if HAS_TRITON:
             row = tl.where(rs == r, 1.0, 0.0) - tl.sum(L_r[:, None] * Ainv, axis=0)
             Ainv = tl.where(rs[:, None] == r, row[None, :], Ainv)
         cc_offs = _gdn2_chunk_offsets(bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK)
-        tl.store(Ainv_ptr + cc_offs, Ainv)
-        tl.store(Aqk_ptr + cc_offs, Aqk)
+        tl.store(Ainv_ptr + cc_offs, Ainv.to(Ainv_ptr.dtype.element_ty))
+        tl.store(Aqk_ptr + cc_offs, Aqk.to(Aqk_ptr.dtype.element_ty))
         for k0 in range(0, K, BLOCK_KS):
             q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(
                 q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale, bi, c, hi, T, H, K, k0, CHUNK, BLOCK_KS)
@@ -2089,7 +2089,8 @@ if HAS_TRITON:
             v, _, v_mask = _gdn2_chunk_tile(v_ptr, row_v, bi, c, hi, T, V, vs, CHUNK)
             w = _gdn2_chunk_tile(w_ptr, row_w, bi, c, hi, T, V, vs, CHUNK)[0].to(tl.float32)
             U0_offs = _gdn2_chunk_rows(H * V, bi, c, hi, T, V, vs, CHUNK)[0]
-            tl.store(U0_ptr + U0_offs, _gdn2_dot(Ainv, v.to(tl.float32) * w, DOT), mask=v_mask)
+            tl.store(U0_ptr + U0_offs, _gdn2_dot(Ainv, v.to(tl.float32) * w, DOT).to(U0_ptr.dtype.element_ty),
+                     mask=v_mask)
 
     @triton.jit
     def _gdn2_chunk_split(ptr, bi, c, hi, T, H, D, SPLIT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
@@ -2361,16 +2362,17 @@ def _gdn2_token_rows(q, k, v, g, b, w):
 
 
 def _gdn2_chunk_intra(q, k, v, g, b, w, rows, scale, chunk, dot):
-    """The intra kernel's per-chunk quantities (Ainv, Aqk, Y, U0, q_in, k_out, d): the dots' operands Y, q_in, k_out
-    in their dtype, the rest in fp32."""
+    """The intra kernel's per-chunk quantities (Ainv, Aqk, Y, U0, q_in, k_out, d), all but d in the dots' operand
+    dtype: every later read of Ainv, Aqk, Y, q_in and k_out is a dot's operand (rounded there anyway), U0 is the
+    corrections' start (U is stored so too); the decays d stay fp32."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = triton.cdiv(T, chunk)
     f32 = dict(device=q.device, dtype=torch.float32)
     operand = dict(device=q.device, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(dot, torch.float32))
-    Ainv, Aqk = torch.empty(B, N, H, chunk, chunk, **f32), torch.empty(B, N, H, chunk, chunk, **f32)
+    Ainv, Aqk = torch.empty(B, N, H, chunk, chunk, **operand), torch.empty(B, N, H, chunk, chunk, **operand)
     Y, q_in, k_out = (torch.empty(B, T, H, K, **operand) for _ in range(3))
-    U0, decay = torch.empty(B, T, H, V, **f32), torch.empty(B, N, H, K, **f32)
+    U0, decay = torch.empty(B, T, H, V, **operand), torch.empty(B, N, H, K, **f32)
     _gdn2_chunk_intra_kernel[(B * N, H)](q, k, g, b, v, w, Ainv, Aqk, Y, U0, q_in, k_out, decay, *rows, scale, T, H, K,
                                          V, N, DOT=dot, **_gdn2_chunk_blocks(K, chunk)["intra"])
     return Ainv, Aqk, Y, U0, q_in, k_out, decay
@@ -2433,7 +2435,7 @@ def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: 
     dq, dk, db, dG = (torch.empty(B, T, H, K, **f32) for _ in range(4))      # parked terms, summed in fp32
     dv, dw = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype), torch.empty(B, T, H, V, device=q.device,
                                                                                     dtype=w.dtype)
-    dL, dAqk = torch.empty_like(Ainv), torch.empty_like(Ainv)
+    dL, dAqk = torch.empty_like(Ainv, dtype=torch.float32), torch.empty_like(Ainv, dtype=torch.float32)
     _gdn2_chunk_bwd_intra_kernel[(B * N, H)](
         q, k, g, b, v, w, Ainv, S_in, U, dS_next, dU, do, dq, dk, dv, db, dw, dG, dL, dAqk, *rows, row_do, scale, T, H,
         K, V, N, DOT=dot, **blocks["bwd_intra"])
