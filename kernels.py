@@ -2433,8 +2433,7 @@ def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: 
     _gdn2_chunk_bwd_state_kernel[grid](Aqk, Y, q_in, k_out, decay, do, dS_T, dS_next, dU, ds0, row_do, T, H, K, V, N,
                                        DOT=dot, **blocks["state"])
     dq, dk, db, dG = (torch.empty(B, T, H, K, **f32) for _ in range(4))      # parked terms, summed in fp32
-    dv, dw = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype), torch.empty(B, T, H, V, device=q.device,
-                                                                                    dtype=w.dtype)
+    dv, dw = (torch.empty(B, T, H, V, device=q.device, dtype=t.dtype) for t in (v, w))
     dL, dAqk = torch.empty_like(Ainv, dtype=torch.float32), torch.empty_like(Ainv, dtype=torch.float32)
     _gdn2_chunk_bwd_intra_kernel[(B * N, H)](
         q, k, g, b, v, w, Ainv, S_in, U, dS_next, dU, do, dq, dk, dv, db, dw, dG, dL, dAqk, *rows, row_do, scale, T, H,
