@@ -1691,9 +1691,9 @@ if HAS_TRITON:
                                K, stride_decay, stride_erase, stride_k, stride_dg, stride_db, CLIP: tl.constexpr,
                                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
         # through the clip (shared with the standalone kernel) to dg of the unclipped g = −A·softplus(x); then
-        # dx = −A·σ(x)·dg, which is also dt_bias's gradient per element; ∂g/∂A_log = g, so dA_log[h] = Σ dg·g,
-        # d erase_logits = b(1 − b)·db, db including the clip's share. dt_bias's and A_log's gradients are summed
-        # over the tile's tokens in fp32: one partial per (block of tokens, head), added outside
+        # dx = −A·σ(x)·dg, which is also dt_bias's gradient per element; ∂g/∂A_log = g, so
+        # dA_log[h] = Σ dg·g, d erase_logits = b(1 − b)·db, db including the clip's share. dt_bias's and A_log's
+        # gradients are summed over the tile's tokens in fp32: one partial per (block of tokens, head), added outside
         h = tl.program_id(1)
         x, A, g, b, tokens, cols, offs, mask = _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr,
                                                                 dt_bias_ptr, n_tokens, H, K, stride_decay,
@@ -2286,7 +2286,7 @@ if HAS_TRITON:
         ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         g, _, mask = _gdn2_chunk_tile(g_ptr, row_g, bi, c, hi, T, K, ks, CHUNK)
         g = g.to(tl.float32)
-        later = tl.cumsum(g, axis=0, reverse=True)                  # row t: G_C − G_{t−1}, the decay after token t − 1
+        later = tl.cumsum(g, axis=0, reverse=True)      # row t: G_C − G_{t−1}, the decay after token t − 1
         # token t − 1's k and u on row t (none on the chunk's first row)
         k_prev = tl.load(k_ptr + _gdn2_chunk_rows(row_k, bi, c, hi, T, K, ks, CHUNK)[0] - row_k,
                          mask=mask & (rs[:, None] > 0), other=0.0).to(tl.float32)
