@@ -1649,6 +1649,12 @@ if HAS_TRITON:
         return tl.where(x >= 0, 1.0, e) / (1.0 + e)
 
     @triton.jit
+    def _gdn2_gates_tile(ptr, stride, tokens, h, K, cols, mask):
+        # the [tokens, cols] tile of head h in fp32, a token's H·K values `stride` elements apart
+        return tl.load(ptr + tokens[:, None].to(tl.int64) * stride + h * K + cols[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+
+    @triton.jit
     def _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr, dt_bias_ptr, n_tokens, H, K, stride_decay,
                          stride_erase, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
         # a [BLOCK_R, BLOCK_K] tile of BLOCK_R tokens of head h = program_id(1): x = decay_logits + dt_bias[h],
@@ -1661,12 +1667,10 @@ if HAS_TRITON:
         mask = (tokens[:, None] < n_tokens) & (cols[None, :] < K)
         offs = (tokens[:, None].to(tl.int64) * H + h) * K + cols[None, :]
         dt_bias = tl.load(dt_bias_ptr + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)
-        x = tl.load(decay_logits_ptr + tokens[:, None].to(tl.int64) * stride_decay + h * K + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32) + dt_bias[None, :]
+        x = _gdn2_gates_tile(decay_logits_ptr, stride_decay, tokens, h, K, cols, mask) + dt_bias[None, :]
         A = tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
         g = -A * _softplus(x)
-        erase_logits = tl.load(erase_logits_ptr + tokens[:, None].to(tl.int64) * stride_erase + h * K + cols[None, :],
-                               mask=mask, other=0.0).to(tl.float32)
+        erase_logits = _gdn2_gates_tile(erase_logits_ptr, stride_erase, tokens, h, K, cols, mask)
         b = _sigmoid(erase_logits).to(erase_logits_ptr.dtype.element_ty).to(tl.float32)
         return x, A, g, b, tokens, cols, offs, mask
 
@@ -1678,8 +1682,7 @@ if HAS_TRITON:
                                                                 dt_bias_ptr, n_tokens, H, K, stride_decay,
                                                                 stride_erase, BLOCK_R, BLOCK_K)
         if CLIP:
-            k = tl.load(k_ptr + tokens[:, None].to(tl.int64) * stride_k + tl.program_id(1) * K + cols[None, :],
-                        mask=mask, other=0.0).to(tl.float32)
+            k = _gdn2_gates_tile(k_ptr, stride_k, tokens, tl.program_id(1), K, cols, mask)
             bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
             g = tl.minimum(g, bound[:, None])
         tl.store(g_ptr + offs, g, mask=mask)
@@ -1698,13 +1701,10 @@ if HAS_TRITON:
         x, A, g, b, tokens, cols, offs, mask = _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr,
                                                                 dt_bias_ptr, n_tokens, H, K, stride_decay,
                                                                 stride_erase, BLOCK_R, BLOCK_K)
-        dg = tl.load(dg_ptr + tokens[:, None].to(tl.int64) * stride_dg + h * K + cols[None, :], mask=mask,
-                     other=0.0).to(tl.float32)
-        db = tl.load(db_ptr + tokens[:, None].to(tl.int64) * stride_db + h * K + cols[None, :], mask=mask,
-                     other=0.0).to(tl.float32)
+        dg = _gdn2_gates_tile(dg_ptr, stride_dg, tokens, h, K, cols, mask)
+        db = _gdn2_gates_tile(db_ptr, stride_db, tokens, h, K, cols, mask)
         if CLIP:
-            k = tl.load(k_ptr + tokens[:, None].to(tl.int64) * stride_k + h * K + cols[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
+            k = _gdn2_gates_tile(k_ptr, stride_k, tokens, h, K, cols, mask)
             dg, dk, db_clip = _gdn2_clip_bwd(g, k, b, dg)
             db += db_clip
             tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=mask)
@@ -1992,9 +1992,10 @@ _gdn2_recurrent_fwd.register_autograd(_gdn2_recurrent_backward, setup_context=_g
 #                             then the pair weights per channel,
 # and dg by the gauge identity as above, the pair weights' diagonal (s = r, exp 0 = 1) kept out of it as in gdn2_torch,
 # its reverse cumulative sum over the sequence in a kernel of its own. The kernels read q, k, v, g, b, w and dO where
-# they lie (token_rows: a slice of the projection's output is not copied) and write the gradients in their dtypes.
+# they lie (_token_rows: a slice of the projection's output is not copied) and write the gradients in their dtypes.
 # Every tl.dot accumulates in fp32; its operands are bf16 for bf16 inputs, else fp32 at torch's matmul precision
-# (_gdn2_dot_kind). The pair weights, the solve, the decays and the states stay fp32.
+# (_gdn2_dot_kind). The pair weights, the solve, the decays and the states are computed in fp32; what only dots
+# read again (Ainv, Aqk, Y, q_in, k_out, the states handed to the backward) is stored in the operands' dtype.
 if HAS_TRITON:
     @triton.jit
     def _gdn2_dot(a, b, DOT: tl.constexpr):
@@ -2051,9 +2052,8 @@ if HAS_TRITON:
     @triton.jit
     def _gdn2_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, Aqk_ptr, Y_ptr, U0_ptr, q_in_ptr,
                                  k_out_ptr, decay_ptr, row_q, row_k, row_g, row_b, row_v, row_w, scale, T, H, K, V,
-                                 n_chunks, CHUNK: tl.constexpr,
-                                 BLOCK_KP: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_V: tl.constexpr,
-                                 DOT: tl.constexpr):
+                                 n_chunks, CHUNK: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_KS: tl.constexpr,
+                                 BLOCK_V: tl.constexpr, DOT: tl.constexpr):
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, CHUNK)
@@ -2143,8 +2143,8 @@ if HAS_TRITON:
     @triton.jit
     def _gdn2_chunk_bwd_state_kernel(Aqk_ptr, Y_ptr, q_in_ptr, k_out_ptr, decay_ptr, do_ptr, dsT_ptr, dS_next_ptr,
                                      dU_ptr, ds0_ptr, row_do, T, H, K, V, n_chunks, CHUNK: tl.constexpr,
-                                     BLOCK_K: tl.constexpr,
-                                     SPLIT_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT: tl.constexpr):
+                                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                                     DOT: tl.constexpr):
         # reverse over the chunks: dU = Aqkᵀ dO + k_out dS',  dS = q_inᵀ dO + Diag(d) dS' − Yᵀ dU, with dS' the
         # gradient of the chunk's exit state (dS_T for the last one), held in SPLIT_K channel blocks as the state pass
         # holds S; dS' and dU are written per chunk
@@ -2330,9 +2330,9 @@ def _gdn2_chunk_blocks(K, chunk):
     32 to 128 and chunks 16 and 32, with bf16, fp16, TF32 or 3xTF32 dots (the ahead-of-time test compiles them all).
     The state passes hold their [K, BLOCK_V] tile as K/16 blocks of 16 channels, one small dot each: one dot over all
     of K keeps the whole [C, K] operand in every warp's registers. Up to head size 64 they run 4 warps on value blocks
-    of 16 with their loads pipelined (num_stages=2): 114-152 registers, 3-4 blocks an sm_90 SM, the grid 4 programs
-    a head; at 128 that spilled, and they keep 8 unpipelined warps. The pair tiles [C, C, BLOCK_KP] hold about 8K
-    elements; the pair kernel's loop gains nothing from pipelining (ptxas gives it no more shared memory)."""
+    of 16 with their loads pipelined (num_stages=2): 96-126 registers in bf16, 4-5 blocks an sm_90 SM, the grid 4
+    programs a head; at 128 that spilled, and they keep 8 unpipelined warps. The pair tiles [C, C, BLOCK_KP] hold
+    about 8K elements; the pair kernel's loop gains nothing from pipelining (ptxas gives it no more shared memory)."""
     block_k = max(16, triton.next_power_of_2(K))
     return dict(
         intra=dict(CHUNK=chunk, BLOCK_KP=min(block_k, 8192 // chunk ** 2), BLOCK_KS=min(block_k, 32), BLOCK_V=32,
@@ -2348,7 +2348,7 @@ def _gdn2_chunk_blocks(K, chunk):
 GDN2_TRITON_CHUNKS = (16, 32)   # the chunk sizes the Triton path compiles for (longer chunks exceed shared memory)
 
 
-def token_rows(t):
+def _token_rows(t):
     """t [B, T, H, D] as the kernels address it, (b·T + t)·row + h·D + d, and that row stride (_rows: t itself when
     its strides allow it, as a slice of the projection's output does)."""
     rows, row = _rows(t, t.shape[2] * t.shape[3])
@@ -2356,8 +2356,8 @@ def token_rows(t):
 
 
 def _gdn2_token_rows(q, k, v, g, b, w):
-    """(q, k, v, g, b, w) as token_rows leaves them and their row strides in the kernels' order (q, k, g, b, v, w)."""
-    (q, row_q), (k, row_k), (v, row_v), (g, row_g), (b, row_b), (w, row_w) = map(token_rows, (q, k, v, g, b, w))
+    """(q, k, v, g, b, w) as _token_rows leaves them and their row strides in the kernels' order (q, k, g, b, v, w)."""
+    (q, row_q), (k, row_k), (v, row_v), (g, row_g), (b, row_b), (w, row_w) = map(_token_rows, (q, k, v, g, b, w))
     return (q, k, v, g, b, w), (row_q, row_k, row_g, row_b, row_v, row_w)
 
 
@@ -2427,7 +2427,7 @@ def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: 
     s0 = initial_state.contiguous() if initial_state is not None else S_in
     _gdn2_chunk_state_kernel[grid](Aqk, Y, U0, q_in, k_out, decay, s0, U0, U0, S_in, U, T, H, K, V, N,
                                    HAS_INITIAL=initial_state is not None, RECOMPUTE=True, DOT=dot, **blocks["state"])
-    (do, row_do), dS_T = token_rows(do), dS_T.contiguous()
+    (do, row_do), dS_T = _token_rows(do), dS_T.contiguous()
     dS_next, dU = torch.empty(B, N, H, K, V, **operand), torch.empty(B, T, H, V, **operand)
     ds0 = torch.empty(B, H, K, V, **f32)
     _gdn2_chunk_bwd_state_kernel[grid](Aqk, Y, q_in, k_out, decay, do, dS_T, dS_next, dU, ds0, row_do, T, H, K, V, N,
@@ -2556,8 +2556,8 @@ if HAS_TRITON:
                                 stride_y, stride_dt, FROM_START: tl.constexpr, BLOCK_P: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
         # out[b, c, h] = Σ_s scale_s x_sᵀ y_s ([p, n]), x [b,l,h,p], y [b,l,1,n] (rows of a token at their token
-        # strides). Kernel 2 (chunk state) with x = x,
-        # y = B, scale_s = exp(a_last − a_s)·dt_s; the backward's dh_out with x = dy, y = C, scale_s = exp(a_s).
+        # strides). Kernel 2 (chunk state) with x = x, y = B, scale_s = exp(a_last − a_s)·dt_s; the backward's
+        # dh_out with x = dy, y = C, scale_s = exp(a_s).
         # One program per (batch·chunk·head, block of p × block of n); x goes into the dot as loaded, scale·y is
         # rounded to x's dtype
         pid_bch, pid_pn = tl.program_id(0), tl.program_id(1)
@@ -2634,8 +2634,8 @@ if HAS_TRITON:
     @triton.jit
     def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, A_ptr, a_ptr, CB_ptr, C_ptr, entering_ptr, D_ptr, y_ptr,
                                l, h, p, n, n_chunks, Cs, stride_x, stride_dt, stride_C, HAS_D: tl.constexpr,
-                               BLOCK_P: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+                               BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                               DOT: tl.constexpr):
         # y = (CB⊙L⊙dt_s) x + exp(a)⊙(C h_inᵀ) + D x, one program per (batch·chunk·head, block of p); x and C
         # go into the dots as loaded, the pair weights CB⊙L⊙dt and the state h_in are rounded to their dtype
         pid_bch, pid_p = tl.program_id(0), tl.program_id(1)
@@ -2673,8 +2673,8 @@ if HAS_TRITON:
     def _ssd_state_passing_bwd_kernel(dh_out_ptr, entering_ptr, a_ptr, dhT_ptr, dS_next_ptr, dh0_ptr, da_last_ptr,
                                       h, dim, n_chunks, Cs, BLOCK: tl.constexpr):
         # reverse of kernel 3, ds carried in fp32: dS_next[c] = ds (gradient of chunk c's end state);
-        # ds ← dh_out[c] + exp(a_last[c]) ds;
-        # and ∂L/∂a_last[c] from the passed-through state, ⟨ds, exp(a_last) h_in[c]⟩ (partial over this slice).
+        # ds ← dh_out[c] + exp(a_last[c]) ds; and ∂L/∂a_last[c] from the passed-through state,
+        # ⟨ds, exp(a_last) h_in[c]⟩ (partial over this slice).
         # One program per (batch·head, slice of the p·n state)
         pid_bh, pid_m = tl.program_id(0), tl.program_id(1)
         bi, hi = pid_bh // h, pid_bh % h
@@ -2695,9 +2695,8 @@ if HAS_TRITON:
     @triton.jit
     def _ssd_chunk_bwd_dx_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, CB_ptr, D_ptr, dS_next_ptr, dy_ptr, dx_ptr, ddt_ptr,
                                  dA_ptr, dD_ptr, b, l, h, p, n, n_chunks, Cs, stride_x, stride_dt, stride_B,
-                                 stride_dy, HAS_D: tl.constexpr,
-                                 BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                                 DOT: tl.constexpr):
+                                 stride_dy, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_C: tl.constexpr, DOT: tl.constexpr):
         # One program per (batch·chunk·head, block of p). With xdt = dt⊙x, L_rs = exp(a_r − a_s) (s ≤ r) and
         # E_s = exp(a_last − a_s):
         #   dxdt = (CB⊙L)ᵀ dy + E⊙(B dS_nextᵀ),   dx = dt⊙dxdt + D dy,   ∂L/∂dt_s ∋ Σ_p dxdt_sp x_sp,
