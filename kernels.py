@@ -960,6 +960,15 @@ def _triton_op(name):
     return register
 
 
+# ptxas gives a kernel up to 255 registers a thread wherever it can use them. The launches that took more than
+# MAX_REGISTERS are held to it (the launch option maxnreg), at which each fits without a spill on sm_75, sm_80 and
+# sm_90 (the ahead-of-time test compiles them): headroom under 255, so another compiler's choices spill nothing
+# unseen, at no cost in occupancy (above 128 registers an 8-warp kernel runs one block an SM either way, a 4-warp
+# one two). Only those: given a cap, ptxas uses up to it, and took more registers than uncapped (fewer blocks an
+# SM) where a launch needs fewer.
+MAX_REGISTERS = 232
+
+
 def _rows(t, width):
     """(t as rows of its last `width` values, the stride between rows), which the kernels' pointer arithmetic
     takes: a view where those values are contiguous and the leading dims flatten to one stride (a slice of a wider
@@ -1062,13 +1071,15 @@ if HAS_TRITON:
         tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=cols < n_cols)
 
 
-def _rms_norm_blocks(n_cols):
+def _rms_norm_blocks(n_cols, gated_backward=False):
     """(BLOCK_R, BLOCK_C, num_warps): a tile of 4096 values, or one row when it is longer, spread 16 values a thread
     (at most 16 warps) so that the backward's tiles stay in registers: no spills up to rows of 8192, or of 4096
-    with a gate"""
+    with a gate. The gated backward holds twice the tiles: 2048 values, 8 a thread, keep it under 232 registers
+    (4096 at 16 a thread took up to 254, 8 a thread spilled at 16 warps' 128)."""
+    tile, per_thread = (2048, 8) if gated_backward else (4096, 16)
     block_c = triton.next_power_of_2(n_cols)
-    block_r = max(1, min(64, 4096 // block_c))
-    return block_r, block_c, min(16, max(4, block_r * block_c // 512))
+    block_r = max(1, min(64, tile // block_c))
+    return block_r, block_c, min(16, max(4, block_r * block_c // (32 * per_thread)))
 
 
 @_triton_op("specgpt::rms_norm_fwd")
@@ -1104,7 +1115,7 @@ def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd:
     n_rows = x2.shape[0]
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     dgate = torch.empty(gate.shape, device=x.device, dtype=gate.dtype) if gate is not None else x.new_empty(0)
-    block_r, block_c, warps = _rms_norm_blocks(n_cols)
+    block_r, block_c, warps = _rms_norm_blocks(n_cols, gated_backward=gate is not None)
     n_prog = _programs_for(x2, triton.cdiv(n_rows, block_r))
     dw_partial = torch.empty(n_prog, n_cols, device=x.device, dtype=torch.float32)
     _rms_norm_bwd_kernel[(n_prog,)](x2, gate2, weight.contiguous(), rstd, dy2, dx, dgate, dw_partial, n_rows, n_cols,
@@ -1938,7 +1949,8 @@ def _gdn2_recurrent_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k
     s0 = initial_state.contiguous() if initial_state is not None else ds0
     _gdn2_rec_bwd_kernel[(B * H, nv)](
         q, k, v, g, b, w, s0, u, do, dS_T.contiguous(), dq_p, dk_p, de_p, dv, dw, ds0, dgT, du, scale,
-        B, T, H, K, V, HAS_INITIAL=initial_state is not None, BLOCK_K=block_k, BLOCK_V=block_v)
+        B, T, H, K, V, HAS_INITIAL=initial_state is not None, BLOCK_K=block_k, BLOCK_V=block_v,
+        maxnreg=MAX_REGISTERS if block_k >= 64 else None)                  # 234-255 registers uncapped
     dq_apart, dk_apart, de = dq_p.sum(0), dk_p.sum(0), de_p.sum(0)
     qf, kf, bf = q.float(), k.float(), b.float()
     # ∂L/∂G_t by the gauge identity, from dq, dk without each token's read of its own write: that adds
@@ -2331,7 +2343,8 @@ def _gdn2_chunk_blocks(K, chunk):
     The state passes hold their [K, BLOCK_V] tile as K/16 blocks of 16 channels, one small dot each: one dot over all
     of K keeps the whole [C, K] operand in every warp's registers. Up to head size 64 they run 4 warps on value blocks
     of 16 with their loads pipelined (num_stages=2): 96-126 registers in bf16, 4-5 blocks an sm_90 SM, the grid 4
-    programs a head; at 128 that spilled, and they keep 8 unpipelined warps. The pair tiles [C, C, BLOCK_KP] hold
+    programs a head; at 128 that spilled, and they keep 8 unpipelined warps, held to MAX_REGISTERS (they took
+    244-250). The pair tiles [C, C, BLOCK_KP] hold
     about 8K elements; the pair kernel's loop gains nothing from pipelining (ptxas gives it no more shared memory)."""
     block_k = max(16, triton.next_power_of_2(K))
     return dict(
@@ -2339,7 +2352,7 @@ def _gdn2_chunk_blocks(K, chunk):
                    num_warps=8, num_stages=2),
         state=dict(CHUNK=chunk, BLOCK_K=block_k, SPLIT_K=block_k // 16,
                    **(dict(BLOCK_V=16, num_warps=4, num_stages=2) if block_k <= 64 else
-                      dict(BLOCK_V=32 if chunk == 16 else 16, num_warps=8, num_stages=1))),
+                      dict(BLOCK_V=32 if chunk == 16 else 16, num_warps=8, num_stages=1, maxnreg=MAX_REGISTERS))),
         bwd_intra=dict(CHUNK=chunk, BLOCK_KS=16, BLOCK_V=16, num_warps=8, num_stages=2),
         bwd_pairs=dict(CHUNK=chunk, BLOCK_KP=min(block_k, 8192 // chunk ** 2), num_warps=8, num_stages=1),
         bwd_dg=dict(CHUNK=chunk, BLOCK_K=16, BLOCK_V=16, num_warps=4))
@@ -2495,27 +2508,29 @@ def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16)
 # -----------------------------------------------------------------------------
 # ssd in Triton
 
-# ssd in Triton: the five forward kernels of mamba_ssm's chunked scan (Dao & Gu 2024, the Mamba-2 paper), with
+# ssd in Triton: mamba_ssm's chunked scan (Dao & Gu 2024, the Mamba-2 paper) in four forward kernels, with
 # a = within-chunk cumulative dt·A, h_in[c] = the state entering chunk c, ngroups = 1:
 #   1 chunk cumsum   a_r = Σ_{i≤r} dt_i A
-#   2 chunk state    states[c] = Σ_s exp(a_last − a_s) dt_s x_sᵀ B_s            (the chunk's own end state)
-#   3 state passing  h_in[c+1] = exp(a_last[c]) h_in[c] + states[c]             (sequential over chunks)
-#   4 chunk C·Bᵀ     CB_rs = C_r·B_s
-#   5 chunk scan     y_r = Σ_{s≤r} CB_rs exp(a_r − a_s) dt_s x_s + exp(a_r) h_in C_r + D x_r
-# The forward keeps nothing but its inputs: the backward reruns kernels 1–4 for a, CB and h_in (h_in alone is p·n
+#   2 state pass     sequential over chunks: h_in[c] is stored, then
+#                    h ← exp(a_last[c]) h + Σ_s exp(a_last − a_s) dt_s x_sᵀ B_s
+#                    (the chunk's own end state is formed in registers and never stored: mamba_ssm's chunk state
+#                    and state passing kernels in one, which saves writing and reading it in fp32)
+#   3 chunk C·Bᵀ     CB_rs = C_r·B_s
+#   4 chunk scan     y_r = Σ_{s≤r} CB_rs exp(a_r − a_s) dt_s x_s + exp(a_r) h_in C_r + D x_r
+# The forward keeps nothing but its inputs: the backward reruns kernels 1–3 for a, CB and h_in (h_in alone is p·n
 # numbers per chunk and head, two bf16 activations' worth at Mamba2's p = 32, n = 64, chunk 64), then
-#   6 dh_out     dh_out[c] = Σ_r exp(a_r) dy_rᵀ C_r                                (kernel 2's shape)
-#   7 reverse state passing: dS_next[c], the gradient of chunk c's end state, and ∂L/∂a_last[c]
-#   8 dx         per (chunk, head, block of p): dx, and the terms of ddt that read x
-#   9 pairs      per (chunk, head): the terms of ddt from the pair weights L and from a_last
-#  10 dCB        per (chunk, group of heads): ∂L/∂CB = Σ_h L⊙(dy xdtᵀ)
-#  11 dB, dC     per (chunk, group of heads, block of n), and the term of ddt from reading h_in
+#   5 reverse state pass: dS_next[c] = ds, the gradient of chunk c's end state, is stored, ∂L/∂a_last[c], and
+#                    ds ← Σ_r exp(a_r) dy_rᵀ C_r + exp(a_last[c]) ds   (the chunk's dh_out in registers again)
+#   6 dx         per (chunk, head, block of p): dx, and the terms of ddt that read x
+#   7 pairs      per (chunk, group of heads): ∂L/∂CB = Σ_h L⊙(dy xdtᵀ), and per head the terms of ddt from
+#                the pair weights L and from a_last
+#   8 dB, dC     per (chunk, group of heads, block of n), and the term of ddt from reading h_in
 # Dots take their operands in the inputs' dtype and accumulate in fp32: bf16 inputs (x, B, C, dy) go in as loaded
 # and the fp32 factors that meet them (decays, dt, states) are rounded to bf16 there; fp32 inputs take IEEE or
-# TF32 dots (_dot_precision). Cumulative decays, the chunks' own states (kernel 2), the final state and every
-# accumulator stay fp32; the passed states h_in and the backward's dh_out and dS_next are stored in the inputs'
-# dtype (_ssd_passed_dtype, as mamba_ssm keeps them), which is what every dot reads them in. Every grid puts batch ×
-# chunks (× heads) on axis 0 (up to 2³¹ − 1 programs), and only small counts (blocks of p or n) on axis 1.
+# TF32 dots (_dot_precision). Cumulative decays, the chunks' own states, the final state and every accumulator stay
+# fp32; the passed states h_in and the backward's dS_next are stored in the inputs' dtype (_ssd_passed_dtype, as
+# mamba_ssm keeps them), which is what every dot reads them in. Every grid puts batch × chunks (× heads) on axis 0
+# (up to 2³¹ − 1 programs), and only small counts (blocks of p or n) on axis 1.
 # x, dt, B, C and dy are read where they lie, each token's row at its own stride (_ssd_rows: the model's are column
 # slices of in_proj's output); what the kernels write is contiguous.
 if HAS_TRITON:
@@ -2552,55 +2567,47 @@ if HAS_TRITON:
         return tl.exp(tl.cumsum(dt_next * A, axis=0, reverse=True))
 
     @triton.jit
-    def _ssd_chunk_outer_kernel(x_ptr, y_ptr, dt_ptr, A_ptr, a_ptr, out_ptr, l, h, p, n, n_chunks, Cs, stride_x,
-                                stride_y, stride_dt, FROM_START: tl.constexpr, BLOCK_P: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        # out[b, c, h] = Σ_s scale_s x_sᵀ y_s ([p, n]), x [b,l,h,p], y [b,l,1,n] (rows of a token at their token
-        # strides). Kernel 2 (chunk state) with x = x, y = B, scale_s = exp(a_last − a_s)·dt_s; the backward's
-        # dh_out with x = dy, y = C, scale_s = exp(a_s).
-        # One program per (batch·chunk·head, block of p × block of n); x goes into the dot as loaded, scale·y is
-        # rounded to x's dtype
-        pid_bch, pid_pn = tl.program_id(0), tl.program_id(1)
-        hi, bi, c = pid_bch % h, pid_bch // h // n_chunks, pid_bch // h % n_chunks
-        n_nb = tl.cdiv(n, BLOCK_N)
-        ps = (pid_pn // n_nb) * BLOCK_P + tl.arange(0, BLOCK_P)
-        ns = (pid_pn % n_nb) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rs = tl.arange(0, BLOCK_C)
-        pos = c * Cs + rs
-        valid = (rs < Cs) & (pos < l)
-        if FROM_START:
-            a = tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + rs, mask=rs < Cs, other=0.0)
-            scale = tl.exp(a)
-        else:
-            dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=valid, other=0.0).to(tl.float32)
-            scale = _ssd_end_decays(dt_ptr, stride_dt, tl.load(A_ptr + hi).to(tl.float32), bi, l, hi, pos,
-                                    c * Cs + Cs - 1) * dt
+    def _ssd_chunk_outer(x_ptr, stride_x, y_ptr, stride_y, scale, bi, hi, l, p, n, pos, valid, ps, ns,
+                         DOT: tl.constexpr):
+        # Σ_s scale_s x_sᵀ y_s over one chunk's tokens pos, a [BLOCK_P, BLOCK_N] block in fp32: x [b,l,h,p] and
+        # y [b,l,1,n] (rows of a token at their token strides); x goes into the dot as loaded, scale·y is rounded to
+        # x's dtype
         xT = tl.load(x_ptr + (bi * l + pos[None, :]).to(tl.int64) * stride_x + hi * p + ps[:, None],
                      mask=valid[None, :] & (ps[:, None] < p), other=0.0)                        # [BLOCK_P, BLOCK_C]
         y = tl.load(y_ptr + (bi * l + pos[:, None]).to(tl.int64) * stride_y + ns[None, :],
                     mask=valid[:, None] & (ns[None, :] < n), other=0.0).to(tl.float32)          # [BLOCK_C, BLOCK_N]
-        acc = tl.dot(xT, (y * scale[:, None]).to(xT.dtype), input_precision=DOT)
-        tl.store(out_ptr + (pid_bch.to(tl.int64) * p + ps[:, None]) * n + ns[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(ps[:, None] < p) & (ns[None, :] < n))
+        return tl.dot(xT, (y * scale[:, None]).to(xT.dtype), input_precision=DOT)
 
     @triton.jit
-    def _ssd_state_passing_kernel(states_ptr, a_ptr, h0_ptr, entering_ptr, hT_ptr, h, dim, n_chunks, Cs,
-                                  HAS_INITIAL: tl.constexpr, BLOCK: tl.constexpr):
-        # sequential over chunks for a BLOCK-slice of the flattened p·n state, carried in fp32 and stored in
-        # entering's dtype; one program per (batch·head, slice)
-        pid_bh = tl.program_id(0)
+    def _ssd_state_pass_kernel(x_ptr, B_ptr, dt_ptr, A_ptr, a_ptr, h0_ptr, entering_ptr, hT_ptr, l, h, p, n, n_chunks,
+                               Cs, stride_x, stride_B, stride_dt, HAS_INITIAL: tl.constexpr, BLOCK_P: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # kernel 2, sequential over the chunks for a [BLOCK_P, BLOCK_N] block of the state, carried in fp32:
+        # h_in[c] is stored in entering's dtype, then h ← exp(a_last[c]) h + Σ_s exp(a_last − a_s) dt_s x_sᵀ B_s.
+        # One program per (batch·head, block of p × block of n)
+        pid_bh, pid_pn = tl.program_id(0), tl.program_id(1)
         bi, hi = pid_bh // h, pid_bh % h
-        ms = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = ms < dim
-        hs = tl.zeros((BLOCK,), dtype=tl.float32)
+        n_nb = tl.cdiv(n, BLOCK_N)
+        ps = (pid_pn // n_nb) * BLOCK_P + tl.arange(0, BLOCK_P)
+        ns = (pid_pn % n_nb) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rs = tl.arange(0, BLOCK_C)
+        st_offs = ps[:, None] * n + ns[None, :]
+        st_mask = (ps[:, None] < p) & (ns[None, :] < n)
+        A = tl.load(A_ptr + hi).to(tl.float32)
+        hs = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
         if HAS_INITIAL:
-            hs = tl.load(h0_ptr + pid_bh.to(tl.int64) * dim + ms, mask=mask, other=0.0).to(tl.float32)
+            hs = tl.load(h0_ptr + pid_bh.to(tl.int64) * p * n + st_offs, mask=st_mask, other=0.0).to(tl.float32)
         for c in range(n_chunks):
-            offs = ((bi * n_chunks + c) * h + hi).to(tl.int64) * dim + ms
-            tl.store(entering_ptr + offs, hs.to(entering_ptr.dtype.element_ty), mask=mask)
-            a_last = tl.load(a_ptr + (pid_bh * n_chunks + c).to(tl.int64) * Cs + Cs - 1)
-            hs = tl.exp(a_last) * hs + tl.load(states_ptr + offs, mask=mask, other=0.0)
-        tl.store(hT_ptr + pid_bh.to(tl.int64) * dim + ms, hs, mask=mask)
+            tl.store(entering_ptr + ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n + st_offs,
+                     hs.to(entering_ptr.dtype.element_ty), mask=st_mask)
+            pos = c * Cs + rs
+            valid = (rs < Cs) & (pos < l)
+            dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=valid, other=0.0).to(tl.float32)
+            to_end = _ssd_end_decays(dt_ptr, stride_dt, A, bi, l, hi, pos, c * Cs + Cs - 1) * dt
+            a_last = tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + Cs - 1)
+            hs = tl.exp(a_last) * hs + _ssd_chunk_outer(x_ptr, stride_x, B_ptr, stride_B, to_end, bi, hi, l, p, n,
+                                                        pos, valid, ps, ns, DOT)
+        tl.store(hT_ptr + pid_bh.to(tl.int64) * p * n + st_offs, hs, mask=st_mask)
 
     @triton.jit
     def _ssd_chunk_gram(u_ptr, stride_u, v_ptr, stride_v, bi, c, l, Cs, width, BLOCK_K: tl.constexpr,
@@ -2670,27 +2677,36 @@ if HAS_TRITON:
         tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=x_mask)
 
     @triton.jit
-    def _ssd_state_passing_bwd_kernel(dh_out_ptr, entering_ptr, a_ptr, dhT_ptr, dS_next_ptr, dh0_ptr, da_last_ptr,
-                                      h, dim, n_chunks, Cs, BLOCK: tl.constexpr):
-        # reverse of kernel 3, ds carried in fp32: dS_next[c] = ds (gradient of chunk c's end state);
-        # ds ← dh_out[c] + exp(a_last[c]) ds; and ∂L/∂a_last[c] from the passed-through state,
-        # ⟨ds, exp(a_last) h_in[c]⟩ (partial over this slice).
-        # One program per (batch·head, slice of the p·n state)
-        pid_bh, pid_m = tl.program_id(0), tl.program_id(1)
+    def _ssd_state_pass_bwd_kernel(dy_ptr, C_ptr, a_ptr, entering_ptr, dhT_ptr, dS_next_ptr, dh0_ptr, da_last_ptr, l,
+                                   h, p, n, n_chunks, Cs, stride_dy, stride_C, BLOCK_P: tl.constexpr,
+                                   BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # kernel 5, the reverse of kernel 2, ds carried in fp32: dS_next[c] = ds (the gradient of chunk c's end
+        # state) is stored, ∂L/∂a_last[c] from the passed-through state, ⟨ds, exp(a_last) h_in[c]⟩ (this block's
+        # partial), and ds ← Σ_r exp(a_r) dy_rᵀ C_r + exp(a_last[c]) ds.
+        # One program per (batch·head, block of p × block of n)
+        pid_bh, pid_pn = tl.program_id(0), tl.program_id(1)
         bi, hi = pid_bh // h, pid_bh % h
-        ms = pid_m * BLOCK + tl.arange(0, BLOCK)
-        mask = ms < dim
-        ds = tl.load(dhT_ptr + pid_bh.to(tl.int64) * dim + ms, mask=mask, other=0.0).to(tl.float32)
+        n_nb = tl.cdiv(n, BLOCK_N)
+        ps = (pid_pn // n_nb) * BLOCK_P + tl.arange(0, BLOCK_P)
+        ns = (pid_pn % n_nb) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rs = tl.arange(0, BLOCK_C)
+        st_offs = ps[:, None] * n + ns[None, :]
+        st_mask = (ps[:, None] < p) & (ns[None, :] < n)
+        ds = tl.load(dhT_ptr + pid_bh.to(tl.int64) * p * n + st_offs, mask=st_mask, other=0.0).to(tl.float32)
         for cc in range(n_chunks):
             c = n_chunks - 1 - cc
-            offs = ((bi * n_chunks + c) * h + hi).to(tl.int64) * dim + ms
-            tl.store(dS_next_ptr + offs, ds.to(dS_next_ptr.dtype.element_ty), mask=mask)
-            decay = tl.exp(tl.load(a_ptr + (pid_bh * n_chunks + c).to(tl.int64) * Cs + Cs - 1))
-            h_in = tl.load(entering_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(da_last_ptr + ((pid_bh * n_chunks + c) * tl.num_programs(1) + pid_m).to(tl.int64),
-                     tl.sum(ds * h_in, axis=0) * decay)
-            ds = tl.load(dh_out_ptr + offs, mask=mask, other=0.0).to(tl.float32) + decay * ds
-        tl.store(dh0_ptr + pid_bh.to(tl.int64) * dim + ms, ds, mask=mask)
+            offs = ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n + st_offs
+            tl.store(dS_next_ptr + offs, ds.to(dS_next_ptr.dtype.element_ty), mask=st_mask)
+            a_offs = (pid_bh * n_chunks + c).to(tl.int64) * Cs
+            decay = tl.exp(tl.load(a_ptr + a_offs + Cs - 1))
+            h_in = tl.load(entering_ptr + offs, mask=st_mask, other=0.0).to(tl.float32)
+            tl.store(da_last_ptr + ((pid_bh * n_chunks + c) * tl.num_programs(1) + pid_pn).to(tl.int64),
+                     tl.sum(tl.sum(ds * h_in, axis=1), axis=0) * decay)
+            pos = c * Cs + rs
+            from_start = tl.exp(tl.load(a_ptr + a_offs + rs, mask=rs < Cs, other=0.0))
+            ds = _ssd_chunk_outer(dy_ptr, stride_dy, C_ptr, stride_C, from_start, bi, hi, l, p, n, pos,
+                                  (rs < Cs) & (pos < l), ps, ns, DOT) + decay * ds
+        tl.store(dh0_ptr + pid_bh.to(tl.int64) * p * n + st_offs, ds, mask=st_mask)
 
     @triton.jit
     def _ssd_chunk_bwd_dx_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, CB_ptr, D_ptr, dS_next_ptr, dy_ptr, dx_ptr, ddt_ptr,
@@ -2741,53 +2757,40 @@ if HAS_TRITON:
         tl.store(dA_ptr + (slot * n_chunks + c) * h + hi, tl.sum(dt * writes, axis=0))
 
     @triton.jit
-    def _ssd_chunk_bwd_pairs_kernel(x_ptr, dt_ptr, A_ptr, CB_ptr, da_last_ptr, dy_ptr, ddt_ptr, dA_ptr, l, h, p,
-                                    n_chunks, Cs, n_slices, stride_x, stride_dt, stride_dy, BLOCK_P: tl.constexpr,
-                                    BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        # One program per batch·chunk·head: two terms of ∂L/∂(dt_i A), gathered term by term so that nothing
-        # cancels. The pair weights L_rs depend on dt_i A for s < i ≤ r: Σ over the pairs spanning i of
-        # M = CB⊙L⊙(dy xdtᵀ); the passed-on state exp(a_last) depends on every i (its n_slices partials, one per
-        # slice of the state that kernel 7 walked).
-        pid_bch = tl.program_id(0)
-        hi, pid_bc = pid_bch % h, pid_bch // h
-        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
-        rs = tl.arange(0, BLOCK_C)
-        pos = c * Cs + rs
-        valid = (rs < Cs) & (pos < l)
-        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=valid, other=0.0).to(tl.float32)
-        A = tl.load(A_ptr + hi).to(tl.float32)
-        M = _ssd_chunk_gram(dy_ptr + hi * p, stride_dy, x_ptr + hi * p, stride_x, bi, c, l, Cs, p, BLOCK_P, BLOCK_C,
-                            DOT)
-        M *= dt[None, :]
-        M *= tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
-                     mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0) * _ssd_pair_decays(dt, A, rs, Cs)
-        before = tl.cumsum(M, axis=1) - M                                        # [r, i] = Σ_{s<i} M_rs
-        d_dtA = tl.sum(tl.where(rs[:, None] >= rs[None, :], before, 0.0), axis=0)   # [i] = Σ_{r≥i} Σ_{s<i}
-        for m in range(n_slices):
-            d_dtA += tl.load(da_last_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * n_slices + m)
-        tl.store(ddt_ptr + (bi * l + pos).to(tl.int64) * h + hi, A * d_dtA, mask=valid)
-        tl.store(dA_ptr + pid_bch.to(tl.int64), tl.sum(dt * d_dtA, axis=0))
-
-    @triton.jit
-    def _ssd_chunk_bwd_dcb_kernel(x_ptr, dt_ptr, A_ptr, dy_ptr, dCB_ptr, b, l, h, p, n_chunks, Cs, heads_per_program,
-                                  stride_x, stride_dt, stride_dy, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
-                                  DOT: tl.constexpr):
-        # ∂L/∂CB = Σ_h L⊙(dy xdtᵀ) (dy xdtᵀ summed over p), summed over a group of heads: one program per
-        # (batch·chunk, group of heads), the groups added outside. dB and dC take it from there, once per chunk.
+    def _ssd_chunk_bwd_pairs_kernel(x_ptr, dt_ptr, A_ptr, CB_ptr, da_last_ptr, dy_ptr, ddt_ptr, dA_ptr, dCB_ptr, b, l,
+                                    h, p, n_chunks, Cs, n_slices, heads_per_program, stride_x, stride_dt, stride_dy,
+                                    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # One program per (batch·chunk, group of heads), over the group's heads, each head's L⊙(dy xdtᵀ) (dy xdtᵀ
+        # summed over p) formed once for two uses:
+        # ∂L/∂CB = Σ_h L⊙(dy xdtᵀ), summed over the group (the groups are added outside; dB and dC take it from
+        # there), and per head two terms of ∂L/∂(dt_i A), gathered term by term so that nothing cancels. The pair
+        # weights L_rs depend on dt_i A for s < i ≤ r: Σ over the pairs spanning i of M = CB⊙L⊙(dy xdtᵀ); the
+        # passed-on state exp(a_last) depends on every i (its n_slices partials, one per block of the state that
+        # kernel 5 walked).
         n_groups = tl.cdiv(h, heads_per_program)
         pid_bc, group = tl.program_id(0) // n_groups, tl.program_id(0) % n_groups
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, BLOCK_C)
         pos = c * Cs + rs
         valid = (rs < Cs) & (pos < l)
+        cc_offs, cc_mask = rs[:, None] * Cs + rs[None, :], (rs[:, None] < Cs) & (rs[None, :] < Cs)
+        CB = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + cc_offs, mask=cc_mask, other=0.0)
         dCB = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
         for hi in range(group * heads_per_program, tl.minimum(group * heads_per_program + heads_per_program, h)):
             dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=valid, other=0.0).to(tl.float32)
+            A = tl.load(A_ptr + hi).to(tl.float32)
             dyxT = _ssd_chunk_gram(dy_ptr + hi * p, stride_dy, x_ptr + hi * p, stride_x, bi, c, l, Cs, p, BLOCK_P,
                                    BLOCK_C, DOT)
-            dCB += _ssd_pair_decays(dt, tl.load(A_ptr + hi).to(tl.float32), rs, Cs) * dyxT * dt[None, :]
-        tl.store(dCB_ptr + ((group * b + bi) * n_chunks + c).to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
-                 dCB, mask=(rs[:, None] < Cs) & (rs[None, :] < Cs))
+            weighted = _ssd_pair_decays(dt, A, rs, Cs) * dyxT * dt[None, :]          # L⊙(dy xdtᵀ)
+            dCB += weighted
+            M = weighted * CB
+            before = tl.cumsum(M, axis=1) - M                                        # [r, i] = Σ_{s<i} M_rs
+            d_dtA = tl.sum(tl.where(rs[:, None] >= rs[None, :], before, 0.0), axis=0)   # [i] = Σ_{r≥i} Σ_{s<i}
+            for m in range(n_slices):
+                d_dtA += tl.load(da_last_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * n_slices + m)
+            tl.store(ddt_ptr + (bi * l + pos).to(tl.int64) * h + hi, A * d_dtA, mask=valid)
+            tl.store(dA_ptr + (pid_bc * h + hi).to(tl.int64), tl.sum(dt * d_dtA, axis=0))
+        tl.store(dCB_ptr + ((group * b + bi) * n_chunks + c).to(tl.int64) * Cs * Cs + cc_offs, dCB, mask=cc_mask)
 
     @triton.jit
     def _ssd_chunk_bwd_dbc_kernel(x_ptr, B_ptr, C_ptr, a_ptr, dt_ptr, A_ptr, entering_ptr, dS_next_ptr, dCB_ptr,
@@ -2861,7 +2864,7 @@ def _dot_precision(x):
 
 
 SSD_TRITON_MAX_CHUNK = 64   # longer chunks exceed a block's registers in the backward kernels
-SSD_HEADS_PER_PROGRAM = 8   # heads one dB/dC program sums over: partial sums for h/8 groups, not for every head
+SSD_HEADS_PER_PROGRAM = 8   # heads a pairs or dB/dC program walks: partial sums for h/8 groups, not for every head
 
 
 def _ssd_blocks(dtype, p, n, Cs):
@@ -2875,8 +2878,15 @@ def _ssd_blocks(dtype, p, n, Cs):
     return block(p, most), block(n, most), BC, 8 if BC == 64 else 4
 
 
+def _ssd_state_pass_launch(x):
+    """num_warps and num_stages of the state passes (kernels 2 and 5) for inputs like x, with the next chunk's loads
+    in flight: 4 warps for 16-bit dots, 8 for fp32 ones (ahead of time, 4 warps spilled fp32's IEEE dots on sm_90, 8
+    spilled a bf16 state block of 32 × 16; three stages spilled too)."""
+    return dict(num_warps=8 if x.dtype == torch.float32 else 4, num_stages=2)
+
+
 def _ssd_passed_dtype(x):
-    """The dtype of the passed states h_in and the backward's dh_out, dS_next: 16-bit inputs' own (mamba_ssm's
+    """The dtype of the passed states h_in and the backward's dS_next: 16-bit inputs' own (mamba_ssm's
     choice: half the bytes of fp32, and the dots read them in that dtype), else fp32."""
     return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
 
@@ -2889,26 +2899,22 @@ def _ssd_rows(x, dt, B, C):
 
 
 def _ssd_chunk_states(rows, A, shape, Cs, initial_state):
-    """Kernels 1–4: (a, CB, entering, h_T) from _ssd_rows' rows and shape = (b, l, h, p, n); the forward and the
+    """Kernels 1–3: (a, CB, entering, h_T) from _ssd_rows' rows and shape = (b, l, h, p, n); the forward and the
     backward (which recomputes them) share this."""
     (x, sx), (dt, sdt), (B, sB), (C, sC) = rows
     b, l, h, p, n = shape
     N = triton.cdiv(l, Cs)
-    BP, BN, BC, warps = _ssd_blocks(x.dtype, p, n, Cs)
+    BP, BN, BC, _ = _ssd_blocks(x.dtype, p, n, Cs)
     dot = _dot_precision(x)
     f32 = dict(device=x.device, dtype=torch.float32)
     a = torch.empty(b, h, N, Cs, **f32)
     _ssd_chunk_cumsum_kernel[(b * N, triton.cdiv(h, 8))](dt, A, a, l, h, N, Cs, sdt, BLOCK_H=8, BLOCK_C=BC)
-    states = torch.empty(b, N, h, p, n, **f32)
-    _ssd_chunk_outer_kernel[(b * N * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))](
-        x, B, dt, A, a, states, l, h, p, n, N, Cs, sx, sB, sdt, FROM_START=False, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC,
-        DOT=dot, num_warps=warps)
     entering = torch.empty(b, N, h, p, n, device=x.device, dtype=_ssd_passed_dtype(x))
     h_T = torch.empty(b, h, p, n, **f32)
-    block = min(1024, triton.next_power_of_2(p * n))
     h0 = initial_state.contiguous() if initial_state is not None else h_T
-    _ssd_state_passing_kernel[(b * h, triton.cdiv(p * n, block))](
-        states, a, h0, entering, h_T, h, p * n, N, Cs, HAS_INITIAL=initial_state is not None, BLOCK=block)
+    _ssd_state_pass_kernel[(b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))](
+        x, B, dt, A, a, h0, entering, h_T, l, h, p, n, N, Cs, sx, sB, sdt, HAS_INITIAL=initial_state is not None,
+        BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot, **_ssd_state_pass_launch(x))
     CB = torch.empty(b, N, Cs, Cs, **f32)
     _ssd_bmm_kernel[(b * N,)](C, B, CB, l, n, N, Cs, sC, sB, BLOCK_C=BC, BLOCK_N=BN, DOT=dot)
     return a, CB, entering, h_T
@@ -2960,17 +2966,13 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
     dot = _dot_precision(x)
     f32 = dict(device=x.device, dtype=torch.float32)
     passed = dict(device=x.device, dtype=_ssd_passed_dtype(x))
-    dh_out = torch.empty(b, N, h, p, n, **passed)
-    _ssd_chunk_outer_kernel[(b * N * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))](
-        dy2, C2, dt2, A, a, dh_out, l, h, p, n, N, Cs, sdy, sC, sdt, FROM_START=True, BLOCK_P=BP, BLOCK_N=BN,
-        BLOCK_C=BC, DOT=dot, num_warps=warps)
-    block = min(1024, triton.next_power_of_2(p * n))
-    n_mb = triton.cdiv(p * n, block)
+    n_blocks = triton.cdiv(p, BP) * triton.cdiv(n, BN)
     dS_next, dh0 = torch.empty(b, N, h, p, n, **passed), torch.empty(b, h, p, n, **f32)
-    da_last = torch.empty(b, h, N, n_mb, **f32)
-    _ssd_state_passing_bwd_kernel[(b * h, n_mb)](dh_out, entering, a, dh_T.contiguous(), dS_next, dh0, da_last, h,
-                                                 p * n, N, Cs, BLOCK=block)
-    # partial sums: ddt and dA per block of p (kernel 8), one more (kernel 9) and per block of n (kernel 11); dD per
+    da_last = torch.empty(b, h, N, n_blocks, **f32)
+    _ssd_state_pass_bwd_kernel[(b * h, n_blocks)](dy2, C2, a, entering, dh_T.contiguous(), dS_next, dh0, da_last, l, h,
+                                                  p, n, N, Cs, sdy, sC, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot,
+                                                  **_ssd_state_pass_launch(x))
+    # partial sums: ddt and dA per block of p (kernel 6), one more (kernel 7) and per block of n (kernel 8); dD per
     # block of p; dB, dC and dCB per group of heads. ddt, dB, dC and dCB (a few partials of many values) go to
     # _sum_partials
     n_pb, n_nb, n_hg = triton.cdiv(p, BP), triton.cdiv(n, BN), triton.cdiv(h, SSD_HEADS_PER_PROGRAM)
@@ -2979,17 +2981,18 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
     dD = torch.empty(n_pb, b, N, h, **f32) if D is not None else None
     _ssd_chunk_bwd_dx_kernel[(b * N * h, n_pb)](
         x2, dt2, A, B2, CB, D if D is not None else A, dS_next, dy2, dx, ddt, dA, dD, b, l, h, p, n, N, Cs, sx, sdt,
-        sB, sdy, HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot, num_warps=warps)
-    _ssd_chunk_bwd_pairs_kernel[(b * N * h,)](x2, dt2, A, CB, da_last, dy2, ddt[n_pb], dA[n_pb], l, h, p, N, Cs, n_mb,
-                                              sx, sdt, sdy, BLOCK_P=BP, BLOCK_C=BC, DOT=dot, num_warps=warps)
+        sB, sdy, HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot, num_warps=warps,
+        maxnreg=MAX_REGISTERS if x.dtype == torch.float32 else None)      # fp32's dots took 255 uncapped
     dCB = torch.empty(n_hg, b, N, Cs, Cs, **f32)
-    _ssd_chunk_bwd_dcb_kernel[(b * N * n_hg,)](x2, dt2, A, dy2, dCB, b, l, h, p, N, Cs, SSD_HEADS_PER_PROGRAM, sx, sdt,
-                                                sdy, BLOCK_P=BP, BLOCK_C=BC, DOT=dot, num_warps=warps, num_stages=1)
+    _ssd_chunk_bwd_pairs_kernel[(b * N * n_hg,)](x2, dt2, A, CB, da_last, dy2, ddt[n_pb], dA[n_pb], dCB, b, l, h, p, N,
+                                                 Cs, n_blocks, SSD_HEADS_PER_PROGRAM, sx, sdt, sdy, BLOCK_P=BP,
+                                                 BLOCK_C=BC, DOT=dot, num_warps=warps, num_stages=1,
+                                                 maxnreg=MAX_REGISTERS)
     dB, dC = torch.empty(n_hg, b, l, n, **f32), torch.empty(n_hg, b, l, n, **f32)
     _ssd_chunk_bwd_dbc_kernel[(b * N * n_hg, n_nb)](
         x2, B2, C2, a, dt2, A, entering, dS_next, _sum_partials(dCB, torch.float32), dy2, ddt[n_pb + 1:],
         dA[n_pb + 1:], dB, dC, b, l, h, p, n, N, Cs, SSD_HEADS_PER_PROGRAM, sx, sB, sC, sdt, sdy, BLOCK_P=BP,
-        BLOCK_N=BN, BLOCK_C=BC, DOT=dot, num_warps=8, num_stages=1)
+        BLOCK_N=BN, BLOCK_C=BC, DOT=dot, num_warps=8, num_stages=1, maxnreg=MAX_REGISTERS)
     return (dx, _sum_partials(ddt, dt.dtype), dA.sum((0, 1, 2)).to(A.dtype), _sum_partials(dB, B.dtype).unsqueeze(2),
             _sum_partials(dC, C.dtype).unsqueeze(2), dD.sum((0, 1, 2)).to(D.dtype) if D is not None else A.new_empty(0),
             dh0)
@@ -3081,11 +3084,14 @@ def triton_launches(step):
     return list(launches.values())
 
 
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")   # the launch keywords the wrappers pass, all compile options
+
+
 def _launch_signature(kernel, args, kwargs):
     """(signature, constexprs, options) of one launch, as triton.compile takes them."""
     import inspect
     kwargs = dict(kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
     bound = inspect.signature(kernel.fn).bind(*args, **kwargs).arguments
     signature, constexprs = {}, {}
     for param in kernel.params:
@@ -3420,12 +3426,12 @@ def _counting_interpreter():
 
 
 def _launch_params(fn, args, kwargs):
-    """A launch's constexprs and its options (num_warps, num_stages): what compiles it, as a dict."""
+    """A launch's constexprs and its options (LAUNCH_OPTIONS): what compiles it, as a dict."""
     import inspect
     signature = inspect.signature(fn)
     bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k in signature.parameters}).arguments
     constexprs = {name: bound.get(name) for name, p in signature.parameters.items() if p.annotation is tl.constexpr}
-    return {**constexprs, **{k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}}
+    return {**constexprs, **{k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}}
 
 
 def interpreter_counts(step):
@@ -3546,7 +3552,7 @@ def real_launches(step, signatures=False):
 
     def record(kernel, grid, args, kwargs):
         launch = dict(kernel=kernel.fn.__name__, fn=kernel, grid=grid, params=_launch_params(kernel.fn, args, kwargs),
-                      options={k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs},
+                      options={k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs},
                       args=[spec(a) for a in args], kwargs={k: spec(v) for k, v in kwargs.items()})
         if signatures:
             launch["signature"], launch["constexprs"], _ = _launch_signature(kernel, args, kwargs)
