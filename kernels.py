@@ -2579,6 +2579,15 @@ if HAS_TRITON:
         return tl.dot(xT, (y * scale[:, None]).to(xT.dtype), input_precision=DOT)
 
     @triton.jit
+    def _ssd_state_block(pid_bh, pid_pn, h, p, n, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+        # a state pass's program: (batch, head) and, numbered pid_pn, a [BLOCK_P, BLOCK_N] block of the p × n state;
+        # its batch, head, rows, columns, and offsets and mask in one [p, n] state
+        n_nb = tl.cdiv(n, BLOCK_N)
+        ps = (pid_pn // n_nb) * BLOCK_P + tl.arange(0, BLOCK_P)
+        ns = (pid_pn % n_nb) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return pid_bh // h, pid_bh % h, ps, ns, ps[:, None] * n + ns[None, :], (ps[:, None] < p) & (ns[None, :] < n)
+
+    @triton.jit
     def _ssd_state_pass_kernel(x_ptr, B_ptr, dt_ptr, A_ptr, a_ptr, h0_ptr, entering_ptr, hT_ptr, l, h, p, n, n_chunks,
                                Cs, stride_x, stride_B, stride_dt, HAS_INITIAL: tl.constexpr, BLOCK_P: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
@@ -2586,13 +2595,8 @@ if HAS_TRITON:
         # h_in[c] is stored in entering's dtype, then h ← exp(a_last[c]) h + Σ_s exp(a_last − a_s) dt_s x_sᵀ B_s.
         # One program per (batch·head, block of p × block of n)
         pid_bh, pid_pn = tl.program_id(0), tl.program_id(1)
-        bi, hi = pid_bh // h, pid_bh % h
-        n_nb = tl.cdiv(n, BLOCK_N)
-        ps = (pid_pn // n_nb) * BLOCK_P + tl.arange(0, BLOCK_P)
-        ns = (pid_pn % n_nb) * BLOCK_N + tl.arange(0, BLOCK_N)
+        bi, hi, ps, ns, st_offs, st_mask = _ssd_state_block(pid_bh, pid_pn, h, p, n, BLOCK_P, BLOCK_N)
         rs = tl.arange(0, BLOCK_C)
-        st_offs = ps[:, None] * n + ns[None, :]
-        st_mask = (ps[:, None] < p) & (ns[None, :] < n)
         A = tl.load(A_ptr + hi).to(tl.float32)
         hs = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
         if HAS_INITIAL:
@@ -2685,13 +2689,8 @@ if HAS_TRITON:
         # partial), and ds ← Σ_r exp(a_r) dy_rᵀ C_r + exp(a_last[c]) ds.
         # One program per (batch·head, block of p × block of n)
         pid_bh, pid_pn = tl.program_id(0), tl.program_id(1)
-        bi, hi = pid_bh // h, pid_bh % h
-        n_nb = tl.cdiv(n, BLOCK_N)
-        ps = (pid_pn // n_nb) * BLOCK_P + tl.arange(0, BLOCK_P)
-        ns = (pid_pn % n_nb) * BLOCK_N + tl.arange(0, BLOCK_N)
+        bi, hi, ps, ns, st_offs, st_mask = _ssd_state_block(pid_bh, pid_pn, h, p, n, BLOCK_P, BLOCK_N)
         rs = tl.arange(0, BLOCK_C)
-        st_offs = ps[:, None] * n + ns[None, :]
-        st_mask = (ps[:, None] < p) & (ns[None, :] < n)
         ds = tl.load(dhT_ptr + pid_bh.to(tl.int64) * p * n + st_offs, mask=st_mask, other=0.0).to(tl.float32)
         for cc in range(n_chunks):
             c = n_chunks - 1 - cc
