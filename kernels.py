@@ -2190,13 +2190,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _gdn2_chunk_bwd_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, S_in_ptr, U_ptr, dS_next_ptr,
-                                     dU_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, db_ptr, dw_ptr, dG_ptr, dL_ptr, dAqk_ptr,
-                                     row_q, row_k, row_g, row_b, row_v, row_w, row_do, scale, T, H, K, V, n_chunks,
+                                     dU_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, db_ptr, dw_ptr, dL_ptr, dAqk_ptr, row_q,
+                                     row_k, row_g, row_b, row_v, row_w, row_do, scale, T, H, K, V, n_chunks,
                                      CHUNK: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_V: tl.constexpr,
                                      DOT: tl.constexpr):
         # one program per (batch·chunk, head), all but the pair weights. Pass 1 walks V for dAqk = dO Uᵀ, dU Zᵀ and
         # dZ = Ainvᵀ dU (dv, dw); pass 2 walks K in blocks, each over V, for the operands' terms dO Sᵀ, U dS'ᵀ and
-        # dY = −dU Sᵀ, parked in dq, dk, db (as de), dG (fp32); dv and dw are final, in their inputs' dtypes;
+        # dY = −dU Sᵀ, parked in dq, dk, db (as de) in fp32; dv and dw are final, in their inputs' dtypes;
         # then dL = −Ainvᵀ (dU Zᵀ + dY (exp(G)⊙e)ᵀ) Ainvᵀ. Ainv is reloaded where used (kept live across the
         # passes, it spilled registers at chunk 32)
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
@@ -2240,9 +2240,6 @@ if HAS_TRITON:
             dAinv += _gdn2_dot(dY, tl.trans(tl.exp(G) * b * k), DOT)
             tl.store(dq_ptr + k_offs, tl.exp(G) * dq_state, mask=k_mask)
             tl.store(dk_ptr + k_offs, decay_out * dk_state, mask=k_mask)
-            # the gauge's share of the state term, but none in the last chunk: its writes cancel the end-state term,
-            # which _gdn2_chunk_bwd_dg_kernel adds without them
-            tl.store(dG_ptr + k_offs, tl.where(c == n_chunks - 1, 0.0, -k * decay_out * dk_state), mask=k_mask)
             de = _gdn2_dot(tl.trans(tl.load(Ainv_ptr + cc_offs)), dY, DOT)    # dẼ = Ainvᵀ dY, de = exp(G)⊙dẼ
             tl.store(db_ptr + k_offs, tl.exp(G) * de, mask=k_mask)
         AinvT = tl.trans(tl.load(Ainv_ptr + cc_offs))
@@ -2257,8 +2254,9 @@ if HAS_TRITON:
         # the pair weights' terms per channel block, P_rsd = exp(G_rd − G_sd) for s < r (the intra kernel's L, Aqk):
         #   dq̃_r += Σ_s dAqk_rs k_s P_rs,  de_r += Σ_s dL_rs k_s P_rs,
         #   dk_s += Σ_r (dL_rs e_r + dAqk_rs q̃_r) P_rs,
-        # added to the terms parked in dq, dk, db (as de) and dG; then dq = scale·dq̃, db = k⊙de, written to dq_out,
-        # dk_out, db_out in the inputs' dtypes (for fp32 inputs the parked tensors themselves)
+        # added to the terms parked in dq, dk, db (as de); then dq = scale·dq̃, db = k⊙de, written to dq_out,
+        # dk_out, db_out in the inputs' dtypes (for fp32 inputs the parked tensors themselves), and dG, ∂L/∂G by
+        # the gauge identity, for _gdn2_chunk_bwd_dg_kernel
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs = tl.arange(0, CHUNK)
@@ -2275,10 +2273,13 @@ if HAS_TRITON:
             dq = tl.load(dq_ptr + offs, mask=mask, other=0.0) + tl.sum(dAqk[:, :, None] * kb[None, :, :] * P, axis=1)
             de = tl.load(db_ptr + offs, mask=mask, other=0.0) + tl.sum(dL[:, :, None] * kb[None, :, :] * P, axis=1)
             dk_pairs = tl.sum((dL[:, :, None] * eb[:, None, :] + dAqk[:, :, None] * qb[:, None, :]) * P, axis=0)
-            # without the diagonal dAqk_rr (it adds q̃⊙k·dAqk_rr to q̃⊙dq and to k⊙dk, which cancel)
-            tl.store(dG_ptr + offs, tl.load(dG_ptr + offs, mask=mask, other=0.0) + qb * dq + eb * de - kb * dk_pairs,
-                     mask=mask)
-            dk_write = tl.load(dk_ptr + offs, mask=mask, other=0.0) + dk_pairs + dAqk_diag[:, None] * qb
+            dk_state = tl.load(dk_ptr + offs, mask=mask, other=0.0)
+            # without the diagonal dAqk_rr (it adds q̃⊙k·dAqk_rr to q̃⊙dq and to k⊙dk, which cancel), and
+            # without the state term's share in the last chunk: its writes cancel the end-state term, which
+            # _gdn2_chunk_bwd_dg_kernel adds without them
+            k_dk = kb * dk_pairs + tl.where(c == n_chunks - 1, 0.0, kb * dk_state)
+            tl.store(dG_ptr + offs, qb * dq + eb * de - k_dk, mask=mask)
+            dk_write = dk_state + dk_pairs + dAqk_diag[:, None] * qb
             tl.store(dq_out_ptr + offs, (dq + dAqk_diag[:, None] * kb) * scale, mask=mask)
             tl.store(dk_out_ptr + offs, dk_write + bb * de, mask=mask)
             tl.store(db_out_ptr + offs, kb * de, mask=mask)
@@ -2287,7 +2288,7 @@ if HAS_TRITON:
     def _gdn2_chunk_bwd_dg_kernel(dG_ptr, g_ptr, k_ptr, U_ptr, S_in_ptr, dsT_ptr, dg_ptr, row_g, row_k, T, H, K, V,
                                   n_chunks, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
         # dg_t = Σ_{s≥t} dG_s plus the end state's term Σ_v dS_T⊙S_T, split as S_T = Diag(exp G_C) S_in +
-        # Σ_s k_out,s u_sᵀ over the last chunk (whose k⊙dk state share the intra kernel left out): the first part
+        # Σ_s k_out,s u_sᵀ over the last chunk (whose k⊙dk state share the pair kernel left out): the first part
         # reaches every token's dg, the write of token s only the dg of the tokens after it in that chunk. Written
         # out, it would cancel those writes, O(1) terms whose difference is small under steep decays.
         # One program per (batch·head, block of channels), over the chunks from the last, a running sum carried over.
@@ -2445,14 +2446,15 @@ def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: 
     ds0 = torch.empty(B, H, K, V, **f32)
     _gdn2_chunk_bwd_state_kernel[grid](Aqk, Y, q_in, k_out, decay, do, dS_T, dS_next, dU, ds0, row_do, T, H, K, V, N,
                                        DOT=dot, **blocks["state"])
-    dq, dk, db, dG = (torch.empty(B, T, H, K, **f32) for _ in range(4))      # parked terms, summed in fp32
+    dq, dk, db = (torch.empty(B, T, H, K, **f32) for _ in range(3))      # parked terms, summed in fp32
     dv, dw = (torch.empty(B, T, H, V, device=q.device, dtype=t.dtype) for t in (v, w))
     dL, dAqk = torch.empty_like(Ainv, dtype=torch.float32), torch.empty_like(Ainv, dtype=torch.float32)
     _gdn2_chunk_bwd_intra_kernel[(B * N, H)](
-        q, k, g, b, v, w, Ainv, S_in, U, dS_next, dU, do, dq, dk, dv, db, dw, dG, dL, dAqk, *rows, row_do, scale, T, H,
-        K, V, N, DOT=dot, **blocks["bwd_intra"])
+        q, k, g, b, v, w, Ainv, S_in, U, dS_next, dU, do, dq, dk, dv, db, dw, dL, dAqk, *rows, row_do, scale, T, H, K,
+        V, N, DOT=dot, **blocks["bwd_intra"])
     dq_out, dk_out, db_out = (part if t.dtype == torch.float32 else torch.empty_like(part, dtype=t.dtype)
                               for part, t in ((dq, q), (dk, k), (db, b)))
+    dG = torch.empty(B, T, H, K, **f32)
     _gdn2_chunk_bwd_pairs_kernel[(B * N, H)](q, k, g, b, dL, dAqk, dq, dk, db, dG, dq_out, dk_out, db_out, *rows[:4],
                                              scale, T, H, K, N, **blocks["bwd_pairs"])
     dg = torch.empty(B, T, H, K, device=q.device, dtype=g.dtype)
