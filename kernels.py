@@ -1074,8 +1074,8 @@ if HAS_TRITON:
 def _rms_norm_blocks(n_cols, gated_backward=False):
     """(BLOCK_R, BLOCK_C, num_warps): a tile of 4096 values, or one row when it is longer, spread 16 values a thread
     (at most 16 warps) so that the backward's tiles stay in registers: no spills up to rows of 8192, or of 4096
-    with a gate. The gated backward holds twice the tiles: 2048 values, 8 a thread, keep it under 232 registers
-    (4096 at 16 a thread took up to 254, 8 a thread spilled at 16 warps' 128)."""
+    with a gate. The gated backward holds more tiles at once and takes 2048 values, 8 a thread: under 232 registers
+    (4096 at 16 a thread took up to 254; 4096 at 8 a thread needs 16 warps, whose 128 registers spilled)."""
     tile, per_thread = (2048, 8) if gated_backward else (4096, 16)
     block_c = triton.next_power_of_2(n_cols)
     block_r = max(1, min(64, tile // block_c))
@@ -2345,8 +2345,8 @@ def _gdn2_chunk_blocks(K, chunk):
     of K keeps the whole [C, K] operand in every warp's registers. Up to head size 64 they run 4 warps on value blocks
     of 16 with their loads pipelined (num_stages=2): 96-126 registers in bf16, 4-5 blocks an sm_90 SM, the grid 4
     programs a head; at 128 that spilled, and they keep 8 unpipelined warps, held to MAX_REGISTERS (they took
-    244-250). The pair tiles [C, C, BLOCK_KP] hold
-    about 8K elements; the pair kernel's loop gains nothing from pipelining (ptxas gives it no more shared memory)."""
+    244-250). The pair tiles [C, C, BLOCK_KP] hold about 8K elements; the pair kernel's loop gains nothing from
+    pipelining (ptxas gives it no more shared memory)."""
     block_k = max(16, triton.next_power_of_2(K))
     return dict(
         intra=dict(CHUNK=chunk, BLOCK_KP=min(block_k, 8192 // chunk ** 2), BLOCK_KS=min(block_k, 32), BLOCK_V=32,
