@@ -2345,8 +2345,9 @@ def _gdn2_chunk_blocks(K, chunk):
     of K keeps the whole [C, K] operand in every warp's registers. Up to head size 64 they run 4 warps on value blocks
     of 16 with their loads pipelined (num_stages=2): 96-126 registers in bf16, 4-5 blocks an sm_90 SM, the grid 4
     programs a head; at 128 that spilled, and they keep 8 unpipelined warps, held to MAX_REGISTERS (they took
-    244-250). The pair tiles [C, C, BLOCK_KP] hold about 8K elements; the pair kernel's loop gains nothing from
-    pipelining (ptxas gives it no more shared memory)."""
+    244-250). The backward's per-chunk kernel walks K in blocks of 32 at chunk 16 (at 16, ptxas held it to 128
+    registers and spilled 16-32 B on sm_75 / sm_80), of 16 at chunk 32. The pair tiles [C, C, BLOCK_KP] hold about
+    8K elements; the pair kernel's loop gains nothing from pipelining (ptxas gives it no more shared memory)."""
     block_k = max(16, triton.next_power_of_2(K))
     return dict(
         intra=dict(CHUNK=chunk, BLOCK_KP=min(block_k, 8192 // chunk ** 2), BLOCK_KS=min(block_k, 32), BLOCK_V=32,
@@ -2354,7 +2355,8 @@ def _gdn2_chunk_blocks(K, chunk):
         state=dict(CHUNK=chunk, BLOCK_K=block_k, SPLIT_K=block_k // 16,
                    **(dict(BLOCK_V=16, num_warps=4, num_stages=2) if block_k <= 64 else
                       dict(BLOCK_V=32 if chunk == 16 else 16, num_warps=8, num_stages=1, maxnreg=MAX_REGISTERS))),
-        bwd_intra=dict(CHUNK=chunk, BLOCK_KS=16, BLOCK_V=16, num_warps=8, num_stages=2),
+        bwd_intra=dict(CHUNK=chunk, BLOCK_KS=min(block_k, 32) if chunk == 16 else 16, BLOCK_V=16, num_warps=8,
+                       num_stages=2),
         bwd_pairs=dict(CHUNK=chunk, BLOCK_KP=min(block_k, 8192 // chunk ** 2), num_warps=8, num_stages=1),
         bwd_dg=dict(CHUNK=chunk, BLOCK_K=16, BLOCK_V=16, num_warps=4))
 
