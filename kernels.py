@@ -1988,380 +1988,480 @@ def _gdn2_recurrent_backward(ctx, do, dS_T, du):
 _gdn2_recurrent_fwd.register_autograd(_gdn2_recurrent_backward, setup_context=_gdn2_recurrent_setup)
 
 
-# Chunked gdn2 (chunks of CHUNK tokens; G = within-chunk cumsum of g, q̃ = scale·q, e = b⊙k, as gdn2_torch):
-#   intra, per chunk:  L_rs = Σ_d e_rd k_sd exp(G_rd − G_sd) (s < r),
-#                      Aqk_rs = Σ_d q̃_rd k_sd exp(G_rd − G_sd) (s ≤ r),
-#                      Ainv = (I + L)^{-1} by forward substitution,  Y = Ainv (exp(G)⊙e),  U0 = Ainv (w⊙v),  and the
-#                      state pass's operands q_in = exp(G)⊙q̃, k_out = exp(G_C − G)⊙k, d = exp(G_C)
-#   state pass, over the chunks in order:  U = U0 − Y S,  O = q_in S + Aqk U,  S ← Diag(d) S + k_outᵀ U
-# The pairwise exp(G_rd − G_sd) is formed per channel for s ≤ r only, so no exponent is positive however strong the
-# decay; its [C, C, BLOCK_KP] tiles walk K in blocks. The backward keeps nothing but the inputs: it reruns the intra
-# kernel and the state pass (which then writes each chunk's entering state S and its U instead of O), then
-#   reverse over the chunks:  dU = Aqkᵀ dO + k_out dS',
-#                             dS = q_inᵀ dO + Diag(d) dS' − Yᵀ dU   (dS' the exit state's)
-#   per chunk:                dAqk = dO Uᵀ,  dZ = Ainvᵀ dU (dv = dZ⊙w, dw = dZ⊙v),  dY = −dU Sᵀ,
-#                             dL = −Ainvᵀ (dU Zᵀ + dY (exp(G)⊙e)ᵀ) Ainvᵀ,
-#                             then the pair weights per channel,
-# and dg by the gauge identity as above, the pair weights' diagonal (s = r, exp 0 = 1) kept out of it as in gdn2_torch,
+# Chunked gdn2 (chunks of CHUNK tokens; G = within-chunk cumsum of g, q̃ = scale·q, e = b⊙k, as gdn2_torch), each chunk
+# in NS = CHUNK / SUB sub-chunks of SUB = 16 rows:
+#   intra, per chunk:  L_rs = Σ_d e_rd k_sd P_rsd (s < r),  Aqk_rs = Σ_d q̃_rd k_sd P_rsd (s ≤ r),
+#                      P_rsd = exp(G_rd − G_sd),  Ainv = (I + L)^{-1},  Y = Ainv (exp(G)⊙e),  U0 = Ainv (w⊙v),
+#                      and the state pass's operands q_in = exp(G)⊙q̃, k_out = exp(G_C − G)⊙k, d = exp(G_C)
+#   state pass, over the chunks in order:  U = U0 − Y S,  S ← Diag(d) S + k_outᵀ U   (S_in: each chunk's entering S)
+#   output, per chunk:  O = q_in S_in + Aqk U
+# The pair weights go by blocks of sub-chunks. Below the diagonal (r in sub-chunk i, s in an earlier one, m the first
+# row of sub-chunk i) P_rsd = exp(G_rd − G_md)·exp(G_md − G_sd), both exponents ≤ 0 (s < m ≤ r): those blocks of L
+# and Aqk are tensor-core dots over K of e⊙exp(G − G_m) (or q̃⊙…) and k⊙exp(G_m − G), and no factor overflows however
+# strong the decay (one that underflows multiplies a product that small anyway). The diagonal [SUB, SUB] blocks form
+# P per channel for s < r only, as explicit [SUB, SUB, BLOCK] tiles: no exponent is positive there either. The
+# solve inverts each diagonal block D_i = I + L_ii by forward substitution, then block row i of Ainv is
+# D_i⁻¹ (E_i − L_i Ainv), L_i the blocks left of the diagonal in block row i (NS − 1 steps).
+# The backward keeps nothing but the inputs: it reruns the intra kernel and the state pass, then
+#   reverse over the chunks:  dU = Aqkᵀ dO + k_out dS',  dS = q_inᵀ dO + Diag(d) dS' − Yᵀ dU   (dS' the exit state's)
+#   per chunk:                dAqk = dO Uᵀ,  dZ = Ainvᵀ dU (dv = dZ⊙w, dw = dZ⊙v),  dẼ = Ainvᵀ dY with dY = −dU Sᵀ,
+#                             dL = −dZ Uᵀ (as U = Ainv (Z − Ẽ S), −Ainvᵀ (dU Zᵀ + dY Ẽᵀ) Ainvᵀ is just that),
+#                             then the pair weights' terms by the forward's blocks,
+# and dg by the gauge identity (below), the pair weights' diagonal (s = r, exp 0 = 1) kept out of it as in gdn2_torch,
 # its reverse cumulative sum over the sequence in a kernel of its own. The kernels read q, k, v, g, b, w and dO where
 # they lie (_token_rows: a slice of the projection's output is not copied) and write the gradients in their dtypes.
-# Every tl.dot accumulates in fp32; its operands are bf16 for bf16 inputs, else fp32 at torch's matmul precision
-# (_gdn2_dot_kind). The pair weights, the solve, the decays and the states are computed in fp32; what only dots
-# read again (Ainv, Aqk, Y, q_in, k_out, the states handed to the backward) is stored in the operands' dtype.
+# Every tl.dot accumulates in fp32 (_gdn2_dot_kinds). DOT, the products of stored operands (and of the pair weights
+# below the diagonal, against exact products 0.3u of o's margin in the bf16 budget test): bf16 or fp16 as the inputs
+# are, else fp32 at torch's matmul precision. SOLVE, the solve's products and Y, U0 from the unrounded Ainv: three
+# products of operands split into 16-bit halves (bf16 and fp16 inputs), else as DOT. Where keys nearly repeat (I + L
+# ill-conditioned), 16-bit solve products, or Y and U0 from the stored Ainv, took o's error from 2.6u to 7.3-7.9u.
+# The pair weights, the solve, the decays and the states are computed in fp32; what only dots read again (Ainv, Aqk,
+# Y, q_in, k_out, U0, the states handed to the backward) is stored in the operands' dtype.
 if HAS_TRITON:
     @triton.jit
     def _gdn2_dot(a, b, DOT: tl.constexpr):
-        # a @ b accumulated in fp32. DOT "bf16" / "fp16" round both operands to that dtype; "tf32x3" (three TF32
-        # products, fp32's accuracy to about 1e-6) and "tf32" take fp32 operands; all run on tensor cores
+        # a @ b accumulated in fp32 on tensor cores. DOT "bf16" / "fp16" round both operands to that dtype; "bf16x3"
+        # / "fp16x3" split fp32 operands as x = x_hi + x_lo in it and add three products (x_lo·y_lo dropped: about 16
+        # and 21 bits); "tf32x3" (three TF32 products, fp32's accuracy to about 1e-6) and "tf32" take fp32 operands
         if DOT == "bf16":
             out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
         elif DOT == "fp16":
             out = tl.dot(a.to(tl.float16), b.to(tl.float16))
+        elif DOT == "bf16x3" or DOT == "fp16x3":
+            half: tl.constexpr = tl.bfloat16 if DOT == "bf16x3" else tl.float16
+            a_hi, b_hi = a.to(half), b.to(half)
+            a_lo, b_lo = (a - a_hi.to(tl.float32)).to(half), (b - b_hi.to(tl.float32)).to(half)
+            out = tl.dot(a_hi, b_hi, tl.dot(a_hi, b_lo, tl.dot(a_lo, b_hi)))
         else:
             out = tl.dot(a, b, input_precision=DOT)
         return out
 
     @triton.jit
-    def _gdn2_chunk_rows(row, bi, c, hi, T, D, cols, CHUNK: tl.constexpr):
-        # offsets and mask of chunk c's rows at columns cols in a [B, T, H, D] tensor whose tokens lie `row` elements
-        # apart (H·D when contiguous; wider for a slice of in_proj's output, read in place)
-        pos = c * CHUNK + tl.arange(0, CHUNK)
-        offs = (bi * T + pos[:, None]).to(tl.int64) * row + hi * D + cols[None, :]
-        return offs, (pos[:, None] < T) & (cols[None, :] < D)
+    def _gdn2_chunk_rows(ptr, row, bi, c, hi, T, D, cols, CHUNK: tl.constexpr):
+        # pointers to chunk c's rows at columns cols in a [B, T, H, D] tensor whose tokens lie `row` elements apart
+        # (H·D when contiguous; wider for a slice of in_proj's output, read in place), and their mask (0 past T and
+        # past D). The chunk's first row is an int64 offset, the tile's offsets from it int32 (half the registers)
+        rs = tl.arange(0, CHUNK)
+        first = ptr + ((bi * T + c * CHUNK).to(tl.int64) * row + hi * D)
+        return first + (rs[:, None] * row + cols[None, :]), ((c * CHUNK + rs)[:, None] < T) & (cols[None, :] < D)
 
     @triton.jit
     def _gdn2_chunk_tile(ptr, row, bi, c, hi, T, D, cols, CHUNK: tl.constexpr):
-        # chunk c's rows at columns cols, in the tensor's own dtype (0 past T and past D)
-        offs, mask = _gdn2_chunk_rows(row, bi, c, hi, T, D, cols, CHUNK)
-        return tl.load(ptr + offs, mask=mask, other=0.0), offs, mask
+        # chunk c's rows at columns cols, in the tensor's own dtype (0 past T and past D), and their mask
+        ptrs, mask = _gdn2_chunk_rows(ptr, row, bi, c, hi, T, D, cols, CHUNK)
+        return tl.load(ptrs, mask=mask, other=0.0), mask
 
     @triton.jit
-    def _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale, bi, c, hi, T, H, K, k0,
+    def _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale, bi, c, hi, T, K, k0,
                             CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
-        # q̃, k, b, G in fp32 at channels k0 .. k0 + BLOCK_K of the chunk (G per channel needs no other channel), and
-        # the offsets of those rows and channels in a contiguous [B, T, H, K] output
+        # q̃, k, b, G in fp32 at channels k0 .. k0 + BLOCK_K of chunk c (G per channel needs no other channel), G's
+        # last row, and the tiles' mask. Called with a sub-chunk's rows (CHUNK = SUB), G starts at the sub-chunk
         cols = k0 + tl.arange(0, BLOCK_K)
-        q, _, mask = _gdn2_chunk_tile(q_ptr, row_q, bi, c, hi, T, K, cols, CHUNK)
+        q, mask = _gdn2_chunk_tile(q_ptr, row_q, bi, c, hi, T, K, cols, CHUNK)
         k = _gdn2_chunk_tile(k_ptr, row_k, bi, c, hi, T, K, cols, CHUNK)[0].to(tl.float32)
         b = _gdn2_chunk_tile(b_ptr, row_b, bi, c, hi, T, K, cols, CHUNK)[0].to(tl.float32)
         g = _gdn2_chunk_tile(g_ptr, row_g, bi, c, hi, T, K, cols, CHUNK)[0].to(tl.float32)
         G = tl.cumsum(g, axis=0)                                    # tail: g = 0, G flat
         G_last = tl.sum(tl.where(tl.arange(0, CHUNK)[:, None] == CHUNK - 1, G, 0.0), axis=0)
-        offs = _gdn2_chunk_rows(H * K, bi, c, hi, T, K, cols, CHUNK)[0]
-        return q.to(tl.float32) * scale, k, b, G, G_last, offs, mask
+        return q.to(tl.float32) * scale, k, b, G, G_last, mask
 
     @triton.jit
-    def _gdn2_chunk_offsets(bi, c, hi, H, n_chunks, rows, cols, n_rows, n_cols):
-        # offsets of a [rows, cols] tile in a [B, N, H, n_rows, n_cols] per-chunk tensor (Ainv, Aqk, S, dS')
-        return ((bi * n_chunks + c) * H + hi).to(tl.int64) * n_rows * n_cols + rows[:, None] * n_cols + cols[None, :]
+    def _gdn2_chunk_block(ptr, bi, c, hi, H, n_chunks, rows, cols, n_rows, n_cols):
+        # pointers to a [rows, cols] tile of chunk c in a [B, N, H, n_rows, n_cols] per-chunk tensor (Ainv, S, ...)
+        first = ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * n_rows * n_cols
+        return first + (rows[:, None] * n_cols + cols[None, :])
 
     @triton.jit
-    def _gdn2_chunk_pair_decay(G, CHUNK: tl.constexpr):
-        # [C, C, BLOCK_KP] tile of exp(G_rd − G_sd) for s < r, 0 elsewhere (the diagonal s = r is exp 0 = 1)
-        rs = tl.arange(0, CHUNK)
+    def _gdn2_sub_gates(G, i, SUB: tl.constexpr):
+        # with m = i·SUB the first row of sub-chunk i: exp(G_r − G_m) on its rows r (0 on the chunk's other rows) and
+        # exp(G_m − G_s) on the rows s < m (0 on the others), [C, D] each: both exponents ≤ 0
+        rows = tl.arange(0, G.shape[0])[:, None]
+        G_m = tl.sum(tl.where(rows == i * SUB, G, 0.0), axis=0)[None, :]
+        later = tl.exp(tl.where((rows >= i * SUB) & (rows < i * SUB + SUB), G - G_m, -float("inf")))
+        return later, tl.exp(tl.where(rows < i * SUB, G_m - G, -float("inf")))
+
+    @triton.jit
+    def _gdn2_pair_decay(G):
+        # [R, R, D] tile of exp(G_rd − G_sd) for s < r among the R rows of G [R, D], 0 elsewhere (s = r is exp 0 = 1)
+        rs = tl.arange(0, G.shape[0])
         return tl.exp(tl.where((rs[:, None] > rs[None, :])[:, :, None], G[:, None, :] - G[None, :, :], -float("inf")))
+
+    @triton.jit
+    def _gdn2_sub_block(X, i):
+        # block i of X [NS, R, D], [R, D]
+        return tl.sum(tl.where(tl.arange(0, X.shape[0])[:, None, None] == i, X, 0.0), axis=0)
+
+    @triton.jit
+    def _gdn2_sub_placed(x, i, NS: tl.constexpr):
+        # x [R, D] as block i of an [NS, R, D] tile, 0 in the others
+        return tl.where(tl.arange(0, NS)[:, None, None] == i, x[None, :, :], 0.0)
+
+    @triton.jit
+    def _gdn2_sub_diagonal(X, C: tl.constexpr):
+        # the [C, C] block-diagonal matrix whose diagonal blocks are X [NS, SUB, SUB]
+        i = tl.arange(0, X.shape[0])
+        return tl.reshape(tl.where(i[:, None, None, None] == i[None, None, :, None], X[:, :, None, :], 0.0), (C, C))
+
+    @triton.jit
+    def _gdn2_sub_inverse(L):
+        # (I + L_i)^{-1} of each strictly lower block L_i of L [NS, SUB, SUB], all at once by forward substitution:
+        # row r is e_r − Σ_{s<r} L_rs (row s of the inverse)
+        rs = tl.arange(0, L.shape[1])
+        inverse = tl.zeros(L.shape, dtype=tl.float32)
+        for r in range(L.shape[1]):
+            L_r = tl.sum(tl.where(rs[None, :, None] == r, L, 0.0), axis=1)
+            row = tl.where(rs[None, :] == r, 1.0, 0.0) - tl.sum(L_r[:, :, None] * inverse, axis=1)
+            inverse = tl.where(rs[None, :, None] == r, row[:, None, :], inverse)
+        return inverse
 
     @triton.jit
     def _gdn2_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, Aqk_ptr, Y_ptr, U0_ptr, q_in_ptr,
                                  k_out_ptr, decay_ptr, row_q, row_k, row_g, row_b, row_v, row_w, scale, T, H, K, V,
-                                 n_chunks, CHUNK: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_KS: tl.constexpr,
-                                 BLOCK_V: tl.constexpr, DOT: tl.constexpr):
+                                 n_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_KP: tl.constexpr,
+                                 BLOCK_KD: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_V: tl.constexpr,
+                                 DOT: tl.constexpr, SOLVE: tl.constexpr):
+        # one program per (batch·chunk, head): L and Aqk below the sub-chunk diagonal (dots through each row block's
+        # first row, K in blocks of BLOCK_KP), their diagonal blocks (tiles, a sub-chunk at a time, K in blocks of
+        # BLOCK_KD), the solve, then Y, q_in, k_out, d (K in blocks of BLOCK_KS) and U0 (V in blocks of BLOCK_V).
+        # The forward passes no Ainv_ptr: only the backward reads Ainv
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        NS: tl.constexpr = CHUNK // SUB
         rs = tl.arange(0, CHUNK)
         L = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
         Aqk = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
-        diag = tl.zeros((CHUNK,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_KP):
-            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(
-                q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale, bi, c, hi, T, H, K, k0, CHUNK, BLOCK_KP)
-            P = _gdn2_chunk_pair_decay(G, CHUNK)
-            L += tl.sum((b * k)[:, None, :] * P * k[None, :, :], axis=2)
-            Aqk += tl.sum(q[:, None, :] * P * k[None, :, :], axis=2)
-            diag += tl.sum(q * k, axis=1)
-        Aqk += tl.where(rs[:, None] == rs[None, :], diag[:, None], 0.0)
-        Ainv = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
-        for r in range(CHUNK):  # row r of (I + L)^{-1}: e_r − Σ_{s<r} L_rs Ainv_s
-            L_r = tl.sum(tl.where(rs[:, None] == r, L, 0.0), axis=0)
-            row = tl.where(rs == r, 1.0, 0.0) - tl.sum(L_r[:, None] * Ainv, axis=0)
-            Ainv = tl.where(rs[:, None] == r, row[None, :], Ainv)
-        cc_offs = _gdn2_chunk_offsets(bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK)
-        tl.store(Ainv_ptr + cc_offs, Ainv.to(Ainv_ptr.dtype.element_ty))
-        tl.store(Aqk_ptr + cc_offs, Aqk.to(Aqk_ptr.dtype.element_ty))
+        if NS > 1:
+            for k0 in range(0, K, BLOCK_KP):
+                q, k, b, G, _, _ = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale,
+                                                       bi, c, hi, T, K, k0, CHUNK, BLOCK_KP)
+                for i in range(1, NS):
+                    later, earlier = _gdn2_sub_gates(G, i, SUB)
+                    k_earlier = tl.trans(k * earlier)
+                    L += _gdn2_dot(b * k * later, k_earlier, DOT)
+                    Aqk += _gdn2_dot(q * later, k_earlier, DOT)
+        L_diag = tl.zeros((NS, SUB, SUB), dtype=tl.float32)
+        Aqk_diag = tl.zeros((NS, SUB, SUB), dtype=tl.float32)
+        qk = tl.zeros((CHUNK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_KD):
+            for i in range(NS):   # sub-chunk i's rows, their G from its own start (only differences enter)
+                q, k, b, G, _, _ = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale,
+                                                       bi, c * NS + i, hi, T, K, k0, SUB, BLOCK_KD)
+                P = _gdn2_pair_decay(G)
+                L_diag += _gdn2_sub_placed(tl.sum((b * k)[:, None, :] * P * k[None, :, :], axis=2), i, NS)
+                Aqk_diag += _gdn2_sub_placed(tl.sum(q[:, None, :] * P * k[None, :, :], axis=2), i, NS)
+                qk += tl.reshape(_gdn2_sub_placed(tl.sum(q * k, axis=1)[:, None], i, NS), (CHUNK,))
+        subs = tl.arange(0, SUB)
+        Aqk_diag += tl.where(subs[:, None] == subs[None, :], tl.reshape(qk, (NS, SUB))[:, :, None], 0.0)   # s = r
+        tl.store(_gdn2_chunk_block(Aqk_ptr, bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK),
+                 (Aqk + _gdn2_sub_diagonal(Aqk_diag, CHUNK)).to(Aqk_ptr.dtype.element_ty))
+        D_inv = _gdn2_sub_inverse(L_diag)
+        Ainv = _gdn2_sub_diagonal(D_inv, CHUNK)
+        if NS > 1:
+            blocks = tl.arange(0, NS)[:, None, None]
+            rows = tl.reshape(Ainv, (NS, SUB, CHUNK))    # block row i: D_i⁻¹ E_i, then less D_i⁻¹ L_i Ainv
+            for i in tl.static_range(1, NS):
+                L_i = tl.sum(tl.where(blocks == i, tl.reshape(L, (NS, SUB, CHUNK)), 0.0), axis=0)
+                solved = _gdn2_dot(L_i, tl.reshape(rows, (CHUNK, CHUNK)), SOLVE)   # rows ≥ i·SUB meet zeros of L_i
+                rows -= _gdn2_sub_placed(_gdn2_dot(_gdn2_sub_block(D_inv, i), solved, SOLVE), i, NS)
+            Ainv = tl.reshape(rows, (CHUNK, CHUNK))
+        if Ainv_ptr is not None:
+            tl.store(_gdn2_chunk_block(Ainv_ptr, bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK),
+                     Ainv.to(Ainv_ptr.dtype.element_ty))
         for k0 in range(0, K, BLOCK_KS):
-            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(
-                q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale, bi, c, hi, T, H, K, k0, CHUNK, BLOCK_KS)
-            tl.store(Y_ptr + k_offs, _gdn2_dot(Ainv, tl.exp(G) * b * k, DOT).to(Y_ptr.dtype.element_ty), mask=k_mask)
-            tl.store(q_in_ptr + k_offs, (tl.exp(G) * q).to(q_in_ptr.dtype.element_ty), mask=k_mask)
-            tl.store(k_out_ptr + k_offs, (tl.exp(G_last[None, :] - G) * k).to(k_out_ptr.dtype.element_ty), mask=k_mask)
+            q, k, b, G, G_last, mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g,
+                                                           scale, bi, c, hi, T, K, k0, CHUNK, BLOCK_KS)
             ks = k0 + tl.arange(0, BLOCK_KS)
+            Y = _gdn2_dot(Ainv, tl.exp(G) * b * k, SOLVE)
+            tl.store(_gdn2_chunk_rows(Y_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0], Y.to(Y_ptr.dtype.element_ty),
+                     mask=mask)
+            tl.store(_gdn2_chunk_rows(q_in_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0],
+                     (tl.exp(G) * q).to(q_in_ptr.dtype.element_ty), mask=mask)
+            tl.store(_gdn2_chunk_rows(k_out_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0],
+                     (tl.exp(G_last[None, :] - G) * k).to(k_out_ptr.dtype.element_ty), mask=mask)
             tl.store(decay_ptr + (pid_bc * H + hi).to(tl.int64) * K + ks, tl.exp(G_last), mask=ks < K)
         for v0 in range(0, V, BLOCK_V):
             vs = v0 + tl.arange(0, BLOCK_V)
-            v, _, v_mask = _gdn2_chunk_tile(v_ptr, row_v, bi, c, hi, T, V, vs, CHUNK)
+            v, mask = _gdn2_chunk_tile(v_ptr, row_v, bi, c, hi, T, V, vs, CHUNK)
             w = _gdn2_chunk_tile(w_ptr, row_w, bi, c, hi, T, V, vs, CHUNK)[0].to(tl.float32)
-            U0_offs = _gdn2_chunk_rows(H * V, bi, c, hi, T, V, vs, CHUNK)[0]
-            tl.store(U0_ptr + U0_offs, _gdn2_dot(Ainv, v.to(tl.float32) * w, DOT).to(U0_ptr.dtype.element_ty),
-                     mask=v_mask)
+            U0 = _gdn2_dot(Ainv, v.to(tl.float32) * w, SOLVE)
+            tl.store(_gdn2_chunk_rows(U0_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0], U0.to(U0_ptr.dtype.element_ty),
+                     mask=mask)
 
     @triton.jit
-    def _gdn2_chunk_split(ptr, bi, c, hi, T, H, D, SPLIT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-        # chunk c's rows of a [B, T, H, D] tensor as [SPLIT, CHUNK, BLOCK // SPLIT]: its D columns in SPLIT blocks
-        pos = c * CHUNK + tl.arange(0, CHUNK)[None, :, None]
-        cols = tl.arange(0, SPLIT)[:, None, None] * (BLOCK // SPLIT) + tl.arange(0, BLOCK // SPLIT)[None, None, :]
-        offs = ((bi * T + pos).to(tl.int64) * H + hi) * D + cols
-        return tl.load(ptr + offs, mask=(pos < T) & (cols < D), other=0.0)
-
-    @triton.jit
-    def _gdn2_chunk_state_kernel(Aqk_ptr, Y_ptr, U0_ptr, q_in_ptr, k_out_ptr, decay_ptr, s0_ptr, o_ptr, sT_ptr,
-                                 S_in_ptr, U_ptr, T, H, K, V, n_chunks, HAS_INITIAL: tl.constexpr,
-                                 RECOMPUTE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 SPLIT_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT: tl.constexpr):
-        # one program per (batch·head, value block), over the chunks in order, its state S [K, BLOCK_V] held as
-        # [SPLIT_K, K / SPLIT_K, BLOCK_V] so that each dot reduces over one channel block (the products over K are
-        # batched dots summed over the blocks). The forward writes O and S_T; the backward's rerun (RECOMPUTE)
-        # writes each chunk's entering state S and its corrections U instead
+    def _gdn2_chunk_state_kernel(Y_ptr, U0_ptr, k_out_ptr, decay_ptr, s0_ptr, sT_ptr, S_in_ptr, U_ptr, T, H, K, V,
+                                 n_chunks, HAS_INITIAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 BLOCK_V: tl.constexpr, DOT: tl.constexpr):
+        # one program per (batch·head, value block), over the chunks in order, its state S [K, BLOCK_V] in fp32:
+        # writes each chunk's entering state S and its corrections U, then S_T. The chunks' reads O = q_in S + Aqk U
+        # need no state of their own and run in parallel after it (_gdn2_chunk_output_kernel): inside the pass
+        # their operands doubled what each step holds
         pid_bh, pid_v = tl.program_id(0), tl.program_id(1)
         bi, hi = pid_bh // H, pid_bh % H
-        rs = tl.arange(0, CHUNK)
-        KB: tl.constexpr = BLOCK_K // SPLIT_K
-        ks = tl.arange(0, SPLIT_K)[:, None, None] * KB + tl.arange(0, KB)[None, :, None]       # [SPLIT_K, KB, 1]
+        ks = tl.arange(0, BLOCK_K)
         vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-        st_offs = ks * V + vs[None, None, :]
-        st_mask = (ks < K) & (vs[None, None, :] < V)
-        S = tl.zeros((SPLIT_K, KB, BLOCK_V), dtype=tl.float32)
+        st_offs = ks[:, None] * V + vs[None, :]
+        st_mask = (ks[:, None] < K) & (vs[None, :] < V)
+        S = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
         if HAS_INITIAL:
             S = tl.load(s0_ptr + pid_bh.to(tl.int64) * K * V + st_offs, mask=st_mask, other=0.0).to(tl.float32)
         for c in range(n_chunks):
-            Y = _gdn2_chunk_split(Y_ptr, bi, c, hi, T, H, K, SPLIT_K, CHUNK, BLOCK_K)
-            U0, v_offs, v_mask = _gdn2_chunk_tile(U0_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)
-            U = U0 - tl.sum(_gdn2_dot(Y, S, DOT), axis=0)
-            if RECOMPUTE:
-                tl.store(S_in_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V + st_offs,
-                         S.to(S_in_ptr.dtype.element_ty), mask=st_mask)
-                tl.store(U_ptr + v_offs, U.to(U_ptr.dtype.element_ty), mask=v_mask)
-            else:
-                q_in = _gdn2_chunk_split(q_in_ptr, bi, c, hi, T, H, K, SPLIT_K, CHUNK, BLOCK_K)
-                Aqk = tl.load(Aqk_ptr + _gdn2_chunk_offsets(bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK))
-                o = tl.sum(_gdn2_dot(q_in, S, DOT), axis=0) + _gdn2_dot(Aqk, U, DOT)
-                tl.store(o_ptr + v_offs, o.to(o_ptr.dtype.element_ty), mask=v_mask)
-            k_out = _gdn2_chunk_split(k_out_ptr, bi, c, hi, T, H, K, SPLIT_K, CHUNK, BLOCK_K)
-            d = tl.load(decay_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * K + ks, mask=ks < K, other=0.0)
-            U_blocks = tl.broadcast_to(U[None, :, :], (SPLIT_K, CHUNK, BLOCK_V))
-            S = d * S + _gdn2_dot(tl.permute(k_out, (0, 2, 1)), U_blocks, DOT)
-        if not RECOMPUTE:
-            tl.store(sT_ptr + pid_bh.to(tl.int64) * K * V + st_offs, S, mask=st_mask)
+            chunk = ((bi * n_chunks + c) * H + hi).to(tl.int64)
+            tl.store(S_in_ptr + chunk * K * V + st_offs, S.to(S_in_ptr.dtype.element_ty), mask=st_mask)
+            Y = _gdn2_chunk_tile(Y_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
+            U0, v_mask = _gdn2_chunk_tile(U0_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)
+            U = U0 - _gdn2_dot(Y, S, DOT)
+            tl.store(_gdn2_chunk_rows(U_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0], U.to(U_ptr.dtype.element_ty),
+                     mask=v_mask)
+            k_out = _gdn2_chunk_tile(k_out_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
+            d = tl.load(decay_ptr + chunk * K + ks, mask=ks < K, other=0.0)
+            S = d[:, None] * S + _gdn2_dot(tl.trans(k_out), U, DOT)
+        tl.store(sT_ptr + pid_bh.to(tl.int64) * K * V + st_offs, S, mask=st_mask)
+
+    @triton.jit
+    def _gdn2_chunk_output_kernel(Aqk_ptr, q_in_ptr, S_in_ptr, U_ptr, o_ptr, T, H, K, V, n_chunks,
+                                  CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                                  DOT: tl.constexpr):
+        # one program per (batch·chunk, head): O = q_in S + Aqk U, S the chunk's entering state
+        pid_bc, hi = tl.program_id(0), tl.program_id(1)
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        rs = tl.arange(0, CHUNK)
+        Aqk = tl.load(_gdn2_chunk_block(Aqk_ptr, bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK))
+        for v0 in range(0, V, BLOCK_V):
+            vs = v0 + tl.arange(0, BLOCK_V)
+            U, v_mask = _gdn2_chunk_tile(U_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)
+            o = _gdn2_dot(Aqk, U, DOT)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                q_in = _gdn2_chunk_tile(q_in_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
+                S = tl.load(_gdn2_chunk_block(S_in_ptr, bi, c, hi, H, n_chunks, ks, vs, K, V),
+                            mask=(ks[:, None] < K) & (vs[None, :] < V), other=0.0)
+                o += _gdn2_dot(q_in, S, DOT)
+            tl.store(_gdn2_chunk_rows(o_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0], o.to(o_ptr.dtype.element_ty),
+                     mask=v_mask)
 
     @triton.jit
     def _gdn2_chunk_bwd_state_kernel(Aqk_ptr, Y_ptr, q_in_ptr, k_out_ptr, decay_ptr, do_ptr, dsT_ptr, dS_next_ptr,
                                      dU_ptr, ds0_ptr, row_do, T, H, K, V, n_chunks, CHUNK: tl.constexpr,
-                                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                                     DOT: tl.constexpr):
+                                     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT: tl.constexpr):
         # reverse over the chunks: dU = Aqkᵀ dO + k_out dS',  dS = q_inᵀ dO + Diag(d) dS' − Yᵀ dU, with dS' the
-        # gradient of the chunk's exit state (dS_T for the last one), held in SPLIT_K channel blocks as the state pass
-        # holds S; dS' and dU are written per chunk
+        # gradient of the chunk's exit state (dS_T for the last one), held as the state pass holds S; dS' and dU are
+        # written per chunk
         pid_bh, pid_v = tl.program_id(0), tl.program_id(1)
         bi, hi = pid_bh // H, pid_bh % H
         rs = tl.arange(0, CHUNK)
-        KB: tl.constexpr = BLOCK_K // SPLIT_K
-        ks = tl.arange(0, SPLIT_K)[:, None, None] * KB + tl.arange(0, KB)[None, :, None]
+        ks = tl.arange(0, BLOCK_K)
         vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-        st_offs = ks * V + vs[None, None, :]
-        st_mask = (ks < K) & (vs[None, None, :] < V)
+        st_offs = ks[:, None] * V + vs[None, :]
+        st_mask = (ks[:, None] < K) & (vs[None, :] < V)
         dS = tl.load(dsT_ptr + pid_bh.to(tl.int64) * K * V + st_offs, mask=st_mask, other=0.0).to(tl.float32)
         for cc in range(n_chunks):
             c = n_chunks - 1 - cc
             chunk = ((bi * n_chunks + c) * H + hi).to(tl.int64)
             tl.store(dS_next_ptr + chunk * K * V + st_offs, dS.to(dS_next_ptr.dtype.element_ty), mask=st_mask)
-            dO, _, v_mask = _gdn2_chunk_tile(do_ptr, row_do, bi, c, hi, T, V, vs, CHUNK)
-            k_out = _gdn2_chunk_split(k_out_ptr, bi, c, hi, T, H, K, SPLIT_K, CHUNK, BLOCK_K)
-            Aqk = tl.load(Aqk_ptr + _gdn2_chunk_offsets(bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK))
-            dU = _gdn2_dot(tl.trans(Aqk), dO, DOT) + tl.sum(_gdn2_dot(k_out, dS, DOT), axis=0)
-            tl.store(dU_ptr + _gdn2_chunk_rows(H * V, bi, c, hi, T, V, vs, CHUNK)[0], dU.to(dU_ptr.dtype.element_ty),
+            dO, v_mask = _gdn2_chunk_tile(do_ptr, row_do, bi, c, hi, T, V, vs, CHUNK)
+            k_out = _gdn2_chunk_tile(k_out_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
+            Aqk = tl.load(_gdn2_chunk_block(Aqk_ptr, bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK))
+            dU = _gdn2_dot(tl.trans(Aqk), dO, DOT) + _gdn2_dot(k_out, dS, DOT)
+            tl.store(_gdn2_chunk_rows(dU_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0], dU.to(dU_ptr.dtype.element_ty),
                      mask=v_mask)
-            q_in = _gdn2_chunk_split(q_in_ptr, bi, c, hi, T, H, K, SPLIT_K, CHUNK, BLOCK_K)
-            Y = _gdn2_chunk_split(Y_ptr, bi, c, hi, T, H, K, SPLIT_K, CHUNK, BLOCK_K)
+            q_in = _gdn2_chunk_tile(q_in_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
+            Y = _gdn2_chunk_tile(Y_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
             d = tl.load(decay_ptr + chunk * K + ks, mask=ks < K, other=0.0)
-            dO_blocks = tl.broadcast_to(dO[None, :, :], (SPLIT_K, CHUNK, BLOCK_V))
-            dU_blocks = tl.broadcast_to(dU[None, :, :], (SPLIT_K, CHUNK, BLOCK_V))
-            dS = (_gdn2_dot(tl.permute(q_in, (0, 2, 1)), dO_blocks, DOT) + d * dS
-                  - _gdn2_dot(tl.permute(Y, (0, 2, 1)), dU_blocks, DOT))
+            dS = _gdn2_dot(tl.trans(q_in), dO, DOT) + d[:, None] * dS - _gdn2_dot(tl.trans(Y), dU, DOT)
         tl.store(ds0_ptr + pid_bh.to(tl.int64) * K * V + st_offs, dS, mask=st_mask)
 
     @triton.jit
-    def _gdn2_chunk_bwd_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, S_in_ptr, U_ptr, dS_next_ptr,
-                                     dU_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, db_ptr, dw_ptr, dL_ptr, dAqk_ptr, row_q,
-                                     row_k, row_g, row_b, row_v, row_w, row_do, scale, T, H, K, V, n_chunks,
-                                     CHUNK: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_V: tl.constexpr,
-                                     DOT: tl.constexpr):
-        # one program per (batch·chunk, head), all but the pair weights. Pass 1 walks V for dAqk = dO Uᵀ, dU Zᵀ and
-        # dZ = Ainvᵀ dU (dv, dw); pass 2 walks K in blocks, each over V, for the operands' terms dO Sᵀ, U dS'ᵀ and
-        # dY = −dU Sᵀ, parked in dq, dk, db (as de) in fp32; dv and dw are final, in their inputs' dtypes;
-        # then dL = −Ainvᵀ (dU Zᵀ + dY (exp(G)⊙e)ᵀ) Ainvᵀ. Ainv is reloaded where used (kept live across the
-        # passes, it spilled registers at chunk 32)
-        pid_bc, hi = tl.program_id(0), tl.program_id(1)
-        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
-        rs = tl.arange(0, CHUNK)
-        cc_offs = _gdn2_chunk_offsets(bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK)
-        dAqk = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
-        dAinv = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)               # dU Zᵀ + dY (exp(G)⊙e)ᵀ
-        for v0 in range(0, V, BLOCK_V):
-            vs = v0 + tl.arange(0, BLOCK_V)
-            dO, _, v_mask = _gdn2_chunk_tile(do_ptr, row_do, bi, c, hi, T, V, vs, CHUNK)
-            U, v_offs, _ = _gdn2_chunk_tile(U_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)
-            dU = tl.load(dU_ptr + v_offs, mask=v_mask, other=0.0)
-            v = _gdn2_chunk_tile(v_ptr, row_v, bi, c, hi, T, V, vs, CHUNK)[0].to(tl.float32)
-            w = _gdn2_chunk_tile(w_ptr, row_w, bi, c, hi, T, V, vs, CHUNK)[0].to(tl.float32)
-            dAqk += _gdn2_dot(dO, tl.trans(U), DOT)
-            dAinv += _gdn2_dot(dU, tl.trans(w * v), DOT)
-            dZ = _gdn2_dot(tl.trans(tl.load(Ainv_ptr + cc_offs)), dU, DOT)
-            tl.store(dv_ptr + v_offs, dZ * w, mask=v_mask)
-            tl.store(dw_ptr + v_offs, dZ * v, mask=v_mask)
-        for k0 in range(0, K, BLOCK_KS):
-            q, k, b, G, G_last, k_offs, k_mask = _gdn2_chunk_load_qk(
-                q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale, bi, c, hi, T, H, K, k0, CHUNK, BLOCK_KS)
-            ks = k0 + tl.arange(0, BLOCK_KS)
-            dq_state = tl.zeros((CHUNK, BLOCK_KS), dtype=tl.float32)    # dO Sᵀ
-            dk_state = tl.zeros((CHUNK, BLOCK_KS), dtype=tl.float32)    # U dS'ᵀ
-            dY = tl.zeros((CHUNK, BLOCK_KS), dtype=tl.float32)          # −dU Sᵀ
-            for v0 in range(0, V, BLOCK_V):
-                vs = v0 + tl.arange(0, BLOCK_V)
-                st_offs = _gdn2_chunk_offsets(bi, c, hi, H, n_chunks, ks, vs, K, V)
-                st_mask = (ks[:, None] < K) & (vs[None, :] < V)
-                S = tl.load(S_in_ptr + st_offs, mask=st_mask, other=0.0)
-                dSn = tl.load(dS_next_ptr + st_offs, mask=st_mask, other=0.0)
-                dO = _gdn2_chunk_tile(do_ptr, row_do, bi, c, hi, T, V, vs, CHUNK)[0]
-                U, v_offs, v_mask = _gdn2_chunk_tile(U_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)
-                dU = tl.load(dU_ptr + v_offs, mask=v_mask, other=0.0)
-                dq_state += _gdn2_dot(dO, tl.trans(S), DOT)
-                dk_state += _gdn2_dot(U, tl.trans(dSn), DOT)
-                dY -= _gdn2_dot(dU, tl.trans(S), DOT)
-            decay_out = tl.exp(G_last[None, :] - G)
-            dAinv += _gdn2_dot(dY, tl.trans(tl.exp(G) * b * k), DOT)
-            tl.store(dq_ptr + k_offs, tl.exp(G) * dq_state, mask=k_mask)
-            tl.store(dk_ptr + k_offs, decay_out * dk_state, mask=k_mask)
-            de = _gdn2_dot(tl.trans(tl.load(Ainv_ptr + cc_offs)), dY, DOT)    # dẼ = Ainvᵀ dY, de = exp(G)⊙dẼ
-            tl.store(db_ptr + k_offs, tl.exp(G) * de, mask=k_mask)
-        AinvT = tl.trans(tl.load(Ainv_ptr + cc_offs))
-        dL = -_gdn2_dot(_gdn2_dot(AinvT, dAinv, DOT), AinvT, DOT)
-        tl.store(dL_ptr + cc_offs, tl.where(rs[:, None] > rs[None, :], dL, 0.0))
-        tl.store(dAqk_ptr + cc_offs, dAqk)
+    def _gdn2_sub_pair_grads(q, k, e, G, dAqk, dL):
+        # the pair weights' terms within one sub-chunk, q̃, k, e, G [SUB, D] its rows and dAqk, dL [SUB, SUB] its block:
+        #   dq̃_r = Σ_s dAqk_rs k_s P_rs,  de_r = Σ_s dL_rs k_s P_rs,  dk_s = Σ_r (dL_rs e_r + dAqk_rs q̃_r) P_rs
+        # over s < r, each [SUB, D]
+        P = _gdn2_pair_decay(G)
+        k_P = k[None, :, :] * P
+        dk = tl.sum((dL[:, :, None] * e[:, None, :] + dAqk[:, :, None] * q[:, None, :]) * P, axis=0)
+        return tl.sum(dAqk[:, :, None] * k_P, axis=1), tl.sum(dL[:, :, None] * k_P, axis=1), dk
 
     @triton.jit
-    def _gdn2_chunk_bwd_pairs_kernel(q_ptr, k_ptr, g_ptr, b_ptr, dL_ptr, dAqk_ptr, dq_ptr, dk_ptr, db_ptr, dG_ptr,
-                                     dq_out_ptr, dk_out_ptr, db_out_ptr, row_q, row_k, row_g, row_b, scale, T, H, K,
-                                     n_chunks, CHUNK: tl.constexpr, BLOCK_KP: tl.constexpr):
-        # the pair weights' terms per channel block, P_rsd = exp(G_rd − G_sd) for s < r (the intra kernel's L, Aqk):
-        #   dq̃_r += Σ_s dAqk_rs k_s P_rs,  de_r += Σ_s dL_rs k_s P_rs,
-        #   dk_s += Σ_r (dL_rs e_r + dAqk_rs q̃_r) P_rs,
-        # added to the terms parked in dq, dk, db (as de); then dq = scale·dq̃, db = k⊙de, written to dq_out,
-        # dk_out, db_out in the inputs' dtypes (for fp32 inputs the parked tensors themselves), and dG, ∂L/∂G by
-        # the gauge identity, for _gdn2_chunk_bwd_dg_kernel
+    def _gdn2_chunk_bwd_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, do_ptr, Ainv_ptr, S_in_ptr, U_ptr,
+                                     dS_next_ptr, dU_ptr, dAqk_ptr, dL_ptr, dq_ptr, dk_ptr, dv_ptr, db_ptr, dw_ptr,
+                                     dG_ptr, row_q, row_k, row_g, row_b, row_v, row_w, row_do, scale, T, H, K, V,
+                                     n_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
+                                     BLOCK_V: tl.constexpr, DOT: tl.constexpr):
+        # one program per (batch·chunk, head), every gradient of the chunk. Pass 1 walks V: dAqk = dO Uᵀ,
+        # dZ = Ainvᵀ dU (dv, dw, final) and dL = −dZ Uᵀ; dAqk's diagonal stays in registers, the strictly lower
+        # dAqk and dL go out to dAqk_ptr, dL_ptr in the operands' dtype (held across pass 2 they spilled registers)
+        # and pass 2 reads them back a sub-chunk's rows at a time. Pass 2 walks K in blocks, each over V for the
+        # operands' terms dq_in = dO Sᵀ, dk_out = U dS'ᵀ and dY = −dU Sᵀ (dẼ = Ainvᵀ dY), then adds the pair weights'
+        # terms sub-chunk by sub-chunk (each over its rows r):
+        #   dq̃_r += Σ_s dAqk_rs k_s P_rs,  de_r += Σ_s dL_rs k_s P_rs,  dk_s += Σ_r (dL_rs e_r + dAqk_rs q̃_r) P_rs,
+        # its diagonal block as tiles, the blocks left of it by dots through its first row m as the forward forms
+        # them, and writes dq = scale·dq̃, dk, db = k⊙de in the inputs' dtypes and dG, ∂L/∂G by the gauge identity,
+        # for _gdn2_chunk_bwd_dg_kernel
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        NS: tl.constexpr = CHUNK // SUB
         rs = tl.arange(0, CHUNK)
-        cc_offs = _gdn2_chunk_offsets(bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK)
-        dL = tl.load(dL_ptr + cc_offs)
-        dAqk = tl.load(dAqk_ptr + cc_offs)
-        dAqk_diag = tl.sum(tl.where(rs[:, None] == rs[None, :], dAqk, 0.0), axis=1)
-        dAqk = tl.where(rs[:, None] > rs[None, :], dAqk, 0.0)
-        for k0 in range(0, K, BLOCK_KP):
-            qb, kb, bb, Gb, _, offs, mask = _gdn2_chunk_load_qk(
-                q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale, bi, c, hi, T, H, K, k0, CHUNK, BLOCK_KP)
-            eb = bb * kb
-            P = _gdn2_chunk_pair_decay(Gb, CHUNK)
-            dq = tl.load(dq_ptr + offs, mask=mask, other=0.0) + tl.sum(dAqk[:, :, None] * kb[None, :, :] * P, axis=1)
-            de = tl.load(db_ptr + offs, mask=mask, other=0.0) + tl.sum(dL[:, :, None] * kb[None, :, :] * P, axis=1)
-            dk_pairs = tl.sum((dL[:, :, None] * eb[:, None, :] + dAqk[:, :, None] * qb[:, None, :]) * P, axis=0)
-            dk_state = tl.load(dk_ptr + offs, mask=mask, other=0.0)
-            # without the diagonal dAqk_rr (it adds q̃⊙k·dAqk_rr to q̃⊙dq and to k⊙dk, which cancel), and
+        AinvT = tl.trans(tl.load(_gdn2_chunk_block(Ainv_ptr, bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK)))
+        dAqk = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+        dL = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            vs = v0 + tl.arange(0, BLOCK_V)
+            dO, v_mask = _gdn2_chunk_tile(do_ptr, row_do, bi, c, hi, T, V, vs, CHUNK)
+            U = _gdn2_chunk_tile(U_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0]
+            v = _gdn2_chunk_tile(v_ptr, row_v, bi, c, hi, T, V, vs, CHUNK)[0].to(tl.float32)
+            w = _gdn2_chunk_tile(w_ptr, row_w, bi, c, hi, T, V, vs, CHUNK)[0].to(tl.float32)
+            dZ = _gdn2_dot(AinvT, _gdn2_chunk_tile(dU_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0], DOT)
+            dAqk += _gdn2_dot(dO, tl.trans(U), DOT)
+            dL -= _gdn2_dot(dZ, tl.trans(U), DOT)
+            tl.store(_gdn2_chunk_rows(dv_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0],
+                     (dZ * w).to(dv_ptr.dtype.element_ty), mask=v_mask)
+            tl.store(_gdn2_chunk_rows(dw_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0],
+                     (dZ * v).to(dw_ptr.dtype.element_ty), mask=v_mask)
+        dAqk_rr = tl.sum(tl.where(rs[:, None] == rs[None, :], dAqk, 0.0), axis=1)[:, None]
+        below = rs[:, None] > rs[None, :]
+        tl.store(_gdn2_chunk_block(dAqk_ptr, bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK),
+                 tl.where(below, dAqk, 0.0).to(dAqk_ptr.dtype.element_ty))
+        tl.store(_gdn2_chunk_block(dL_ptr, bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK),
+                 tl.where(below, dL, 0.0).to(dL_ptr.dtype.element_ty))
+        tl.debug_barrier()   # this block's stores are read back by its other threads
+        rows = rs[:, None]
+        for k0 in range(0, K, BLOCK_K):
+            q, k, b, G, G_last, mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g,
+                                                           scale, bi, c, hi, T, K, k0, CHUNK, BLOCK_K)
+            ks = k0 + tl.arange(0, BLOCK_K)
+            e = b * k
+            dq_in = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)     # dO Sᵀ
+            dk_out = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)    # U dS'ᵀ
+            dY = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)        # −dU Sᵀ
+            for v0 in range(0, V, BLOCK_V):
+                vs = v0 + tl.arange(0, BLOCK_V)
+                st_mask = (ks[:, None] < K) & (vs[None, :] < V)
+                S = tl.load(_gdn2_chunk_block(S_in_ptr, bi, c, hi, H, n_chunks, ks, vs, K, V), mask=st_mask,
+                            other=0.0)
+                dS_next = tl.load(_gdn2_chunk_block(dS_next_ptr, bi, c, hi, H, n_chunks, ks, vs, K, V), mask=st_mask,
+                                  other=0.0)
+                dO = _gdn2_chunk_tile(do_ptr, row_do, bi, c, hi, T, V, vs, CHUNK)[0]
+                U = _gdn2_chunk_tile(U_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0]
+                dU = _gdn2_chunk_tile(dU_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0]
+                dq_in += _gdn2_dot(dO, tl.trans(S), DOT)
+                dk_out += _gdn2_dot(U, tl.trans(dS_next), DOT)
+                dY -= _gdn2_dot(dU, tl.trans(S), DOT)
+            dq = tl.exp(G) * dq_in                                   # dq̃
+            de = tl.exp(G) * _gdn2_dot(AinvT, dY, DOT)              # exp(G)⊙dẼ
+            dk_state = tl.exp(G_last[None, :] - G) * dk_out
+            dk_pairs = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)
+            for i in range(tl.cdiv(tl.minimum(T - c * CHUNK, CHUNK), SUB)):   # the sub-chunks that hold tokens
+                q_i, k_i, b_i, G_i, _, _ = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g,
+                                                               scale, bi, c * NS + i, hi, T, K, k0, SUB, BLOCK_K)
+                e_i = b_i * k_i
+                subs = i * SUB + tl.arange(0, SUB)
+                dAqk_ii = tl.load(_gdn2_chunk_block(dAqk_ptr, bi, c, hi, H, n_chunks, subs, subs, CHUNK, CHUNK))
+                dL_ii = tl.load(_gdn2_chunk_block(dL_ptr, bi, c, hi, H, n_chunks, subs, subs, CHUNK, CHUNK))
+                dq_i, de_i, dk_i = _gdn2_sub_pair_grads(q_i, k_i, e_i, G_i, dAqk_ii.to(tl.float32),
+                                                        dL_ii.to(tl.float32))
+                dk_pairs += tl.reshape(_gdn2_sub_placed(dk_i, i, NS), (CHUNK, BLOCK_K))
+                if i > 0:   # the blocks left of the diagonal, through the sub-chunk's first row m
+                    dAqk_i = tl.load(_gdn2_chunk_block(dAqk_ptr, bi, c, hi, H, n_chunks, subs, rs, CHUNK, CHUNK))
+                    dL_i = tl.load(_gdn2_chunk_block(dL_ptr, bi, c, hi, H, n_chunks, subs, rs, CHUNK, CHUNK))
+                    G_m = tl.sum(tl.where(rows == i * SUB, G, 0.0), axis=0)[None, :]
+                    later = tl.exp(G_i - tl.sum(tl.where(subs[:, None] == i * SUB, G_i, 0.0), axis=0)[None, :])
+                    earlier = tl.exp(tl.where(rows < i * SUB, G_m - G, -float("inf")))
+                    k_earlier = k * earlier
+                    dq_i += later * _gdn2_dot(dAqk_i, k_earlier, DOT)
+                    de_i += later * _gdn2_dot(dL_i, k_earlier, DOT)
+                    dk_pairs += earlier * (_gdn2_dot(tl.trans(dAqk_i), q_i * later, DOT)
+                                           + _gdn2_dot(tl.trans(dL_i), e_i * later, DOT))
+                dq += tl.reshape(_gdn2_sub_placed(dq_i, i, NS), (CHUNK, BLOCK_K))
+                de += tl.reshape(_gdn2_sub_placed(de_i, i, NS), (CHUNK, BLOCK_K))
+            # without the diagonal dAqk_rr (it adds q̃⊙k·dAqk_rr to q̃⊙dq̃ and to k⊙dk, which cancel), and
             # without the state term's share in the last chunk: its writes cancel the end-state term, which
             # _gdn2_chunk_bwd_dg_kernel adds without them
-            k_dk = kb * dk_pairs + tl.where(c == n_chunks - 1, 0.0, kb * dk_state)
-            tl.store(dG_ptr + offs, qb * dq + eb * de - k_dk, mask=mask)
-            dk_write = dk_state + dk_pairs + dAqk_diag[:, None] * qb
-            tl.store(dq_out_ptr + offs, (dq + dAqk_diag[:, None] * kb) * scale, mask=mask)
-            tl.store(dk_out_ptr + offs, dk_write + bb * de, mask=mask)
-            tl.store(db_out_ptr + offs, kb * de, mask=mask)
+            k_dk = k * dk_pairs + tl.where(c == n_chunks - 1, 0.0, k * dk_state)
+            tl.store(_gdn2_chunk_rows(dG_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0], q * dq + e * de - k_dk, mask=mask)
+            tl.store(_gdn2_chunk_rows(dq_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0],
+                     ((dq + dAqk_rr * k) * scale).to(dq_ptr.dtype.element_ty), mask=mask)
+            tl.store(_gdn2_chunk_rows(dk_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0],
+                     (dk_state + dk_pairs + dAqk_rr * q + b * de).to(dk_ptr.dtype.element_ty), mask=mask)
+            tl.store(_gdn2_chunk_rows(db_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0],
+                     (k * de).to(db_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _gdn2_chunk_bwd_dg_kernel(dG_ptr, g_ptr, k_ptr, U_ptr, S_in_ptr, dsT_ptr, dg_ptr, row_g, row_k, T, H, K, V,
                                   n_chunks, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
         # dg_t = Σ_{s≥t} dG_s plus the end state's term Σ_v dS_T⊙S_T, split as S_T = Diag(exp G_C) S_in +
-        # Σ_s k_out,s u_sᵀ over the last chunk (whose k⊙dk state share the pair kernel left out): the first part
-        # reaches every token's dg, the write of token s only the dg of the tokens after it in that chunk. Written
-        # out, it would cancel those writes, O(1) terms whose difference is small under steep decays.
-        # One program per (batch·head, block of channels), over the chunks from the last, a running sum carried over.
+        # Σ_s k_out,s u_sᵀ over the last chunk (whose k⊙dk state share the backward per-chunk kernel left out): the
+        # first part reaches every token's dg, the write of token s only the dg of the tokens after it in that chunk.
+        # Written out, it would cancel those writes, O(1) terms whose difference is small under steep decays.
+        # One program per (batch·head, block of channels), over the chunks from the last, a running sum carried
+        # over; the last chunk's step also forms the end state's terms (over V, from U's rows one token back)
         pid_bh, pid_k = tl.program_id(0), tl.program_id(1)
         bi, hi = pid_bh // H, pid_bh % H
-        c = n_chunks - 1
         rs = tl.arange(0, CHUNK)
         ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        g, _, mask = _gdn2_chunk_tile(g_ptr, row_g, bi, c, hi, T, K, ks, CHUNK)
-        g = g.to(tl.float32)
-        later = tl.cumsum(g, axis=0, reverse=True)      # row t: G_C − G_{t−1}, the decay after token t − 1
-        # token t − 1's k and u on row t (none on the chunk's first row)
-        k_prev = tl.load(k_ptr + _gdn2_chunk_rows(row_k, bi, c, hi, T, K, ks, CHUNK)[0] - row_k,
-                         mask=mask & (rs[:, None] > 0), other=0.0).to(tl.float32)
-        u_dS = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)        # u_{t−1} · dS_T (over v)
-        end = tl.zeros((BLOCK_K,), dtype=tl.float32)               # Σ_v dS_T⊙S_in
-        state = pid_bh.to(tl.int64) * K * V
-        for v0 in range(0, V, BLOCK_V):
-            vs = v0 + tl.arange(0, BLOCK_V)
-            U_offs, v_mask = _gdn2_chunk_rows(H * V, bi, c, hi, T, V, vs, CHUNK)
-            U_prev = tl.load(U_ptr + U_offs - H * V, mask=v_mask & (rs[:, None] > 0), other=0.0).to(tl.float32)
-            st_offs = ks[:, None] * V + vs[None, :]
-            st_mask = (ks[:, None] < K) & (vs[None, :] < V)
-            dS_T = tl.load(dsT_ptr + state + st_offs, mask=st_mask, other=0.0)
-            S_in = tl.load(S_in_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * K * V + st_offs, mask=st_mask,
-                           other=0.0).to(tl.float32)
-            u_dS += tl.sum(U_prev[:, None, :] * dS_T[None, :, :], axis=2)
-            end += tl.sum(dS_T * S_in, axis=1)
-        end *= tl.exp(tl.sum(g, axis=0))
-        writes_before = tl.cumsum(tl.exp(later) * k_prev * u_dS, axis=0)
-        dG, offs, _ = _gdn2_chunk_tile(dG_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)
-        tl.store(dg_ptr + offs, tl.cumsum(dG, axis=0, reverse=True) + writes_before + end[None, :], mask=mask)
-        after = tl.sum(dG, axis=0)
-        for cc in range(1, n_chunks):
-            dG_c, offs, mask = _gdn2_chunk_tile(dG_ptr, H * K, bi, c - cc, hi, T, K, ks, CHUNK)
-            tl.store(dg_ptr + offs, tl.cumsum(dG_c, axis=0, reverse=True) + after[None, :] + end[None, :], mask=mask)
-            after += tl.sum(dG_c, axis=0)
+        after = tl.zeros((BLOCK_K,), dtype=tl.float32)             # Σ dG over the chunks after this one
+        end = tl.zeros((BLOCK_K,), dtype=tl.float32)               # exp(G_C)·Σ_v dS_T⊙S_in of the last chunk
+        for cc in range(n_chunks):
+            c = n_chunks - 1 - cc
+            dG, mask = _gdn2_chunk_tile(dG_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)
+            dg = tl.cumsum(dG, axis=0, reverse=True) + after[None, :]
+            if cc == 0:
+                g = _gdn2_chunk_tile(g_ptr, row_g, bi, c, hi, T, K, ks, CHUNK)[0].to(tl.float32)
+                later = tl.cumsum(g, axis=0, reverse=True)      # row t: G_C − G_{t−1}, the decay after token t − 1
+                # token t − 1's k and u on row t (none on the chunk's first row)
+                k_prev = tl.load(_gdn2_chunk_rows(k_ptr, row_k, bi, c, hi, T, K, ks, CHUNK)[0] - row_k,
+                                 mask=mask & (rs[:, None] > 0), other=0.0).to(tl.float32)
+                u_dS = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)        # u_{t−1} · dS_T (over v)
+                for v0 in range(0, V, BLOCK_V):
+                    vs = v0 + tl.arange(0, BLOCK_V)
+                    U_rows, v_mask = _gdn2_chunk_rows(U_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)
+                    U_prev = tl.load(U_rows - H * V, mask=v_mask & (rs[:, None] > 0), other=0.0).to(tl.float32)
+                    st_offs = ks[:, None] * V + vs[None, :]
+                    st_mask = (ks[:, None] < K) & (vs[None, :] < V)
+                    dS_T = tl.load(dsT_ptr + pid_bh.to(tl.int64) * K * V + st_offs, mask=st_mask, other=0.0)
+                    S_in = tl.load(_gdn2_chunk_block(S_in_ptr, bi, c, hi, H, n_chunks, ks, vs, K, V), mask=st_mask,
+                                   other=0.0).to(tl.float32)
+                    u_dS += tl.dot(U_prev, tl.trans(dS_T), input_precision="ieee")
+                    end += tl.sum(dS_T * S_in, axis=1)
+                end *= tl.exp(tl.sum(g, axis=0))
+                dg += tl.cumsum(tl.exp(later) * k_prev * u_dS, axis=0)
+            tl.store(_gdn2_chunk_rows(dg_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0], dg + end[None, :], mask=mask)
+            after += tl.sum(dG, axis=0)
 
 
-def _gdn2_dot_kind(x):
-    """The chunked kernels' dot operands for inputs like x: bf16 or fp16 as the inputs are (GPUs without bf16, sm_75,
-    have no bf16 tensor cores); for fp32 ones TF32 where torch allows it for fp32 matmuls
-    (torch.set_float32_matmul_precision("high")), else 3xTF32, near fp32's accuracy on tensor cores (IEEE fp32 dots
-    run on CUDA cores with whole operand rows in registers: they spilled at head dim 128)."""
-    if x.dtype != torch.float32:
-        return {torch.bfloat16: "bf16", torch.float16: "fp16"}[x.dtype]
-    return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+def _gdn2_dot_kinds(x):
+    """The chunked kernels' dot kinds (_gdn2_dot) for inputs like x. DOT, the products of stored operands: bf16 or
+    fp16 as the inputs are (GPUs without bf16, sm_75, have no bf16 tensor cores); for fp32 ones TF32 where torch
+    allows it for fp32 matmuls (torch.set_float32_matmul_precision("high")), else 3xTF32, near fp32's accuracy on
+    tensor cores (IEEE fp32 dots run on CUDA cores with whole operand rows in registers: they spilled). SOLVE, the
+    solve's products of fp32 values: for 16-bit inputs three products of operands split into that dtype's halves, 16
+    or 21 bits (a 16-bit solve lost the budget in ill-conditioned chunks); for fp32 inputs DOT (bf16 halves missed
+    the steep-decay dg test's 1e-5 by 2-3x)."""
+    if x.dtype == torch.float32:
+        dot = "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+        return dict(DOT=dot, SOLVE=dot)
+    dot = {torch.bfloat16: "bf16", torch.float16: "fp16"}[x.dtype]
+    return dict(DOT=dot, SOLVE=dot + "x3")
 
 
 def _gdn2_chunk_blocks(K, chunk):
-    """Launch parameters of the chunked kernels, none of which spills registers on sm_75 / sm_80 / sm_90 at head sizes
-    32 to 128 and chunks 16 and 32, with bf16, fp16, TF32 or 3xTF32 dots (the ahead-of-time test compiles them all).
-    The state passes hold their [K, BLOCK_V] tile as K/16 blocks of 16 channels, one small dot each: one dot over all
-    of K keeps the whole [C, K] operand in every warp's registers. Up to head size 64 they run 4 warps on value blocks
-    of 16 with their loads pipelined (num_stages=2): 96-126 registers in bf16, 4-5 blocks an sm_90 SM, the grid 4
-    programs a head; at 128 that spilled, and they keep 8 unpipelined warps, held to MAX_REGISTERS (they took
-    244-250). The backward's per-chunk kernel walks K in blocks of 32 at chunk 16 (at 16, ptxas held it to 128
-    registers and spilled 16-32 B on sm_75 / sm_80), of 16 at chunk 32. The pair tiles [C, C, BLOCK_KP] hold about
-    8K elements; the pair kernel's loop gains nothing from pipelining (ptxas gives it no more shared memory)."""
+    """Launch parameters of the chunked kernels, measured with the ahead-of-time compile (the AOT test: no spill on
+    sm_75 / sm_80 / sm_90, at most MAX_REGISTERS on sm_80 / sm_90) over head sizes 32-128, value sizes to 256:
+    at chunks 16, 32 and 64 with bf16 dots, at chunk 16 with fp32 (TF32) and fp16 dots (what gdn2_triton runs them
+    at). The per-chunk kernels run 4 warps: with 8, Triton lays chained dots' warps all along the chunk's 64 rows,
+    4 of them computing copies, and they spilled. The sequential passes run 8 warps on value blocks of 8, held to
+    128 registers up to head size 64, 2 blocks an SM (4 warps at value blocks of 16 held to 232 spilled 8-96 B a
+    thread); at head size 128 to MAX_REGISTERS, 1 block. The backward per-chunk kernel walks K in blocks of 8."""
     block_k = max(16, triton.next_power_of_2(K))
     return dict(
-        intra=dict(CHUNK=chunk, BLOCK_KP=min(block_k, 8192 // chunk ** 2), BLOCK_KS=min(block_k, 32), BLOCK_V=32,
-                   num_warps=8, num_stages=2),
-        state=dict(CHUNK=chunk, BLOCK_K=block_k, SPLIT_K=block_k // 16,
-                   **(dict(BLOCK_V=16, num_warps=4, num_stages=2) if block_k <= 64 else
-                      dict(BLOCK_V=32 if chunk == 16 else 16, num_warps=8, num_stages=1, maxnreg=MAX_REGISTERS))),
-        bwd_intra=dict(CHUNK=chunk, BLOCK_KS=min(block_k, 32) if chunk == 16 else 16, BLOCK_V=16, num_warps=8,
-                       num_stages=2),
-        bwd_pairs=dict(CHUNK=chunk, BLOCK_KP=min(block_k, 8192 // chunk ** 2), num_warps=8, num_stages=1),
-        bwd_dg=dict(CHUNK=chunk, BLOCK_K=16, BLOCK_V=16, num_warps=4))
+        intra=dict(CHUNK=chunk, SUB=16, BLOCK_KP=16, BLOCK_KD=16, BLOCK_KS=16, BLOCK_V=16, num_warps=4, num_stages=2,
+                   maxnreg=MAX_REGISTERS),
+        state=dict(CHUNK=chunk, BLOCK_K=block_k, BLOCK_V=8, num_warps=8, num_stages=2,
+                   maxnreg=128 if block_k <= 64 else MAX_REGISTERS),
+        output=dict(CHUNK=chunk, BLOCK_K=min(block_k, 32), BLOCK_V=16, num_warps=4, num_stages=2),
+        bwd_intra=dict(CHUNK=chunk, SUB=16, BLOCK_K=8, BLOCK_V=16, num_warps=4, num_stages=2, maxnreg=MAX_REGISTERS),
+        bwd_dg=dict(CHUNK=chunk, BLOCK_K=16, BLOCK_V=16, num_warps=4, num_stages=1))
 
 
-GDN2_TRITON_CHUNKS = (16, 32)   # the chunk sizes the Triton path compiles for (longer chunks exceed shared memory)
+GDN2_TRITON_CHUNKS = (16, 32, 64)   # the chunk sizes the Triton kernels take (sub-chunks of 16)
 
 
 def _token_rows(t):
@@ -2377,21 +2477,38 @@ def _gdn2_token_rows(q, k, v, g, b, w):
     return (q, k, v, g, b, w), (row_q, row_k, row_g, row_b, row_v, row_w)
 
 
-def _gdn2_chunk_intra(q, k, v, g, b, w, rows, scale, chunk, dot):
+def _gdn2_chunk_intra(q, k, v, g, b, w, rows, scale, chunk, dots, with_ainv):
     """The intra kernel's per-chunk quantities (Ainv, Aqk, Y, U0, q_in, k_out, d), all but d in the dots' operand
     dtype: every later read of Ainv, Aqk, Y, q_in and k_out is a dot's operand (rounded there anyway), U0 is the
-    corrections' start (U is stored so too); the decays d stay fp32."""
+    corrections' start (U is stored so too); the decays d stay fp32. Ainv (None without with_ainv) only for the
+    backward."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = triton.cdiv(T, chunk)
     f32 = dict(device=q.device, dtype=torch.float32)
-    operand = dict(device=q.device, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(dot, torch.float32))
-    Ainv, Aqk = torch.empty(B, N, H, chunk, chunk, **operand), torch.empty(B, N, H, chunk, chunk, **operand)
+    operand = dict(device=q.device, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(dots["DOT"],
+                                                                                              torch.float32))
+    Ainv = torch.empty(B, N, H, chunk, chunk, **operand) if with_ainv else None
+    Aqk = torch.empty(B, N, H, chunk, chunk, **operand)
     Y, q_in, k_out = (torch.empty(B, T, H, K, **operand) for _ in range(3))
     U0, decay = torch.empty(B, T, H, V, **operand), torch.empty(B, N, H, K, **f32)
     _gdn2_chunk_intra_kernel[(B * N, H)](q, k, g, b, v, w, Ainv, Aqk, Y, U0, q_in, k_out, decay, *rows, scale, T, H, K,
-                                         V, N, DOT=dot, **_gdn2_chunk_blocks(K, chunk)["intra"])
+                                         V, N, **dots, **_gdn2_chunk_blocks(K, chunk)["intra"])
     return Ainv, Aqk, Y, U0, q_in, k_out, decay
+
+
+def _gdn2_chunk_states(Y, U0, k_out, decay, initial_state, chunk, dot):
+    """The state pass: each chunk's entering state S_in [B, N, H, K, V] (operand dtype), the corrections U, S_T."""
+    B, T, H, K = Y.shape
+    V = U0.shape[-1]
+    N = triton.cdiv(T, chunk)
+    state = _gdn2_chunk_blocks(K, chunk)["state"]
+    S_in, U = torch.empty(B, N, H, K, V, device=Y.device, dtype=Y.dtype), torch.empty_like(U0)
+    S_T = torch.empty(B, H, K, V, device=Y.device, dtype=torch.float32)
+    _gdn2_chunk_state_kernel[(B * H, triton.cdiv(V, state["BLOCK_V"]))](
+        Y, U0, k_out, decay, S_T if initial_state is None else initial_state.contiguous(), S_T, S_in, U, T, H, K, V, N,
+        HAS_INITIAL=initial_state is not None, DOT=dot, **state)
+    return S_in, U, S_T
 
 
 @_triton_op("specgpt::gdn2_chunked_fwd")
@@ -2402,15 +2519,13 @@ def _gdn2_chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     B, T, H, K = q.shape
     V = v.shape[-1]
     (q, k, v, g, b, w), rows = _gdn2_token_rows(q, k, v, g, b, w)
-    dot = _gdn2_dot_kind(q)
-    Ainv, Aqk, Y, U0, q_in, k_out, decay = _gdn2_chunk_intra(q, k, v, g, b, w, rows, scale, chunk, dot)
-    state = _gdn2_chunk_blocks(K, chunk)["state"]
+    dots = _gdn2_dot_kinds(q)
+    _, Aqk, Y, U0, q_in, k_out, decay = _gdn2_chunk_intra(q, k, v, g, b, w, rows, scale, chunk, dots, False)
+    S_in, U, S_T = _gdn2_chunk_states(Y, U0, k_out, decay, initial_state, chunk, dots["DOT"])
+    N = triton.cdiv(T, chunk)
     o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
-    S_T = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
-    s0 = initial_state.contiguous() if initial_state is not None else S_T
-    _gdn2_chunk_state_kernel[(B * H, triton.cdiv(V, state["BLOCK_V"]))](
-        Aqk, Y, U0, q_in, k_out, decay, s0, o, S_T, S_T, U0, T, H, K, V, triton.cdiv(T, chunk),
-        HAS_INITIAL=initial_state is not None, RECOMPUTE=False, DOT=dot, **state)
+    _gdn2_chunk_output_kernel[(B * N, H)](Aqk, q_in, S_in, U, o, T, H, K, V, N, DOT=dots["DOT"],
+                                          **_gdn2_chunk_blocks(K, chunk)["output"])
     return o, S_T
 
 
@@ -2427,42 +2542,31 @@ def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: 
                       scale: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                          torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dg, db, dw, d initial_state), each in its input's dtype (d initial_state in fp32): the intra
-    kernel and the state pass rerun (writing each chunk's entering state S and U), then the reverse state pass, the
-    per-chunk backward, the pair weights' backward and dg's reverse cumulative sum."""
+    kernel and the state pass rerun, then the reverse state pass, the per-chunk backward (every gradient but dg's
+    sum over the sequence) and dg's reverse cumulative sum."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     (q, k, v, g, b, w), rows = _gdn2_token_rows(q, k, v, g, b, w)
     N = triton.cdiv(T, chunk)
-    dot = _gdn2_dot_kind(q)
+    dots = _gdn2_dot_kinds(q)
     blocks = _gdn2_chunk_blocks(K, chunk)
-    Ainv, Aqk, Y, U0, q_in, k_out, decay = _gdn2_chunk_intra(q, k, v, g, b, w, rows, scale, chunk, dot)
-    grid = (B * H, triton.cdiv(V, blocks["state"]["BLOCK_V"]))
-    f32 = dict(device=q.device, dtype=torch.float32)
-    operand = dict(device=q.device, dtype=Y.dtype)
-    S_in, U = torch.empty(B, N, H, K, V, **operand), torch.empty(B, T, H, V, **operand)
-    s0 = initial_state.contiguous() if initial_state is not None else S_in
-    _gdn2_chunk_state_kernel[grid](Aqk, Y, U0, q_in, k_out, decay, s0, U0, U0, S_in, U, T, H, K, V, N,
-                                   HAS_INITIAL=initial_state is not None, RECOMPUTE=True, DOT=dot, **blocks["state"])
+    Ainv, Aqk, Y, U0, q_in, k_out, decay = _gdn2_chunk_intra(q, k, v, g, b, w, rows, scale, chunk, dots, True)
+    S_in, U, _ = _gdn2_chunk_states(Y, U0, k_out, decay, initial_state, chunk, dots["DOT"])
     (do, row_do), dS_T = _token_rows(do), dS_T.contiguous()
-    dS_next, dU = torch.empty(B, N, H, K, V, **operand), torch.empty(B, T, H, V, **operand)
-    ds0 = torch.empty(B, H, K, V, **f32)
-    _gdn2_chunk_bwd_state_kernel[grid](Aqk, Y, q_in, k_out, decay, do, dS_T, dS_next, dU, ds0, row_do, T, H, K, V, N,
-                                       DOT=dot, **blocks["state"])
-    dq, dk, db = (torch.empty(B, T, H, K, **f32) for _ in range(3))      # parked terms, summed in fp32
-    dv, dw = (torch.empty(B, T, H, V, device=q.device, dtype=t.dtype) for t in (v, w))
-    dL, dAqk = torch.empty_like(Ainv, dtype=torch.float32), torch.empty_like(Ainv, dtype=torch.float32)
+    dS_next, dU = torch.empty_like(S_in), torch.empty_like(U)
+    ds0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
+    _gdn2_chunk_bwd_state_kernel[(B * H, triton.cdiv(V, blocks["state"]["BLOCK_V"]))](
+        Aqk, Y, q_in, k_out, decay, do, dS_T, dS_next, dU, ds0, row_do, T, H, K, V, N, DOT=dots["DOT"],
+        **blocks["state"])
+    dq, dk, dv, db, dw = (torch.empty(t.shape, device=q.device, dtype=t.dtype) for t in (q, k, v, b, w))
+    dG = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)
     _gdn2_chunk_bwd_intra_kernel[(B * N, H)](
-        q, k, g, b, v, w, Ainv, S_in, U, dS_next, dU, do, dq, dk, dv, db, dw, dL, dAqk, *rows, row_do, scale, T, H, K,
-        V, N, DOT=dot, **blocks["bwd_intra"])
-    dq_out, dk_out, db_out = (part if t.dtype == torch.float32 else torch.empty_like(part, dtype=t.dtype)
-                              for part, t in ((dq, q), (dk, k), (db, b)))
-    dG = torch.empty(B, T, H, K, **f32)
-    _gdn2_chunk_bwd_pairs_kernel[(B * N, H)](q, k, g, b, dL, dAqk, dq, dk, db, dG, dq_out, dk_out, db_out, *rows[:4],
-                                             scale, T, H, K, N, **blocks["bwd_pairs"])
+        q, k, g, b, v, w, do, Ainv, S_in, U, dS_next, dU, torch.empty_like(Ainv), torch.empty_like(Ainv), dq, dk, dv,
+        db, dw, dG, *rows, row_do, scale, T, H, K, V, N, DOT=dots["DOT"], **blocks["bwd_intra"])
     dg = torch.empty(B, T, H, K, device=q.device, dtype=g.dtype)
     _gdn2_chunk_bwd_dg_kernel[(B * H, triton.cdiv(K, blocks["bwd_dg"]["BLOCK_K"]))](
         dG, g, k, U, S_in, dS_T, dg, rows[2], rows[1], T, H, K, V, N, **blocks["bwd_dg"])
-    return dq_out, dk_out, dv, dg, db_out, dw, ds0
+    return dq, dk, dv, dg, db, dw, ds0
 
 
 @_gdn2_chunked_bwd.register_fake
@@ -2503,10 +2607,14 @@ def gdn2_chunked_triton(q, k, v, g, b, w, scale=None, initial_state=None, chunk_
 
 
 def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
-    """Fused recurrent kernel for short sequences (decode, T ≤ 64), chunked kernels for training lengths."""
+    """Fused recurrent kernel for short sequences (decode, T ≤ 64), chunked kernels for training lengths: in chunks of
+    chunk_size on bf16 inputs, of at most 16 on fp32 and fp16 ones. The chunk changes only the rounding; at 32 and 64
+    the kernels spilled registers with TF32 operands (4 times bf16's registers) and on sm_75 (fp16), whose dots
+    Triton compiles to FMAs that hold each operand's whole contraction in registers (_gdn2_chunk_blocks)."""
     if q.shape[1] <= 64:
         return gdn2_recurrent_triton(q, k, v, g, b, w, scale, initial_state)
-    return gdn2_chunked_triton(q, k, v, g, b, w, scale, initial_state, chunk_size)
+    chunk = chunk_size if q.dtype == torch.bfloat16 else min(chunk_size, 16)
+    return gdn2_chunked_triton(q, k, v, g, b, w, scale, initial_state, chunk)
 
 
 # -----------------------------------------------------------------------------

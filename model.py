@@ -54,7 +54,7 @@ class GPTConfig:
     mamba_headdim: int = 32          # M mixer: head size P (divides the inner width)
     mamba_discretization: str = "euler"  # M mixer: the input factor dt (euler) or (exp(dt A) − 1)/A (zoh)
     chunk_size: int = 64             # M mixer: SSD chunk length, torch and Triton paths (Triton: at most 64)
-    gdn_chunk_size: int = 16         # G mixer: chunk length, torch and Triton paths (Triton: 16 or 32)
+    gdn_chunk_size: int = 64         # G mixer: chunk length, torch and Triton paths (Triton: 16, 32 or 64)
     kernels: str = "auto"          # kernels.py's path: auto (Triton on CUDA, else torch), torch, triton, ref
     init: str = "gpt2"             # init.py's scheme: GPT-2's N(0, 0.02), or the spectral condition
 
@@ -82,9 +82,9 @@ class GPTConfig:
             raise ValueError(f"chunk_size={self.chunk_size} is not a power of two: use e.g. 16, 32 or 64")
         if self.vocab_multiple < 1:
             raise ValueError(f"vocab_multiple={self.vocab_multiple} is not valid: use 1 (no padding) or e.g. 64")
-        if self.gdn_chunk_size not in (16, 32):
-            raise ValueError(f"gdn_chunk_size={self.gdn_chunk_size} is not supported: use 16 or 32 "
-                             f"(what the Triton kernels fit)")
+        if self.gdn_chunk_size not in (16, 32, 64):
+            raise ValueError(f"gdn_chunk_size={self.gdn_chunk_size} is not supported: use 16, 32 or 64 "
+                             f"(the Triton kernels' sub-chunks of 16)")
 
     @property
     def padded_vocab_size(self):
