@@ -28,9 +28,10 @@ PyTorch, the CPU path) where it differs, `<op>_triton` where it exists, and the 
     "triton" -> <op>_triton (ValueError if this op has no Triton path)
     "ref"    -> <op>_ref
 chunk_size is the chunk length of the chunked paths, honoured by torch and Triton alike (a power of two; gdn2's
-Triton kernels take 16 or 32, ssd's at most 64, what fits a GPU block's registers and shared memory; else a
-ValueError). Reductions and recurrences run in fp32 and results are cast back to the input dtype; the recurrent
-states S_T, h_T come back in fp32. Any sequence length works (chunked paths pad the tail internally). The Triton
+Triton kernels take 16, 32 or 64, ssd's at most 64, what fits a GPU block's registers and shared memory; else a
+ValueError; gdn2's Triton dispatch runs fp32 and fp16 inputs in chunks of at most 16, see gdn2_triton).
+Reductions and recurrences run in fp32 and results are cast back to the input dtype; the recurrent states S_T, h_T
+come back in fp32. Any sequence length works (chunked paths pad the tail internally). The Triton
 kernels' dots take bf16 inputs as they are, accumulating in fp32. After the ops, the checks a CPU can make of a
 GPU run: every launch recorded on fake tensors (its grid, or compiled ahead of time for its registers, spills and
 shared memory), and what autograd keeps for the backward (kept_bytes); then the kernel cost report (kernel_costs,
@@ -2452,13 +2453,13 @@ def _gdn2_chunk_blocks(K, chunk):
     thread); at head size 128 to MAX_REGISTERS, 1 block. The backward per-chunk kernel walks K in blocks of 8."""
     block_k = max(16, triton.next_power_of_2(K))
     return dict(
-        intra=dict(CHUNK=chunk, SUB=16, BLOCK_KP=16, BLOCK_KD=16, BLOCK_KS=16, BLOCK_V=16, num_warps=4, num_stages=2,
+        intra=dict(CHUNK=chunk, SUB=16, BLOCK_KP=16, BLOCK_KD=16, BLOCK_KS=16, BLOCK_V=16, num_warps=8, num_stages=2,
                    maxnreg=MAX_REGISTERS),
         state=dict(CHUNK=chunk, BLOCK_K=block_k, BLOCK_V=8, num_warps=8, num_stages=2,
                    maxnreg=128 if block_k <= 64 else MAX_REGISTERS),
         output=dict(CHUNK=chunk, BLOCK_K=min(block_k, 32), BLOCK_V=16, num_warps=4, num_stages=2),
         bwd_intra=dict(CHUNK=chunk, SUB=16, BLOCK_K=8, BLOCK_V=16, num_warps=4, num_stages=2, maxnreg=MAX_REGISTERS),
-        bwd_dg=dict(CHUNK=chunk, BLOCK_K=16, BLOCK_V=16, num_warps=4, num_stages=1))
+        bwd_dg=dict(CHUNK=chunk, BLOCK_K=8, BLOCK_V=16, num_warps=4, num_stages=2))
 
 
 GDN2_TRITON_CHUNKS = (16, 32, 64)   # the chunk sizes the Triton kernels take (sub-chunks of 16)
