@@ -28,7 +28,7 @@ PyTorch, the CPU path) where it differs, `<op>_triton` where it exists, and the 
     "triton" -> <op>_triton (ValueError if this op has no Triton path)
     "ref"    -> <op>_ref
 chunk_size is the chunk length of the chunked paths, honoured by torch and Triton alike (a power of two; gdn2's
-Triton kernels take 16, 32 or 64, ssd's at most 64, what fits a GPU block's registers and shared memory; else a
+Triton kernels take 16, 32 or 64, ssd's at most 256, what fits a GPU block's registers and shared memory; else a
 ValueError; gdn2's Triton dispatch runs fp32 and fp16 inputs in chunks of at most 16, see gdn2_triton).
 Reductions and recurrences run in fp32 and results are cast back to the input dtype; the recurrent states S_T, h_T
 come back in fp32. Any sequence length works (chunked paths pad the tail internally). The Triton
@@ -2621,75 +2621,108 @@ def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16)
 # -----------------------------------------------------------------------------
 # ssd in Triton
 
-# ssd in Triton: mamba_ssm's chunked scan (Dao & Gu 2024, the Mamba-2 paper) in four forward kernels, with
-# a = within-chunk cumulative dt·A, h_in[c] = the state entering chunk c, ngroups = 1:
-#   1 chunk cumsum   a_r = Σ_{i≤r} dt_i A
-#   2 state pass     sequential over chunks: h_in[c] is stored, then
-#                    h ← exp(a_last[c]) h + Σ_s exp(a_last − a_s) dt_s x_sᵀ B_s
-#                    (the chunk's own end state is formed in registers and never stored: mamba_ssm's chunk state
-#                    and state passing kernels in one, which saves writing and reading it in fp32)
-#   3 chunk C·Bᵀ     CB_rs = C_r·B_s
-#   4 chunk scan     y_r = Σ_{s≤r} CB_rs exp(a_r − a_s) dt_s x_s + exp(a_r) h_in C_r + D x_r
-# The forward keeps nothing but its inputs: the backward reruns kernels 1–3 for a, CB and h_in (h_in alone is p·n
-# numbers per chunk and head, two bf16 activations' worth at Mamba2's p = 32, n = 64, chunk 64), then
-#   5 reverse state pass: dS_next[c] = ds, the gradient of chunk c's end state, is stored, ∂L/∂a_last[c], and
-#                    ds ← Σ_r exp(a_r) dy_rᵀ C_r + exp(a_last[c]) ds   (the chunk's dh_out in registers again)
-#   6 dx         per (chunk, head, block of p): dx, and the terms of ddt that read x
-#   7 pairs      per (chunk, group of heads): ∂L/∂CB = Σ_h L⊙(dy xdtᵀ), and per head the terms of ddt from
-#                the pair weights L and from a_last
-#   8 dB, dC     per (chunk, group of heads, block of n), and the term of ddt from reading h_in
+# ssd in Triton: the chunked scan of the Mamba-2 paper (Dao & Gu 2024) as mamba_ssm runs it, with chunks of up to
+# 256 tokens whose edges alone store a state, each chunk walked in blocks of up to 64 tokens (mamba_ssm's rows a
+# program). Per head, dt_i A is token i's step of log-decay and h_in[c] the state entering chunk c. Within a chunk,
+# block k reads the state entering it, H_k, and writes into the one leaving it:
+#   y_r = Σ_{s≤r in k} (C_r·B_s) L_rs dt_s x_s + exp(u_r) H_k C_r + D x_r,     L_rs = exp(Σ_{s<i≤r} dt_i A)
+#   H_{k+1} = exp(T_k) H_k + Σ_{s in k} exp(e_s) dt_s x_sᵀ B_s
+# with u_r = Σ_{k_0≤i≤r} dt_i A (from the block's start through r), e_s = Σ_{s<i≤k_end} dt_i A (after s to the
+# block's end) and T_k the whole block's sum. So C·B is formed for a block's own pairs only, and a block meets the rest
+# of its chunk through p × n states: at p = 32, n = 64 a third of the FLOPs of the [64, 64] C·B blocks mamba_ssm
+# walks up to the diagonal, and nothing of size chunk² is stored. Every exponent is a sum of steps (one block's part,
+# then whole blocks), never a difference of cumulative sums, which next to a decay of −1000 would lose the small
+# exponents' digits. Forward:
+#   1 state pass   sequential over the blocks of every chunk: h_in[c] is stored at each chunk's start, then
+#                  h ← exp(T_k) h + Σ_s exp(e_s) dt_s x_sᵀ B_s
+#   2 chunk scan   per (chunk, block, head, block of p): y, with H_k formed from h_in and the chunk's earlier blocks
+# The forward keeps nothing but its inputs: the backward reruns kernel 1 for h_in (p·n numbers per chunk and head, an
+# eighth of x at p = 32, n = 64, chunk 256), then
+#   3 reverse state pass: dS_next[c] = ds, the gradient of chunk c's end state, is stored at each chunk's end, then
+#                  ds ← exp(T_k) ds + Σ_r exp(u_r) dy_rᵀ C_r
+#   4 dx           per (chunk, block, head, block of p), with G_k (the gradient of the state leaving block k, from
+#                  dS_next and the chunk's later blocks): dx, and the terms of ddt that read x
+#   5 dB, dC       per (chunk, block, group of heads, block of n), with H_k and G_k: dB, dC, the other terms of ddt
+# ∂L/∂(dt_i A) is gathered term by term, so that nothing cancels: the block's pairs whose segment holds i and its
+# writes before i (kernel 4), its reads of H_k from i on and the state it passes on, exp(T_k)⟨G_k, H_k⟩ (kernel 5).
 # Dots take their operands in the inputs' dtype and accumulate in fp32: bf16 inputs (x, B, C, dy) go in as loaded
 # and the fp32 factors that meet them (decays, dt, states) are rounded to bf16 there; fp32 inputs take IEEE or
-# TF32 dots (_dot_precision). Cumulative decays, the chunks' own states, the final state and every accumulator stay
-# fp32; the passed states h_in and the backward's dS_next are stored in the inputs' dtype (_ssd_passed_dtype, as
-# mamba_ssm keeps them), which is what every dot reads them in. Every grid puts batch × chunks (× heads) on axis 0
-# (up to 2³¹ − 1 programs), and only small counts (blocks of p or n) on axis 1.
-# x, dt, B, C and dy are read where they lie, each token's row at its own stride (_ssd_rows: the model's are column
-# slices of in_proj's output); what the kernels write is contiguous.
+# TF32 dots (_dot_precision). Decays, the blocks' states, the final state and every accumulator stay fp32; the passed
+# states h_in and the backward's dS_next are stored in the inputs' dtype (_ssd_passed_dtype, as mamba_ssm keeps
+# them). Every grid puts batch × chunks × blocks (× heads) on axis 0 (up to 2³¹ − 1 programs), and only small counts
+# (blocks of p or n) on axis 1. x, dt, B, C and dy are read where they lie, each token's row at its own stride
+# (_ssd_rows: the model's are column slices of in_proj's output); what the kernels write is contiguous.
 if HAS_TRITON:
     @triton.jit
-    def _ssd_chunk_cumsum_kernel(dt_ptr, A_ptr, a_ptr, l, h, n_chunks, Cs, stride_dt,
-                                 BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
-        # one program per (batch·chunk, block of heads)
-        pid_bc = tl.program_id(0)
-        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
-        hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    def _ssd_block_tokens(c, k, l, Cs, BLOCK_C: tl.constexpr):
+        # block k of chunk c: its rows, their positions, which of them are in the chunk and the sequence, and the
+        # position of the block's last token
         rs = tl.arange(0, BLOCK_C)
-        pos = c * Cs + rs
-        dt = tl.load(dt_ptr + (bi * l + pos[None, :]).to(tl.int64) * stride_dt + hs[:, None],
-                     mask=(hs[:, None] < h) & (rs[None, :] < Cs) & (pos[None, :] < l), other=0.0).to(tl.float32)
-        A = tl.load(A_ptr + hs, mask=hs < h, other=0.0).to(tl.float32)
-        a = tl.cumsum(dt * A[:, None], axis=1)   # past the sequence end dt = 0, so a stays at its last value
-        tl.store(a_ptr + ((bi * h + hs[:, None]) * n_chunks + c).to(tl.int64) * Cs + rs[None, :], a,
-                 mask=(hs[:, None] < h) & (rs[None, :] < Cs))
+        pos = c * Cs + k * BLOCK_C + rs
+        return rs, pos, (k * BLOCK_C + rs < Cs) & (pos < l), c * Cs + tl.minimum(k * BLOCK_C + BLOCK_C, Cs) - 1
 
     @triton.jit
-    def _ssd_pair_decays(dt, A, rs, Cs):
-        # L_rs = exp(Σ_{s<i≤r} dt_i A) for s ≤ r < Cs, 0 elsewhere: a sum of the steps in between, not a difference
-        # of cumulative sums (which would lose the small exponents' digits next to a decay of −1000)
-        steps = tl.where(rs[:, None] > rs[None, :], (dt * A)[:, None], 0.0)           # [i, s]: dt_i A where i > s
-        causal = (rs[:, None] >= rs[None, :]) & (rs[:, None] < Cs)
-        return tl.exp(tl.where(causal, tl.cumsum(steps, axis=0), -float("inf")))
-
-    @triton.jit
-    def _ssd_end_decays(dt_ptr, stride_dt, A, bi, l, hi, pos, last):
-        # E_s = exp(Σ_{s<i<Cs} dt_i A), the decay from token s to the chunk end, again a sum of the steps in between:
-        # a reversed cumulative sum of dt_{s+1} A (0 past the chunk's or the sequence's last token)
+    def _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last):
+        # a block's dt and its log-decays, each a sum of steps dt_i A: u_r through r from the block's start, e_s
+        # after s to the block's end (a reversed cumulative sum of dt_{s+1} A), and T the whole block's
+        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=valid, other=0.0).to(tl.float32)
         dt_next = tl.load(dt_ptr + (bi * l + pos + 1).to(tl.int64) * stride_dt + hi, mask=(pos < last) & (pos + 1 < l),
                           other=0.0).to(tl.float32)
-        return tl.exp(tl.cumsum(dt_next * A, axis=0, reverse=True))
+        steps = dt * A
+        return dt, tl.cumsum(steps, axis=0), tl.cumsum(dt_next * A, axis=0, reverse=True), tl.sum(steps, axis=0)
+
+    @triton.jit
+    def _ssd_pair_decays(dt, A, rs):
+        # L_rs = exp(Σ_{s<i≤r} dt_i A) for s ≤ r within a block, 0 elsewhere: the steps in between summed
+        steps = tl.where(rs[:, None] > rs[None, :], (dt * A)[:, None], 0.0)           # [i, s]: dt_i A where i > s
+        return tl.exp(tl.where(rs[:, None] >= rs[None, :], tl.cumsum(steps, axis=0), -float("inf")))
 
     @triton.jit
     def _ssd_chunk_outer(x_ptr, stride_x, y_ptr, stride_y, scale, bi, hi, l, p, n, pos, valid, ps, ns,
                          DOT: tl.constexpr):
-        # Σ_s scale_s x_sᵀ y_s over one chunk's tokens pos, a [BLOCK_P, BLOCK_N] block in fp32: x [b,l,h,p] and
-        # y [b,l,1,n] (rows of a token at their token strides); x goes into the dot as loaded, scale·y is rounded to
-        # x's dtype
+        # Σ_s scale_s x_sᵀ y_s over the tokens pos, a [BLOCK_P, BLOCK_N] block in fp32: x [b,l,h,p] and y [b,l,1,n]
+        # (rows of a token at their token strides); x goes into the dot as loaded, scale·y is rounded to x's dtype
         xT = tl.load(x_ptr + (bi * l + pos[None, :]).to(tl.int64) * stride_x + hi * p + ps[:, None],
                      mask=valid[None, :] & (ps[:, None] < p), other=0.0)                        # [BLOCK_P, BLOCK_C]
         y = tl.load(y_ptr + (bi * l + pos[:, None]).to(tl.int64) * stride_y + ns[None, :],
                     mask=valid[:, None] & (ns[None, :] < n), other=0.0).to(tl.float32)          # [BLOCK_C, BLOCK_N]
         return tl.dot(xT, (y * scale[:, None]).to(xT.dtype), input_precision=DOT)
+
+    @triton.jit
+    def _ssd_state_before(x_ptr, stride_x, B_ptr, stride_B, dt_ptr, stride_dt, h_in_ptr, A, bi, c, k, hi, l, h, p,
+                          n, n_chunks, Cs, ps, ns, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # H_k[ps, ns], the state entering block k of chunk c, in fp32: the chunk's earlier blocks j = k−1, …, 0 add
+        # Σ_s exp(e_s + T_{j+1} + … + T_{k−1}) dt_s x_sᵀ B_s, and h_in[c] comes in decayed by exp(T_0 + … + T_{k−1})
+        H = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+        between = 0.0                                                   # Σ T over the blocks between j and k
+        for i in range(k):
+            _, pos, valid, last = _ssd_block_tokens(c, k - 1 - i, l, Cs, BLOCK_C)
+            dt, _, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
+            H += _ssd_chunk_outer(x_ptr, stride_x, B_ptr, stride_B, tl.exp(e + between) * dt, bi, hi, l, p, n, pos,
+                                  valid, ps, ns, DOT)
+            between += T
+        h_in = tl.load(h_in_ptr + ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n + ps[:, None] * n + ns[None, :],
+                       mask=(ps[:, None] < p) & (ns[None, :] < n), other=0.0)
+        return H + tl.exp(between) * h_in.to(tl.float32)
+
+    @triton.jit
+    def _ssd_grad_after(dy_ptr, stride_dy, C_ptr, stride_C, dt_ptr, stride_dt, dS_next_ptr, A, bi, c, k, hi, l, h, p,
+                        n, n_chunks, Cs, ps, ns, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # G_k[ps, ns], the gradient of the state leaving block k of chunk c, in fp32: the chunk's later blocks j add
+        # Σ_r exp(T_{k+1} + … + T_{j−1} + u_r) dy_rᵀ C_r, and dS_next[c] comes in decayed by exp(T_{k+1} + … )
+        G = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+        between = 0.0                                                   # Σ T over the blocks between k and j
+        for j in range(k + 1, tl.cdiv(Cs, BLOCK_C)):
+            _, pos, valid, last = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
+            _, u, _, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
+            G += _ssd_chunk_outer(dy_ptr, stride_dy, C_ptr, stride_C, tl.exp(between + u), bi, hi, l, p, n, pos, valid,
+                                  ps, ns, DOT)
+            between += T
+        dS = tl.load(dS_next_ptr + ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n + ps[:, None] * n + ns[None, :],
+                     mask=(ps[:, None] < p) & (ns[None, :] < n), other=0.0)
+        return G + tl.exp(between) * dS.to(tl.float32)
 
     @triton.jit
     def _ssd_state_block(pid_bh, pid_pn, h, p, n, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -2701,269 +2734,231 @@ if HAS_TRITON:
         return pid_bh // h, pid_bh % h, ps, ns, ps[:, None] * n + ns[None, :], (ps[:, None] < p) & (ns[None, :] < n)
 
     @triton.jit
-    def _ssd_state_pass_kernel(x_ptr, B_ptr, dt_ptr, A_ptr, a_ptr, h0_ptr, entering_ptr, hT_ptr, l, h, p, n, n_chunks,
-                               Cs, stride_x, stride_B, stride_dt, HAS_INITIAL: tl.constexpr, BLOCK_P: tl.constexpr,
+    def _ssd_state_pass_kernel(x_ptr, B_ptr, dt_ptr, A_ptr, h0_ptr, h_in_ptr, hT_ptr, l, h, p, n, n_chunks, Cs,
+                               stride_x, stride_B, stride_dt, HAS_INITIAL: tl.constexpr, BLOCK_P: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        # kernel 2, sequential over the chunks for a [BLOCK_P, BLOCK_N] block of the state, carried in fp32:
-        # h_in[c] is stored in entering's dtype, then h ← exp(a_last[c]) h + Σ_s exp(a_last − a_s) dt_s x_sᵀ B_s.
-        # One program per (batch·head, block of p × block of n)
+        # kernel 1, sequential over the blocks of every chunk for a [BLOCK_P, BLOCK_N] block of the state, carried in
+        # fp32: at a chunk's start h_in[c] is stored in h_in's dtype; each block k does
+        # h ← exp(T_k) h + Σ_s exp(e_s) dt_s x_sᵀ B_s. One program per (batch·head, block of p × block of n)
         pid_bh, pid_pn = tl.program_id(0), tl.program_id(1)
         bi, hi, ps, ns, st_offs, st_mask = _ssd_state_block(pid_bh, pid_pn, h, p, n, BLOCK_P, BLOCK_N)
-        rs = tl.arange(0, BLOCK_C)
         A = tl.load(A_ptr + hi).to(tl.float32)
         hs = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
         if HAS_INITIAL:
             hs = tl.load(h0_ptr + pid_bh.to(tl.int64) * p * n + st_offs, mask=st_mask, other=0.0).to(tl.float32)
-        for c in range(n_chunks):
-            tl.store(entering_ptr + ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n + st_offs,
-                     hs.to(entering_ptr.dtype.element_ty), mask=st_mask)
-            pos = c * Cs + rs
-            valid = (rs < Cs) & (pos < l)
-            dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=valid, other=0.0).to(tl.float32)
-            to_end = _ssd_end_decays(dt_ptr, stride_dt, A, bi, l, hi, pos, c * Cs + Cs - 1) * dt
-            a_last = tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + Cs - 1)
-            hs = tl.exp(a_last) * hs + _ssd_chunk_outer(x_ptr, stride_x, B_ptr, stride_B, to_end, bi, hi, l, p, n,
-                                                        pos, valid, ps, ns, DOT)
+        n_blocks = tl.cdiv(Cs, BLOCK_C)
+        for i in range(n_chunks * n_blocks):
+            c, k = i // n_blocks, i % n_blocks
+            if k == 0:
+                tl.store(h_in_ptr + ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n + st_offs,
+                         hs.to(h_in_ptr.dtype.element_ty), mask=st_mask)
+            _, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
+            dt, _, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
+            hs = tl.exp(T) * hs + _ssd_chunk_outer(x_ptr, stride_x, B_ptr, stride_B, tl.exp(e) * dt, bi, hi, l, p, n,
+                                                   pos, valid, ps, ns, DOT)
         tl.store(hT_ptr + pid_bh.to(tl.int64) * p * n + st_offs, hs, mask=st_mask)
 
     @triton.jit
-    def _ssd_chunk_gram(u_ptr, stride_u, v_ptr, stride_v, bi, c, l, Cs, width, BLOCK_K: tl.constexpr,
-                        BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        # [r, s] = u_r·v_s over chunk c's tokens, token t's row of `width` values at (bi·l + t)·stride, summed in
-        # blocks of BLOCK_K; u goes into the dot as loaded, v in u's dtype
-        rs = tl.arange(0, BLOCK_C)
-        pos = c * Cs + rs
-        valid = (rs < Cs) & (pos < l)
-        acc = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
-        for k0 in range(0, width, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            tokens = (bi * l + pos[:, None]).to(tl.int64)
-            m = valid[:, None] & (ks[None, :] < width)
-            u = tl.load(u_ptr + tokens * stride_u + ks[None, :], mask=m, other=0.0)
-            v = tl.load(v_ptr + tokens * stride_v + ks[None, :], mask=m, other=0.0)
-            acc += tl.dot(u, tl.trans(v).to(u.dtype), input_precision=DOT)
-        return acc
-
-    @triton.jit
-    def _ssd_bmm_kernel(C_ptr, B_ptr, CB_ptr, l, n, n_chunks, Cs, stride_C, stride_B, BLOCK_C: tl.constexpr,
-                        BLOCK_N: tl.constexpr, DOT: tl.constexpr):
-        # CB = C Bᵀ within each chunk (shared by the heads); one program per batch·chunk
-        pid_bc = tl.program_id(0)
-        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
-        rs = tl.arange(0, BLOCK_C)
-        acc = _ssd_chunk_gram(C_ptr, stride_C, B_ptr, stride_B, bi, c, l, Cs, n, BLOCK_N, BLOCK_C, DOT)
-        tl.store(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :], acc,
-                 mask=(rs[:, None] < Cs) & (rs[None, :] < Cs))
-
-    @triton.jit
-    def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, A_ptr, a_ptr, CB_ptr, C_ptr, entering_ptr, D_ptr, y_ptr,
-                               l, h, p, n, n_chunks, Cs, stride_x, stride_dt, stride_C, HAS_D: tl.constexpr,
-                               BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                               DOT: tl.constexpr):
-        # y = (CB⊙L⊙dt_s) x + exp(a)⊙(C h_inᵀ) + D x, one program per (batch·chunk·head, block of p); x and C
-        # go into the dots as loaded, the pair weights CB⊙L⊙dt and the state h_in are rounded to their dtype
-        pid_bch, pid_p = tl.program_id(0), tl.program_id(1)
-        hi, pid_bc = pid_bch % h, pid_bch // h
+    def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, h_in_ptr, D_ptr, y_ptr, l, h, p, n, n_chunks, Cs,
+                               stride_x, stride_dt, stride_B, stride_C, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # kernel 2: y = (CB⊙L⊙dt_s) x + exp(u)⊙(C H_kᵀ) + D x for block k of a chunk, CB = C Bᵀ over the block's own
+        # tokens; one program per (batch·chunk·block·head, block of p), n in one tile. x and C go into the dots as
+        # loaded, the pair weights CB⊙L⊙dt and the state H_k are rounded to their dtype
+        n_blocks = tl.cdiv(Cs, BLOCK_C)
+        pid, pid_p = tl.program_id(0), tl.program_id(1)
+        hi, k, pid_bc = pid % h, (pid // h) % n_blocks, pid // h // n_blocks
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-        rs = tl.arange(0, BLOCK_C)
-        pos = c * Cs + rs
-        valid = (rs < Cs) & (pos < l)
-        a = tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + rs, mask=rs < Cs, other=0.0)
-        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=valid, other=0.0).to(tl.float32)
-        y_offs = ((bi * l + pos[:, None]).to(tl.int64) * h + hi) * p + ps[None, :]
+        rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
+        A = tl.load(A_ptr + hi).to(tl.float32)
+        dt, u, _, _ = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
+        tokens = (bi * l + pos[:, None]).to(tl.int64)
         x_mask = valid[:, None] & (ps[None, :] < p)
-        x = tl.load(x_ptr + (bi * l + pos[:, None]).to(tl.int64) * stride_x + hi * p + ps[None, :], mask=x_mask,
-                    other=0.0)
-        L = _ssd_pair_decays(dt, tl.load(A_ptr + hi).to(tl.float32), rs, Cs)
-        CB = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
-                     mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
-        y = tl.dot((CB * L * dt[None, :]).to(x.dtype), x, input_precision=DOT)
-        state_base = entering_ptr + pid_bch.to(tl.int64) * p * n
-        y_off = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
+        CB = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
+        CH = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)                     # C H_kᵀ
         for n0 in range(0, n, BLOCK_N):
             ns = n0 + tl.arange(0, BLOCK_N)
-            Cm = tl.load(C_ptr + (bi * l + pos[:, None]).to(tl.int64) * stride_C + ns[None, :],
-                         mask=valid[:, None] & (ns[None, :] < n), other=0.0)
-            h_inT = tl.load(state_base + ps[None, :] * n + ns[:, None], mask=(ps[None, :] < p) & (ns[:, None] < n),
-                            other=0.0)
-            y_off += tl.dot(Cm, h_inT.to(Cm.dtype), input_precision=DOT)
-        y += tl.exp(a)[:, None] * y_off
+            bc_mask = valid[:, None] & (ns[None, :] < n)
+            Cm = tl.load(C_ptr + tokens * stride_C + ns[None, :], mask=bc_mask, other=0.0)
+            Bm = tl.load(B_ptr + tokens * stride_B + ns[None, :], mask=bc_mask, other=0.0)
+            CB += tl.dot(Cm, tl.trans(Bm).to(Cm.dtype), input_precision=DOT)
+            H = _ssd_state_before(x_ptr, stride_x, B_ptr, stride_B, dt_ptr, stride_dt, h_in_ptr, A, bi, c, k, hi, l, h,
+                                  p, n, n_chunks, Cs, ps, ns, BLOCK_P, BLOCK_N, BLOCK_C, DOT)
+            CH += tl.dot(Cm, tl.trans(H).to(Cm.dtype), input_precision=DOT)
+        x = tl.load(x_ptr + tokens * stride_x + hi * p + ps[None, :], mask=x_mask, other=0.0)
+        y = tl.exp(u)[:, None] * CH
+        y += tl.dot((CB * _ssd_pair_decays(dt, A, rs) * dt[None, :]).to(x.dtype), x, input_precision=DOT)
         if HAS_D:
             y += tl.load(D_ptr + hi).to(tl.float32) * x.to(tl.float32)
-        tl.store(y_ptr + y_offs, y.to(y_ptr.dtype.element_ty), mask=x_mask)
+        tl.store(y_ptr + (tokens * h + hi) * p + ps[None, :], y.to(y_ptr.dtype.element_ty), mask=x_mask)
 
     @triton.jit
-    def _ssd_state_pass_bwd_kernel(dy_ptr, C_ptr, a_ptr, entering_ptr, dhT_ptr, dS_next_ptr, dh0_ptr, da_last_ptr, l,
-                                   h, p, n, n_chunks, Cs, stride_dy, stride_C, BLOCK_P: tl.constexpr,
-                                   BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        # kernel 5, the reverse of kernel 2, ds carried in fp32: dS_next[c] = ds (the gradient of chunk c's end
-        # state) is stored, ∂L/∂a_last[c] from the passed-through state, ⟨ds, exp(a_last) h_in[c]⟩ (this block's
-        # partial), and ds ← Σ_r exp(a_r) dy_rᵀ C_r + exp(a_last[c]) ds.
-        # One program per (batch·head, block of p × block of n)
+    def _ssd_state_pass_bwd_kernel(dy_ptr, C_ptr, dt_ptr, A_ptr, dhT_ptr, dS_next_ptr, dh0_ptr, l, h, p, n, n_chunks,
+                                   Cs, stride_dy, stride_C, stride_dt, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # kernel 3, the reverse of kernel 1, ds carried in fp32: at a chunk's end dS_next[c] = ds is stored; each block
+        # k, last first, does ds ← exp(T_k) ds + Σ_r exp(u_r) dy_rᵀ C_r. One program per (batch·head, block of p ×
+        # block of n)
         pid_bh, pid_pn = tl.program_id(0), tl.program_id(1)
         bi, hi, ps, ns, st_offs, st_mask = _ssd_state_block(pid_bh, pid_pn, h, p, n, BLOCK_P, BLOCK_N)
-        rs = tl.arange(0, BLOCK_C)
+        A = tl.load(A_ptr + hi).to(tl.float32)
         ds = tl.load(dhT_ptr + pid_bh.to(tl.int64) * p * n + st_offs, mask=st_mask, other=0.0).to(tl.float32)
-        for cc in range(n_chunks):
-            c = n_chunks - 1 - cc
-            offs = ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n + st_offs
-            tl.store(dS_next_ptr + offs, ds.to(dS_next_ptr.dtype.element_ty), mask=st_mask)
-            a_offs = (pid_bh * n_chunks + c).to(tl.int64) * Cs
-            decay = tl.exp(tl.load(a_ptr + a_offs + Cs - 1))
-            h_in = tl.load(entering_ptr + offs, mask=st_mask, other=0.0).to(tl.float32)
-            tl.store(da_last_ptr + ((pid_bh * n_chunks + c) * tl.num_programs(1) + pid_pn).to(tl.int64),
-                     tl.sum(tl.sum(ds * h_in, axis=1), axis=0) * decay)
-            pos = c * Cs + rs
-            from_start = tl.exp(tl.load(a_ptr + a_offs + rs, mask=rs < Cs, other=0.0))
-            ds = _ssd_chunk_outer(dy_ptr, stride_dy, C_ptr, stride_C, from_start, bi, hi, l, p, n, pos,
-                                  (rs < Cs) & (pos < l), ps, ns, DOT) + decay * ds
+        n_blocks = tl.cdiv(Cs, BLOCK_C)
+        for i in range(n_chunks * n_blocks):
+            c, k = n_chunks - 1 - i // n_blocks, n_blocks - 1 - i % n_blocks
+            if k == n_blocks - 1:
+                tl.store(dS_next_ptr + ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n + st_offs,
+                         ds.to(dS_next_ptr.dtype.element_ty), mask=st_mask)
+            _, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
+            _, u, _, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
+            ds = tl.exp(T) * ds + _ssd_chunk_outer(dy_ptr, stride_dy, C_ptr, stride_C, tl.exp(u), bi, hi, l, p, n, pos,
+                                                   valid, ps, ns, DOT)
         tl.store(dh0_ptr + pid_bh.to(tl.int64) * p * n + st_offs, ds, mask=st_mask)
 
     @triton.jit
-    def _ssd_chunk_bwd_dx_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, CB_ptr, D_ptr, dS_next_ptr, dy_ptr, dx_ptr, ddt_ptr,
-                                 dA_ptr, dD_ptr, b, l, h, p, n, n_chunks, Cs, stride_x, stride_dt, stride_B,
-                                 stride_dy, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        # One program per (batch·chunk·head, block of p). With xdt = dt⊙x, L_rs = exp(a_r − a_s) (s ≤ r) and
-        # E_s = exp(a_last − a_s):
-        #   dxdt = (CB⊙L)ᵀ dy + E⊙(B dS_nextᵀ),   dx = dt⊙dxdt + D dy,   ∂L/∂dt_s ∋ Σ_p dxdt_sp x_sp,
-        # and the end state's term of ∂L/∂(dt_i A): a token's share of it, exp(a_last − a_s), depends on dt_i A
-        # for s < i, Σ_{s<i} E_s Σ_p (B dS_nextᵀ ⊙ xdt)_sp. ddt, dA and dD are sums over p, written per p block.
-        pid_bch, pid_p = tl.program_id(0), tl.program_id(1)
-        hi, pid_bc = pid_bch % h, pid_bch // h
+    def _ssd_chunk_bwd_dx_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h_in_ptr, dS_next_ptr, dy_ptr, dx_ptr,
+                                 ddt_ptr, dA_ptr, dD_ptr, b, l, h, p, n, n_chunks, Cs, stride_x, stride_dt, stride_B,
+                                 stride_C, stride_dy, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # kernel 4, one program per (batch·chunk·block·head, block of p), n in one tile. With xdt = dt⊙x, H = H_k and
+        # G = G_k:  dxdt = (CB⊙L)ᵀ dy + exp(e)⊙(B Gᵀ),   dx = dt⊙dxdt + D dy,   ∂L/∂dt_s ∋ Σ_p dxdt_sp x_sp,
+        # and ∂L/∂(dt_i A), term by term: the pairs (s < i ≤ r) of M = CB⊙L⊙(dy xdtᵀ), the writes into G before i,
+        # Σ_{s<i} exp(e_s) (B Gᵀ ⊙ xdt)_s, the reads of H from i on, Σ_{r≥i} exp(u_r) (C Hᵀ ⊙ dy)_r (each summed over
+        # p), and the state passed through, exp(T)⟨G, H⟩. ddt, dA and dD are sums over p, written per p block
+        n_blocks = tl.cdiv(Cs, BLOCK_C)
+        pid, pid_p = tl.program_id(0), tl.program_id(1)
+        hi, k, pid_bc = pid % h, (pid // h) % n_blocks, pid // h // n_blocks
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
-        rs = tl.arange(0, BLOCK_C)
         ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-        pos = c * Cs + rs
-        valid = (rs < Cs) & (pos < l)
-        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=valid, other=0.0).to(tl.float32)
+        rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
         A = tl.load(A_ptr + hi).to(tl.float32)
+        dt, u, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
         tokens = (bi * l + pos[:, None]).to(tl.int64)
-        dx_offs = (tokens * h + hi) * p + ps[None, :]
         x_mask = valid[:, None] & (ps[None, :] < p)
         dy = tl.load(dy_ptr + tokens * stride_dy + hi * p + ps[None, :], mask=x_mask, other=0.0)
-        CBL = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
-                      mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0) * _ssd_pair_decays(dt, A, rs, Cs)
-        dxdt = tl.dot(tl.trans(CBL).to(dy.dtype), dy, input_precision=DOT)
-        B_dS = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)                   # B dS_nextᵀ, summed over n blocks
-        st_base = dS_next_ptr + pid_bch.to(tl.int64) * p * n
+        CB = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
+        BG = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)                     # B G_kᵀ
+        CH = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)                     # C H_kᵀ
+        passed = 0.0                                                            # ⟨G_k, H_k⟩
         for n0 in range(0, n, BLOCK_N):
             ns = n0 + tl.arange(0, BLOCK_N)
-            Bm = tl.load(B_ptr + tokens * stride_B + ns[None, :], mask=valid[:, None] & (ns[None, :] < n), other=0.0)
-            dSnT = tl.load(st_base + ps[None, :] * n + ns[:, None], mask=(ps[None, :] < p) & (ns[:, None] < n),
-                           other=0.0)
-            B_dS += tl.dot(Bm.to(dy.dtype), dSnT.to(dy.dtype), input_precision=DOT)
-        E = _ssd_end_decays(dt_ptr, stride_dt, A, bi, l, hi, pos, c * Cs + Cs - 1)
-        dxdt += E[:, None] * B_dS
-        x = tl.load(x_ptr + tokens * stride_x + hi * p + ps[None, :], mask=x_mask, other=0.0).to(tl.float32)
+            bc_mask = valid[:, None] & (ns[None, :] < n)
+            Cm = tl.load(C_ptr + tokens * stride_C + ns[None, :], mask=bc_mask, other=0.0)
+            Bm = tl.load(B_ptr + tokens * stride_B + ns[None, :], mask=bc_mask, other=0.0)
+            CB += tl.dot(Cm, tl.trans(Bm).to(Cm.dtype), input_precision=DOT)
+            H = _ssd_state_before(x_ptr, stride_x, B_ptr, stride_B, dt_ptr, stride_dt, h_in_ptr, A, bi, c, k, hi, l, h,
+                                  p, n, n_chunks, Cs, ps, ns, BLOCK_P, BLOCK_N, BLOCK_C, DOT)
+            G = _ssd_grad_after(dy_ptr, stride_dy, C_ptr, stride_C, dt_ptr, stride_dt, dS_next_ptr, A, bi, c, k, hi, l,
+                                h, p, n, n_chunks, Cs, ps, ns, BLOCK_P, BLOCK_N, BLOCK_C, DOT)
+            BG += tl.dot(Bm.to(dy.dtype), tl.trans(G).to(dy.dtype), input_precision=DOT)
+            CH += tl.dot(Cm.to(dy.dtype), tl.trans(H).to(dy.dtype), input_precision=DOT)
+            passed += tl.sum(tl.sum(G * H, axis=1), axis=0)
+        d_dtA = tl.cumsum(tl.exp(u) * tl.sum(CH * dy.to(tl.float32), axis=1), axis=0, reverse=True)   # Σ_{r≥i}
+        d_dtA += tl.exp(T) * passed
+        CBL = CB * _ssd_pair_decays(dt, A, rs)
+        dxdt = tl.dot(tl.trans(CBL).to(dy.dtype), dy, input_precision=DOT) + tl.exp(e)[:, None] * BG
+        x = tl.load(x_ptr + tokens * stride_x + hi * p + ps[None, :], mask=x_mask, other=0.0)
+        xf = x.to(tl.float32)
         dx = dxdt * dt[:, None]
+        slot = pid_p.to(tl.int64) * b + bi
+        part = ((slot * n_chunks + c) * n_blocks + k) * h + hi                  # this block's partial of dA, dD
         if HAS_D:
             dx += tl.load(D_ptr + hi).to(tl.float32) * dy.to(tl.float32)
-            tl.store(dD_ptr + (pid_p * n_chunks * b + pid_bc) * h + hi, tl.sum(tl.sum(dy.to(tl.float32) * x, 1), 0))
-        tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=x_mask)
-        to_end = E * dt * tl.sum(B_dS * x, axis=1)
-        writes = tl.sum(tl.where(rs[:, None] < rs[None, :], to_end[:, None], 0.0), axis=0)      # [i] = Σ_{s<i}
-        slot = pid_p.to(tl.int64) * b + bi
-        tl.store(ddt_ptr + (slot * l + pos) * h + hi, tl.sum(dxdt * x, axis=1) + A * writes, mask=valid)
-        tl.store(dA_ptr + (slot * n_chunks + c) * h + hi, tl.sum(dt * writes, axis=0))
+            tl.store(dD_ptr + part, tl.sum(tl.sum(dy.to(tl.float32) * xf, 1), 0))
+        tl.store(dx_ptr + (tokens * h + hi) * p + ps[None, :], dx.to(dx_ptr.dtype.element_ty), mask=x_mask)
+        M = CBL * tl.dot(dy, tl.trans(x), input_precision=DOT) * dt[None, :]
+        before = tl.cumsum(M, axis=1) - M                                        # [r, i] = Σ_{s<i} M_rs
+        d_dtA += tl.sum(tl.where(rs[:, None] >= rs[None, :], before, 0.0), axis=0)   # [i] = Σ_{r≥i} Σ_{s<i}
+        writes = tl.exp(e) * dt * tl.sum(BG * xf, axis=1)
+        d_dtA += tl.sum(tl.where(rs[:, None] < rs[None, :], writes[:, None], 0.0), axis=0)      # [i] = Σ_{s<i}
+        tl.store(ddt_ptr + (slot * l + pos) * h + hi, tl.sum(dxdt * xf, axis=1) + A * d_dtA, mask=valid)
+        tl.store(dA_ptr + part, tl.sum(dt * d_dtA, axis=0))
 
     @triton.jit
-    def _ssd_chunk_bwd_pairs_kernel(x_ptr, dt_ptr, A_ptr, CB_ptr, da_last_ptr, dy_ptr, ddt_ptr, dA_ptr, dCB_ptr, b, l,
-                                    h, p, n_chunks, Cs, n_slices, heads_per_program, stride_x, stride_dt, stride_dy,
-                                    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        # One program per (batch·chunk, group of heads), over the group's heads, each head's L⊙(dy xdtᵀ) (dy xdtᵀ
-        # summed over p) formed once for two uses:
-        # ∂L/∂CB = Σ_h L⊙(dy xdtᵀ), summed over the group (the groups are added outside; dB and dC take it from
-        # there), and per head two terms of ∂L/∂(dt_i A), gathered term by term so that nothing cancels. The pair
-        # weights L_rs depend on dt_i A for s < i ≤ r: Σ over the pairs spanning i of M = CB⊙L⊙(dy xdtᵀ); the
-        # passed-on state exp(a_last) depends on every i (its n_slices partials, one per block of the state that
-        # kernel 5 walked).
-        n_groups = tl.cdiv(h, heads_per_program)
-        pid_bc, group = tl.program_id(0) // n_groups, tl.program_id(0) % n_groups
-        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
-        rs = tl.arange(0, BLOCK_C)
-        pos = c * Cs + rs
-        valid = (rs < Cs) & (pos < l)
-        cc_offs, cc_mask = rs[:, None] * Cs + rs[None, :], (rs[:, None] < Cs) & (rs[None, :] < Cs)
-        CB = tl.load(CB_ptr + pid_bc.to(tl.int64) * Cs * Cs + cc_offs, mask=cc_mask, other=0.0)
-        dCB = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
-        for hi in range(group * heads_per_program, tl.minimum(group * heads_per_program + heads_per_program, h)):
-            dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=valid, other=0.0).to(tl.float32)
-            A = tl.load(A_ptr + hi).to(tl.float32)
-            dyxT = _ssd_chunk_gram(dy_ptr + hi * p, stride_dy, x_ptr + hi * p, stride_x, bi, c, l, Cs, p, BLOCK_P,
-                                   BLOCK_C, DOT)
-            weighted = _ssd_pair_decays(dt, A, rs, Cs) * dyxT * dt[None, :]          # L⊙(dy xdtᵀ)
-            dCB += weighted
-            M = weighted * CB
-            before = tl.cumsum(M, axis=1) - M                                        # [r, i] = Σ_{s<i} M_rs
-            d_dtA = tl.sum(tl.where(rs[:, None] >= rs[None, :], before, 0.0), axis=0)   # [i] = Σ_{r≥i} Σ_{s<i}
-            for m in range(n_slices):
-                d_dtA += tl.load(da_last_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * n_slices + m)
-            tl.store(ddt_ptr + (bi * l + pos).to(tl.int64) * h + hi, A * d_dtA, mask=valid)
-            tl.store(dA_ptr + (pid_bc * h + hi).to(tl.int64), tl.sum(dt * d_dtA, axis=0))
-        tl.store(dCB_ptr + ((group * b + bi) * n_chunks + c).to(tl.int64) * Cs * Cs + cc_offs, dCB, mask=cc_mask)
+    def _ssd_steps_between(dt_ptr, stride_dt, A, bi, l, hi, c, Cs, lo, hi_tok, BLOCK_CS: tl.constexpr):
+        # Σ dt_i A over chunk c's tokens lo ≤ i < hi_tok (counted from the chunk's start), a sum of whole blocks' steps
+        ts = tl.arange(0, BLOCK_CS)
+        pos = c * Cs + ts
+        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=(ts >= lo) & (ts < hi_tok) & (pos < l),
+                     other=0.0)
+        return tl.sum(dt.to(tl.float32) * A, axis=0)
 
     @triton.jit
-    def _ssd_chunk_bwd_dbc_kernel(x_ptr, B_ptr, C_ptr, a_ptr, dt_ptr, A_ptr, entering_ptr, dS_next_ptr, dCB_ptr,
-                                  dy_ptr, ddt_ptr, dA_ptr, dB_ptr, dC_ptr, b, l, h, p, n, n_chunks, Cs,
-                                  heads_per_program, stride_x, stride_B, stride_C, stride_dt, stride_dy,
-                                  BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                                  DOT: tl.constexpr):
-        # One program per (batch·chunk·group of heads, block of n):
-        #   dC = ∂L/∂CB B + Σ_h exp(a)⊙(dy h_in),   dB = (∂L/∂CB)ᵀ C + Σ_h (E⊙dt⊙x) dS_next,
-        # summed over the group's heads (the groups are added outside), the ∂L/∂CB terms added by group 0; and per
-        # head the read of the entering state's term of ∂L/∂(dt_i A): exp(a_r) depends on dt_i A for r ≥ i,
-        # Σ_{r≥i} exp(a_r) dy_r·h_in C_r (this n block's part)
-        n_groups = tl.cdiv(h, heads_per_program)
-        pid_bc, group, pid_n = tl.program_id(0) // n_groups, tl.program_id(0) % n_groups, tl.program_id(1)
+    def _ssd_chunk_bwd_dbc_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, h_in_ptr, dS_next_ptr, dy_ptr, dB_ptr, dC_ptr, b,
+                                  l, h, p, n, n_chunks, Cs, heads_per_program, stride_x, stride_dt, stride_B, stride_C,
+                                  stride_dy, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                                  BLOCK_CS: tl.constexpr, DOT: tl.constexpr):
+        # kernel 5, one program per (batch·chunk·block·group of heads, block of n × {dC, dB}): for block k's tokens,
+        # summed over the group's heads (the groups are added outside),
+        #   dC_r = Σ_{s≤r} L_rs dt_s (dy_r·x_s) B_s + exp(a_r) dy_r h_in,
+        #   dB_s = Σ_{r≥s} L_rs dt_s (dy_r·x_s) C_r + exp(a_last − a_s) dt_s x_s dS_next
+        # over the chunk's tokens, with a the decay from the chunk's start: k's own pairs with L as in kernel 2, those
+        # with another block j with L_rs = exp(u_r)·exp(e_s + the whole blocks in between), both factors ≤ 0 sums of
+        # steps. The dC and dB programs of a block are neighbours in the grid, so the x and dy both read come once
+        n_groups, n_blocks, n_pb = tl.cdiv(h, heads_per_program), tl.cdiv(Cs, BLOCK_C), tl.cdiv(p, BLOCK_P)
+        pid, pid_n, is_dB = tl.program_id(0), tl.program_id(1) // 2, tl.program_id(1) % 2
+        group, k, pid_bc = pid % n_groups, (pid // n_groups) % n_blocks, pid // n_groups // n_blocks
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
-        rs = tl.arange(0, BLOCK_C)
         ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        pos = c * Cs + rs
-        valid = (rs < Cs) & (pos < l)
-        dB = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)
-        dC = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)
-        for hi in range(group * heads_per_program, tl.minimum(group * heads_per_program + heads_per_program, h)):
-            dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=valid, other=0.0).to(tl.float32)
-            A = tl.load(A_ptr + hi).to(tl.float32)
-            to_end = _ssd_end_decays(dt_ptr, stride_dt, A, bi, l, hi, pos, c * Cs + Cs - 1) * dt
-            dy_h = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)                 # dy h_in, summed over p blocks
-            st_base = (pid_bc * h + hi).to(tl.int64) * p * n
-            for p0 in range(0, p, BLOCK_P):
-                ps = p0 + tl.arange(0, BLOCK_P)
-                tokens = (bi * l + pos[:, None]).to(tl.int64)
-                x_mask = valid[:, None] & (ps[None, :] < p)
-                st_offs = st_base + ps[:, None] * n + ns[None, :]
-                st_mask = (ps[:, None] < p) & (ns[None, :] < n)
-                dy = tl.load(dy_ptr + tokens * stride_dy + hi * p + ps[None, :], mask=x_mask, other=0.0)
-                x = tl.load(x_ptr + tokens * stride_x + hi * p + ps[None, :], mask=x_mask, other=0.0).to(tl.float32)
-                dy_h += tl.dot(dy, tl.load(entering_ptr + st_offs, mask=st_mask, other=0.0).to(dy.dtype),
-                               input_precision=DOT)
-                dB += tl.dot((to_end[:, None] * x).to(dy.dtype),
-                             tl.load(dS_next_ptr + st_offs, mask=st_mask, other=0.0).to(dy.dtype), input_precision=DOT)
-            a = tl.load(a_ptr + ((bi * h + hi) * n_chunks + c).to(tl.int64) * Cs + rs, mask=rs < Cs, other=0.0)
-            dy_h *= tl.exp(a)[:, None]
-            dC += dy_h
-            Cm = tl.load(C_ptr + (bi * l + pos[:, None]).to(tl.int64) * stride_C + ns[None, :],
-                         mask=valid[:, None] & (ns[None, :] < n), other=0.0).to(tl.float32)
-            d_dtA = tl.cumsum(tl.sum(dy_h * Cm, axis=1), axis=0, reverse=True)    # [i] = Σ_{r≥i}
-            slot = pid_n.to(tl.int64) * b + bi
-            tl.store(ddt_ptr + (slot * l + pos) * h + hi, A * d_dtA, mask=valid)
-            tl.store(dA_ptr + (slot * n_chunks + c) * h + hi, tl.sum(dt * d_dtA, axis=0))
+        rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
         tokens = (bi * l + pos[:, None]).to(tl.int64)
         bc_mask = valid[:, None] & (ns[None, :] < n)
-        if group == 0:
-            dCB = tl.load(dCB_ptr + pid_bc.to(tl.int64) * Cs * Cs + rs[:, None] * Cs + rs[None, :],
-                          mask=(rs[:, None] < Cs) & (rs[None, :] < Cs), other=0.0)
-            Cm = tl.load(C_ptr + tokens * stride_C + ns[None, :], mask=bc_mask, other=0.0)
-            dC += tl.dot(dCB.to(Cm.dtype),
-                         tl.load(B_ptr + tokens * stride_B + ns[None, :], mask=bc_mask, other=0.0).to(Cm.dtype),
-                         input_precision=DOT)
-            dB += tl.dot(tl.trans(dCB).to(Cm.dtype), Cm, input_precision=DOT)
-        slot = group.to(tl.int64) * b + bi
-        tl.store(dB_ptr + (slot * l + pos[:, None]) * n + ns[None, :], dB, mask=bc_mask)
-        tl.store(dC_ptr + (slot * l + pos[:, None]) * n + ns[None, :], dC, mask=bc_mask)
+        grad = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)
+        first = group * heads_per_program
+        for t in range((tl.minimum(first + heads_per_program, h) - first) * n_pb):   # (head, block of p)
+            hi, ps = first + t // n_pb, (t % n_pb) * BLOCK_P + tl.arange(0, BLOCK_P)
+            x_mask = valid[:, None] & (ps[None, :] < p)
+            A = tl.load(A_ptr + hi).to(tl.float32)
+            dt, u, e, _ = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
+            dy = tl.load(dy_ptr + tokens * stride_dy + hi * p + ps[None, :], mask=x_mask, other=0.0)
+            x = tl.load(x_ptr + tokens * stride_x + hi * p + ps[None, :], mask=x_mask, other=0.0)
+            states = ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n + ps[:, None] * n + ns[None, :]
+            st_mask = (ps[:, None] < p) & (ns[None, :] < n)
+            pairs = _ssd_pair_decays(dt, A, rs) * tl.dot(dy, tl.trans(x), input_precision=DOT) * dt[None, :]
+            if is_dB:
+                from_k = _ssd_steps_between(dt_ptr, stride_dt, A, bi, l, hi, c, Cs, (k + 1) * BLOCK_C, Cs, BLOCK_CS)
+                dS = tl.load(dS_next_ptr + states, mask=st_mask, other=0.0)
+                grad += (tl.exp(e + from_k) * dt)[:, None] * tl.dot(x, dS.to(x.dtype), input_precision=DOT)
+                C_k = tl.load(C_ptr + tokens * stride_C + ns[None, :], mask=bc_mask, other=0.0)
+                grad += tl.dot(tl.trans(pairs).to(C_k.dtype), C_k, input_precision=DOT)
+                xe = (x.to(tl.float32) * (tl.exp(e) * dt)[:, None])
+                for j in range(k + 1, n_blocks):                      # pairs [s in k, r in j]
+                    between = _ssd_steps_between(dt_ptr, stride_dt, A, bi, l, hi, c, Cs, (k + 1) * BLOCK_C,
+                                                 j * BLOCK_C, BLOCK_CS)
+                    _, pos_j, valid_j, last_j = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
+                    tokens_j = (bi * l + pos_j[:, None]).to(tl.int64)
+                    _, u_j, _, _ = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos_j, valid_j, last_j)
+                    dy_j = tl.load(dy_ptr + tokens_j * stride_dy + hi * p + ps[None, :],
+                                   mask=valid_j[:, None] & (ps[None, :] < p), other=0.0)
+                    pairs = tl.dot((xe * tl.exp(between)).to(x.dtype),
+                                   tl.trans((dy_j.to(tl.float32) * tl.exp(u_j)[:, None]).to(x.dtype)),
+                                   input_precision=DOT)
+                    C_j = tl.load(C_ptr + tokens_j * stride_C + ns[None, :],
+                                  mask=valid_j[:, None] & (ns[None, :] < n), other=0.0)
+                    grad += tl.dot(pairs.to(C_j.dtype), C_j, input_precision=DOT)
+            else:
+                to_k = _ssd_steps_between(dt_ptr, stride_dt, A, bi, l, hi, c, Cs, 0, k * BLOCK_C, BLOCK_CS)
+                h_in = tl.load(h_in_ptr + states, mask=st_mask, other=0.0)
+                grad += tl.exp(u + to_k)[:, None] * tl.dot(dy, h_in.to(dy.dtype), input_precision=DOT)
+                B_k = tl.load(B_ptr + tokens * stride_B + ns[None, :], mask=bc_mask, other=0.0)
+                grad += tl.dot(pairs.to(B_k.dtype), B_k, input_precision=DOT)
+                dyu = (dy.to(tl.float32) * tl.exp(u)[:, None]).to(dy.dtype)
+                for j in range(k):                                    # pairs [r in k, s in j]
+                    between = _ssd_steps_between(dt_ptr, stride_dt, A, bi, l, hi, c, Cs, (j + 1) * BLOCK_C,
+                                                 k * BLOCK_C, BLOCK_CS)
+                    _, pos_j, valid_j, last_j = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
+                    tokens_j = (bi * l + pos_j[:, None]).to(tl.int64)
+                    dt_j, _, e_j, _ = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos_j, valid_j, last_j)
+                    x_j = tl.load(x_ptr + tokens_j * stride_x + hi * p + ps[None, :],
+                                  mask=valid_j[:, None] & (ps[None, :] < p), other=0.0)
+                    pairs = tl.dot(dyu, tl.trans((x_j.to(tl.float32) * (tl.exp(e_j + between) * dt_j)[:, None]
+                                                  ).to(dy.dtype)), input_precision=DOT)
+                    B_j = tl.load(B_ptr + tokens_j * stride_B + ns[None, :],
+                                  mask=valid_j[:, None] & (ns[None, :] < n), other=0.0)
+                    grad += tl.dot(pairs.to(B_j.dtype), B_j, input_precision=DOT)
+        out = tl.where(is_dB == 1, dB_ptr, dC_ptr)
+        tl.store(out + ((group.to(tl.int64) * b + bi) * l + pos[:, None]) * n + ns[None, :], grad, mask=bc_mask)
 
 
 def _dot_precision(x):
@@ -2975,26 +2970,28 @@ def _dot_precision(x):
     return "ieee"
 
 
-SSD_TRITON_MAX_CHUNK = 64   # longer chunks exceed a block's registers in the backward kernels
-SSD_HEADS_PER_PROGRAM = 8   # heads a pairs or dB/dC program walks: partial sums for h/8 groups, not for every head
+SSD_TRITON_MAX_CHUNK = 256  # mamba_ssm's default: h_in and dS_next a quarter of chunk 64's
+SSD_HEADS_PER_PROGRAM = 16  # heads a dB/dC program walks: partial sums for h/16 groups, 16 steps
 
 
 def _ssd_blocks(dtype, p, n, Cs):
-    """(BLOCK_P, BLOCK_N, BLOCK_C, num_warps) for inputs of `dtype`: tl.dot wants every dimension ≥ 16; p and n are
-    walked in blocks of 32 for bf16 dots, 16 for fp32 ones (whose operands take twice the registers, and IEEE dots
-    run on FMA units that hold a thread's whole reduction slice) and fp16 ones (the dtype of Turing, sm_75, whose
-    smaller mma tiles spill at 32), a chunk of up to 64 in one tile over 8 warps."""
+    """(BLOCK_P, BLOCK_N, BLOCK_C, BLOCK_S) for inputs of `dtype`. The state passes walk blocks of BLOCK_S ≤ 64
+    tokens (16 steps at T 1024) over a [BLOCK_P, BLOCK_N] block of the state, p and n in blocks of 32 for bf16 dots,
+    16 for fp32 ones (whose operands take twice the registers) and fp16 ones (Turing, sm_75, whose smaller mma tiles
+    spill at 32). The per-block kernels take blocks of BLOCK_C ≤ 32 tokens, n (or p, for dB and dC) in one tile:
+    blocks of 64 held [64, 64] pair tiles beside the states and spilled. tl.dot wants every dimension ≥ 16."""
     most = 32 if dtype == torch.bfloat16 else 16
     block = lambda d, most: max(16, min(most, triton.next_power_of_2(d)))
-    BC = block(Cs, 64)
-    return block(p, most), block(n, most), BC, 8 if BC == 64 else 4
+    return block(p, most), block(n, most), block(Cs, 32), block(Cs, 64)
 
 
 def _ssd_state_pass_launch(x):
-    """num_warps and num_stages of the state passes (kernels 2 and 5) for inputs like x, with the next chunk's loads
-    in flight: 4 warps for 16-bit dots, 8 for fp32 ones (ahead of time, 4 warps spilled fp32's IEEE dots on sm_90, 8
-    spilled a bf16 state block of 32 × 16; three stages spilled too)."""
-    return dict(num_warps=8 if x.dtype == torch.float32 else 4, num_stages=2)
+    """num_warps, num_stages and maxnreg of the state passes (kernels 1 and 3) for inputs like x, with the next
+    block's loads in flight: 4 warps for 16-bit dots; 8 for fp32 ones, held to MAX_REGISTERS (left to itself ptxas
+    took 128 and spilled 16 B on sm_80)."""
+    if x.dtype == torch.float32:
+        return dict(num_warps=8, num_stages=2, maxnreg=MAX_REGISTERS)
+    return dict(num_warps=4, num_stages=2)
 
 
 def _ssd_passed_dtype(x):
@@ -3010,26 +3007,26 @@ def _ssd_rows(x, dt, B, C):
     return _rows(x, h * p), _rows(dt, h), _rows(B, B.shape[-1]), _rows(C, C.shape[-1])
 
 
-def _ssd_chunk_states(rows, A, shape, Cs, initial_state):
-    """Kernels 1–3: (a, CB, entering, h_T) from _ssd_rows' rows and shape = (b, l, h, p, n); the forward and the
-    backward (which recomputes them) share this."""
-    (x, sx), (dt, sdt), (B, sB), (C, sC) = rows
+def _ssd_chunk_length(chunk_size, l):
+    """The chunk length the kernels walk: chunk_size, or the whole sequence where it is shorter (one chunk either
+    way, without blocks past its end)."""
+    return min(chunk_size, max(l, 1))
+
+
+def _ssd_states(rows, A, shape, Cs, initial_state):
+    """Kernel 1: (h_in, h_T) from _ssd_rows' rows and shape = (b, l, h, p, n); the forward and the backward (which
+    recomputes h_in) share this."""
+    (x, sx), (dt, sdt), (B, sB), _ = rows
     b, l, h, p, n = shape
     N = triton.cdiv(l, Cs)
-    BP, BN, BC, _ = _ssd_blocks(x.dtype, p, n, Cs)
-    dot = _dot_precision(x)
-    f32 = dict(device=x.device, dtype=torch.float32)
-    a = torch.empty(b, h, N, Cs, **f32)
-    _ssd_chunk_cumsum_kernel[(b * N, triton.cdiv(h, 8))](dt, A, a, l, h, N, Cs, sdt, BLOCK_H=8, BLOCK_C=BC)
-    entering = torch.empty(b, N, h, p, n, device=x.device, dtype=_ssd_passed_dtype(x))
-    h_T = torch.empty(b, h, p, n, **f32)
+    BP, BN, _, BS = _ssd_blocks(x.dtype, p, n, Cs)
+    h_in = torch.empty(b, N, h, p, n, device=x.device, dtype=_ssd_passed_dtype(x))
+    h_T = torch.empty(b, h, p, n, device=x.device, dtype=torch.float32)
     h0 = initial_state.contiguous() if initial_state is not None else h_T
     _ssd_state_pass_kernel[(b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))](
-        x, B, dt, A, a, h0, entering, h_T, l, h, p, n, N, Cs, sx, sB, sdt, HAS_INITIAL=initial_state is not None,
-        BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot, **_ssd_state_pass_launch(x))
-    CB = torch.empty(b, N, Cs, Cs, **f32)
-    _ssd_bmm_kernel[(b * N,)](C, B, CB, l, n, N, Cs, sC, sB, BLOCK_C=BC, BLOCK_N=BN, DOT=dot)
-    return a, CB, entering, h_T
+        x, B, dt, A, h0, h_in, h_T, l, h, p, n, N, Cs, sx, sB, sdt, HAS_INITIAL=initial_state is not None,
+        BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BS, DOT=_dot_precision(x), **_ssd_state_pass_launch(x))
+    return h_in, h_T
 
 
 @_triton_op("specgpt::ssd_fwd")
@@ -3039,16 +3036,18 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     """(y, h_T)"""
     b, l, h, p = x.shape
     n = B.shape[-1]
-    Cs = chunk_size
+    Cs = _ssd_chunk_length(chunk_size, l)
     rows = _ssd_rows(x, dt, B, C)
-    (x2, sx), (dt2, sdt), _, (C2, sC) = rows
+    (x2, sx), (dt2, sdt), (B2, sB), (C2, sC) = rows
     A = A.contiguous()
-    a, CB, entering, h_T = _ssd_chunk_states(rows, A, (b, l, h, p, n), Cs, initial_state)
-    BP, BN, BC, warps = _ssd_blocks(x.dtype, p, n, Cs)
+    h_in, h_T = _ssd_states(rows, A, (b, l, h, p, n), Cs, initial_state)
+    BP, BN, BC, _ = _ssd_blocks(x.dtype, p, n, Cs)
+    N = triton.cdiv(l, Cs)
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    _ssd_chunk_scan_kernel[(b * triton.cdiv(l, Cs) * h, triton.cdiv(p, BP))](
-        x2, dt2, A, a, CB, C2, entering, D if D is not None else A, y, l, h, p, n, triton.cdiv(l, Cs), Cs, sx, sdt, sC,
-        HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=_dot_precision(x), num_warps=warps)
+    _ssd_chunk_scan_kernel[(b * N * triton.cdiv(Cs, BC) * h, triton.cdiv(p, BP))](
+        x2, dt2, A, B2, C2, h_in, D if D is not None else A, y, l, h, p, n, N, Cs, sx, sdt, sB, sC,
+        HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=_dot_precision(x), num_warps=8, num_stages=2,
+        maxnreg=MAX_REGISTERS)
     return y, h_T
 
 
@@ -3067,47 +3066,41 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
     without D."""
     b, l, h, p = x.shape
     n = B.shape[-1]
-    Cs = chunk_size
+    Cs = _ssd_chunk_length(chunk_size, l)
     N = triton.cdiv(l, Cs)
     rows = _ssd_rows(x, dt, B, C)
     (x2, sx), (dt2, sdt), (B2, sB), (C2, sC) = rows
     dy2, sdy = _rows(dy, h * p)
     A = A.contiguous()
-    a, CB, entering, _ = _ssd_chunk_states(rows, A, (b, l, h, p, n), Cs, initial_state)
-    BP, BN, BC, warps = _ssd_blocks(x.dtype, p, n, Cs)
+    h_in, _ = _ssd_states(rows, A, (b, l, h, p, n), Cs, initial_state)
+    BP, BN, BC, BS = _ssd_blocks(x.dtype, p, n, Cs)
     dot = _dot_precision(x)
     f32 = dict(device=x.device, dtype=torch.float32)
-    passed = dict(device=x.device, dtype=_ssd_passed_dtype(x))
-    n_blocks = triton.cdiv(p, BP) * triton.cdiv(n, BN)
-    dS_next, dh0 = torch.empty(b, N, h, p, n, **passed), torch.empty(b, h, p, n, **f32)
-    da_last = torch.empty(b, h, N, n_blocks, **f32)
-    _ssd_state_pass_bwd_kernel[(b * h, n_blocks)](dy2, C2, a, entering, dh_T.contiguous(), dS_next, dh0, da_last, l, h,
-                                                  p, n, N, Cs, sdy, sC, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot,
-                                                  **_ssd_state_pass_launch(x))
-    # partial sums: ddt and dA per block of p (kernel 6), one more (kernel 7) and per block of n (kernel 8); dD per
-    # block of p; dB, dC and dCB per group of heads. ddt, dB, dC and dCB (a few partials of many values) go to
-    # _sum_partials
-    n_pb, n_nb, n_hg = triton.cdiv(p, BP), triton.cdiv(n, BN), triton.cdiv(h, SSD_HEADS_PER_PROGRAM)
+    dS_next = torch.empty(b, N, h, p, n, device=x.device, dtype=_ssd_passed_dtype(x))
+    dh0 = torch.empty(b, h, p, n, **f32)
+    _ssd_state_pass_bwd_kernel[(b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))](
+        dy2, C2, dt2, A, dh_T.contiguous(), dS_next, dh0, l, h, p, n, N, Cs, sdy, sC, sdt, BLOCK_P=BP, BLOCK_N=BN,
+        BLOCK_C=BS, DOT=dot, **_ssd_state_pass_launch(x))
+    # partial sums: ddt, dA and dD per block of p (kernel 4), dB and dC per group of heads (kernel 5); ddt, dB and dC
+    # (a few partials of many values) go to _sum_partials
+    n_pb, n_nb, n_kb, n_hg = (triton.cdiv(p, BP), triton.cdiv(n, BN), triton.cdiv(Cs, BC),
+                              triton.cdiv(h, SSD_HEADS_PER_PROGRAM))
+    full = lambda d: max(16, triton.next_power_of_2(d))
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    ddt, dA = torch.empty(n_pb + 1 + n_nb, b, l, h, **f32), torch.empty(n_pb + 1 + n_nb, b, N, h, **f32)
-    dD = torch.empty(n_pb, b, N, h, **f32) if D is not None else None
-    _ssd_chunk_bwd_dx_kernel[(b * N * h, n_pb)](
-        x2, dt2, A, B2, CB, D if D is not None else A, dS_next, dy2, dx, ddt, dA, dD, b, l, h, p, n, N, Cs, sx, sdt,
-        sB, sdy, HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot, num_warps=warps,
-        maxnreg=MAX_REGISTERS if x.dtype == torch.float32 else None)      # fp32's dots took 255 uncapped
-    dCB = torch.empty(n_hg, b, N, Cs, Cs, **f32)
-    _ssd_chunk_bwd_pairs_kernel[(b * N * n_hg,)](x2, dt2, A, CB, da_last, dy2, ddt[n_pb], dA[n_pb], dCB, b, l, h, p, N,
-                                                 Cs, n_blocks, SSD_HEADS_PER_PROGRAM, sx, sdt, sdy, BLOCK_P=BP,
-                                                 BLOCK_C=BC, DOT=dot, num_warps=warps, num_stages=1,
-                                                 maxnreg=MAX_REGISTERS)
+    ddt, dA = torch.empty(n_pb, b, l, h, **f32), torch.empty(n_pb, b, N, n_kb, h, **f32)
+    dD = torch.empty(n_pb, b, N, n_kb, h, **f32) if D is not None else None
+    _ssd_chunk_bwd_dx_kernel[(b * N * n_kb * h, n_pb)](
+        x2, dt2, A, B2, C2, D if D is not None else A, h_in, dS_next, dy2, dx, ddt, dA, dD, b, l, h, p, n, N, Cs, sx,
+        sdt, sB, sC, sdy, HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=16, BLOCK_C=BC, DOT=dot, num_warps=8,
+        num_stages=1, maxnreg=MAX_REGISTERS)
     dB, dC = torch.empty(n_hg, b, l, n, **f32), torch.empty(n_hg, b, l, n, **f32)
-    _ssd_chunk_bwd_dbc_kernel[(b * N * n_hg, n_nb)](
-        x2, B2, C2, a, dt2, A, entering, dS_next, _sum_partials(dCB, torch.float32), dy2, ddt[n_pb + 1:],
-        dA[n_pb + 1:], dB, dC, b, l, h, p, n, N, Cs, SSD_HEADS_PER_PROGRAM, sx, sB, sC, sdt, sdy, BLOCK_P=BP,
-        BLOCK_N=BN, BLOCK_C=BC, DOT=dot, num_warps=8, num_stages=1, maxnreg=MAX_REGISTERS)
-    return (dx, _sum_partials(ddt, dt.dtype), dA.sum((0, 1, 2)).to(A.dtype), _sum_partials(dB, B.dtype).unsqueeze(2),
-            _sum_partials(dC, C.dtype).unsqueeze(2), dD.sum((0, 1, 2)).to(D.dtype) if D is not None else A.new_empty(0),
-            dh0)
+    _ssd_chunk_bwd_dbc_kernel[(b * N * n_kb * n_hg, 2 * n_nb)](
+        x2, dt2, A, B2, C2, h_in, dS_next, dy2, dB, dC, b, l, h, p, n, N, Cs, SSD_HEADS_PER_PROGRAM, sx, sdt, sB, sC,
+        sdy, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, BLOCK_CS=full(Cs), DOT=dot, num_warps=8, num_stages=1,
+        maxnreg=MAX_REGISTERS)
+    return (dx, _sum_partials(ddt, dt.dtype), dA.sum((0, 1, 2, 3)).to(A.dtype),
+            _sum_partials(dB, B.dtype).unsqueeze(2), _sum_partials(dC, C.dtype).unsqueeze(2),
+            dD.sum((0, 1, 2, 3)).to(D.dtype) if D is not None else A.new_empty(0), dh0)
 
 
 @_ssd_bwd.register_fake

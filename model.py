@@ -53,7 +53,7 @@ class GPTConfig:
     mamba_expand: int = 2            # M mixer: inner width = mamba_expand x n_embd
     mamba_headdim: int = 32          # M mixer: head size P (divides the inner width)
     mamba_discretization: str = "euler"  # M mixer: the input factor dt (euler) or (exp(dt A) − 1)/A (zoh)
-    chunk_size: int = 64             # M mixer: SSD chunk length, torch and Triton paths (Triton: at most 64)
+    chunk_size: int = 256            # M mixer: SSD chunk length, torch and Triton paths (Triton: at most 256)
     gdn_chunk_size: int = 64         # G mixer: chunk length, torch and Triton paths (Triton: 16, 32 or 64)
     kernels: str = "auto"          # kernels.py's path: auto (Triton on CUDA, else torch), torch, triton, ref
     init: str = "gpt2"             # init.py's scheme: GPT-2's N(0, 0.02), or the spectral condition
@@ -725,10 +725,10 @@ def kept_activation_table(shapes=((16, 2048, 2048, 16), (8, 1024, 768, 12))):
 
 # The mixers of the kernel cost report (kernels.kernel_costs): GPTConfig keys for H heads, the heads it reports
 # (the hybrid preset's G and A: 704 wide, 11 heads of 64; Mamba2 at GPT-2 small's 768: 48 heads of 32, state 64),
-# and the fewest heads at which its counts are linear in H (ssd's dB/dC programs sum over groups of 8 heads)
+# and the fewest heads at which its counts are linear in H (ssd's dB/dC programs sum over groups of 16 heads)
 COST_MIXERS = {"G": (lambda H: dict(n_embd=64 * H, n_head=H, gdn_variant="gdn2", gdn_expand_v=1), 11, 1),
                "M": (lambda H: dict(n_embd=16 * H, n_head=1, mamba_expand=2, mamba_headdim=32, mamba_d_state=64), 48,
-                     8),
+                     16),
                "A": (lambda H: dict(n_embd=64 * H, n_head=H, qk_norm=True, rope="fixed", attention="sdpa"), 11, 1)}
 
 
