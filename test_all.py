@@ -1,5 +1,5 @@
 """
-specgpt's test suite: python -m pytest -q test_all.py (on a CPU; with a GPU the Triton tests run there, compiled)
+specgpt's test suite: python -m pytest -q -n 2 test_all.py (on a CPU; with a GPU the Triton tests run there, compiled)
 
 Every test compares against something independent of the code under test (a token loop, an SVD, a
 dense Hessian, torch's own implementation, a closed form, a fact about the data) and can fail.
@@ -1743,9 +1743,11 @@ def test_triton_chunk_sizes_out_of_range_are_value_errors():
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-def test_triton_ssd_steep_decays_match_fp64(device):
-    errs = _kernels_grads_vs_fp64(triton_on(device, lambda *a: kernels.ssd_triton(*a, chunk_size=64)), kernels.ssd_ref,
-                                  _kernels_ssd_steep_inputs(), ("dx", "ddt", "dA"))
+@pytest.mark.parametrize("chunk", [64, 256])
+def test_triton_ssd_steep_decays_match_fp64(chunk, device):
+    # chunk 256: l = 150 is one chunk of five 32-token blocks, so the decays also cross the kernels' blocks
+    errs = _kernels_grads_vs_fp64(triton_on(device, lambda *a: kernels.ssd_triton(*a, chunk_size=chunk)),
+                                  kernels.ssd_ref, _kernels_ssd_steep_inputs(), ("dx", "ddt", "dA"))
     assert max(errs.values()) < 1e-5, errs
 
 
@@ -2294,7 +2296,7 @@ def aot_resource_rows():
     return rows
 
 
-@pytest.mark.aot  # about 3 minutes on 2 cores: run with `python -m pytest -q -m aot test_all.py`
+@pytest.mark.aot  # about 5 minutes on 2 cores: run with `python -m pytest -q -m aot test_all.py`
 def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time():
     """Every Triton kernel, at the launch parameters its wrapper picks for the AOT_CASES models, compiles for each
     pass of AOT_PASSES (sm_80, sm_89 and sm_90 in fp32 and bf16; sm_75 in fp16), fits the arch's shared memory per
@@ -2398,7 +2400,8 @@ def test_gpu_bf16_activations_reach_every_kernel(case):
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_initial,with_D,chunk,l",
-                         [(False, False, 16, 37), (True, True, 64, 100), (True, True, 32, 150)])
+                         [(False, False, 16, 37), (True, True, 64, 100), (True, True, 32, 150),
+                          (True, True, 256, 300)])
 def test_triton_ssd_half_within_its_error_budget(with_initial, with_D, chunk, l, dtype, device):
     """ssd's Triton kernels on bf16 (or fp16: GPUs without bf16) x, B, C, dy (dt, A, D, the states in fp32) against
     the fp64 token loop on the same values: every output and gradient within SSD_HALF_BUDGET units of the device's
@@ -2731,17 +2734,25 @@ def test_kernel_cost_no_eager_copies_or_casts_inside_the_mixers_custom_ops():
 
 
 @INTERPRETED
-@pytest.mark.aot  # several minutes on 2 cores (the interpreter's counts, then the sm_90 compile)
+@pytest.mark.aot  # about 35 minutes on 2 cores (the interpreter's counts, M's the most, then the sm_90 compile)
 def test_kernel_cost_report_of_g_and_m_at_the_hybrid_shapes():
     """model.kernel_cost_rows for G (704 wide, 11 heads of 64) and M (768 wide, 48 heads of 32, state 64), one
     layer forward + backward at B 16, T 1024 in bf16: rms_norm's launches, scaled (G's forward) or replayed at the
     real heads (M's, over 1536 channels, and both backwards), read and write exactly their closed forms at that
     shape (rows·C bf16 of x, the gate and dy, C fp32 of the weight, rows fp32 of rstd; outputs y or dx and dgate, and
     4·C fp32 dw partials); every launch compiles for sm_90 without spills and is resident at least once per SM; the
-    estimate is the largest of its three bounds."""
+    estimate is the largest of its three bounds. And the targets, at GPTConfig's chunk lengths (gdn_chunk_size 64,
+    chunk_size 256; the report is of the model as configured): G at most 2.7 GB in all, M at most 1.3 GB, no launch
+    walking more than 16 sequential steps (T 1024 in chunks of 64 or blocks of 64 tokens), no eager byte but the
+    few MB of fp32 parameter-gradient sums."""
     B, T = 16, 1024
-    for mixer, rows_per_norm, C, gated in (("G", B * T * 11, 64, False), ("M", B * T, 1536, True)):
-        rows, _ = model_module.kernel_cost_rows(mixer, B, T, torch.bfloat16)
+    assert (GPTConfig().gdn_chunk_size, GPTConfig().chunk_size) == (64, 256)
+    for mixer, rows_per_norm, C, gated, most_bytes in (("G", B * T * 11, 64, False, 2.7e9),
+                                                       ("M", B * T, 1536, True, 1.3e9)):
+        rows, eager = model_module.kernel_cost_rows(mixer, B, T, torch.bfloat16)
+        totals = kernels.cost_totals(rows, eager)
+        assert totals["triton"] + totals["eager"] <= most_bytes and totals["steps"] <= 16, (mixer, totals)
+        assert totals["eager"] < 4e6, (mixer, eager)
         x_bytes = rows_per_norm * C * 2 * (1 + gated)
         forward = dict(read=x_bytes + C * 4, written=rows_per_norm * (C * 2 + 4))
         backward = dict(read=x_bytes + rows_per_norm * (C * 2 + 4) + C * 4, written=x_bytes + 4 * C * 4)
