@@ -980,30 +980,6 @@ def _rows(t, width):
     return rows, rows.stride(0)
 
 
-if HAS_TRITON:
-    @triton.jit
-    def _sum_partials_kernel(partials_ptr, out_ptr, n_parts, numel, BLOCK: tl.constexpr):
-        # out = Σ_k partials[k], BLOCK values a program, added in fp32 and stored once in out's dtype
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        ptrs = partials_ptr + offs
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for _ in range(n_parts):
-            acc += tl.load(ptrs, mask=mask, other=0.0)
-            ptrs += numel
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _sum_partials(partials, dtype):
-    """Σ over the first dim of a few contiguous fp32 partial sums [n, ...] of many values, added in fp32 and written
-    once in dtype: one launch, each program a block of values and a loop over the partials, where eager ops take two
-    (a sum, then a cast) or round every partial to dtype first (torch.sum(dtype=) casts its input). Many short
-    partials (over the batch and the chunks, or a persistent grid's programs) are summed by torch, which spreads
-    such a reduction over the GPU."""
-    out = torch.empty(partials.shape[1:], device=partials.device, dtype=dtype)
-    _sum_partials_kernel[(triton.cdiv(out.numel(), 1024),)](partials, out, partials.shape[0], out.numel(), BLOCK=1024)
-    return out
-
 # -----------------------------------------------------------------------------
 # rms_norm in Triton
 
@@ -2621,37 +2597,42 @@ def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16)
 # -----------------------------------------------------------------------------
 # ssd in Triton
 
-# ssd in Triton: the chunked scan of the Mamba-2 paper (Dao & Gu 2024) as mamba_ssm runs it, with chunks of up to
-# 256 tokens whose edges alone store a state, each chunk walked in blocks of up to 64 tokens (mamba_ssm's rows a
-# program). Per head, dt_i A is token i's step of log-decay and h_in[c] the state entering chunk c. Within a chunk,
-# block k reads the state entering it, H_k, and writes into the one leaving it:
-#   y_r = Σ_{s≤r in k} (C_r·B_s) L_rs dt_s x_s + exp(u_r) H_k C_r + D x_r,     L_rs = exp(Σ_{s<i≤r} dt_i A)
-#   H_{k+1} = exp(T_k) H_k + Σ_{s in k} exp(e_s) dt_s x_sᵀ B_s
-# with u_r = Σ_{k_0≤i≤r} dt_i A (from the block's start through r), e_s = Σ_{s<i≤k_end} dt_i A (after s to the
-# block's end) and T_k the whole block's sum. So C·B is formed for a block's own pairs only, and a block meets the rest
-# of its chunk through p × n states: at p = 32, n = 64 a third of the FLOPs of the [64, 64] C·B blocks mamba_ssm
-# walks up to the diagonal, and nothing of size chunk² is stored. Every exponent is a sum of steps (one block's part,
-# then whole blocks), never a difference of cumulative sums, which next to a decay of −1000 would lose the small
-# exponents' digits. Forward:
-#   1 state pass   sequential over the blocks of every chunk: h_in[c] is stored at each chunk's start, then
-#                  h ← exp(T_k) h + Σ_s exp(e_s) dt_s x_sᵀ B_s
-#   2 chunk scan   per (chunk, block, head, block of p): y, with H_k formed from h_in and the chunk's earlier blocks
-# The forward keeps nothing but its inputs: the backward reruns kernel 1 for h_in (p·n numbers per chunk and head, an
-# eighth of x at p = 32, n = 64, chunk 256), then
-#   3 reverse state pass: dS_next[c] = ds, the gradient of chunk c's end state, is stored at each chunk's end, then
-#                  ds ← exp(T_k) ds + Σ_r exp(u_r) dy_rᵀ C_r
-#   4 dx           per (chunk, block, head, block of p), with G_k (the gradient of the state leaving block k, from
-#                  dS_next and the chunk's later blocks): dx, and the terms of ddt that read x
-#   5 dB, dC       per (chunk, block, group of heads, block of n), with H_k and G_k: dB, dC, the other terms of ddt
-# ∂L/∂(dt_i A) is gathered term by term, so that nothing cancels: the block's pairs whose segment holds i and its
-# writes before i (kernel 4), its reads of H_k from i on and the state it passes on, exp(T_k)⟨G_k, H_k⟩ (kernel 5).
+# ssd in Triton: the chunked scan of the Mamba-2 paper (Dao & Gu 2024) in mamba_ssm's decomposition, with chunks of up
+# to 256 tokens whose edges alone store a state, each chunk walked in blocks of up to 32 tokens. Per head, dt_i A is
+# token i's step of log-decay and h_in[c] the state entering chunk c. With CB_rs = C_r·B_s, formed once per chunk
+# for all heads (the Mamba-2 paper's single group of B and C), token r of block k reads
+#   y_r = Σ_{s≤r in the chunk} CB_rs L_rs dt_s x_s + exp(a_r) C_r h_in + D x_r,     L_rs = exp(Σ_{s<i≤r} dt_i A)
+# with a_r the decay from the chunk's start through r. Every exponent is a sum of steps, never a difference of
+# cumulative sums (which next to a decay of −1000 would lose the small exponents' digits): for s in block j < k,
+# L_rs = exp(u_r)·exp(between)·exp(e_s), with u_r = Σ_{k_0≤i≤r} dt_i A (from k's start through r), e_s = Σ_{s<i≤j_end}
+# dt_i A (after s to j's end) and between the whole blocks' sums T in between; within a block, L's steps are summed.
+# Forward:
+#   1 state pass   sequential over 64-token blocks of every chunk: h_in[c] is stored at each chunk's start, then
+#                  h ← exp(T) h + Σ_s exp(e_s) dt_s x_sᵀ B_s
+#   2 CB           per (chunk, pair of blocks j ≥ k): C_j B_kᵀ, fp32
+#   3 chunk scan   per (chunk, block k, head, block of p): y, walking the chunk's blocks j ≤ k
+# The forward keeps nothing but its inputs: the backward reruns kernels 1 and 2 (h_in is p·n numbers per chunk and
+# head, an eighth of x at p = 32, n = 64, chunk 256), then
+#   4 reverse state pass: dS_next[c] = ds, the gradient of chunk c's end state, is stored at each chunk's end, then
+#                  ds ← exp(T) ds + Σ_r exp(u_r) dy_rᵀ C_r
+#   5 dx           per (chunk, block k, head, block of p), the transpose of kernel 3: dx, and the terms of ddt that
+#                  read x and dy of the block
+#   6 dCB          per (chunk, pair of blocks j ≥ k, group of heads): dCB_rs = Σ_heads dt_s L_rs dy_r·x_s, and on the
+#                  diagonal pairs the state terms of dC and dB
+#   7 dB, dC       per (chunk, block, block of n): dC = dCB B + its state term, dB = dCBᵀ C + its state term
+#   8 ddt          per (chunk, head): the terms of ∂L/∂(dt_i A) that cross whole blocks, added to kernel 5's
+# ∂L/∂(dt_i A) is the sum of the pair weights over the pairs (s, r) with s < i ≤ r, h_in as a token before the chunk
+# and dS_next one after it. It is gathered term by term, so that nothing cancels: kernel 5 sums the pairs with an end
+# in i's block (its own pairs; the reads of everything before the block from i on; the writes of the block before i
+# into everything after it), kernel 8 those passing over the whole block: h_in into dS_next, the blocks before into
+# dS_next, h_in into the blocks after, and the pairs between a block before and one after (kernel 5's pair sums).
 # Dots take their operands in the inputs' dtype and accumulate in fp32: bf16 inputs (x, B, C, dy) go in as loaded
-# and the fp32 factors that meet them (decays, dt, states) are rounded to bf16 there; fp32 inputs take IEEE or
-# TF32 dots (_dot_precision). Decays, the blocks' states, the final state and every accumulator stay fp32; the passed
-# states h_in and the backward's dS_next are stored in the inputs' dtype (_ssd_passed_dtype, as mamba_ssm keeps
-# them). Every grid puts batch × chunks × blocks (× heads) on axis 0 (up to 2³¹ − 1 programs), and only small counts
-# (blocks of p or n) on axis 1. x, dt, B, C and dy are read where they lie, each token's row at its own stride
-# (_ssd_rows: the model's are column slices of in_proj's output); what the kernels write is contiguous.
+# and the fp32 factors that meet them (decays, dt, CB) are rounded to bf16 there; fp32 inputs take IEEE or TF32
+# dots (_dot_precision). Decays, CB, dCB, the final state and every accumulator stay fp32; the passed states h_in
+# and the backward's dS_next are stored in the inputs' dtype (_ssd_passed_dtype, as mamba_ssm keeps them). Every
+# grid puts batch × chunks (× blocks × heads) on axis 0 (up to 2³¹ − 1 programs), and only small counts on axis 1.
+# x, dt, B, C and dy are read where they lie, each token's row at its own stride (_ssd_rows: the model's are column
+# slices of in_proj's output); what the kernels write is contiguous.
 if HAS_TRITON:
     @triton.jit
     def _ssd_block_tokens(c, k, l, Cs, BLOCK_C: tl.constexpr):
@@ -2678,6 +2659,15 @@ if HAS_TRITON:
         return tl.exp(tl.where(rs[:, None] >= rs[None, :], tl.cumsum(steps, axis=0), -float("inf")))
 
     @triton.jit
+    def _ssd_steps_between(dt_ptr, stride_dt, A, bi, l, hi, c, Cs, lo, hi_tok, BLOCK_CS: tl.constexpr):
+        # Σ dt_i A over chunk c's tokens lo ≤ i < hi_tok (counted from the chunk's start), a sum of whole blocks' steps
+        ts = tl.arange(0, BLOCK_CS)
+        pos = c * Cs + ts
+        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=(ts >= lo) & (ts < hi_tok) & (pos < l),
+                     other=0.0)
+        return tl.sum(dt.to(tl.float32) * A, axis=0)
+
+    @triton.jit
     def _ssd_chunk_outer(x_ptr, stride_x, y_ptr, stride_y, scale, bi, hi, l, p, n, pos, valid, ps, ns,
                          DOT: tl.constexpr):
         # Σ_s scale_s x_sᵀ y_s over the tokens pos, a [BLOCK_P, BLOCK_N] block in fp32: x [b,l,h,p] and y [b,l,1,n]
@@ -2687,42 +2677,6 @@ if HAS_TRITON:
         y = tl.load(y_ptr + (bi * l + pos[:, None]).to(tl.int64) * stride_y + ns[None, :],
                     mask=valid[:, None] & (ns[None, :] < n), other=0.0).to(tl.float32)          # [BLOCK_C, BLOCK_N]
         return tl.dot(xT, (y * scale[:, None]).to(xT.dtype), input_precision=DOT)
-
-    @triton.jit
-    def _ssd_state_before(x_ptr, stride_x, B_ptr, stride_B, dt_ptr, stride_dt, h_in_ptr, A, bi, c, k, hi, l, h, p,
-                          n, n_chunks, Cs, ps, ns, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        # H_k[ps, ns], the state entering block k of chunk c, in fp32: the chunk's earlier blocks j = k−1, …, 0 add
-        # Σ_s exp(e_s + T_{j+1} + … + T_{k−1}) dt_s x_sᵀ B_s, and h_in[c] comes in decayed by exp(T_0 + … + T_{k−1})
-        H = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-        between = 0.0                                                   # Σ T over the blocks between j and k
-        for i in range(k):
-            _, pos, valid, last = _ssd_block_tokens(c, k - 1 - i, l, Cs, BLOCK_C)
-            dt, _, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
-            H += _ssd_chunk_outer(x_ptr, stride_x, B_ptr, stride_B, tl.exp(e + between) * dt, bi, hi, l, p, n, pos,
-                                  valid, ps, ns, DOT)
-            between += T
-        h_in = tl.load(h_in_ptr + ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n + ps[:, None] * n + ns[None, :],
-                       mask=(ps[:, None] < p) & (ns[None, :] < n), other=0.0)
-        return H + tl.exp(between) * h_in.to(tl.float32)
-
-    @triton.jit
-    def _ssd_grad_after(dy_ptr, stride_dy, C_ptr, stride_C, dt_ptr, stride_dt, dS_next_ptr, A, bi, c, k, hi, l, h, p,
-                        n, n_chunks, Cs, ps, ns, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        # G_k[ps, ns], the gradient of the state leaving block k of chunk c, in fp32: the chunk's later blocks j add
-        # Σ_r exp(T_{k+1} + … + T_{j−1} + u_r) dy_rᵀ C_r, and dS_next[c] comes in decayed by exp(T_{k+1} + … )
-        G = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-        between = 0.0                                                   # Σ T over the blocks between k and j
-        for j in range(k + 1, tl.cdiv(Cs, BLOCK_C)):
-            _, pos, valid, last = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
-            _, u, _, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
-            G += _ssd_chunk_outer(dy_ptr, stride_dy, C_ptr, stride_C, tl.exp(between + u), bi, hi, l, p, n, pos, valid,
-                                  ps, ns, DOT)
-            between += T
-        dS = tl.load(dS_next_ptr + ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n + ps[:, None] * n + ns[None, :],
-                     mask=(ps[:, None] < p) & (ns[None, :] < n), other=0.0)
-        return G + tl.exp(between) * dS.to(tl.float32)
 
     @triton.jit
     def _ssd_state_block(pid_bh, pid_pn, h, p, n, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -2759,45 +2713,132 @@ if HAS_TRITON:
         tl.store(hT_ptr + pid_bh.to(tl.int64) * p * n + st_offs, hs, mask=st_mask)
 
     @triton.jit
-    def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, h_in_ptr, D_ptr, y_ptr, l, h, p, n, n_chunks, Cs,
-                               stride_x, stride_dt, stride_B, stride_C, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        # kernel 2: y = (CB⊙L⊙dt_s) x + exp(u)⊙(C H_kᵀ) + D x for block k of a chunk, CB = C Bᵀ over the block's own
-        # tokens; one program per (batch·chunk·block·head, block of p), n in one tile. x and C go into the dots as
-        # loaded, the pair weights CB⊙L⊙dt and the state H_k are rounded to their dtype
-        n_blocks = tl.cdiv(Cs, BLOCK_C)
-        pid, pid_p = tl.program_id(0), tl.program_id(1)
-        hi, k, pid_bc = pid % h, (pid // h) % n_blocks, pid // h // n_blocks
+    def _ssd_block_pair(t):
+        # the t-th pair (j, k), k ≤ j, of a chunk's blocks, row by row: t = j(j+1)/2 + k (the square root is exact
+        # for the few pairs of a chunk; the guards make it so for any)
+        j = ((tl.sqrt((8 * t + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
+        j = tl.where(j * (j + 1) // 2 > t, j - 1, j)
+        j = tl.where((j + 1) * (j + 2) // 2 <= t, j + 1, j)
+        return j, t - j * (j + 1) // 2
+
+    @triton.jit
+    def _ssd_pair_tile(ptr, pid, j, k, rs, BLOCK_C: tl.constexpr, n_blocks):
+        # the [BLOCK_C, BLOCK_C] tile (rows of block j, columns of block k) of the pid-th in a stack of fp32 [Cs, Cs]
+        # chunk matrices (CB, dCB), Cs rounded up to n_blocks whole blocks; 32-bit offsets within the matrix (64-bit
+        # ones take twice the registers a pointer)
+        side = n_blocks * BLOCK_C
+        return ptr + pid.to(tl.int64) * side * side + ((j * BLOCK_C + rs[:, None]) * side + k * BLOCK_C + rs[None, :])
+
+    @triton.jit
+    def _ssd_rows_tile(ptr, stride, first, rs, cols):
+        # the tile [rows first + rs, columns cols] of a tensor of token rows `stride` apart, 32-bit offsets from the
+        # row `first`
+        return ptr + first.to(tl.int64) * stride + (rs[:, None] * stride + cols[None, :])
+
+    @triton.jit
+    def _ssd_cb_kernel(B_ptr, C_ptr, CB_ptr, l, n, n_chunks, Cs, stride_B, stride_C, BLOCK_N: tl.constexpr,
+                       BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # kernel 2: CB[r, s] = C_r·B_s for r in block j and s in block k ≤ j of a chunk, in fp32 (0 past the
+        # sequence). One program per (batch·chunk, pair of blocks); the pairs above the diagonal are never read
+        pid_bc = tl.program_id(0)
+        j, k = _ssd_block_pair(tl.program_id(1))
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
-        ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        rs, pos_j, valid_j, _ = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
+        _, pos_k, valid_k, _ = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
+        CB = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
+        for n0 in range(0, n, BLOCK_N):
+            ns = n0 + tl.arange(0, BLOCK_N)
+            Cj = tl.load(_ssd_rows_tile(C_ptr, stride_C, bi * l + c * Cs + j * BLOCK_C, rs, ns),
+                         mask=valid_j[:, None] & (ns[None, :] < n), other=0.0)
+            Bk = tl.load(_ssd_rows_tile(B_ptr, stride_B, bi * l + c * Cs + k * BLOCK_C, rs, ns),
+                         mask=valid_k[:, None] & (ns[None, :] < n), other=0.0)
+            CB += tl.dot(Cj, tl.trans(Bk).to(Cj.dtype), input_precision=DOT)
+        tl.store(_ssd_pair_tile(CB_ptr, pid_bc, j, k, rs, BLOCK_C, tl.cdiv(Cs, BLOCK_C)), CB)
+
+    @triton.jit
+    def _ssd_block_of_head(pid, pid_p, h, n_chunks, Cs, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        # a per-block program (kernels 3 and 5): (batch·chunk·block·head, block of p) → its batch, chunk, block, head,
+        # batch·chunk, and p's indices
+        n_blocks = tl.cdiv(Cs, BLOCK_C)
+        hi, k, pid_bc = pid % h, (pid // h) % n_blocks, pid // h // n_blocks
+        return pid_bc // n_chunks, pid_bc % n_chunks, k, hi, pid_bc, pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+
+    @triton.jit
+    def _ssd_from_block(x_ptr, stride_x, dt_ptr, stride_dt, CB_ptr, A, bi, c, hi, l, p, Cs, pid_bc, k, j, between,
+                        rs, ps, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # what block j < k writes into block k's rows r, short of their exp(u_r): Σ_{s in j} CB_rs exp(e_s + between)
+        # dt_s x_s [BLOCK_C, BLOCK_P], between the steps of the blocks between j and k; and block j's T
+        _, pos, valid, last = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
+        dt, _, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
+        x = tl.load(_ssd_rows_tile(x_ptr, stride_x, bi * l + c * Cs + j * BLOCK_C, rs, hi * p + ps),
+                    mask=valid[:, None] & (ps[None, :] < p), other=0.0)
+        CB = tl.load(_ssd_pair_tile(CB_ptr, pid_bc, k, j, rs, BLOCK_C, tl.cdiv(Cs, BLOCK_C)))
+        return tl.dot((CB * (tl.exp(e + between) * dt)[None, :]).to(x.dtype), x, input_precision=DOT), T
+
+    @triton.jit
+    def _ssd_into_block(dy_ptr, stride_dy, dt_ptr, stride_dt, CB_ptr, A, bi, c, hi, l, p, Cs, pid_bc, k, j, between,
+                        rs, ps, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # the transpose: what block j > k reads of block k's columns s, short of their exp(e_s): Σ_{r in j} CB_rs
+        # exp(between + u_r) dy_r [BLOCK_C, BLOCK_P], between the steps of the blocks between k and j; and j's T
+        _, pos, valid, last = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
+        _, u, _, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
+        dy = tl.load(_ssd_rows_tile(dy_ptr, stride_dy, bi * l + c * Cs + j * BLOCK_C, rs, hi * p + ps),
+                     mask=valid[:, None] & (ps[None, :] < p), other=0.0)
+        CB = tl.load(_ssd_pair_tile(CB_ptr, pid_bc, j, k, rs, BLOCK_C, tl.cdiv(Cs, BLOCK_C)))
+        return tl.dot(tl.trans(CB * tl.exp(between + u)[:, None]).to(dy.dtype), dy, input_precision=DOT), T
+
+    @triton.jit
+    def _ssd_state_rows(rows_ptr, stride_rows, state_ptr, first, rs, valid, ps, p, n, BLOCK_C: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+        # rows · stateᵀ [BLOCK_C, BLOCK_P] in fp32, over n: C_r h_inᵀ (or B_s dS_nextᵀ) for a block's tokens from
+        # the row `first`, rows [b,l,1,n] at their token stride and the state [p, n] in the inputs' dtype
+        acc = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
+        for n0 in range(0, n, BLOCK_N):
+            ns = n0 + tl.arange(0, BLOCK_N)
+            rows = tl.load(_ssd_rows_tile(rows_ptr, stride_rows, first, rs, ns),
+                           mask=valid[:, None] & (ns[None, :] < n), other=0.0)
+            state = tl.load(state_ptr + ps[:, None] * n + ns[None, :], mask=(ps[:, None] < p) & (ns[None, :] < n),
+                            other=0.0)
+            acc += tl.dot(rows, tl.trans(state).to(rows.dtype), input_precision=DOT)
+        return acc
+
+    @triton.jit
+    def _ssd_chunk_scan_kernel(x_ptr, dt_ptr, A_ptr, C_ptr, CB_ptr, h_in_ptr, D_ptr, y_ptr, l, h, p, n, n_chunks, Cs,
+                               stride_x, stride_dt, stride_C, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
+        # kernel 3: y = exp(u)⊙(Σ_{j<k} what block j writes + exp(T_0 + … + T_{k−1}) C h_inᵀ) + (CB⊙L⊙dt) x + D x for
+        # block k of a chunk, the earlier blocks nearest first; one program per (batch·chunk·block·head, block of p).
+        # x and C go into the dots as loaded; CB times the decays and dt, and h_in, in x's dtype
+        bi, c, k, hi, pid_bc, ps = _ssd_block_of_head(tl.program_id(0), tl.program_id(1), h, n_chunks, Cs, BLOCK_P,
+                                                      BLOCK_C)
         rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
         A = tl.load(A_ptr + hi).to(tl.float32)
         dt, u, _, _ = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
-        tokens = (bi * l + pos[:, None]).to(tl.int64)
+        first = bi * l + c * Cs + k * BLOCK_C
         x_mask = valid[:, None] & (ps[None, :] < p)
-        CB = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
-        CH = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)                     # C H_kᵀ
-        for n0 in range(0, n, BLOCK_N):
-            ns = n0 + tl.arange(0, BLOCK_N)
-            bc_mask = valid[:, None] & (ns[None, :] < n)
-            Cm = tl.load(C_ptr + tokens * stride_C + ns[None, :], mask=bc_mask, other=0.0)
-            Bm = tl.load(B_ptr + tokens * stride_B + ns[None, :], mask=bc_mask, other=0.0)
-            CB += tl.dot(Cm, tl.trans(Bm).to(Cm.dtype), input_precision=DOT)
-            H = _ssd_state_before(x_ptr, stride_x, B_ptr, stride_B, dt_ptr, stride_dt, h_in_ptr, A, bi, c, k, hi, l, h,
-                                  p, n, n_chunks, Cs, ps, ns, BLOCK_P, BLOCK_N, BLOCK_C, DOT)
-            CH += tl.dot(Cm, tl.trans(H).to(Cm.dtype), input_precision=DOT)
-        x = tl.load(x_ptr + tokens * stride_x + hi * p + ps[None, :], mask=x_mask, other=0.0)
-        y = tl.exp(u)[:, None] * CH
+        y = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
+        before = 0.0                                                    # Σ T over the blocks between j and k
+        for i in range(k):
+            written, T = _ssd_from_block(x_ptr, stride_x, dt_ptr, stride_dt, CB_ptr, A, bi, c, hi, l, p, Cs, pid_bc,
+                                         k, k - 1 - i, before, rs, ps, BLOCK_C, DOT)
+            y += written
+            before += T
+        h_in = h_in_ptr + ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n
+        y += tl.exp(before) * _ssd_state_rows(C_ptr, stride_C, h_in, first, rs, valid, ps, p, n, BLOCK_C, BLOCK_P,
+                                              BLOCK_N, DOT)
+        y *= tl.exp(u)[:, None]
+        x = tl.load(_ssd_rows_tile(x_ptr, stride_x, first, rs, hi * p + ps), mask=x_mask, other=0.0)
+        CB = tl.load(_ssd_pair_tile(CB_ptr, pid_bc, k, k, rs, BLOCK_C, tl.cdiv(Cs, BLOCK_C)))
         y += tl.dot((CB * _ssd_pair_decays(dt, A, rs) * dt[None, :]).to(x.dtype), x, input_precision=DOT)
         if HAS_D:
             y += tl.load(D_ptr + hi).to(tl.float32) * x.to(tl.float32)
-        tl.store(y_ptr + (tokens * h + hi) * p + ps[None, :], y.to(y_ptr.dtype.element_ty), mask=x_mask)
+        tl.store(_ssd_rows_tile(y_ptr, h * p, first, rs, hi * p + ps), y.to(y_ptr.dtype.element_ty), mask=x_mask)
 
     @triton.jit
     def _ssd_state_pass_bwd_kernel(dy_ptr, C_ptr, dt_ptr, A_ptr, dhT_ptr, dS_next_ptr, dh0_ptr, l, h, p, n, n_chunks,
                                    Cs, stride_dy, stride_C, stride_dt, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                                    BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        # kernel 3, the reverse of kernel 1, ds carried in fp32: at a chunk's end dS_next[c] = ds is stored; each block
+        # kernel 4, the reverse of kernel 1, ds carried in fp32: at a chunk's end dS_next[c] = ds is stored; each block
         # k, last first, does ds ← exp(T_k) ds + Σ_r exp(u_r) dy_rᵀ C_r. One program per (batch·head, block of p ×
         # block of n)
         pid_bh, pid_pn = tl.program_id(0), tl.program_id(1)
@@ -2817,148 +2858,248 @@ if HAS_TRITON:
         tl.store(dh0_ptr + pid_bh.to(tl.int64) * p * n + st_offs, ds, mask=st_mask)
 
     @triton.jit
-    def _ssd_chunk_bwd_dx_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h_in_ptr, dS_next_ptr, dy_ptr, dx_ptr,
-                                 ddt_ptr, dA_ptr, dD_ptr, b, l, h, p, n, n_chunks, Cs, stride_x, stride_dt, stride_B,
-                                 stride_C, stride_dy, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
-        # kernel 4, one program per (batch·chunk·block·head, block of p), n in one tile. With xdt = dt⊙x, H = H_k and
-        # G = G_k:  dxdt = (CB⊙L)ᵀ dy + exp(e)⊙(B Gᵀ),   dx = dt⊙dxdt + D dy,   ∂L/∂dt_s ∋ Σ_p dxdt_sp x_sp,
-        # and ∂L/∂(dt_i A), term by term: the pairs (s < i ≤ r) of M = CB⊙L⊙(dy xdtᵀ), the writes into G before i,
-        # Σ_{s<i} exp(e_s) (B Gᵀ ⊙ xdt)_s, the reads of H from i on, Σ_{r≥i} exp(u_r) (C Hᵀ ⊙ dy)_r (each summed over
-        # p), and the state passed through, exp(T)⟨G, H⟩. ddt, dA and dD are sums over p, written per p block
+    def _ssd_chunk_bwd_dx_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, CB_ptr, D_ptr, h_in_ptr, dS_next_ptr, dy_ptr,
+                                 dx_ptr, ddt_ptr, ends_ptr, crossings_ptr, b, l, h, p, n, n_chunks, Cs, stride_x,
+                                 stride_dt, stride_B, stride_C, stride_dy, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr,
+                                 DOT: tl.constexpr):
+        # kernel 5, kernel 3's transpose for block k: one program of each of two kinds per (batch·chunk·block·head,
+        # block of p), whose registers are those of the larger kind, not of both. The reads: what the block reads of
+        # everything before it, y_in = exp(u)⊙(Σ_{j<k} what j writes + exp(T_0 + … + T_{k−1}) C h_inᵀ), give of
+        # ∂L/∂(dt_i A) the reads from i on, Σ_{r≥i} (dy⊙y_in)_r summed over p. The writes: what everything after it
+        # reads of the block, g_out = exp(e)⊙(Σ_{j>k} what j reads + exp(T_{k+1} + …) B dS_nextᵀ), give, with
+        # xdt = dt⊙x and the block's own pairs M = CB⊙L⊙(dy xdtᵀ),
+        #   dxdt = (CB⊙L)ᵀ dy + g_out,   dx = dt⊙dxdt + D dy,   ∂L/∂dt_s ∋ Σ_p dxdt_sp x_sp,
+        # and of ∂L/∂(dt_i A) M's pairs s < i ≤ r and the writes Σ_{s<i} (xdt⊙g_out)_s. Each kind writes its part of
+        # ddt; for kernel 8 they store the block's sums [the reads of h_in, the writes into dS_next,
+        # exp(all T)⟨h_in, dS_next⟩, Σ dy⊙x, Σ_i dt_i ∂L/∂(dt_i A) of the writes, of the reads] in ends, and each
+        # earlier block's pairs with it in crossings
+        reads_kind = tl.program_id(1) % 2 == 0
+        bi, c, k, hi, pid_bc, ps = _ssd_block_of_head(tl.program_id(0), tl.program_id(1) // 2, h, n_chunks, Cs,
+                                                      BLOCK_P, BLOCK_C)
         n_blocks = tl.cdiv(Cs, BLOCK_C)
-        pid, pid_p = tl.program_id(0), tl.program_id(1)
-        hi, k, pid_bc = pid % h, (pid // h) % n_blocks, pid // h // n_blocks
-        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
-        ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
         rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
         A = tl.load(A_ptr + hi).to(tl.float32)
         dt, u, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
-        tokens = (bi * l + pos[:, None]).to(tl.int64)
+        first = bi * l + c * Cs + k * BLOCK_C
         x_mask = valid[:, None] & (ps[None, :] < p)
-        dy = tl.load(dy_ptr + tokens * stride_dy + hi * p + ps[None, :], mask=x_mask, other=0.0)
-        CB = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
-        BG = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)                     # B G_kᵀ
-        CH = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)                     # C H_kᵀ
-        passed = 0.0                                                            # ⟨G_k, H_k⟩
-        for n0 in range(0, n, BLOCK_N):
-            ns = n0 + tl.arange(0, BLOCK_N)
-            bc_mask = valid[:, None] & (ns[None, :] < n)
-            Cm = tl.load(C_ptr + tokens * stride_C + ns[None, :], mask=bc_mask, other=0.0)
-            Bm = tl.load(B_ptr + tokens * stride_B + ns[None, :], mask=bc_mask, other=0.0)
-            CB += tl.dot(Cm, tl.trans(Bm).to(Cm.dtype), input_precision=DOT)
-            H = _ssd_state_before(x_ptr, stride_x, B_ptr, stride_B, dt_ptr, stride_dt, h_in_ptr, A, bi, c, k, hi, l, h,
-                                  p, n, n_chunks, Cs, ps, ns, BLOCK_P, BLOCK_N, BLOCK_C, DOT)
-            G = _ssd_grad_after(dy_ptr, stride_dy, C_ptr, stride_C, dt_ptr, stride_dt, dS_next_ptr, A, bi, c, k, hi, l,
-                                h, p, n, n_chunks, Cs, ps, ns, BLOCK_P, BLOCK_N, BLOCK_C, DOT)
-            BG += tl.dot(Bm.to(dy.dtype), tl.trans(G).to(dy.dtype), input_precision=DOT)
-            CH += tl.dot(Cm.to(dy.dtype), tl.trans(H).to(dy.dtype), input_precision=DOT)
-            passed += tl.sum(tl.sum(G * H, axis=1), axis=0)
-        d_dtA = tl.cumsum(tl.exp(u) * tl.sum(CH * dy.to(tl.float32), axis=1), axis=0, reverse=True)   # Σ_{r≥i}
-        d_dtA += tl.exp(T) * passed
-        CBL = CB * _ssd_pair_decays(dt, A, rs)
-        dxdt = tl.dot(tl.trans(CBL).to(dy.dtype), dy, input_precision=DOT) + tl.exp(e)[:, None] * BG
-        x = tl.load(x_ptr + tokens * stride_x + hi * p + ps[None, :], mask=x_mask, other=0.0)
-        xf = x.to(tl.float32)
-        dx = dxdt * dt[:, None]
-        slot = pid_p.to(tl.int64) * b + bi
-        part = ((slot * n_chunks + c) * n_blocks + k) * h + hi                  # this block's partial of dA, dD
-        if HAS_D:
-            dx += tl.load(D_ptr + hi).to(tl.float32) * dy.to(tl.float32)
-            tl.store(dD_ptr + part, tl.sum(tl.sum(dy.to(tl.float32) * xf, 1), 0))
-        tl.store(dx_ptr + (tokens * h + hi) * p + ps[None, :], dx.to(dx_ptr.dtype.element_ty), mask=x_mask)
-        M = CBL * tl.dot(dy, tl.trans(x), input_precision=DOT) * dt[None, :]
-        before = tl.cumsum(M, axis=1) - M                                        # [r, i] = Σ_{s<i} M_rs
-        d_dtA += tl.sum(tl.where(rs[:, None] >= rs[None, :], before, 0.0), axis=0)   # [i] = Σ_{r≥i} Σ_{s<i}
-        writes = tl.exp(e) * dt * tl.sum(BG * xf, axis=1)
-        d_dtA += tl.sum(tl.where(rs[:, None] < rs[None, :], writes[:, None], 0.0), axis=0)      # [i] = Σ_{s<i}
-        tl.store(ddt_ptr + (slot * l + pos) * h + hi, tl.sum(dxdt * xf, axis=1) + A * d_dtA, mask=valid)
-        tl.store(dA_ptr + part, tl.sum(dt * d_dtA, axis=0))
+        dy = tl.load(_ssd_rows_tile(dy_ptr, stride_dy, first, rs, hi * p + ps), mask=x_mask, other=0.0)
+        x = tl.load(_ssd_rows_tile(x_ptr, stride_x, first, rs, hi * p + ps), mask=x_mask, other=0.0)
+        state = ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n
+        pid_p = (tl.program_id(1) // 2).to(tl.int64)
+        pid_ch = ((pid_p * b + bi) * n_chunks + c) * h + hi                     # (block of p, batch, chunk, head)
+        ends = ends_ptr + pid_ch * 6 * n_blocks + k
+        if reads_kind:
+            dyu = dy.to(tl.float32) * tl.exp(u)[:, None]
+            js = tl.arange(0, BLOCK_NB)
+            crossing = tl.zeros((BLOCK_NB,), dtype=tl.float32)          # [j]: the pairs of block j < k with k
+            y_in = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
+            before = 0.0
+            for i in range(k):
+                written, T_j = _ssd_from_block(x_ptr, stride_x, dt_ptr, stride_dt, CB_ptr, A, bi, c, hi, l, p, Cs,
+                                               pid_bc, k, k - 1 - i, before, rs, ps, BLOCK_C, DOT)
+                crossing = tl.where(js == k - 1 - i, tl.sum(tl.sum(dyu * written, axis=1), axis=0), crossing)
+                y_in += written
+                before += T_j
+            read_h_in = tl.exp(before) * _ssd_state_rows(C_ptr, stride_C, h_in_ptr + state, first, rs, valid, ps, p,
+                                                         n, BLOCK_C, BLOCK_P, BLOCK_N, DOT)
+            d_dtA = tl.cumsum(tl.sum(dyu * (y_in + read_h_in), axis=1), axis=0, reverse=True)   # Σ_{r≥i}
+            tl.store(ddt_ptr + (((2 * pid_p) * b + bi) * l + pos) * h + hi, A * d_dtA, mask=valid)
+            tl.store(ends, tl.sum(tl.sum(dyu * read_h_in, axis=1), axis=0))
+            tl.store(ends + 5 * n_blocks, tl.sum(dt * d_dtA, axis=0))
+            tl.store(crossings_ptr + (pid_ch * n_blocks + k) * n_blocks + js, crossing, mask=js < n_blocks)
+        else:
+            g_out = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
+            after = 0.0
+            for j in range(k + 1, n_blocks):
+                read, T_j = _ssd_into_block(dy_ptr, stride_dy, dt_ptr, stride_dt, CB_ptr, A, bi, c, hi, l, p, Cs,
+                                            pid_bc, k, j, after, rs, ps, BLOCK_C, DOT)
+                g_out += read
+                after += T_j
+            write_dS = tl.exp(after) * _ssd_state_rows(B_ptr, stride_B, dS_next_ptr + state, first, rs, valid, ps, p,
+                                                       n, BLOCK_C, BLOCK_P, BLOCK_N, DOT)
+            xf = x.to(tl.float32)
+            xdte = xf * (tl.exp(e) * dt)[:, None]
+            tl.store(ends + n_blocks, tl.sum(tl.sum(xdte * write_dS, axis=1), axis=0))
+            writes = tl.sum(xdte * (g_out + write_dS), axis=1)
+            passed = 0.0                                                # ⟨h_in, dS_next⟩ over this block of p
+            for n0 in range(0, n, BLOCK_N):
+                ns = n0 + tl.arange(0, BLOCK_N)
+                st = ps[:, None] * n + ns[None, :]
+                st_mask = (ps[:, None] < p) & (ns[None, :] < n)
+                passed += tl.sum(tl.sum(tl.load(h_in_ptr + state + st, mask=st_mask, other=0.0).to(tl.float32)
+                                        * tl.load(dS_next_ptr + state + st, mask=st_mask, other=0.0).to(tl.float32),
+                                        axis=1), axis=0)
+            tl.store(ends + 2 * n_blocks, tl.exp(T + after) * passed)  # the chunk's T: kernel 8 takes block 0's
+            CBL = tl.load(_ssd_pair_tile(CB_ptr, pid_bc, k, k, rs, BLOCK_C, n_blocks)) * _ssd_pair_decays(dt, A, rs)
+            dxdt = tl.dot(tl.trans(CBL).to(dy.dtype), dy, input_precision=DOT) + tl.exp(e)[:, None] * (g_out + write_dS)
+            dx = dxdt * dt[:, None]
+            if HAS_D:
+                dx += tl.load(D_ptr + hi).to(tl.float32) * dy.to(tl.float32)
+            tl.store(_ssd_rows_tile(dx_ptr, h * p, first, rs, hi * p + ps), dx.to(dx_ptr.dtype.element_ty),
+                     mask=x_mask)
+            M = CBL * tl.dot(dy, tl.trans(x), input_precision=DOT) * dt[None, :]
+            before_i = tl.cumsum(M, axis=1) - M                                      # [r, i] = Σ_{s<i} M_rs
+            d_dtA = tl.sum(tl.where(rs[:, None] >= rs[None, :], before_i, 0.0), axis=0)   # [i] = Σ_{r≥i} Σ_{s<i}
+            d_dtA += tl.sum(tl.where(rs[:, None] < rs[None, :], writes[:, None], 0.0), axis=0)   # Σ_{s<i}
+            tl.store(ddt_ptr + (((2 * pid_p + 1) * b + bi) * l + pos) * h + hi, tl.sum(dxdt * xf, axis=1) + A * d_dtA,
+                     mask=valid)
+            tl.store(ends + 3 * n_blocks, tl.sum(tl.sum(dy.to(tl.float32) * xf, axis=1), axis=0))
+            tl.store(ends + 4 * n_blocks, tl.sum(dt * d_dtA, axis=0))
 
     @triton.jit
-    def _ssd_steps_between(dt_ptr, stride_dt, A, bi, l, hi, c, Cs, lo, hi_tok, BLOCK_CS: tl.constexpr):
-        # Σ dt_i A over chunk c's tokens lo ≤ i < hi_tok (counted from the chunk's start), a sum of whole blocks' steps
+    def _ssd_chunk_bwd_dcb_kernel(x_ptr, dt_ptr, A_ptr, h_in_ptr, dS_next_ptr, dy_ptr, dCB_ptr, dC_ptr, dB_ptr, b, l, h,
+                                  p, n, n_chunks, Cs, heads_per_program, stride_x, stride_dt, stride_dy,
+                                  BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                                  BLOCK_CS: tl.constexpr, DOT: tl.constexpr):
+        # kernel 6, per (batch·chunk·group of heads) one program per pair of blocks j ≥ k and one per block, each
+        # summed over the group's heads (kernel 7 adds the groups). A pair's: for r in block j and s in block k
+        #   dCB_rs = Σ_h dt_s L_rs dy_r·x_s,
+        # L as in kernel 3. A block's: the state terms of its tokens,
+        #   dC_r ∋ Σ_h exp(a_r) dy_r h_in,   dB_s ∋ Σ_h exp(w_s) dt_s x_s dS_next,
+        # a_r the decay from the chunk's start through r and w_s after s to the chunk's end; n in one tile. The two
+        # kinds take the registers of the larger one
+        n_groups, n_blocks, n_pb = tl.cdiv(h, heads_per_program), tl.cdiv(Cs, BLOCK_C), tl.cdiv(p, BLOCK_P)
+        pid, t = tl.program_id(0), tl.program_id(1)
+        group, pid_bc = pid % n_groups, pid // n_groups
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        first_head = group * heads_per_program
+        heads = (tl.minimum(first_head + heads_per_program, h) - first_head) * n_pb       # (head, block of p) pairs
+        n_pairs = n_blocks * (n_blocks + 1) // 2
+        if t < n_pairs:
+            j, k = _ssd_block_pair(t)
+            rs, pos_j, valid_j, last_j = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
+            rs_k, pos_k, valid_k, last_k = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
+            dCB = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
+            for i in range(heads):
+                hi, ps = first_head + i // n_pb, (i % n_pb) * BLOCK_P + tl.arange(0, BLOCK_P)
+                A = tl.load(A_ptr + hi).to(tl.float32)
+                dt, u_k, e, T_k = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos_k, valid_k, last_k)
+                dt_j, u, e_j, T_j = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos_j, valid_j, last_j)
+                dy = tl.load(_ssd_rows_tile(dy_ptr, stride_dy, bi * l + c * Cs + j * BLOCK_C, rs, hi * p + ps),
+                             mask=valid_j[:, None] & (ps[None, :] < p), other=0.0)
+                x = tl.load(_ssd_rows_tile(x_ptr, stride_x, bi * l + c * Cs + k * BLOCK_C, rs, hi * p + ps),
+                            mask=valid_k[:, None] & (ps[None, :] < p), other=0.0)
+                between = _ssd_steps_between(dt_ptr, stride_dt, A, bi, l, hi, c, Cs, (k + 1) * BLOCK_C, j * BLOCK_C,
+                                             BLOCK_CS)
+                L = tl.where(j == k, _ssd_pair_decays(dt, A, rs), tl.exp(u)[:, None] * tl.exp(e + between)[None, :])
+                dCB += L * dt[None, :] * tl.dot(dy, tl.trans(x), input_precision=DOT)
+            tl.store(_ssd_pair_tile(dCB_ptr, group * b * n_chunks + pid_bc, j, k, rs, BLOCK_C, n_blocks), dCB)
+        else:
+            k = t - n_pairs
+            rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
+            first = bi * l + c * Cs + k * BLOCK_C
+            ns = tl.arange(0, BLOCK_N)
+            dC = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)
+            dB = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)
+            for i in range(heads):
+                hi, ps = first_head + i // n_pb, (i % n_pb) * BLOCK_P + tl.arange(0, BLOCK_P)
+                A = tl.load(A_ptr + hi).to(tl.float32)
+                dt, u, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
+                dy = tl.load(_ssd_rows_tile(dy_ptr, stride_dy, first, rs, hi * p + ps),
+                             mask=valid[:, None] & (ps[None, :] < p), other=0.0)
+                x = tl.load(_ssd_rows_tile(x_ptr, stride_x, first, rs, hi * p + ps),
+                            mask=valid[:, None] & (ps[None, :] < p), other=0.0)
+                state = ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n
+                st = ps[:, None] * n + ns[None, :]
+                st_mask = (ps[:, None] < p) & (ns[None, :] < n)
+                before = _ssd_steps_between(dt_ptr, stride_dt, A, bi, l, hi, c, Cs, 0, k * BLOCK_C, BLOCK_CS)
+                after = _ssd_steps_between(dt_ptr, stride_dt, A, bi, l, hi, c, Cs, (k + 1) * BLOCK_C, Cs, BLOCK_CS)
+                h_in = tl.load(h_in_ptr + state + st, mask=st_mask, other=0.0)
+                dS = tl.load(dS_next_ptr + state + st, mask=st_mask, other=0.0)
+                dC += tl.exp(u + before)[:, None] * tl.dot(dy, h_in.to(dy.dtype), input_precision=DOT)
+                dB += (tl.exp(e + after) * dt)[:, None] * tl.dot(x, dS.to(x.dtype), input_precision=DOT)
+            rows = group.to(tl.int64) * b * l + first                              # in the group's [b, l, n]
+            mask = valid[:, None] & (ns[None, :] < n)
+            tl.store(_ssd_rows_tile(dC_ptr, n, rows, rs, ns), dC, mask=mask)
+            tl.store(_ssd_rows_tile(dB_ptr, n, rows, rs, ns), dB, mask=mask)
+
+    @triton.jit
+    def _ssd_chunk_bwd_dbc_kernel(B_ptr, C_ptr, dCB_ptr, dC_states_ptr, dB_states_ptr, dB_ptr, dC_ptr, b, l, n,
+                                  n_chunks, Cs, n_groups, stride_B, stride_C, BLOCK_N: tl.constexpr,
+                                  BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, DOT: tl.constexpr):
+        # kernel 7, one program per (batch·chunk·block k, block of n), kernel 6's groups of heads added as loaded:
+        #   dC_r = Σ_{j≤k} Σ_{s in j} dCB_rs B_s + state term,   dB_s = Σ_{j≥k} Σ_{r in j} dCB_rs C_r + state term
+        # dCB rounded to B's dtype where it meets B and C; written in B's and C's dtype
+        n_blocks = tl.cdiv(Cs, BLOCK_C)
+        pid, pid_n = tl.program_id(0), tl.program_id(1)
+        k, pid_bc = pid % n_blocks, pid // n_blocks
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
+        ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        gs = tl.arange(0, BLOCK_G)
+        rows = (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :]
+        mask = valid[:, None] & (ns[None, :] < n)
+        groups = gs[:, None, None].to(tl.int64) * b * l * n
+        in_groups = gs[:, None, None] < n_groups
+        dC = tl.sum(tl.load(dC_states_ptr + groups + rows[None], mask=in_groups & mask[None], other=0.0), axis=0)
+        dB = tl.sum(tl.load(dB_states_ptr + groups + rows[None], mask=in_groups & mask[None], other=0.0), axis=0)
+        side = n_blocks * BLOCK_C
+        group_tiles = gs[:, None, None].to(tl.int64) * b * n_chunks * side * side     # the groups' dCB
+        for j in range(k + 1):
+            rs_j, pos_j, valid_j, last_j = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
+            B_j = tl.load(_ssd_rows_tile(B_ptr, stride_B, bi * l + c * Cs + j * BLOCK_C, rs, ns),
+                          mask=valid_j[:, None] & (ns[None, :] < n), other=0.0)
+            dCB = tl.sum(tl.load(_ssd_pair_tile(dCB_ptr, pid_bc, k, j, rs, BLOCK_C, n_blocks)[None] + group_tiles,
+                                 mask=in_groups, other=0.0), axis=0)
+            dC += tl.dot(dCB.to(B_j.dtype), B_j, input_precision=DOT)
+        for j in range(k, n_blocks):
+            rs_j, pos_j, valid_j, last_j = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
+            C_j = tl.load(_ssd_rows_tile(C_ptr, stride_C, bi * l + c * Cs + j * BLOCK_C, rs, ns),
+                          mask=valid_j[:, None] & (ns[None, :] < n), other=0.0)
+            dCB = tl.sum(tl.load(_ssd_pair_tile(dCB_ptr, pid_bc, j, k, rs, BLOCK_C, n_blocks)[None] + group_tiles,
+                                 mask=in_groups, other=0.0), axis=0)
+            dB += tl.dot(tl.trans(dCB).to(C_j.dtype), C_j, input_precision=DOT)
+        tl.store(dC_ptr + rows, dC.to(dC_ptr.dtype.element_ty), mask=mask)
+        tl.store(dB_ptr + rows, dB.to(dB_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _ssd_chunk_bwd_ddt_kernel(dt_ptr, A_ptr, ddt_parts_ptr, ends_ptr, crossings_ptr, ddt_ptr, dA_ptr, dD_ptr, b, l,
+                                  h, n_chunks, Cs, n_pb, stride_dt, HAS_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                                  BLOCK_NB: tl.constexpr, BLOCK_CS: tl.constexpr):
+        # kernel 8, one program per (batch·chunk·head), kernel 5's partials added as loaded: of ∂L/∂(dt_i A), the
+        # pairs that pass over the whole of i's block k, from before it to after it,
+        #   E_k = exp(all T)⟨h_in, dS_next⟩ + Σ_{j<k} (j's writes into dS_next) + Σ_{j>k} (j's reads of h_in)
+        #         + Σ_{j>k>j'} (the pairs of block j' with block j);
+        # then ddt_i = kernel 5's + A E_k, and the chunk's and head's partial sums of dA (Σ_i dt_i ∂L/∂(dt_i A)) and dD
+        pid = tl.program_id(0)
+        hi, pid_bc = pid % h, pid // h
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        n_blocks = tl.cdiv(Cs, BLOCK_C)
+        ks = tl.arange(0, BLOCK_NB)
+        in_chunk = ks < n_blocks
+        reads = tl.zeros((BLOCK_NB,), dtype=tl.float32)
+        writes = tl.zeros((BLOCK_NB,), dtype=tl.float32)
+        crossings = tl.zeros((BLOCK_NB, BLOCK_NB), dtype=tl.float32)    # [k, j]: the pairs of block j < k with k
+        passed, dA, dD = 0.0, 0.0, 0.0
+        for q in range(n_pb):
+            pid_ch = (q * b * n_chunks * h + pid).to(tl.int64)
+            ends = ends_ptr + pid_ch * 6 * n_blocks
+            reads += tl.load(ends + ks, mask=in_chunk, other=0.0)
+            writes += tl.load(ends + n_blocks + ks, mask=in_chunk, other=0.0)
+            passed += tl.load(ends + 2 * n_blocks)
+            dD += tl.sum(tl.load(ends + 3 * n_blocks + ks, mask=in_chunk, other=0.0), axis=0)
+            dA += tl.sum(tl.load(ends + 4 * n_blocks + ks, mask=in_chunk, other=0.0)
+                         + tl.load(ends + 5 * n_blocks + ks, mask=in_chunk, other=0.0), axis=0)
+            crossings += tl.load(crossings_ptr + (pid_ch * n_blocks + ks[:, None]) * n_blocks + ks[None, :],
+                                 mask=in_chunk[:, None] & in_chunk[None, :], other=0.0)
+        E = passed + tl.sum(tl.where(ks[None, :] < ks[:, None], writes[None, :], 0.0), axis=1)
+        E += tl.sum(tl.where(ks[None, :] > ks[:, None], reads[None, :], 0.0), axis=1)
+        over = (ks[None, :, None] > ks[:, None, None]) & (ks[None, None, :] < ks[:, None, None])   # [k, j, j']
+        E += tl.sum(tl.sum(tl.where(over, crossings[None, :, :], 0.0), axis=2), axis=1)
         ts = tl.arange(0, BLOCK_CS)
         pos = c * Cs + ts
-        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=(ts >= lo) & (ts < hi_tok) & (pos < l),
-                     other=0.0)
-        return tl.sum(dt.to(tl.float32) * A, axis=0)
-
-    @triton.jit
-    def _ssd_chunk_bwd_dbc_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, h_in_ptr, dS_next_ptr, dy_ptr, dB_ptr, dC_ptr, b,
-                                  l, h, p, n, n_chunks, Cs, heads_per_program, stride_x, stride_dt, stride_B, stride_C,
-                                  stride_dy, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-                                  BLOCK_CS: tl.constexpr, DOT: tl.constexpr):
-        # kernel 5, one program per (batch·chunk·block·group of heads, block of n × {dC, dB}): for block k's tokens,
-        # summed over the group's heads (the groups are added outside),
-        #   dC_r = Σ_{s≤r} L_rs dt_s (dy_r·x_s) B_s + exp(a_r) dy_r h_in,
-        #   dB_s = Σ_{r≥s} L_rs dt_s (dy_r·x_s) C_r + exp(a_last − a_s) dt_s x_s dS_next
-        # over the chunk's tokens, with a the decay from the chunk's start: k's own pairs with L as in kernel 2, those
-        # with another block j with L_rs = exp(u_r)·exp(e_s + the whole blocks in between), both factors ≤ 0 sums of
-        # steps. The dC and dB programs of a block are neighbours in the grid, so the x and dy both read come once
-        n_groups, n_blocks, n_pb = tl.cdiv(h, heads_per_program), tl.cdiv(Cs, BLOCK_C), tl.cdiv(p, BLOCK_P)
-        pid, pid_n, is_dB = tl.program_id(0), tl.program_id(1) // 2, tl.program_id(1) % 2
-        group, k, pid_bc = pid % n_groups, (pid // n_groups) % n_blocks, pid // n_groups // n_blocks
-        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
-        ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
-        tokens = (bi * l + pos[:, None]).to(tl.int64)
-        bc_mask = valid[:, None] & (ns[None, :] < n)
-        grad = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)
-        first = group * heads_per_program
-        for t in range((tl.minimum(first + heads_per_program, h) - first) * n_pb):   # (head, block of p)
-            hi, ps = first + t // n_pb, (t % n_pb) * BLOCK_P + tl.arange(0, BLOCK_P)
-            x_mask = valid[:, None] & (ps[None, :] < p)
-            A = tl.load(A_ptr + hi).to(tl.float32)
-            dt, u, e, _ = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
-            dy = tl.load(dy_ptr + tokens * stride_dy + hi * p + ps[None, :], mask=x_mask, other=0.0)
-            x = tl.load(x_ptr + tokens * stride_x + hi * p + ps[None, :], mask=x_mask, other=0.0)
-            states = ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n + ps[:, None] * n + ns[None, :]
-            st_mask = (ps[:, None] < p) & (ns[None, :] < n)
-            pairs = _ssd_pair_decays(dt, A, rs) * tl.dot(dy, tl.trans(x), input_precision=DOT) * dt[None, :]
-            if is_dB:
-                from_k = _ssd_steps_between(dt_ptr, stride_dt, A, bi, l, hi, c, Cs, (k + 1) * BLOCK_C, Cs, BLOCK_CS)
-                dS = tl.load(dS_next_ptr + states, mask=st_mask, other=0.0)
-                grad += (tl.exp(e + from_k) * dt)[:, None] * tl.dot(x, dS.to(x.dtype), input_precision=DOT)
-                C_k = tl.load(C_ptr + tokens * stride_C + ns[None, :], mask=bc_mask, other=0.0)
-                grad += tl.dot(tl.trans(pairs).to(C_k.dtype), C_k, input_precision=DOT)
-                xe = (x.to(tl.float32) * (tl.exp(e) * dt)[:, None])
-                for j in range(k + 1, n_blocks):                      # pairs [s in k, r in j]
-                    between = _ssd_steps_between(dt_ptr, stride_dt, A, bi, l, hi, c, Cs, (k + 1) * BLOCK_C,
-                                                 j * BLOCK_C, BLOCK_CS)
-                    _, pos_j, valid_j, last_j = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
-                    tokens_j = (bi * l + pos_j[:, None]).to(tl.int64)
-                    _, u_j, _, _ = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos_j, valid_j, last_j)
-                    dy_j = tl.load(dy_ptr + tokens_j * stride_dy + hi * p + ps[None, :],
-                                   mask=valid_j[:, None] & (ps[None, :] < p), other=0.0)
-                    pairs = tl.dot((xe * tl.exp(between)).to(x.dtype),
-                                   tl.trans((dy_j.to(tl.float32) * tl.exp(u_j)[:, None]).to(x.dtype)),
-                                   input_precision=DOT)
-                    C_j = tl.load(C_ptr + tokens_j * stride_C + ns[None, :],
-                                  mask=valid_j[:, None] & (ns[None, :] < n), other=0.0)
-                    grad += tl.dot(pairs.to(C_j.dtype), C_j, input_precision=DOT)
-            else:
-                to_k = _ssd_steps_between(dt_ptr, stride_dt, A, bi, l, hi, c, Cs, 0, k * BLOCK_C, BLOCK_CS)
-                h_in = tl.load(h_in_ptr + states, mask=st_mask, other=0.0)
-                grad += tl.exp(u + to_k)[:, None] * tl.dot(dy, h_in.to(dy.dtype), input_precision=DOT)
-                B_k = tl.load(B_ptr + tokens * stride_B + ns[None, :], mask=bc_mask, other=0.0)
-                grad += tl.dot(pairs.to(B_k.dtype), B_k, input_precision=DOT)
-                dyu = (dy.to(tl.float32) * tl.exp(u)[:, None]).to(dy.dtype)
-                for j in range(k):                                    # pairs [r in k, s in j]
-                    between = _ssd_steps_between(dt_ptr, stride_dt, A, bi, l, hi, c, Cs, (j + 1) * BLOCK_C,
-                                                 k * BLOCK_C, BLOCK_CS)
-                    _, pos_j, valid_j, last_j = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
-                    tokens_j = (bi * l + pos_j[:, None]).to(tl.int64)
-                    dt_j, _, e_j, _ = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos_j, valid_j, last_j)
-                    x_j = tl.load(x_ptr + tokens_j * stride_x + hi * p + ps[None, :],
-                                  mask=valid_j[:, None] & (ps[None, :] < p), other=0.0)
-                    pairs = tl.dot(dyu, tl.trans((x_j.to(tl.float32) * (tl.exp(e_j + between) * dt_j)[:, None]
-                                                  ).to(dy.dtype)), input_precision=DOT)
-                    B_j = tl.load(B_ptr + tokens_j * stride_B + ns[None, :],
-                                  mask=valid_j[:, None] & (ns[None, :] < n), other=0.0)
-                    grad += tl.dot(pairs.to(B_j.dtype), B_j, input_precision=DOT)
-        out = tl.where(is_dB == 1, dB_ptr, dC_ptr)
-        tl.store(out + ((group.to(tl.int64) * b + bi) * l + pos[:, None]) * n + ns[None, :], grad, mask=bc_mask)
+        valid = (ts < Cs) & (pos < l)
+        E_i = tl.sum(tl.where((ts // BLOCK_C)[:, None] == ks[None, :], E[None, :], 0.0), axis=1)
+        A = tl.load(A_ptr + hi).to(tl.float32)
+        ddt = A * E_i
+        for q in range(2 * n_pb):                                       # kernel 5's two kinds per block of p
+            ddt += tl.load(ddt_parts_ptr + ((q * b + bi) * l + pos).to(tl.int64) * h + hi, mask=valid, other=0.0)
+        tl.store(ddt_ptr + (bi * l + pos).to(tl.int64) * h + hi, ddt.to(ddt_ptr.dtype.element_ty), mask=valid)
+        dt = tl.load(dt_ptr + (bi * l + pos).to(tl.int64) * stride_dt + hi, mask=valid, other=0.0).to(tl.float32)
+        tl.store(dA_ptr + pid, dA + tl.sum(dt * E_i, axis=0))
+        if HAS_D:
+            tl.store(dD_ptr + pid, dD)
 
 
 def _dot_precision(x):
@@ -2971,22 +3112,22 @@ def _dot_precision(x):
 
 
 SSD_TRITON_MAX_CHUNK = 256  # mamba_ssm's default: h_in and dS_next a quarter of chunk 64's
-SSD_HEADS_PER_PROGRAM = 16  # heads a dB/dC program walks: partial sums for h/16 groups, 16 steps
+SSD_HEADS_PER_PROGRAM = 16  # (head, block of p) pairs a dCB program walks: partial sums for groups, 16 steps
 
 
 def _ssd_blocks(dtype, p, n, Cs):
     """(BLOCK_P, BLOCK_N, BLOCK_C, BLOCK_S) for inputs of `dtype`. The state passes walk blocks of BLOCK_S ≤ 64
     tokens (16 steps at T 1024) over a [BLOCK_P, BLOCK_N] block of the state, p and n in blocks of 32 for bf16 dots,
     16 for fp32 ones (whose operands take twice the registers) and fp16 ones (Turing, sm_75, whose smaller mma tiles
-    spill at 32). The per-block kernels take blocks of BLOCK_C ≤ 32 tokens, n (or p, for dB and dC) in one tile:
-    blocks of 64 held [64, 64] pair tiles beside the states and spilled. tl.dot wants every dimension ≥ 16."""
+    spill at 32). The per-block kernels take blocks of BLOCK_C ≤ 32 tokens, whose [32, 32] pair tiles leave room
+    for 2 or more blocks an SM. tl.dot wants every dimension ≥ 16."""
     most = 32 if dtype == torch.bfloat16 else 16
     block = lambda d, most: max(16, min(most, triton.next_power_of_2(d)))
     return block(p, most), block(n, most), block(Cs, 32), block(Cs, 64)
 
 
 def _ssd_state_pass_launch(x):
-    """num_warps, num_stages and maxnreg of the state passes (kernels 1 and 3) for inputs like x, with the next
+    """num_warps, num_stages and maxnreg of the state passes (kernels 1 and 4) for inputs like x, with the next
     block's loads in flight: 4 warps for 16-bit dots; 8 for fp32 ones, held to MAX_REGISTERS (left to itself ptxas
     took 128 and spilled 16 B on sm_80)."""
     if x.dtype == torch.float32:
@@ -3029,6 +3170,20 @@ def _ssd_states(rows, A, shape, Cs, initial_state):
     return h_in, h_T
 
 
+def _ssd_cb(rows, shape, Cs, dot):
+    """Kernel 2: CB [b, chunks, Cs', Cs'] in fp32 (Cs' = Cs in whole blocks), its tiles at and below the blocks'
+    diagonal formed; the forward and the backward share this."""
+    _, _, (B, sB), (C, sC) = rows
+    b, l, h, p, n = shape
+    N = triton.cdiv(l, Cs)
+    _, BN, BC, _ = _ssd_blocks(B.dtype, p, n, Cs)
+    n_kb = triton.cdiv(Cs, BC)
+    CB = torch.empty(b, N, n_kb * BC, n_kb * BC, device=B.device, dtype=torch.float32)
+    _ssd_cb_kernel[(b * N, n_kb * (n_kb + 1) // 2)](B, C, CB, l, n, N, Cs, sB, sC, BLOCK_N=BN, BLOCK_C=BC, DOT=dot,
+                                                    num_warps=4, num_stages=2)
+    return CB
+
+
 @_triton_op("specgpt::ssd_fwd")
 def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              D: Optional[torch.Tensor], chunk_size: int,
@@ -3038,16 +3193,17 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     n = B.shape[-1]
     Cs = _ssd_chunk_length(chunk_size, l)
     rows = _ssd_rows(x, dt, B, C)
-    (x2, sx), (dt2, sdt), (B2, sB), (C2, sC) = rows
+    (x2, sx), (dt2, sdt), _, (C2, sC) = rows
     A = A.contiguous()
+    dot = _dot_precision(x)
     h_in, h_T = _ssd_states(rows, A, (b, l, h, p, n), Cs, initial_state)
+    CB = _ssd_cb(rows, (b, l, h, p, n), Cs, dot)
     BP, BN, BC, _ = _ssd_blocks(x.dtype, p, n, Cs)
     N = triton.cdiv(l, Cs)
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     _ssd_chunk_scan_kernel[(b * N * triton.cdiv(Cs, BC) * h, triton.cdiv(p, BP))](
-        x2, dt2, A, B2, C2, h_in, D if D is not None else A, y, l, h, p, n, N, Cs, sx, sdt, sB, sC,
-        HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=_dot_precision(x), num_warps=8, num_stages=2,
-        maxnreg=MAX_REGISTERS)
+        x2, dt2, A, C2, CB, h_in, D if D is not None else A, y, l, h, p, n, N, Cs, sx, sdt, sC, HAS_D=D is not None,
+        BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot, num_warps=4, num_stages=2)
     return y, h_T
 
 
@@ -3072,35 +3228,49 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
     (x2, sx), (dt2, sdt), (B2, sB), (C2, sC) = rows
     dy2, sdy = _rows(dy, h * p)
     A = A.contiguous()
-    h_in, _ = _ssd_states(rows, A, (b, l, h, p, n), Cs, initial_state)
-    BP, BN, BC, BS = _ssd_blocks(x.dtype, p, n, Cs)
     dot = _dot_precision(x)
+    h_in, _ = _ssd_states(rows, A, (b, l, h, p, n), Cs, initial_state)
+    CB = _ssd_cb(rows, (b, l, h, p, n), Cs, dot)
+    BP, BN, BC, BS = _ssd_blocks(x.dtype, p, n, Cs)
     f32 = dict(device=x.device, dtype=torch.float32)
     dS_next = torch.empty(b, N, h, p, n, device=x.device, dtype=_ssd_passed_dtype(x))
     dh0 = torch.empty(b, h, p, n, **f32)
     _ssd_state_pass_bwd_kernel[(b * h, triton.cdiv(p, BP) * triton.cdiv(n, BN))](
         dy2, C2, dt2, A, dh_T.contiguous(), dS_next, dh0, l, h, p, n, N, Cs, sdy, sC, sdt, BLOCK_P=BP, BLOCK_N=BN,
         BLOCK_C=BS, DOT=dot, **_ssd_state_pass_launch(x))
-    # partial sums: ddt, dA and dD per block of p (kernel 4), dB and dC per group of heads (kernel 5); ddt, dB and dC
-    # (a few partials of many values) go to _sum_partials
-    n_pb, n_nb, n_kb, n_hg = (triton.cdiv(p, BP), triton.cdiv(n, BN), triton.cdiv(Cs, BC),
-                              triton.cdiv(h, SSD_HEADS_PER_PROGRAM))
+    # partial sums: ddt's terms within a block and the blocks' sums for kernel 8 per block of p (kernel 5), dCB and
+    # the state terms of dB and dC per group of heads (kernel 6)
+    n_pb, n_nb, n_kb = triton.cdiv(p, BP), triton.cdiv(n, BN), triton.cdiv(Cs, BC)
     full = lambda d: max(16, triton.next_power_of_2(d))
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    ddt, dA = torch.empty(n_pb, b, l, h, **f32), torch.empty(n_pb, b, N, n_kb, h, **f32)
-    dD = torch.empty(n_pb, b, N, n_kb, h, **f32) if D is not None else None
-    _ssd_chunk_bwd_dx_kernel[(b * N * n_kb * h, n_pb)](
-        x2, dt2, A, B2, C2, D if D is not None else A, h_in, dS_next, dy2, dx, ddt, dA, dD, b, l, h, p, n, N, Cs, sx,
-        sdt, sB, sC, sdy, HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=16, BLOCK_C=BC, DOT=dot, num_warps=8,
-        num_stages=1, maxnreg=MAX_REGISTERS)
-    dB, dC = torch.empty(n_hg, b, l, n, **f32), torch.empty(n_hg, b, l, n, **f32)
-    _ssd_chunk_bwd_dbc_kernel[(b * N * n_kb * n_hg, 2 * n_nb)](
-        x2, dt2, A, B2, C2, h_in, dS_next, dy2, dB, dC, b, l, h, p, n, N, Cs, SSD_HEADS_PER_PROGRAM, sx, sdt, sB, sC,
-        sdy, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, BLOCK_CS=full(Cs), DOT=dot, num_warps=8, num_stages=1,
+    ddt_parts = torch.empty(n_pb, 2, b, l, h, **f32)
+    ends, crossings = torch.empty(n_pb, b, N, h, 6, n_kb, **f32), torch.empty(n_pb, b, N, h, n_kb, n_kb, **f32)
+    # kernels 5 and 6 at 4 warps, 2 blocks an SM: kernel 5 held to MAX_REGISTERS (it took 255); kernel 6's fp32
+    # pair tiles spilled with the next head's loads in flight, so fp32 runs it unpipelined
+    _ssd_chunk_bwd_dx_kernel[(b * N * n_kb * h, 2 * n_pb)](
+        x2, dt2, A, B2, C2, CB, D if D is not None else A, h_in, dS_next, dy2, dx, ddt_parts, ends, crossings, b, l, h,
+        p, n, N, Cs, sx, sdt, sB, sC, sdy, HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC,
+        BLOCK_NB=max(2, triton.next_power_of_2(n_kb)), DOT=dot, num_warps=4, num_stages=2,
         maxnreg=MAX_REGISTERS)
-    return (dx, _sum_partials(ddt, dt.dtype), dA.sum((0, 1, 2, 3)).to(A.dtype),
-            _sum_partials(dB, B.dtype).unsqueeze(2), _sum_partials(dC, C.dtype).unsqueeze(2),
-            dD.sum((0, 1, 2, 3)).to(D.dtype) if D is not None else A.new_empty(0), dh0)
+    heads_per_program = max(1, SSD_HEADS_PER_PROGRAM // n_pb)
+    n_hg = triton.cdiv(h, heads_per_program)
+    dCB = torch.empty(n_hg, b, N, n_kb * BC, n_kb * BC, **f32)
+    dC_states, dB_states = torch.empty(n_hg, b, l, n, **f32), torch.empty(n_hg, b, l, n, **f32)
+    _ssd_chunk_bwd_dcb_kernel[(b * N * n_hg, n_kb * (n_kb + 1) // 2 + n_kb)](
+        x2, dt2, A, h_in, dS_next, dy2, dCB, dC_states, dB_states, b, l, h, p, n, N, Cs, heads_per_program, sx, sdt,
+        sdy, BLOCK_P=BP, BLOCK_N=full(n), BLOCK_C=BC, BLOCK_CS=full(Cs), DOT=dot, num_warps=4,
+        num_stages=1 if x.dtype == torch.float32 else 2)
+    dB, dC = torch.empty(B.shape, device=B.device, dtype=B.dtype), torch.empty(C.shape, device=C.device, dtype=C.dtype)
+    _ssd_chunk_bwd_dbc_kernel[(b * N * n_kb, n_nb)](
+        B2, C2, dCB, dC_states, dB_states, dB, dC, b, l, n, N, Cs, n_hg, sB, sC, BLOCK_N=BN, BLOCK_C=BC,
+        BLOCK_G=triton.next_power_of_2(n_hg), DOT=dot, num_warps=8, num_stages=2)
+    ddt = torch.empty(b, l, h, device=dt.device, dtype=dt.dtype)
+    dA, dD = torch.empty(b, N, h, **f32), torch.empty(b, N, h, **f32)
+    _ssd_chunk_bwd_ddt_kernel[(b * N * h,)](
+        dt2, A, ddt_parts, ends, crossings, ddt, dA, dD, b, l, h, N, Cs, n_pb, sdt, HAS_D=D is not None,
+        BLOCK_C=BC, BLOCK_NB=max(2, triton.next_power_of_2(n_kb)), BLOCK_CS=full(Cs), num_warps=4)
+    dD = dD.sum((0, 1)).to(D.dtype) if D is not None else A.new_empty(0)
+    return dx, ddt, dA.sum((0, 1)).to(A.dtype), dB, dC, dD, dh0
 
 
 @_ssd_bwd.register_fake
