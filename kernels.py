@@ -2952,13 +2952,13 @@ if HAS_TRITON:
                                   p, n, n_chunks, Cs, heads_per_program, stride_x, stride_dt, stride_dy,
                                   BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                                   BLOCK_CS: tl.constexpr, DOT: tl.constexpr):
-        # kernel 6, per (batch·chunk·group of heads) one program per pair of blocks j ≥ k and one per block, each
-        # summed over the group's heads (kernel 7 adds the groups). A pair's: for r in block j and s in block k
+        # kernel 6, per (batch·chunk·group of heads) one program per pair of blocks j ≥ k and one per block and block
+        # of n, each summed over the group's heads (kernel 7 adds the groups). A pair's: for r in block j, s in block k
         #   dCB_rs = Σ_h dt_s L_rs dy_r·x_s,
         # L as in kernel 3. A block's: the state terms of its tokens,
         #   dC_r ∋ Σ_h exp(a_r) dy_r h_in,   dB_s ∋ Σ_h exp(w_s) dt_s x_s dS_next,
-        # a_r the decay from the chunk's start through r and w_s after s to the chunk's end; n in one tile. The two
-        # kinds take the registers of the larger one
+        # a_r the decay from the chunk's start through r and w_s after s to the chunk's end. The two kinds take the
+        # registers of the larger one
         n_groups, n_blocks, n_pb = tl.cdiv(h, heads_per_program), tl.cdiv(Cs, BLOCK_C), tl.cdiv(p, BLOCK_P)
         pid, t = tl.program_id(0), tl.program_id(1)
         group, pid_bc = pid % n_groups, pid // n_groups
@@ -2986,10 +2986,10 @@ if HAS_TRITON:
                 dCB += L * dt[None, :] * tl.dot(dy, tl.trans(x), input_precision=DOT)
             tl.store(_ssd_pair_tile(dCB_ptr, group * b * n_chunks + pid_bc, j, k, rs, BLOCK_C, n_blocks), dCB)
         else:
-            k = t - n_pairs
+            n_nb = tl.cdiv(n, BLOCK_N)
+            k, ns = (t - n_pairs) // n_nb, ((t - n_pairs) % n_nb) * BLOCK_N + tl.arange(0, BLOCK_N)
             rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
             first = bi * l + c * Cs + k * BLOCK_C
-            ns = tl.arange(0, BLOCK_N)
             dC = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)
             dB = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)
             for i in range(heads):
@@ -3256,9 +3256,9 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
     n_hg = triton.cdiv(h, heads_per_program)
     dCB = torch.empty(n_hg, b, N, n_kb * BC, n_kb * BC, **f32)
     dC_states, dB_states = torch.empty(n_hg, b, l, n, **f32), torch.empty(n_hg, b, l, n, **f32)
-    _ssd_chunk_bwd_dcb_kernel[(b * N * n_hg, n_kb * (n_kb + 1) // 2 + n_kb)](
+    _ssd_chunk_bwd_dcb_kernel[(b * N * n_hg, n_kb * (n_kb + 1) // 2 + n_kb * n_nb)](
         x2, dt2, A, h_in, dS_next, dy2, dCB, dC_states, dB_states, b, l, h, p, n, N, Cs, heads_per_program, sx, sdt,
-        sdy, BLOCK_P=BP, BLOCK_N=full(n), BLOCK_C=BC, BLOCK_CS=full(Cs), DOT=dot, num_warps=4,
+        sdy, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, BLOCK_CS=full(Cs), DOT=dot, num_warps=4,
         num_stages=1 if x.dtype == torch.float32 else 2)
     dB, dC = torch.empty(B.shape, device=B.device, dtype=B.dtype), torch.empty(C.shape, device=C.device, dtype=C.dtype)
     _ssd_chunk_bwd_dbc_kernel[(b * N * n_kb, n_nb)](
