@@ -2612,13 +2612,13 @@ def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16)
 #   2 CB           per (chunk, pair of blocks j ≥ k): C_j B_kᵀ, fp32
 #   3 chunk scan   per (chunk, block k, head, block of p): y, walking the chunk's blocks j ≤ k
 # The forward keeps nothing but its inputs: the backward reruns kernels 1 and 2 (h_in is p·n numbers per chunk and
-# head, an eighth of x at p = 32, n = 64, chunk 256), then
+# head, a quarter of x's at p = 32, n = 64, chunk 256), then
 #   4 reverse state pass: dS_next[c] = ds, the gradient of chunk c's end state, is stored at each chunk's end, then
 #                  ds ← exp(T) ds + Σ_r exp(u_r) dy_rᵀ C_r
 #   5 dx           per (chunk, block k, head, block of p), the transpose of kernel 3: dx, and the terms of ddt that
-#                  read x and dy of the block
-#   6 dCB          per (chunk, pair of blocks j ≥ k, group of heads): dCB_rs = Σ_heads dt_s L_rs dy_r·x_s, and on the
-#                  diagonal pairs the state terms of dC and dB
+#                  read x and dy of the block (two programs: what the block reads, what it writes)
+#   6 dCB          per (chunk, group of heads): per pair of blocks j ≥ k, dCB_rs = Σ_heads dt_s L_rs dy_r·x_s; per
+#                  block and block of n, the state terms of dC and dB
 #   7 dB, dC       per (chunk, block, block of n): dC = dCB B + its state term, dB = dCBᵀ C + its state term
 #   8 ddt          per (chunk, head): the terms of ∂L/∂(dt_i A) that cross whole blocks, added to kernel 5's
 # ∂L/∂(dt_i A) is the sum of the pair weights over the pairs (s, r) with s < i ≤ r, h_in as a token before the chunk

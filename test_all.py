@@ -2742,7 +2742,7 @@ def test_kernel_cost_no_eager_copies_or_casts_inside_the_mixers_custom_ops():
 
 
 @INTERPRETED
-@pytest.mark.aot  # about 35 minutes on 2 cores (the interpreter's counts, M's the most, then the sm_90 compile)
+@pytest.mark.aot  # 26 minutes on 2 cores shared with another run (the interpreter's counts, then sm_90's)
 def test_kernel_cost_report_of_g_and_m_at_the_hybrid_shapes():
     """model.kernel_cost_rows for G (704 wide, 11 heads of 64) and M (768 wide, 48 heads of 32, state 64), one
     layer forward + backward at B 16, T 1024 in bf16: rms_norm's launches, scaled (G's forward) or replayed at the
