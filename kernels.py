@@ -2859,7 +2859,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _ssd_chunk_bwd_dx_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, CB_ptr, D_ptr, h_in_ptr, dS_next_ptr, dy_ptr,
-                                 dx_ptr, ddt_ptr, ends_ptr, crossings_ptr, b, l, h, p, n, n_chunks, Cs, stride_x,
+                                 dx_ptr, ddt_parts_ptr, ends_ptr, crossings_ptr, b, l, h, p, n, n_chunks, Cs, stride_x,
                                  stride_dt, stride_B, stride_C, stride_dy, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
                                  BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr,
                                  DOT: tl.constexpr):
@@ -2872,8 +2872,8 @@ if HAS_TRITON:
         #   dxdt = (CB⊙L)ᵀ dy + g_out,   dx = dt⊙dxdt + D dy,   ∂L/∂dt_s ∋ Σ_p dxdt_sp x_sp,
         # and of ∂L/∂(dt_i A) M's pairs s < i ≤ r and the writes Σ_{s<i} (xdt⊙g_out)_s. Each kind writes its part of
         # ddt; for kernel 8 they store the block's sums [the reads of h_in, the writes into dS_next,
-        # exp(all T)⟨h_in, dS_next⟩, Σ dy⊙x, Σ_i dt_i ∂L/∂(dt_i A) of the writes, of the reads] in ends, and each
-        # earlier block's pairs with it in crossings
+        # exp(all T)⟨h_in, dS_next⟩ (block 0 alone), Σ dy⊙x, Σ_i dt_i ∂L/∂(dt_i A) of the writes, of the reads] in
+        # ends, and each earlier block's pairs with it in crossings
         reads_kind = tl.program_id(1) % 2 == 0
         bi, c, k, hi, pid_bc, ps = _ssd_block_of_head(tl.program_id(0), tl.program_id(1) // 2, h, n_chunks, Cs,
                                                       BLOCK_P, BLOCK_C)
@@ -2904,7 +2904,7 @@ if HAS_TRITON:
             read_h_in = tl.exp(before) * _ssd_state_rows(C_ptr, stride_C, h_in_ptr + state, first, rs, valid, ps, p,
                                                          n, BLOCK_C, BLOCK_P, BLOCK_N, DOT)
             d_dtA = tl.cumsum(tl.sum(dyu * (y_in + read_h_in), axis=1), axis=0, reverse=True)   # Σ_{r≥i}
-            tl.store(ddt_ptr + (((2 * pid_p) * b + bi) * l + pos) * h + hi, A * d_dtA, mask=valid)
+            tl.store(ddt_parts_ptr + (((2 * pid_p) * b + bi) * l + pos) * h + hi, A * d_dtA, mask=valid)
             tl.store(ends, tl.sum(tl.sum(dyu * read_h_in, axis=1), axis=0))
             tl.store(ends + 5 * n_blocks, tl.sum(dt * d_dtA, axis=0))
             tl.store(crossings_ptr + (pid_ch * n_blocks + k) * n_blocks + js, crossing, mask=js < n_blocks)
@@ -2922,15 +2922,16 @@ if HAS_TRITON:
             xdte = xf * (tl.exp(e) * dt)[:, None]
             tl.store(ends + n_blocks, tl.sum(tl.sum(xdte * write_dS, axis=1), axis=0))
             writes = tl.sum(xdte * (g_out + write_dS), axis=1)
-            passed = 0.0                                                # ⟨h_in, dS_next⟩ over this block of p
-            for n0 in range(0, n, BLOCK_N):
-                ns = n0 + tl.arange(0, BLOCK_N)
-                st = ps[:, None] * n + ns[None, :]
-                st_mask = (ps[:, None] < p) & (ns[None, :] < n)
-                passed += tl.sum(tl.sum(tl.load(h_in_ptr + state + st, mask=st_mask, other=0.0).to(tl.float32)
-                                        * tl.load(dS_next_ptr + state + st, mask=st_mask, other=0.0).to(tl.float32),
-                                        axis=1), axis=0)
-            tl.store(ends + 2 * n_blocks, tl.exp(T + after) * passed)  # the chunk's T: kernel 8 takes block 0's
+            if k == 0:                                                  # once a chunk: exp(all T)⟨h_in, dS_next⟩
+                passed = 0.0
+                for n0 in range(0, n, BLOCK_N):
+                    ns = n0 + tl.arange(0, BLOCK_N)
+                    st = ps[:, None] * n + ns[None, :]
+                    st_mask = (ps[:, None] < p) & (ns[None, :] < n)
+                    passed += tl.sum(tl.sum(tl.load(h_in_ptr + state + st, mask=st_mask, other=0.0).to(tl.float32)
+                                            * tl.load(dS_next_ptr + state + st, mask=st_mask, other=0.0)
+                                            .to(tl.float32), axis=1), axis=0)
+                tl.store(ends + 2 * n_blocks, tl.exp(T + after) * passed)
             CBL = tl.load(_ssd_pair_tile(CB_ptr, pid_bc, k, k, rs, BLOCK_C, n_blocks)) * _ssd_pair_decays(dt, A, rs)
             dxdt = tl.dot(tl.trans(CBL).to(dy.dtype), dy, input_precision=DOT) + tl.exp(e)[:, None] * (g_out + write_dS)
             dx = dxdt * dt[:, None]
@@ -2942,8 +2943,8 @@ if HAS_TRITON:
             before_i = tl.cumsum(M, axis=1) - M                                      # [r, i] = Σ_{s<i} M_rs
             d_dtA = tl.sum(tl.where(rs[:, None] >= rs[None, :], before_i, 0.0), axis=0)   # [i] = Σ_{r≥i} Σ_{s<i}
             d_dtA += tl.sum(tl.where(rs[:, None] < rs[None, :], writes[:, None], 0.0), axis=0)   # Σ_{s<i}
-            tl.store(ddt_ptr + (((2 * pid_p + 1) * b + bi) * l + pos) * h + hi, tl.sum(dxdt * xf, axis=1) + A * d_dtA,
-                     mask=valid)
+            tl.store(ddt_parts_ptr + (((2 * pid_p + 1) * b + bi) * l + pos) * h + hi,
+                     tl.sum(dxdt * xf, axis=1) + A * d_dtA, mask=valid)
             tl.store(ends + 3 * n_blocks, tl.sum(tl.sum(dy.to(tl.float32) * xf, axis=1), axis=0))
             tl.store(ends + 4 * n_blocks, tl.sum(dt * d_dtA, axis=0))
 
