@@ -49,7 +49,7 @@ import math
 import os
 import sys
 import time
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -89,8 +89,58 @@ if HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
     _widen_bf16_dots_in_the_interpreter()
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "ref")
-TRITON_OPS = frozenset({"rms_norm", "rope", "softmax", "sparsemax", "sinkhorn", "gdn2_decay_clip", "gdn2_gates",
-                        "gdn2", "ssd"})  # the ops with an <op>_triton
+
+
+class Op(NamedTuple):
+    """One row of OPS, the registry of ops: the dispatcher and every check of an op read it. An op's section ends
+    with its row. ref, torch, triton: <op>_ref (the spec), <op>_torch (the CPU path), <op>_triton (None where the op
+    has no Triton path). Every Triton path has, as functions its section defines:
+      example(dtype, dims): a thunk that runs its Triton forward and backward at ExampleDims dims on CPU tensors it
+        makes when called (what the launch recorder and the ahead-of-time compile see);
+      opcheck(randn): [(case, custom op, args, whether to run the whole opcheck)], covering each of its custom ops;
+      compare(randn): (Triton call, reference call, inputs by name), the interpreter test against <op>_ref in fp32;
+    fp16: (the inputs given in fp16, the results allowed 2u) for the fp16 test, None where the op's own tests hold
+    its fp16 error budget; in_model: False for the teaching kernels the model never calls (the ahead-of-time test
+    launches those itself). randn(*shape) draws a test's inputs. A row that breaks these is an error at import."""
+    ref: Callable
+    torch: Callable
+    triton: Optional[Callable]
+    example: Optional[Callable] = None
+    opcheck: Optional[Callable] = None
+    compare: Optional[Callable] = None
+    fp16: Optional[tuple] = None
+    in_model: bool = True
+
+
+OPS = {}   # op name: Op, one row per op, written at the end of the op's section
+
+
+class ExampleDims(NamedTuple):
+    """The model dims of the example launches: batch, length, heads and their key and value dims (gdn2's; the
+    normalised width is H·K), ssd's heads, head dim and state dim, and ssd's chunk."""
+    B: int = 1
+    T: int = 256
+    H: int = 4
+    K: int = 32
+    V: int = 32
+    heads_ssd: int = 8
+    p: int = 32
+    n: int = 64
+    chunk: int = 64
+
+
+def _leaf(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype).requires_grad_()
+
+
+def _backward(outs):
+    """Backpropagate zeros through every output: the launches of the backward, whatever its values."""
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward([o for o in outs], [torch.zeros_like(o) for o in outs])
+
+
+def _requiring_grad(t):
+    return None if t is None else t.detach().requires_grad_(True)
 
 
 def _path(op, kernels, x):
@@ -99,12 +149,17 @@ def _path(op, kernels, x):
         return "torch"
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels={kernels!r} is not one of {KERNEL_CHOICES}; pick one of those")
-    has_triton = HAS_TRITON and op in TRITON_OPS
+    if op not in OPS:
+        raise ValueError(f"{op} has no row in kernels.OPS; end its section with OPS[{op!r}] = Op(...)")
+    if OPS[op].triton is None:
+        has_triton, why = False, f"{op} has no Triton path (its OPS row's triton is None)"
+    else:
+        has_triton, why = HAS_TRITON, "triton is not installed, or a CPU run without TRITON_INTERPRET=1 set before " \
+                                      "starting Python"
     if kernels == "auto":
         return "triton" if (has_triton and x.is_cuda) else "torch"
     if kernels == "triton" and not has_triton:
-        raise ValueError(f"the Triton path for {op} is not available (no {op}_triton, triton not installed, or a CPU "
-                         "run without TRITON_INTERPRET=1 set before starting Python); use kernels='torch'")
+        raise ValueError(f"the Triton path for {op} is not available: {why}; use kernels='torch'")
     return kernels
 
 
@@ -194,9 +249,10 @@ def _double_backward(forward, inputs, cotangents):
 
 
 # -----------------------------------------------------------------------------
-# What the ops' Triton paths share. Each op's forward and backward launches are torch.library custom ops ("specgpt::<op>_fwd", "specgpt::<op>_bwd";
-# rope's backward is its forward turned back), with fake functions for shapes and the backward registered as the
-# forward's autograd: torch.compile sees every Triton op as one opaque node and the model traces as one graph.
+# What the ops' Triton paths share. Each op's forward and backward launches are torch.library custom ops
+# ("specgpt::<op>_fwd", "specgpt::<op>_bwd"; rope's backward is its forward turned back), with fake functions for
+# shapes and the backward registered as the forward's autograd: torch.compile sees every Triton op as one opaque node
+# and the model traces as one graph.
 
 
 def on_device_of(x):
@@ -413,6 +469,31 @@ def rms_norm(x, weight, eps=1e-6, gate=None, out_dtype=None, kernels="auto"):
     return rms_norm_torch(x, weight, eps, gate, out_dtype)
 
 
+def _rms_norm_example(dtype, d):
+    C = d.H * d.K
+    return lambda: [_backward(rms_norm_triton(_leaf(d.B, d.T, C, dtype=dtype), _leaf(C), 1e-6, gate))
+                    for gate in (None, _leaf(d.B, d.T, C, dtype=dtype))]
+
+
+def _rms_norm_opcheck(randn):
+    x, w, gate = randn(2, 3, 5), randn(5), randn(2, 3, 5)
+    rstd = _rms_norm_fwd(x, w, 1e-6, gate)[1]
+    x_, w_ = _requiring_grad(x), _requiring_grad(w)
+    return [("rms_norm", _rms_norm_fwd, (x_, w_, 1e-6, None), False),
+            ("rms_norm gate", _rms_norm_fwd, (x_, w_, 1e-6, _requiring_grad(gate)), True),
+            ("rms_norm_bwd", _rms_norm_bwd, (randn(2, 3, 5), x, w, rstd, None), False),
+            ("rms_norm_bwd gate", _rms_norm_bwd, (randn(2, 3, 5), x, w, rstd, gate), False)]
+
+
+def _rms_norm_compare(randn):
+    return (lambda x, w, gate: rms_norm_triton(x, w, 1e-6, gate), lambda x, w, gate: rms_norm_ref(x, w, 1e-6, gate),
+            dict(x=randn(3, 5, 37), w=randn(37), gate=2 * randn(3, 5, 37)))
+
+
+OPS["rms_norm"] = Op(rms_norm_ref, rms_norm_torch, rms_norm_triton, _rms_norm_example, _rms_norm_opcheck,
+                     _rms_norm_compare, fp16=({"x", "gate"}, ()))
+
+
 # -----------------------------------------------------------------------------
 # rope: the pairs (x_2i, x_2i+1) are complex numbers z_i = x_2i + i·x_2i+1, turned by angle θ_i(t):
 #   y_2i = x_2i·cos − x_2i+1·sin,   y_2i+1 = x_2i+1·cos + x_2i·sin,   i.e. y = z · e^{iθ}
@@ -509,6 +590,25 @@ def rope(x, cos, sin, kernels="auto"):
     return rope_torch(x, cos, sin)
 
 
+def _rope_example(dtype, d):
+    return lambda: _backward(rope_triton(_leaf(d.B, d.T, d.H, d.K, dtype=dtype), torch.ones(d.T, d.K // 2),
+                                         torch.zeros(d.T, d.K // 2)))
+
+
+def _rope_opcheck(randn):
+    angle = randn(3, 2)
+    return [("rope", _rope_rotate, (_requiring_grad(randn(1, 3, 2, 4)), angle.cos(), angle.sin(), 1.0), True)]
+
+
+def _rope_compare(randn):
+    angle = 3 * randn(7, 5)   # the reference takes cos and sin in x's dtype (fp64 in the fp16 test)
+    return (lambda x: rope_triton(x, angle.cos().to(x.device), angle.sin().to(x.device)),
+            lambda x: rope_ref(x, angle.cos().to(x), angle.sin().to(x)), dict(x=randn(2, 7, 3, 10)))
+
+
+OPS["rope"] = Op(rope_ref, rope_torch, rope_triton, _rope_example, _rope_opcheck, _rope_compare, fp16=({"x"}, ()))
+
+
 # -----------------------------------------------------------------------------
 # softmax over the last dim of x[R, N]: y = exp(x − max) / Σ exp(x − max)
 
@@ -603,6 +703,23 @@ def softmax(x, kernels="auto"):
     if path == "ref":
         return softmax_ref(x)
     return softmax_torch(x)
+
+
+def _softmax_example(dtype, d):
+    return lambda: _backward(softmax_triton(_leaf(d.B * d.H * d.T, d.T, dtype=dtype)))
+
+
+def _softmax_opcheck(randn):
+    return [("softmax", _softmax_fwd, (_requiring_grad(randn(3, 5)),), True),
+            ("softmax_bwd", _softmax_bwd, (randn(3, 5), _softmax_fwd(randn(3, 5))), False)]
+
+
+def _softmax_compare(randn):
+    return softmax_triton, softmax_ref, dict(x=3 * randn(6, 33))
+
+
+OPS["softmax"] = Op(softmax_ref, softmax_torch, softmax_triton, _softmax_example, _softmax_opcheck, _softmax_compare,
+                    fp16=({"x"}, ()), in_model=False)
 
 
 # -----------------------------------------------------------------------------
@@ -764,6 +881,24 @@ def sparsemax(z, causal=False, kernels="auto"):
     if path == "ref":
         return sparsemax_ref(z, causal)
     return sparsemax_torch(z, causal)
+
+
+def _sparsemax_example(dtype, d):   # the causal attention weights of every head, [B, H, T, T]
+    return lambda: _backward(sparsemax_triton(_leaf(d.B, d.H, d.T, d.T, dtype=dtype), True))
+
+
+def _sparsemax_opcheck(randn):
+    z = 3 * randn(2, 5, 7)
+    return [("sparsemax", _sparsemax_fwd, (_requiring_grad(z), True), True),
+            ("sparsemax_bwd", _sparsemax_bwd, (sparsemax_triton(z, True), randn(2, 5, 7)), True)]
+
+
+def _sparsemax_compare(randn):
+    return lambda z: sparsemax_triton(z, True), lambda z: sparsemax_ref(z, True), dict(z=2 * randn(2, 9, 9))
+
+
+OPS["sparsemax"] = Op(sparsemax_ref, sparsemax_torch, sparsemax_triton, _sparsemax_example, _sparsemax_opcheck,
+                      _sparsemax_compare, fp16=({"z"}, ()))
 
 
 # -----------------------------------------------------------------------------
@@ -983,6 +1118,23 @@ def sinkhorn(logits, iters=20, kernels="auto"):
     return sinkhorn_torch(logits, iters)
 
 
+def _sinkhorn_example(dtype, d):   # mHC's 4 × 4 mixing matrices, in fp32 under any autocast
+    return lambda: _backward(sinkhorn_triton(_leaf(d.B, d.T, 4, 4)))
+
+
+def _sinkhorn_opcheck(randn):
+    return [("sinkhorn", _sinkhorn_fwd, (_requiring_grad(randn(2, 3, 3)), 3), True),
+            ("sinkhorn_bwd", _sinkhorn_bwd, (randn(2, 3, 3), randn(2, 3, 3), 3), False)]
+
+
+def _sinkhorn_compare(randn):
+    return sinkhorn_triton, sinkhorn_ref, dict(logits=2 * randn(2, 13, 4, 4))
+
+
+OPS["sinkhorn"] = Op(sinkhorn_ref, sinkhorn_torch, sinkhorn_triton, _sinkhorn_example, _sinkhorn_opcheck,
+                     _sinkhorn_compare)
+
+
 # -----------------------------------------------------------------------------
 # gdn2_decay_clip: per token and head, with a = k, c = b⊙k, η = ‖a‖‖c‖:
 #   ρ = ‖I − a cᵀ‖₂ = (η + sqrt(η² − 4 a·c + 4)) / 2,   g' = min(g, −log ρ)
@@ -1193,6 +1345,30 @@ def gdn2_decay_clip(g, k, b, kernels="auto"):
     return gdn2_decay_clip_torch(g, k, b)
 
 
+def _gdn2_decay_clip_example(dtype, d):
+    shape = (d.B, d.T, d.H, d.K)
+    return lambda: _backward(gdn2_decay_clip_triton(_leaf(*shape), _leaf(*shape, dtype=dtype),
+                                                    _leaf(*shape, dtype=dtype)))
+
+
+def _gdn2_decay_clip_opcheck(randn):
+    k = F.normalize(randn(1, 3, 2, 4), dim=-1)
+    g, b = -randn(1, 3, 2, 4).abs(), randn(1, 3, 2, 4).abs() * 2
+    return [("gdn2_decay_clip", _gdn2_decay_clip_fwd, tuple(map(_requiring_grad, (g, k, b))), True),
+            ("gdn2_decay_clip_bwd", _gdn2_decay_clip_bwd, (randn(1, 3, 2, 4), g, k, b), False)]
+
+
+def _gdn2_decay_clip_compare(randn):   # b up to 2: a mix of clipped and kept decays
+    shape = (2, 9, 2, 16)
+    inputs = dict(g=-randn(*shape).abs(), k=F.normalize(randn(*shape), dim=-1), b=2 * randn(*shape).sigmoid())
+    return gdn2_decay_clip_triton, gdn2_decay_clip_ref, inputs
+
+
+OPS["gdn2_decay_clip"] = Op(gdn2_decay_clip_ref, gdn2_decay_clip_torch, gdn2_decay_clip_triton,
+                            _gdn2_decay_clip_example, _gdn2_decay_clip_opcheck, _gdn2_decay_clip_compare,
+                            fp16=({"k", "b"}, ()), in_model=False)
+
+
 # -----------------------------------------------------------------------------
 # gdn2_gates: gdn2's log-decay and erase gate from their projections, the clip fused in. Per token, head h, channel:
 #   g = −exp(A_log[h])·softplus(decay_logits + dt_bias[h]),   b = σ(erase_logits),
@@ -1389,6 +1565,32 @@ def gdn2_gates(decay_logits, erase_logits, k, A_log, dt_bias, clip=True, kernels
     if path == "ref":
         return gdn2_gates_ref(decay_logits, erase_logits, k, A_log, dt_bias, clip)
     return gdn2_gates_torch(decay_logits, erase_logits, k, A_log, dt_bias, clip)
+
+
+def _gdn2_gates_example(dtype, d):
+    shape = (d.B, d.T, d.H, d.K)
+    return lambda: [_backward(gdn2_gates_triton(_leaf(*shape, dtype=dtype), _leaf(*shape, dtype=dtype),
+                                                _leaf(*shape, dtype=dtype), _leaf(d.H), _leaf(d.H * d.K), clip))
+                    for clip in (True, False)]
+
+
+def _gdn2_gates_opcheck(randn):
+    gates = (randn(1, 3, 2, 4), randn(1, 3, 2, 4), F.normalize(randn(1, 3, 2, 4), dim=-1), randn(2), randn(8))
+    return [case for clip in (True, False) for case in (
+        (f"gdn2_gates clip={clip}", _gdn2_gates_fwd, (*map(_requiring_grad, gates), clip), clip),
+        (f"gdn2_gates_bwd clip={clip}", _gdn2_gates_bwd, (randn(1, 3, 2, 4), randn(1, 3, 2, 4), *gates, clip), False))]
+
+
+def _gdn2_gates_compare(randn):
+    B, T, H, K = 2, 9, 2, 16
+    gates = dict(decay_logits=randn(B, T, H, K) - 1, erase_logits=2 * randn(B, T, H, K),
+                 k=F.normalize(randn(B, T, H, K), dim=-1), A_log=2.7 * randn(H).sigmoid(), dt_bias=randn(H * K) - 3)
+    return (lambda **kw: gdn2_gates_triton(**kw, clip=True), lambda **kw: gdn2_gates_ref(**kw, clip=True), gates)
+
+
+# in fp16 the erase logits' and keys' gradients go through the rounded gate b
+OPS["gdn2_gates"] = Op(gdn2_gates_ref, gdn2_gates_torch, gdn2_gates_triton, _gdn2_gates_example, _gdn2_gates_opcheck,
+                       _gdn2_gates_compare, fp16=({"decay_logits", "erase_logits", "k"}, ("derase_logits", "dk")))
 
 
 # -----------------------------------------------------------------------------
@@ -2412,6 +2614,46 @@ def gdn2(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16, kernel
     return gdn2_torch(q, k, v, g, b, w, scale, initial_state, chunk_size)
 
 
+def _gdn2_example(dtype, d):   # the recurrent kernels and the chunked ones (in chunks of 16)
+    B, T, H, K, V = d.B, d.T, d.H, d.K, d.V
+    return lambda: [_backward(fn(_leaf(B, T, H, K, dtype=dtype), _leaf(B, T, H, K, dtype=dtype),
+                                 _leaf(B, T, H, V, dtype=dtype), _leaf(B, T, H, K), _leaf(B, T, H, K, dtype=dtype),
+                                 _leaf(B, T, H, V, dtype=dtype), None, _leaf(B, H, K, V)))
+                    for fn in (gdn2_recurrent_triton, gdn2_chunked_triton)]
+
+
+def _gdn2_opcheck(randn):
+    # 17 tokens: two chunks of 16 in the chunked kernels, the second ragged, or one ragged chunk of 32
+    B, T, H, K, V = 1, 17, 1, 4, 5
+    q, k = F.normalize(randn(B, T, H, K), dim=-1), F.normalize(randn(B, T, H, K), dim=-1)
+    gdn2_in = (q, k, randn(B, T, H, V), -randn(B, T, H, K).abs() / 2, randn(B, T, H, K).sigmoid(),
+               randn(B, T, H, V).sigmoid())
+    cases = []
+    for s0, chunk in ((None, 16), (randn(B, H, K, V), 32)):
+        named, full = ("", False) if s0 is None else (" initial_state", True)
+        u = _gdn2_recurrent_fwd(*gdn2_in, 0.5, s0)[2]
+        d_out = (randn(B, T, H, V), randn(B, H, K, V))
+        cases += [("gdn2_recurrent" + named, _gdn2_recurrent_fwd, (*map(_requiring_grad, gdn2_in), 0.5,
+                                                                   _requiring_grad(s0)), full),
+                  ("gdn2_recurrent_bwd" + named, _gdn2_recurrent_bwd, (*d_out, *gdn2_in, u, 0.5, s0), False),
+                  (f"gdn2_chunked{named} chunk={chunk}", _gdn2_chunked_fwd,
+                   (*map(_requiring_grad, gdn2_in), 0.5, _requiring_grad(s0), chunk), full),
+                  (f"gdn2_chunked_bwd{named} chunk={chunk}", _gdn2_chunked_bwd, (*d_out, *gdn2_in, s0, 0.5, chunk),
+                   False)]
+    return cases
+
+
+def _gdn2_compare(randn):   # 37 tokens: the recurrent kernels (the chunked ones have tests of their own)
+    B, T, H, K, V = 2, 37, 3, 20, 12
+    q, k = F.normalize(randn(B, T, H, K), dim=-1), F.normalize(randn(B, T, H, K), dim=-1)
+    return gdn2_triton, gdn2_ref, dict(q=q, k=k, v=randn(B, T, H, V), g=-randn(B, T, H, K).abs() / 2,
+                                       b=randn(B, T, H, K).sigmoid(), w=randn(B, T, H, V).sigmoid(),
+                                       initial_state=randn(B, H, K, V))
+
+
+OPS["gdn2"] = Op(gdn2_ref, gdn2_torch, gdn2_triton, _gdn2_example, _gdn2_opcheck, _gdn2_compare)
+
+
 # -----------------------------------------------------------------------------
 # ssd (Mamba2, ngroups = 1), state h ∈ R^{P×N} per head:
 #   h_t = exp(dt_t A) h_{t−1} + dt_t x_t B_tᵀ,   y_t = h_t C_t + D x_t
@@ -3292,6 +3534,62 @@ def ssd(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None, kernels="auto
     return ssd_torch(x, dt, A, B, C, D, chunk_size, initial_state)
 
 
+def _ssd_example(dtype, d):
+    B, T, h, p, n = d.B, d.T, d.heads_ssd, d.p, d.n
+    return lambda: _backward(ssd_triton(_leaf(B, T, h, p, dtype=dtype), _leaf(B, T, h), _leaf(h),
+                                        _leaf(B, T, 1, n, dtype=dtype), _leaf(B, T, 1, n, dtype=dtype), _leaf(h),
+                                        d.chunk, _leaf(B, h, p, n)))
+
+
+def _ssd_opcheck(randn):
+    b, l, h, p, n, Cs = 1, 9, 2, 3, 4, 8   # 9 tokens: two chunks of 8, the second ragged
+    ssd_in = (randn(b, l, h, p), F.softplus(randn(b, l, h)), -randn(h).abs() - 0.5, randn(b, l, 1, n),
+              randn(b, l, 1, n))
+    cases = []
+    for D, s0 in ((None, None), (randn(h), randn(b, h, p, n))):
+        named, full = ("", False) if D is None else (" D initial_state", True)
+        cases += [("ssd" + named, _ssd_fwd, (*map(_requiring_grad, ssd_in), _requiring_grad(D), Cs,
+                                             _requiring_grad(s0)), full),
+                  ("ssd_bwd" + named, _ssd_bwd, (randn(b, l, h, p), randn(b, h, p, n), *ssd_in, D, s0, Cs), False)]
+    return cases
+
+
+def _ssd_compare(randn):   # 37 tokens in chunks of 16, the last ragged
+    b, l, h, p, n = 2, 37, 3, 8, 16
+    return (lambda **kw: ssd_triton(**kw, chunk_size=16), ssd_ref,
+            dict(x=randn(b, l, h, p), dt=F.softplus(randn(b, l, h) - 1), A=-randn(h).abs() - 0.5, B=randn(b, l, 1, n),
+                 C=randn(b, l, 1, n), D=randn(h), initial_state=randn(b, h, p, n)))
+
+
+OPS["ssd"] = Op(ssd_ref, ssd_torch, ssd_triton, _ssd_example, _ssd_opcheck, _ssd_compare)
+
+
+# -----------------------------------------------------------------------------
+# The registry's rules, checked at import, and every Triton op's example launch.
+
+def _check_ops():
+    """Each OPS row keeps the rules of Op: a one-line ValueError naming the row and the rule it breaks."""
+    for name, op in OPS.items():
+        checks = (op.example, op.opcheck, op.compare)
+        if not (callable(op.ref) and callable(op.torch)):
+            raise ValueError(f"OPS[{name!r}]: ref and torch must be functions, {name}_ref and {name}_torch")
+        if op.triton is None and (any(f is not None for f in checks) or op.fp16 is not None):
+            raise ValueError(f"OPS[{name!r}]: an op without a Triton path has no example, opcheck, compare or fp16")
+        if op.triton is not None and not all(callable(f) for f in (op.triton, *checks)):
+            raise ValueError(f"OPS[{name!r}]: a Triton path needs its example, opcheck and compare functions (see Op)")
+        if op.fp16 is not None and len(op.fp16) != 2:
+            raise ValueError(f"OPS[{name!r}]: fp16 is (the inputs given in fp16, the results allowed 2u) or None")
+
+
+_check_ops()
+
+
+def example_steps(dtype=torch.float32, **dims):
+    """{op: a thunk running its Triton forward and backward on CPU tensors} for every op with a Triton path, at the
+    model dims given (ExampleDims' fields; the rest at their defaults) in dtype: what triton_launches records."""
+    return {name: op.example(dtype, ExampleDims(**dims)) for name, op in OPS.items() if op.triton is not None}
+
+
 # -----------------------------------------------------------------------------
 # What a CPU can prove about a GPU run, found without one. The wrappers run on fake tensors (any shape is free)
 # with every launch recorded instead of run (kernel, grid, argument dtypes, constexprs, num_warps), so the launch
@@ -3311,7 +3609,8 @@ def _record_launches(step, on_launch, around_body=None):
     if given, is the context each body of custom op `name` runs in."""
     from unittest import mock
     from torch._subclasses.fake_tensor import FakeTensorMode
-    ops = [op for op in globals().values() if isinstance(op, torch._library.custom_ops.CustomOpDef)]
+    ops = {op for row in OPS.values() if row.triton is not None for op in vars(sys.modules[row.triton.__module__])
+           .values() if isinstance(op, torch._library.custom_ops.CustomOpDef)}   # the custom ops of each op's module
     fakes = {op: op._abstract_fn for op in ops}
 
     def record(self, *args, grid, warmup, **kwargs):
@@ -3455,41 +3754,10 @@ def triton_resources(launches, archs=(80, 89, 90), workers=None):
             for (kernel, signature, constexprs, options, arch), (shared, regs, stack) in zip(_COMPILE_JOBS, results)]
 
 
-def _example_steps(B=1, T=256, H=4, K=32, V=32, heads_ssd=8, p=32, n=64, chunk=64, dtype=torch.float32):
-    """fwd+bwd of every Triton op at one set of model dims, as thunks for triton_launches (CPU tensors)."""
-    def leaf(*shape, dt=dtype):
-        return torch.randn(*shape, dtype=dt).requires_grad_()
-
-    def backward(outs):
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        torch.autograd.backward([o for o in outs], [torch.zeros_like(o) for o in outs])
-
-    f32 = torch.float32
-    C = H * K
-    return {
-        "rms_norm": lambda: [backward(rms_norm_triton(leaf(B, T, C), leaf(C, dt=f32), 1e-6, gate))
-                             for gate in (None, leaf(B, T, C))],
-        "rope": lambda: backward(rope_triton(leaf(B, T, H, K), torch.ones(T, K // 2), torch.zeros(T, K // 2))),
-        "softmax": lambda: backward(softmax_triton(leaf(B * H * T, T))),
-        "sinkhorn": lambda: backward(sinkhorn_triton(leaf(B, T, 4, 4, dt=f32))),
-        "gdn2_decay_clip": lambda: backward(gdn2_decay_clip_triton(leaf(B, T, H, K, dt=f32), leaf(B, T, H, K),
-                                                                   leaf(B, T, H, K))),
-        "gdn2_gates": lambda: [backward(gdn2_gates_triton(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, K),
-                                                          leaf(H, dt=f32), leaf(H * K, dt=f32), clip))
-                               for clip in (True, False)],
-        "gdn2": lambda: [backward(fn(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, V), leaf(B, T, H, K, dt=f32),
-                                     leaf(B, T, H, K), leaf(B, T, H, V), None, leaf(B, H, K, V, dt=f32)))
-                         for fn in (gdn2_recurrent_triton, gdn2_chunked_triton)],
-        "ssd": lambda: backward(ssd_triton(leaf(B, T, heads_ssd, p), leaf(B, T, heads_ssd, dt=f32),
-                                           leaf(heads_ssd, dt=f32), leaf(B, T, 1, n), leaf(B, T, 1, n),
-                                           leaf(heads_ssd, dt=f32), chunk, leaf(B, heads_ssd, p, n, dt=f32))),
-    }
-
-
 def triton_resource_table(archs=(80, 89, 90), dtypes=(torch.float32, torch.bfloat16), **dims):
     """Print shared memory / registers / stack bytes (spilled registers) per kernel and arch for fwd+bwd of every
-    Triton op at the given dims (see _example_steps) in each dtype; a '!' marks shared memory over the arch's limit."""
-    steps = [step for dtype in dtypes for step in _example_steps(dtype=dtype, **dims).values()]
+    Triton op at the given dims (see example_steps) in each dtype; a '!' marks shared memory over the arch's limit."""
+    steps = [step for dtype in dtypes for step in example_steps(dtype=dtype, **dims).values()]
     rows = triton_resources(triton_launches(lambda: [step() for step in steps]), archs)
     print(f"{'kernel':34s} {'dtype':5s} {'constexprs':56s} warps "
           + " ".join(f"{'sm_' + str(a) + ' smem/regs/stack':>22s}" for a in archs))
@@ -4187,7 +4455,7 @@ if __name__ == "__main__":
         want = run("ref")
         want = want if isinstance(want, tuple) else (want,)
         for path in paths:
-            if path == "triton" and name not in TRITON_OPS:
+            if path == "triton" and OPS[name].triton is None:
                 continue
             got = run(path)
             got = got if isinstance(got, tuple) else (got,)
