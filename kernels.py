@@ -20,12 +20,14 @@ dt_bias) (the gated variants' g), zoh_input_scale(dt, A) (ZOH for ssd).
 * teaching kernels, never called by the model (both tested): softmax's Triton path is the fused-softmax walkthrough
 of `python kernels.py`; gdn2_decay_clip's standalone Triton kernel is the clip alone, which gdn2_gates' kernel fuses.
 
-Each section holds `<op>_ref` (the spec, written plainly), `<op>_torch` (vectorised or chunked
-PyTorch, the CPU path) where it differs, `<op>_triton` where it exists, and the dispatcher
-`<op>(..., kernels="auto")`:
+After what the ops share (the registry's row type Op, the dispatcher's _path, the Triton helpers), one section per
+op, in the table's order (the order a reader meets them). Each holds the whole op: the math, `<op>_ref` (the spec, written plainly), `<op>_torch` (vectorised or chunked
+PyTorch, the CPU path), its Triton kernels and `<op>_triton` where it has them, the dispatcher
+`<op>(..., kernels="auto")`, and its row in OPS, the one registry of ops (its paths, the example launch and the test
+cases every check of an op reads: a new op is its section and its row):
     "auto"   -> Triton for CUDA tensors when triton is importable and the op has a Triton path, else torch
     "torch"  -> <op>_torch (or <op>_ref when the two are the same code)
-    "triton" -> <op>_triton (ValueError if this op has no Triton path)
+    "triton" -> <op>_triton (ValueError if this op has no Triton path, or no row in OPS)
     "ref"    -> <op>_ref
 chunk_size is the chunk length of the chunked paths, honoured by torch and Triton alike (a power of two; gdn2's
 Triton kernels take 16, 32 or 64, ssd's at most 256, what fits a GPU block's registers and shared memory; else a
