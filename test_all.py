@@ -1495,7 +1495,7 @@ def seeded_randn(device="cpu", seed=0):
     return lambda *shape: torch.randn(*shape, generator=gen).to(device)
 
 
-TRITON_OPS = [op for op, row in kernels.OPS.items() if row.triton is not None]   # the ops with a Triton path
+OPS_WITH_TRITON = [op for op, row in kernels.OPS.items() if row.triton is not None]   # the ops with a Triton path
 
 
 def check_triton_matches_its_reference(op, device):
@@ -1508,7 +1508,7 @@ def check_triton_matches_its_reference(op, device):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-@pytest.mark.parametrize("op", TRITON_OPS)
+@pytest.mark.parametrize("op", OPS_WITH_TRITON)
 def test_triton_op_matches_its_reference(op, device):
     check_triton_matches_its_reference(op, device)
 
@@ -2066,14 +2066,14 @@ def check_op_passes_opcheck(op, device):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-@pytest.mark.parametrize("op", TRITON_OPS)
+@pytest.mark.parametrize("op", OPS_WITH_TRITON)
 def test_triton_ops_pass_opcheck(op, device):
     check_op_passes_opcheck(op, device)
 
 
 def test_triton_opcheck_cases_cover_every_custom_op():
     """The OPS rows' opcheck cases take every custom op kernels.py defines, forward and backward."""
-    checked = {case[1] for op in TRITON_OPS for case in kernels.OPS[op].opcheck(seeded_randn())}
+    checked = {case[1] for op in OPS_WITH_TRITON for case in kernels.OPS[op].opcheck(seeded_randn())}
     assert checked == {v for v in vars(kernels).values() if isinstance(v, torch._library.custom_ops.CustomOpDef)}
 
 
