@@ -101,9 +101,11 @@ class Op(NamedTuple):
         makes when called (what the launch recorder and the ahead-of-time compile see);
       opcheck(randn): [(case, custom op, args, whether to run the whole opcheck)], covering each of its custom ops;
       compare(randn): (Triton call, reference call, inputs by name), the interpreter test against <op>_ref in fp32;
-    fp16: (the inputs given in fp16, the results allowed 2u) for the fp16 test, None where the op's own tests hold
-    its fp16 error budget; in_model: False for the teaching kernels the model never calls (the ahead-of-time test
-    launches those itself). randn(*shape) draws a test's inputs. A row that breaks these is an error at import."""
+    fp16: (the inputs given in fp16, the results allowed 2u) for the fp16 test, None where the op has no fp16 case
+    there (sinkhorn computes in fp32 under any autocast; gdn2's and ssd's own tests hold their fp16 error budgets);
+    in_model: False for the teaching kernels the model never calls (the ahead-of-time test launches those itself).
+    randn(*shape) draws a test's inputs. A row that names a missing function fails at import on that row; one that
+    breaks these rules, with a ValueError naming it (_check_ops)."""
     ref: Callable
     torch: Callable
     triton: Optional[Callable]

@@ -666,6 +666,15 @@ def test_kernels_dispatch_auto_on_cpu_is_torch_and_triton_needs_an_op(monkeypatc
         kernels._path("softmax", "triton", q)
 
 
+def test_kernels_ops_row_that_breaks_a_rule_is_an_error_naming_it(monkeypatch):
+    monkeypatch.setitem(kernels.OPS, "scaled_copy", SCALED_COPY_ROW._replace(opcheck=None))
+    with pytest.raises(ValueError, match=r"OPS\['scaled_copy'\]: a Triton path needs its example, opcheck and compare"):
+        kernels._check_ops()
+    monkeypatch.setitem(kernels.OPS, "scaled_copy", SCALED_COPY_ROW._replace(triton=None))
+    with pytest.raises(ValueError, match=r"OPS\['scaled_copy'\]: an op without a Triton path has no example"):
+        kernels._check_ops()
+
+
 def test_kernels_shape_errors_are_value_errors():
     q = torch.randn(1, 8, 2, 4)
     v = torch.randn(1, 8, 2, 3)
