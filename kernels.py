@@ -21,10 +21,10 @@ dt_bias) (the gated variants' g), zoh_input_scale(dt, A) (ZOH for ssd).
 of `python kernels.py`; gdn2_decay_clip's standalone Triton kernel is the clip alone, which gdn2_gates' kernel fuses.
 
 After what the ops share (the registry's row type Op, the dispatcher's _path, the Triton helpers), one section per
-op, in the table's order (the order a reader meets them). Each holds the whole op: the math, `<op>_ref` (the spec, written plainly), `<op>_torch` (vectorised or chunked
-PyTorch, the CPU path), its Triton kernels and `<op>_triton` where it has them, the dispatcher
-`<op>(..., kernels="auto")`, and its row in OPS, the one registry of ops (its paths, the example launch and the test
-cases every check of an op reads: a new op is its section and its row):
+op, in the table's order (the order a reader meets them). Each holds the whole op: the math, `<op>_ref` (the spec,
+written plainly), `<op>_torch` (vectorised or chunked PyTorch, the CPU path), its Triton kernels and `<op>_triton`
+where it has them, the dispatcher `<op>(..., kernels="auto")`, and its row in OPS, the one registry of ops (its
+paths, the example launch and the test cases every check of an op reads: a new op is its section and its row):
     "auto"   -> Triton for CUDA tensors when triton is importable and the op has a Triton path, else torch
     "torch"  -> <op>_torch (or <op>_ref when the two are the same code)
     "triton" -> <op>_triton (ValueError if this op has no Triton path, or no row in OPS)
