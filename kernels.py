@@ -20,12 +20,14 @@ dt_bias) (the gated variants' g), zoh_input_scale(dt, A) (ZOH for ssd).
 * teaching kernels, never called by the model (both tested): softmax's Triton path is the fused-softmax walkthrough
 of `python kernels.py`; gdn2_decay_clip's standalone Triton kernel is the clip alone, which gdn2_gates' kernel fuses.
 
-Each section holds `<op>_ref` (the spec, written plainly), `<op>_torch` (vectorised or chunked
-PyTorch, the CPU path) where it differs, `<op>_triton` where it exists, and the dispatcher
-`<op>(..., kernels="auto")`:
+After what the ops share (the registry's row type Op, the dispatcher's _path, the Triton helpers), one section per
+op, in the table's order (the order a reader meets them). Each holds the whole op: the math, `<op>_ref` (the spec,
+written plainly), `<op>_torch` (vectorised or chunked PyTorch, the CPU path), its Triton kernels and `<op>_triton`
+where it has them, the dispatcher `<op>(..., kernels="auto")`, and its row in OPS, the one registry of ops (its
+paths, the example launch and the test cases every check of an op reads: a new op is its section and its row):
     "auto"   -> Triton for CUDA tensors when triton is importable and the op has a Triton path, else torch
     "torch"  -> <op>_torch (or <op>_ref when the two are the same code)
-    "triton" -> <op>_triton (ValueError if this op has no Triton path)
+    "triton" -> <op>_triton (ValueError if this op has no Triton path, or no row in OPS)
     "ref"    -> <op>_ref
 chunk_size is the chunk length of the chunked paths, honoured by torch and Triton alike (a power of two; gdn2's
 Triton kernels take 16, 32 or 64, ssd's at most 256, what fits a GPU block's registers and shared memory; else a
@@ -49,7 +51,7 @@ import math
 import os
 import sys
 import time
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -89,8 +91,60 @@ if HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
     _widen_bf16_dots_in_the_interpreter()
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "ref")
-TRITON_OPS = frozenset({"rms_norm", "rope", "softmax", "sparsemax", "sinkhorn", "gdn2_decay_clip", "gdn2_gates",
-                        "gdn2", "ssd"})  # the ops with an <op>_triton
+
+
+class Op(NamedTuple):
+    """One row of OPS, the registry of ops: the dispatcher and every check of an op read it. An op's section ends
+    with its row. ref, torch, triton: <op>_ref (the spec), <op>_torch (the CPU path), <op>_triton (None where the op
+    has no Triton path). Every Triton path has, as functions its section defines:
+      example(dtype, dims): a thunk that runs its Triton forward and backward at ExampleDims dims on CPU tensors it
+        makes when called (what the launch recorder and the ahead-of-time compile see);
+      opcheck(randn): [(case, custom op, args, whether to run the whole opcheck)], covering each of its custom ops;
+      compare(randn): (Triton call, reference call, inputs by name), the interpreter test against <op>_ref in fp32;
+    fp16: (the inputs given in fp16, the results allowed 2u) for the fp16 test, None where the op has no fp16 case
+    there (sinkhorn computes in fp32 under any autocast; gdn2's and ssd's own tests hold their fp16 error budgets);
+    in_model: False for the teaching kernels the model never calls (the ahead-of-time test launches those itself).
+    randn(*shape) draws a test's inputs. A row that names a missing function fails at import on that row; one that
+    breaks these rules, with a ValueError naming it (_check_ops)."""
+    ref: Callable
+    torch: Callable
+    triton: Optional[Callable]
+    example: Optional[Callable] = None
+    opcheck: Optional[Callable] = None
+    compare: Optional[Callable] = None
+    fp16: Optional[tuple] = None
+    in_model: bool = True
+
+
+OPS = {}   # op name: Op, one row per op, written at the end of the op's section
+
+
+class ExampleDims(NamedTuple):
+    """The model dims of the example launches: batch, length, heads and their key and value dims (gdn2's; the
+    normalised width is H·K), ssd's heads, head dim and state dim, and ssd's chunk."""
+    B: int = 1
+    T: int = 256
+    H: int = 4
+    K: int = 32
+    V: int = 32
+    heads_ssd: int = 8
+    p: int = 32
+    n: int = 64
+    chunk: int = 64
+
+
+def _leaf(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype).requires_grad_()
+
+
+def _backward(outs):
+    """Backpropagate zeros through every output: the launches of the backward, whatever its values."""
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward([o for o in outs], [torch.zeros_like(o) for o in outs])
+
+
+def _requiring_grad(t):
+    return None if t is None else t.detach().requires_grad_(True)
 
 
 def _path(op, kernels, x):
@@ -99,12 +153,17 @@ def _path(op, kernels, x):
         return "torch"
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels={kernels!r} is not one of {KERNEL_CHOICES}; pick one of those")
-    has_triton = HAS_TRITON and op in TRITON_OPS
+    if op not in OPS:
+        raise ValueError(f"{op} has no row in kernels.OPS; end its section with OPS[{op!r}] = Op(...)")
+    if OPS[op].triton is None:
+        has_triton, why = False, f"{op} has no Triton path (its OPS row's triton is None)"
+    else:
+        has_triton, why = HAS_TRITON, "triton is not installed, or a CPU run without TRITON_INTERPRET=1 set before " \
+                                      "starting Python"
     if kernels == "auto":
         return "triton" if (has_triton and x.is_cuda) else "torch"
     if kernels == "triton" and not has_triton:
-        raise ValueError(f"the Triton path for {op} is not available (no {op}_triton, triton not installed, or a CPU "
-                         "run without TRITON_INTERPRET=1 set before starting Python); use kernels='torch'")
+        raise ValueError(f"the Triton path for {op} is not available: {why}; use kernels='torch'")
     return kernels
 
 
@@ -194,6 +253,61 @@ def _double_backward(forward, inputs, cotangents):
 
 
 # -----------------------------------------------------------------------------
+# What the ops' Triton paths share. Each op's forward and backward launches are torch.library custom ops
+# ("specgpt::<op>_fwd", "specgpt::<op>_bwd"; rope's backward is its forward turned back), with fake functions for
+# shapes and the backward registered as the forward's autograd: torch.compile sees every Triton op as one opaque node
+# and the model traces as one graph.
+
+
+def on_device_of(x):
+    """The context a Triton op's body runs in: x's GPU made the current device (Triton launches on the current
+    device, not on its arguments'), and autocast off, so the body's own einsums and casts keep the dtypes it asks
+    for (under autocast an fp32 einsum would become a bf16 matmul)."""
+    stack = contextlib.ExitStack()
+    if x.is_cuda:
+        stack.enter_context(torch.cuda.device(x.device))
+    stack.enter_context(autocast_off(x.device.type))
+    return stack
+
+
+def _triton_op(name):
+    """torch.library.custom_op(name) around a Triton op's body, which runs on_device_of its first tensor."""
+    def register(body):
+        @functools.wraps(body)
+        def on_inputs_device(*args, **kwargs):
+            with on_device_of(next(a for a in (*args, *kwargs.values()) if torch.is_tensor(a))):
+                return body(*args, **kwargs)
+        return torch.library.custom_op(name, mutates_args=())(on_inputs_device)
+    return register
+
+
+# ptxas gives a kernel up to 255 registers a thread wherever it can use them. The launches that took more than
+# MAX_REGISTERS are held to it (the launch option maxnreg), at which each fits without a spill on sm_75, sm_80 and
+# sm_90 (the ahead-of-time test compiles them): headroom under 255, so another compiler's choices spill nothing
+# unseen, at no cost in occupancy (above 128 registers an 8-warp kernel runs one block an SM either way, a 4-warp
+# one two). Only those: given a cap, ptxas uses up to it, and took more registers than uncapped (fewer blocks an
+# SM) where a launch needs fewer.
+MAX_REGISTERS = 232
+
+
+def _rows(t, width):
+    """(t as rows of its last `width` values, the stride between rows), which the kernels' pointer arithmetic
+    takes: a view where those values are contiguous and the leading dims flatten to one stride (a slice of a wider
+    tensor along its last dim, as the models pass their projections' columns), else a contiguous copy."""
+    rows = t.reshape(-1, width)
+    if width > 1 and rows.stride(1) != 1:
+        rows = rows.contiguous()
+    return rows, rows.stride(0)
+
+
+def _programs_for(x, rows):
+    """Persistent-grid size for row kernels: a few programs per SM on a GPU, a handful elsewhere."""
+    if x.is_cuda:
+        return max(1, min(rows, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count))
+    return max(1, min(rows, 4))
+
+
+# -----------------------------------------------------------------------------
 # rms_norm: y = g / sqrt(mean(g²) + eps) * weight with g = x, or g = x ⊙ silu(gate) (Mamba2's gated norm, one op so
 # that autograd keeps x and gate, not silu(gate) and the product too); in fp32, written once in out_dtype (x's dtype
 # by default; under autocast the model asks for the dtype its next matmul reads, so no cast follows)
@@ -213,6 +327,143 @@ def rms_norm_torch(x, weight, eps=1e-6, gate=None, out_dtype=None):
     return F.rms_norm(g, (x.shape[-1],), weight.to(dtype), eps).to(out_dtype or x.dtype)
 
 
+# rms_norm in Triton
+
+if HAS_TRITON:
+    @triton.jit
+    def _rms_norm_fwd_kernel(x_ptr, gate_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, stride_x, stride_gate, eps,
+                             HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # one program normalises BLOCK_R rows of g = x (⊙ silu(gate)); the whole row sits in registers, sums in fp32.
+        # x and the gate are read at their row strides, y written contiguous
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_C)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+        g = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            z = tl.load(gate_ptr + rows[:, None].to(tl.int64) * stride_gate + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            g *= z * tl.sigmoid(z)
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(g * g, axis=1) / n_cols + eps)
+        tl.store(y_ptr + offs, (g * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr + rows, rstd, mask=rows < n_rows)
+
+    @triton.jit
+    def _rms_norm_bwd_kernel(x_ptr, gate_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dgate_ptr, dw_partial_ptr, n_rows,
+                             n_cols, stride_x, stride_gate, stride_dy, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_C: tl.constexpr):
+        # dg = rstd·(dy⊙w − ĝ·mean(dy⊙w⊙ĝ)) with ĝ = rstd·g; g = x gives dx = dg, g = x⊙silu(z) gives
+        # dx = dg⊙silu(z) and dz = dg⊙x⊙silu'(z), silu'(z) = σ(z)(1 + z(1 − σ(z))). Each program also sums
+        # dy⊙ĝ over its rows into one dw partial
+        pid, n_prog = tl.program_id(0), tl.num_programs(0)
+        cols = tl.arange(0, BLOCK_C)
+        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        dw = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        for start in range(pid * BLOCK_R, n_rows, n_prog * BLOCK_R):
+            rows = start + tl.arange(0, BLOCK_R)
+            mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+            offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            g = x
+            if HAS_GATE:
+                z = tl.load(gate_ptr + rows[:, None].to(tl.int64) * stride_gate + cols[None, :], mask=mask,
+                            other=0.0).to(tl.float32)
+                g = x * z * tl.sigmoid(z)
+            dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * stride_dy + cols[None, :], mask=mask,
+                         other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)
+            g_hat = g * rstd[:, None]
+            dyw = dy * w[None, :]
+            dg = rstd[:, None] * (dyw - g_hat * (tl.sum(dyw * g_hat, axis=1) / n_cols)[:, None])
+            dw += tl.sum(dy * g_hat, axis=0)
+            if HAS_GATE:
+                sig = tl.sigmoid(z)
+                tl.store(dgate_ptr + offs, (dg * x * sig * (1 + z * (1 - sig))).to(dgate_ptr.dtype.element_ty),
+                         mask=mask)
+                dg *= z * sig
+            tl.store(dx_ptr + offs, dg.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=cols < n_cols)
+
+
+def _rms_norm_blocks(n_cols, gated_backward=False):
+    """(BLOCK_R, BLOCK_C, num_warps): a tile of 4096 values, or one row when it is longer, spread 16 values a thread
+    (at most 16 warps) so that the backward's tiles stay in registers: no spills up to rows of 8192, or of 4096
+    with a gate. The gated backward holds more tiles at once and takes 2048 values, 8 a thread: under 232 registers
+    (4096 at 16 a thread took up to 254; 4096 at 8 a thread needs 16 warps, whose 128 registers spilled)."""
+    tile, per_thread = (2048, 8) if gated_backward else (4096, 16)
+    block_c = triton.next_power_of_2(n_cols)
+    block_r = max(1, min(64, tile // block_c))
+    return block_r, block_c, min(16, max(4, block_r * block_c // (32 * per_thread)))
+
+
+@_triton_op("specgpt::rms_norm_fwd")
+def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: Optional[torch.Tensor],
+                  out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): the normalised x (⊙ silu(gate)) in out_dtype (x's by default) and each row's 1/rms, which the
+    backward reuses."""
+    n_cols = x.shape[-1]
+    x2, stride_x = _rows(x, n_cols)
+    gate2, stride_gate = (x2, stride_x) if gate is None else _rows(gate, n_cols)
+    n_rows = x2.shape[0]
+    y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype)
+    rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
+    block_r, block_c, warps = _rms_norm_blocks(n_cols)
+    _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+        x2, gate2, weight.contiguous(), y, rstd, n_rows, n_cols, stride_x, stride_gate, eps, HAS_GATE=gate is not None,
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    return y, rstd
+
+
+@_rms_norm_fwd.register_fake
+def _(x, weight, eps, gate, out_dtype=None):
+    return x.new_empty(x.shape, dtype=out_dtype or x.dtype), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+
+
+@_triton_op("specgpt::rms_norm_bwd")
+def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                  gate: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dgate); dgate is empty without a gate."""
+    n_cols = x.shape[-1]
+    (x2, stride_x), (dy2, stride_dy) = _rows(x, n_cols), _rows(dy, n_cols)
+    gate2, stride_gate = (x2, stride_x) if gate is None else _rows(gate, n_cols)
+    n_rows = x2.shape[0]
+    dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    dgate = torch.empty(gate.shape, device=x.device, dtype=gate.dtype) if gate is not None else x.new_empty(0)
+    block_r, block_c, warps = _rms_norm_blocks(n_cols, gated_backward=gate is not None)
+    n_prog = _programs_for(x2, triton.cdiv(n_rows, block_r))
+    dw_partial = torch.empty(n_prog, n_cols, device=x.device, dtype=torch.float32)
+    _rms_norm_bwd_kernel[(n_prog,)](x2, gate2, weight.contiguous(), rstd, dy2, dx, dgate, dw_partial, n_rows, n_cols,
+                                    stride_x, stride_gate, stride_dy, HAS_GATE=gate is not None, BLOCK_R=block_r,
+                                    BLOCK_C=block_c, num_warps=warps)
+    return dx, dw_partial.sum(0).to(weight.dtype), dgate
+
+
+@_rms_norm_bwd.register_fake
+def _(dy, x, weight, rstd, gate):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty(gate.shape if gate is not None else 0)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, eps, gate, out_dtype = inputs
+    ctx.save_for_backward(x, weight, output[1], gate)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _rms_norm_backward(ctx, dy, d_rstd):
+    x, weight, rstd, gate = ctx.saved_tensors
+    dx, dweight, dgate = _rms_norm_bwd(dy, x, weight, rstd, gate)
+    return dx, dweight, None, dgate if gate is not None else None, None
+
+
+_rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+def rms_norm_triton(x, weight, eps=1e-6, gate=None, out_dtype=None):
+    return _rms_norm_fwd(x, weight, eps, gate, out_dtype)[0]
+
+
 def rms_norm(x, weight, eps=1e-6, gate=None, out_dtype=None, kernels="auto"):
     path = _path("rms_norm", kernels, x)
     if path == "triton" and not torch.compiler.is_compiling():
@@ -220,6 +471,31 @@ def rms_norm(x, weight, eps=1e-6, gate=None, out_dtype=None, kernels="auto"):
     if path == "ref":
         return rms_norm_ref(x, weight, eps, gate, out_dtype)
     return rms_norm_torch(x, weight, eps, gate, out_dtype)
+
+
+def _rms_norm_example(dtype, d):
+    C = d.H * d.K
+    return lambda: [_backward(rms_norm_triton(_leaf(d.B, d.T, C, dtype=dtype), _leaf(C), 1e-6, gate))
+                    for gate in (None, _leaf(d.B, d.T, C, dtype=dtype))]
+
+
+def _rms_norm_opcheck(randn):
+    x, w, gate = randn(2, 3, 5), randn(5), randn(2, 3, 5)
+    rstd = _rms_norm_fwd(x, w, 1e-6, gate)[1]
+    x_, w_ = _requiring_grad(x), _requiring_grad(w)
+    return [("rms_norm", _rms_norm_fwd, (x_, w_, 1e-6, None), False),
+            ("rms_norm gate", _rms_norm_fwd, (x_, w_, 1e-6, _requiring_grad(gate)), True),
+            ("rms_norm_bwd", _rms_norm_bwd, (randn(2, 3, 5), x, w, rstd, None), False),
+            ("rms_norm_bwd gate", _rms_norm_bwd, (randn(2, 3, 5), x, w, rstd, gate), False)]
+
+
+def _rms_norm_compare(randn):
+    return (lambda x, w, gate: rms_norm_triton(x, w, 1e-6, gate), lambda x, w, gate: rms_norm_ref(x, w, 1e-6, gate),
+            dict(x=randn(3, 5, 37), w=randn(37), gate=2 * randn(3, 5, 37)))
+
+
+OPS["rms_norm"] = Op(rms_norm_ref, rms_norm_torch, rms_norm_triton, _rms_norm_example, _rms_norm_opcheck,
+                     _rms_norm_compare, fp16=({"x", "gate"}, ()))
 
 
 # -----------------------------------------------------------------------------
@@ -242,6 +518,73 @@ def rope_torch(x, cos, sin):
     return torch.view_as_real(z * turn).flatten(-2).to(x.dtype)
 
 
+# rope in Triton
+
+if HAS_TRITON:
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, HALF, SIN_SIGN: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        # one program per (b, t): turn every head's (x_2i, x_2i+1) pairs by angle θ_t (SIN_SIGN=-1 turns back,
+        # which is the backward pass because a rotation's transpose is its inverse)
+        row = tl.program_id(0)
+        t = row % T
+        heads = tl.arange(0, BLOCK_H)
+        pairs = tl.arange(0, BLOCK_HALF)
+        mask = (heads[:, None] < H) & (pairs[None, :] < HALF)
+        offs = row.to(tl.int64) * H * 2 * HALF + heads[:, None] * 2 * HALF + 2 * pairs[None, :]
+        cos = tl.load(cos_ptr + t * HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)[None, :]
+        sin = SIN_SIGN * tl.load(sin_ptr + t * HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)[None, :]
+        x_even = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x_odd = tl.load(x_ptr + offs + 1, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, (x_even * cos - x_odd * sin).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + offs + 1, (x_odd * cos + x_even * sin).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@_triton_op("specgpt::rope")
+def _rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sin_sign: float) -> torch.Tensor:
+    """x's pairs turned by +θ (sin_sign = 1), or back by −θ (sin_sign = −1: the backward pass)."""
+    B, T, H, D = x.shape
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    y = torch.empty_like(x)
+    _rope_kernel[(B * T,)](x, cos, sin, y, T, H, D // 2, SIN_SIGN=sin_sign,
+                           BLOCK_H=triton.next_power_of_2(H), BLOCK_HALF=triton.next_power_of_2(D // 2))
+    return y
+
+
+@_rope_rotate.register_fake
+def _(x, cos, sin, sin_sign):
+    return x.new_empty(x.shape)
+
+
+def _rope_setup(ctx, inputs, output):
+    x, cos, sin, sin_sign = inputs
+    ctx.save_for_backward(x, cos, sin)
+    ctx.sin_sign = sin_sign
+
+
+def _rope_backward(ctx, dy):
+    x, cos, sin = ctx.saved_tensors
+    dx = _rope_rotate(dy, cos, sin, -ctx.sin_sign)
+    dcos = dsin = None
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # cos/sin are usually buffers; cheap in torch
+        x_even, x_odd = x[..., 0::2].float(), x[..., 1::2].float()
+        dy_even, dy_odd = dy[..., 0::2].float(), dy[..., 1::2].float()
+        dcos = (dy_even * x_even + dy_odd * x_odd).sum((0, 2)).to(cos.dtype)
+        dsin = (dy_odd * x_even - dy_even * x_odd).sum((0, 2)).to(sin.dtype)
+    return dx, dcos, dsin, None
+
+
+_rope_rotate.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+def rope_triton(x, cos, sin):
+    B, T, H, D = x.shape
+    if D % 2 or cos.shape != (T, D // 2) or sin.shape != (T, D // 2):
+        raise ValueError(f"rope needs x[B,T,H,D] with even D and cos, sin of shape [T, D/2]; got x {tuple(x.shape)}, "
+                         f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    return _rope_rotate(x, cos, sin, 1.0)
+
+
 def rope(x, cos, sin, kernels="auto"):
     path = _path("rope", kernels, x)
     if path == "triton" and not torch.compiler.is_compiling():
@@ -249,6 +592,25 @@ def rope(x, cos, sin, kernels="auto"):
     if path == "ref" or torch.compiler.is_compiling():  # under torch.compile the real products: inductor fuses them
         return rope_ref(x, cos, sin)                     # (complex numbers it leaves to eager kernels)
     return rope_torch(x, cos, sin)
+
+
+def _rope_example(dtype, d):
+    return lambda: _backward(rope_triton(_leaf(d.B, d.T, d.H, d.K, dtype=dtype), torch.ones(d.T, d.K // 2),
+                                         torch.zeros(d.T, d.K // 2)))
+
+
+def _rope_opcheck(randn):
+    angle = randn(3, 2)
+    return [("rope", _rope_rotate, (_requiring_grad(randn(1, 3, 2, 4)), angle.cos(), angle.sin(), 1.0), True)]
+
+
+def _rope_compare(randn):
+    angle = 3 * randn(7, 5)   # the reference takes cos and sin in x's dtype (fp64 in the fp16 test)
+    return (lambda x: rope_triton(x, angle.cos().to(x.device), angle.sin().to(x.device)),
+            lambda x: rope_ref(x, angle.cos().to(x), angle.sin().to(x)), dict(x=randn(2, 7, 3, 10)))
+
+
+OPS["rope"] = Op(rope_ref, rope_torch, rope_triton, _rope_example, _rope_opcheck, _rope_compare, fp16=({"x"}, ()))
 
 
 # -----------------------------------------------------------------------------
@@ -264,6 +626,80 @@ def softmax_torch(x):
     return torch.softmax(x.float(), dim=-1).to(x.dtype)
 
 
+# softmax in Triton
+
+# The Triton softmax is the lab's teaching kernel (the fused softmax of the Triton tutorial): a
+# persistent grid of programs strides over the rows; each row is loaded once into registers (the
+# block is the row length rounded up to a power of two, the tail masked with -inf so it adds exp(-inf)=0),
+# reduced twice (max, then sum of exponentials) and written once. torch's unfused version reads and
+# writes the row several times; here HBM sees one read and one write per element.
+if HAS_TRITON:
+    @triton.jit
+    def _softmax_fwd_kernel(x_ptr, y_ptr, n_rows, n_cols, BLOCK_N: tl.constexpr):
+        cols = tl.arange(0, BLOCK_N)
+        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            offs = row * n_cols + cols
+            x = tl.load(x_ptr + offs, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
+            e = tl.exp(x - tl.max(x, axis=0))
+            tl.store(y_ptr + offs, (e / tl.sum(e, axis=0)).to(y_ptr.dtype.element_ty), mask=cols < n_cols)
+
+    @triton.jit
+    def _softmax_bwd_kernel(y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, BLOCK_N: tl.constexpr):
+        # dx = y ⊙ (dy − Σ dy⊙y), again one read of each input row and one write
+        cols = tl.arange(0, BLOCK_N)
+        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            offs = row * n_cols + cols
+            y = tl.load(y_ptr + offs, mask=cols < n_cols, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + offs, mask=cols < n_cols, other=0.0).to(tl.float32)
+            dx = y * (dy - tl.sum(dy * y, axis=0))
+            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+@_triton_op("specgpt::softmax_fwd")
+def _softmax_fwd(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    _softmax_fwd_kernel[(_programs_for(x, x.shape[0]),)](x, y, x.shape[0], x.shape[1],
+                                                          BLOCK_N=triton.next_power_of_2(x.shape[1]))
+    return y
+
+
+@_softmax_fwd.register_fake
+def _(x):
+    return x.new_empty(x.shape)
+
+
+@_triton_op("specgpt::softmax_bwd")
+def _softmax_bwd(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    y = y.contiguous()
+    dx = torch.empty_like(y)
+    _softmax_bwd_kernel[(_programs_for(y, y.shape[0]),)](y, dy.contiguous(), dx, y.shape[0], y.shape[1],
+                                                          BLOCK_N=triton.next_power_of_2(y.shape[1]))
+    return dx
+
+
+@_softmax_bwd.register_fake
+def _(dy, y):
+    return y.new_empty(y.shape)
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _softmax_backward(ctx, dy):
+    return _softmax_bwd(dy, *ctx.saved_tensors)
+
+
+_softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
+
+
+def softmax_triton(x):
+    if x.ndim != 2:
+        raise ValueError(f"softmax_triton takes a 2-D x[R, N]; got shape {tuple(x.shape)}; reshape to rows first")
+    return _softmax_fwd(x)
+
+
 def softmax(x, kernels="auto"):
     path = _path("softmax", kernels, x)
     if path == "triton":
@@ -271,6 +707,23 @@ def softmax(x, kernels="auto"):
     if path == "ref":
         return softmax_ref(x)
     return softmax_torch(x)
+
+
+def _softmax_example(dtype, d):
+    return lambda: _backward(softmax_triton(_leaf(d.B * d.H * d.T, d.T, dtype=dtype)))
+
+
+def _softmax_opcheck(randn):
+    return [("softmax", _softmax_fwd, (_requiring_grad(randn(3, 5)),), True),
+            ("softmax_bwd", _softmax_bwd, (randn(3, 5), _softmax_fwd(randn(3, 5))), False)]
+
+
+def _softmax_compare(randn):
+    return softmax_triton, softmax_ref, dict(x=3 * randn(6, 33))
+
+
+OPS["softmax"] = Op(softmax_ref, softmax_torch, softmax_triton, _softmax_example, _softmax_opcheck, _softmax_compare,
+                    fp16=({"x"}, ()), in_model=False)
 
 
 # -----------------------------------------------------------------------------
@@ -323,6 +776,108 @@ def sparsemax_torch(z, causal=False):
     return torch.where(support, zf - tau, 0).to(z.dtype)
 
 
+# sparsemax in Triton
+
+# τ without a sort, on z − max z (as every path, see sparsemax_ref): f(τ) = Σ_j [z_j − τ]₊ − 1 falls
+# monotonically in τ, f(−1) ≥ 0 (the largest entry alone gives 1) and f(0) = −1, so τ lies in [−1, 0]. Each
+# program holds BLOCK_R rows in registers and halves that bracket _SPARSEMAX_HALVINGS times (one pass over the
+# row each; 2^-24 is fp32's resolution on the unit bracket), keeping f(lo) ≥ 0. Then S = {z_j > lo} contains
+# the support and τ = (Σ_S z − 1)/|S| exactly; an entry wrongly in S lies within the final bracket width of τ,
+# so it moves τ by less than that width. The backward needs only p: S = {p > 0}.
+_SPARSEMAX_HALVINGS = 24
+
+
+def _sparsemax_blocks(n):
+    """(BLOCK_R, BLOCK_N, num_warps): whole rows in one tile of about 2048 entries (16 a thread: larger tiles
+    spill on sm_90), more warps for long rows."""
+    block_n = triton.next_power_of_2(n)
+    return max(1, min(64, 2048 // block_n)), block_n, min(16, max(4, block_n // 512))
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _sparsemax_fwd_kernel(z_ptr, p_ptr, n_rows, T, N, CAUSAL: tl.constexpr, HALVINGS: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_N)
+        in_rows = (rows[:, None] < n_rows) & (cols[None, :] < N)
+        visible = in_rows
+        if CAUSAL:  # row t sees columns s ≤ N − T + t
+            visible = visible & (cols[None, :] <= (N - T + rows % T)[:, None])
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        z = tl.load(z_ptr + offs, mask=visible, other=-float("inf")).to(tl.float32)
+        z = tl.where(rows[:, None] < n_rows, z, 0.0)  # rows past the end stay finite: no NaN in unused lanes
+        z = z - tl.max(z, axis=1)[:, None]
+        hi = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        lo = hi - 1.0
+        for _ in range(HALVINGS):
+            mid = 0.5 * (lo + hi)
+            above = tl.sum(tl.maximum(z - mid[:, None], 0.0), axis=1) >= 1.0  # f(mid) ≥ 0: τ ≥ mid
+            lo = tl.where(above, mid, lo)
+            hi = tl.where(above, hi, mid)
+        support = z > lo[:, None]
+        tau = (tl.sum(tl.where(support, z, 0.0), axis=1) - 1.0) / tl.sum(support.to(tl.float32), axis=1)
+        p = tl.maximum(z - tau[:, None], 0.0)  # hidden columns: −inf − τ → 0
+        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=in_rows)
+
+    @triton.jit
+    def _sparsemax_bwd_kernel(p_ptr, g_ptr, dz_ptr, n_rows, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+        # dz = g − mean_S(g) on S = {p > 0}, 0 elsewhere
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        on = tl.load(p_ptr + offs, mask=mask, other=0.0) > 0
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mean_g = tl.sum(tl.where(on, g, 0.0), axis=1) / tl.maximum(tl.sum(on.to(tl.float32), axis=1), 1.0)
+        dz = tl.where(on, g - mean_g[:, None], 0.0)
+        tl.store(dz_ptr + offs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+
+    # forward and backward are each one opaque op to autograd and torch.compile
+    @_triton_op("specgpt::sparsemax_fwd")
+    def _sparsemax_fwd(z: torch.Tensor, causal: bool) -> torch.Tensor:
+        N = z.shape[-1]
+        z2 = z.reshape(-1, N).contiguous()
+        p = torch.empty_like(z2)
+        block_r, block_n, warps = _sparsemax_blocks(N)
+        _sparsemax_fwd_kernel[(triton.cdiv(z2.shape[0], block_r),)](
+            z2, p, z2.shape[0], z.shape[-2] if causal else 1, N, CAUSAL=causal, HALVINGS=_SPARSEMAX_HALVINGS,
+            BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
+        return p.view(z.shape)
+
+    @_sparsemax_fwd.register_fake
+    def _(z, causal):
+        return z.new_empty(z.shape)
+
+    @_triton_op("specgpt::sparsemax_bwd")
+    def _sparsemax_bwd(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        N = p.shape[-1]
+        p2, g2 = p.reshape(-1, N).contiguous(), g.reshape(-1, N).contiguous()
+        dz = torch.empty_like(p2)
+        block_r, block_n, warps = _sparsemax_blocks(N)
+        _sparsemax_bwd_kernel[(triton.cdiv(p2.shape[0], block_r),)](p2, g2, dz, p2.shape[0], N,
+                                                                    BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
+        return dz.view(p.shape)
+
+    @_sparsemax_bwd.register_fake
+    def _(p, g):
+        return p.new_empty(p.shape)
+
+    def _sparsemax_setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    def _sparsemax_backward(ctx, g):
+        (p,) = ctx.saved_tensors
+        return _sparsemax_bwd(p, g), None
+
+    _sparsemax_fwd.register_autograd(_sparsemax_backward, setup_context=_sparsemax_setup_context)
+
+
+def sparsemax_triton(z, causal=False):
+    _sparsemax_visible(z, causal)  # the shape check
+    return _sparsemax_fwd(z, causal)
+
+
 def sparsemax(z, causal=False, kernels="auto"):
     path = _path("sparsemax", kernels, z)
     if path == "triton":
@@ -330,6 +885,24 @@ def sparsemax(z, causal=False, kernels="auto"):
     if path == "ref":
         return sparsemax_ref(z, causal)
     return sparsemax_torch(z, causal)
+
+
+def _sparsemax_example(dtype, d):   # the causal attention weights of every head, [B, H, T, T]
+    return lambda: _backward(sparsemax_triton(_leaf(d.B, d.H, d.T, d.T, dtype=dtype), True))
+
+
+def _sparsemax_opcheck(randn):
+    z = 3 * randn(2, 5, 7)
+    return [("sparsemax", _sparsemax_fwd, (_requiring_grad(z), True), True),
+            ("sparsemax_bwd", _sparsemax_bwd, (sparsemax_triton(z, True), randn(2, 5, 7)), True)]
+
+
+def _sparsemax_compare(randn):
+    return lambda z: sparsemax_triton(z, True), lambda z: sparsemax_ref(z, True), dict(z=2 * randn(2, 9, 9))
+
+
+OPS["sparsemax"] = Op(sparsemax_ref, sparsemax_torch, sparsemax_triton, _sparsemax_example, _sparsemax_opcheck,
+                      _sparsemax_compare, fp16=({"z"}, ()))
 
 
 # -----------------------------------------------------------------------------
@@ -418,6 +991,128 @@ def sinkhorn_torch(logits, iters=20):
     return _SinkhornTorch.apply(logits, iters)
 
 
+# sinkhorn in Triton
+
+if HAS_TRITON:
+    @triton.jit
+    def _sinkhorn_log_normalise(x, AXIS: tl.constexpr, real):
+        # x − logsumexp(x) along AXIS (2: rows, 1: columns) on the real lines;
+        # a padding line, all −inf, stays −inf
+        top = tl.where(real, tl.max(x, axis=AXIS), 0.0)
+        total = tl.where(real, tl.sum(tl.exp(x - tl.expand_dims(top, AXIS)), axis=AXIS), 1.0)
+        return x - tl.expand_dims(top + tl.log(total), AXIS)
+
+    @triton.jit
+    def _sinkhorn_load(l_ptr, M, n, BLOCK_M: tl.constexpr, BN: tl.constexpr):
+        # BLOCK_M matrices per program as a [BLOCK_M, BN, BN] tile; padding entries get logit −inf (P = 0). The first
+        # round runs in the log domain, as in sinkhorn_torch: A = row log-softmax, P1 = exp(column log-normalised A)
+        mats = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        idx = tl.arange(0, BN)
+        entry = (idx[None, :, None] < n) & (idx[None, None, :] < n)
+        offs = mats[:, None, None].to(tl.int64) * n * n + idx[None, :, None] * n + idx[None, None, :]
+        mask = entry & (mats[:, None, None] < M)
+        x = tl.where(entry, tl.load(l_ptr + offs, mask=mask, other=0.0).to(tl.float32), -float("inf"))
+        A = _sinkhorn_log_normalise(x, 2, idx[None, :] < n)
+        P1 = tl.exp(_sinkhorn_log_normalise(A, 1, idx[None, :] < n))
+        return tl.exp(A), P1, offs, mask, mats, idx
+
+    @triton.jit
+    def _sinkhorn_fwd_kernel(l_ptr, p_ptr, M, n, ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr):
+        _, P, offs, mask, mats, idx = _sinkhorn_load(l_ptr, M, n, BLOCK_M, BN)
+        for _ in range(ITERS - 1):
+            P = P / tl.where(idx[None, :] < n, tl.sum(P, axis=2), 1.0)[:, :, None]  # rows
+            P = P / tl.where(idx[None, :] < n, tl.sum(P, axis=1), 1.0)[:, None, :]  # columns
+        tl.store(p_ptr + offs, P, mask=mask)
+
+    @triton.jit
+    def _sinkhorn_bwd_kernel(l_ptr, dp_ptr, dl_ptr, sums_ptr, M, n, ITERS: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BN: tl.constexpr):
+        # Recompute the iterates, keeping each normaliser (row sums r_k, column sums c_k) in a scratch
+        # buffer, then walk back: for Y = X / rowsum(X), dX = (dY − rowsum(dY⊙Y)) / r and X = Y·r
+        # (columns alike), down to P1. With Z = dP1 ⊙ P1 (the gradient of log P1), the column log-softmax
+        # gives dA = Z − P1·colsum(Z) and the row log-softmax dlogits = dA − exp(A)·rowsum(dA).
+        P0, P, offs, mask, mats, idx = _sinkhorn_load(l_ptr, M, n, BLOCK_M, BN)
+        sums = sums_ptr + mats[:, None].to(tl.int64) * (2 * (ITERS - 1) * BN) + idx[None, :]
+        for k in range(ITERS - 1):
+            r = tl.where(idx[None, :] < n, tl.sum(P, axis=2), 1.0)
+            tl.store(sums + (2 * k) * BN, r)
+            P = P / r[:, :, None]
+            c = tl.where(idx[None, :] < n, tl.sum(P, axis=1), 1.0)
+            tl.store(sums + (2 * k + 1) * BN, c)
+            P = P / c[:, None, :]
+        tl.debug_barrier()
+        dP = tl.load(dp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        for kk in range(ITERS - 1):
+            k = ITERS - 2 - kk
+            c = tl.load(sums + (2 * k + 1) * BN)
+            dP = (dP - tl.sum(dP * P, axis=1)[:, None, :]) / c[:, None, :]
+            P = P * c[:, None, :]
+            r = tl.load(sums + (2 * k) * BN)
+            dP = (dP - tl.sum(dP * P, axis=2)[:, :, None]) / r[:, :, None]
+            P = P * r[:, :, None]
+        Z = dP * P
+        dA = Z - P * tl.sum(Z, axis=1)[:, None, :]
+        tl.store(dl_ptr + offs, (dA - P0 * tl.sum(dA, axis=2)[:, :, None]).to(dl_ptr.dtype.element_ty), mask=mask)
+
+
+def _sinkhorn_blocks(n):
+    bn = triton.next_power_of_2(n)
+    return max(1, min(128, 2048 // (bn * bn))), bn
+
+
+@_triton_op("specgpt::sinkhorn_fwd")
+def _sinkhorn_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    n = logits.shape[-1]
+    L = logits.reshape(-1, n, n).contiguous()
+    P = torch.empty(L.shape, device=L.device, dtype=torch.float32)
+    block_m, bn = _sinkhorn_blocks(n)
+    _sinkhorn_fwd_kernel[(triton.cdiv(L.shape[0], block_m),)](L, P, L.shape[0], n, ITERS=iters,
+                                                              BLOCK_M=block_m, BN=bn)
+    return P.reshape(logits.shape)
+
+
+@_sinkhorn_fwd.register_fake
+def _(logits, iters):
+    return logits.new_empty(logits.shape, dtype=torch.float32)
+
+
+@_triton_op("specgpt::sinkhorn_bwd")
+def _sinkhorn_bwd(dP: torch.Tensor, logits: torch.Tensor, iters: int) -> torch.Tensor:
+    n = logits.shape[-1]
+    L = logits.reshape(-1, n, n).contiguous()
+    M = L.shape[0]
+    block_m, bn = _sinkhorn_blocks(n)
+    grid = triton.cdiv(M, block_m)
+    sums = torch.empty(grid * block_m, 2 * (iters - 1), bn, device=L.device, dtype=torch.float32)
+    dL = torch.empty_like(L)
+    _sinkhorn_bwd_kernel[(grid,)](L, dP.reshape(M, n, n).contiguous(), dL, sums, M, n, ITERS=iters,
+                                  BLOCK_M=block_m, BN=bn)
+    return dL.reshape(logits.shape)
+
+
+@_sinkhorn_bwd.register_fake
+def _(dP, logits, iters):
+    return logits.new_empty(logits.shape)
+
+
+def _sinkhorn_setup(ctx, inputs, output):
+    logits, iters = inputs
+    ctx.save_for_backward(logits)
+    ctx.iters = iters
+
+
+def _sinkhorn_backward(ctx, dP):
+    return _sinkhorn_bwd(dP, *ctx.saved_tensors, ctx.iters), None
+
+
+_sinkhorn_fwd.register_autograd(_sinkhorn_backward, setup_context=_sinkhorn_setup)
+
+
+def sinkhorn_triton(logits, iters=20):
+    _sinkhorn_check(logits, iters)
+    return _sinkhorn_fwd(logits, iters)
+
+
 def sinkhorn(logits, iters=20, kernels="auto"):
     path = _path("sinkhorn", kernels, logits)
     if path == "triton":
@@ -425,6 +1120,23 @@ def sinkhorn(logits, iters=20, kernels="auto"):
     if path == "ref":
         return sinkhorn_ref(logits, iters)
     return sinkhorn_torch(logits, iters)
+
+
+def _sinkhorn_example(dtype, d):   # mHC's 4 × 4 mixing matrices, in fp32 under any autocast
+    return lambda: _backward(sinkhorn_triton(_leaf(d.B, d.T, 4, 4)))
+
+
+def _sinkhorn_opcheck(randn):
+    return [("sinkhorn", _sinkhorn_fwd, (_requiring_grad(randn(2, 3, 3)), 3), True),
+            ("sinkhorn_bwd", _sinkhorn_bwd, (randn(2, 3, 3), randn(2, 3, 3), 3), False)]
+
+
+def _sinkhorn_compare(randn):
+    return sinkhorn_triton, sinkhorn_ref, dict(logits=2 * randn(2, 13, 4, 4))
+
+
+OPS["sinkhorn"] = Op(sinkhorn_ref, sinkhorn_torch, sinkhorn_triton, _sinkhorn_example, _sinkhorn_opcheck,
+                     _sinkhorn_compare)
 
 
 # -----------------------------------------------------------------------------
@@ -502,6 +1214,129 @@ def gdn2_decay_clip_torch(g, k, b):
     return _GDN2DecayClip.apply(g, k, b)
 
 
+# gdn2_decay_clip in Triton
+
+if HAS_TRITON:
+    @triton.jit
+    def _gdn2_clip_bound(k, b):
+        # −log ρ and its pieces for a = k, c = b⊙k (rows of a [BLOCK_R, BLOCK_K] tile), cancellation-free as
+        # in gdn2_decay_clip_torch: δ = η − a·c ≥ 0, s = sqrt((2 − η)² + 4δ),
+        # ρ − 1 = 2δ/(s + 2 − η) for η < 2
+        c = b * k
+        na = tl.sqrt(tl.sum(k * k, axis=1))
+        nc = tl.sqrt(tl.sum(c * c, axis=1))
+        eta = na * nc
+        delta = tl.maximum(eta - tl.sum(k * c, axis=1), 0.0)
+        s = tl.sqrt((2.0 - eta) * (2.0 - eta) + 4.0 * delta)
+        small = eta < 2.0
+        rho_m1 = tl.where(small, 2.0 * delta / tl.where(small, s + 2.0 - eta, 1.0), (eta - 2.0 + s) / 2.0)
+        rho_m1 = tl.where(rho_m1 < 1e-6, 0.0, rho_m1)  # fp32 rounding of δ for parallel a, c, as gdn2_log_rho
+        bound = -tl.log(1.0 + rho_m1)
+        return bound, c, na, nc, eta, s, 1.0 + rho_m1
+
+    @triton.jit
+    def _gdn2_clip_load(g_ptr, k_ptr, b_ptr, n_rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_K)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < K)
+        offs = rows[:, None].to(tl.int64) * K + cols[None, :]
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        return g, k, b, offs, mask
+
+    @triton.jit
+    def _gdn2_clip_fwd_kernel(g_ptr, k_ptr, b_ptr, out_ptr, n_rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        g, k, b, offs, mask = _gdn2_clip_load(g_ptr, k_ptr, b_ptr, n_rows, K, BLOCK_R, BLOCK_K)
+        bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
+        tl.store(out_ptr + offs, tl.minimum(g, bound[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gdn2_clip_bwd(g, k, b, dout):
+        # (dg, dk, db) of g' = min(g, β) with β = −log ρ(η, a·c), on fp32 tiles where k and dout are 0 past the
+        # row ends; shared with the fused gdn2_gates kernel. The gradient goes to g where g < β, to β where g > β,
+        # half each on a tie (as torch.minimum).
+        # dβ/da = −(1/ρ)(∂ρ/∂η·‖c‖/‖a‖·a + ∂ρ/∂(a·c)·c), c alike, with
+        # ∂ρ/∂η = (1 + η/s)/2, ∂ρ/∂(a·c) = −1/s; then dk = da + b⊙dc, db = k⊙dc.
+        bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
+        bound = bound[:, None]
+        dg = tl.where(g < bound, dout, tl.where(g == bound, 0.5 * dout, 0.0))
+        dbound = tl.where(rho > 1.0, tl.sum(dout - dg, axis=1), 0.0)  # β is flat where ρ − 1 was rounded to 0
+        s_safe = tl.maximum(s, 1e-20)
+        deta = dbound * -(1.0 + eta / s_safe) / (2.0 * rho)
+        dac = dbound / (s_safe * rho)
+        da = (deta * tl.where(na > 0, nc / tl.where(na > 0, na, 1.0), 0.0))[:, None] * k + dac[:, None] * c
+        dc = (deta * tl.where(nc > 0, na / tl.where(nc > 0, nc, 1.0), 0.0))[:, None] * c + dac[:, None] * k
+        return dg, da + b * dc, k * dc
+
+    @triton.jit
+    def _gdn2_clip_bwd_kernel(g_ptr, k_ptr, b_ptr, dout_ptr, dg_ptr, dk_ptr, db_ptr, n_rows, K,
+                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        g, k, b, offs, mask = _gdn2_clip_load(g_ptr, k_ptr, b_ptr, n_rows, K, BLOCK_R, BLOCK_K)
+        dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dg, dk, db = _gdn2_clip_bwd(g, k, b, dout)
+        tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mask)
+        tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=mask)
+        tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=mask)
+
+
+def _gdn2_clip_blocks(K):
+    block_k = triton.next_power_of_2(K)
+    return max(1, min(16, 1024 // block_k)), block_k  # larger tiles spill registers in the backward kernel
+
+
+@_triton_op("specgpt::gdn2_decay_clip_fwd")
+def _gdn2_decay_clip_fwd(g: torch.Tensor, k: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    g, k, b = g.contiguous(), k.contiguous(), b.contiguous()
+    K = g.shape[-1]
+    n_rows = g.numel() // K
+    out = torch.empty_like(g)
+    block_r, block_k = _gdn2_clip_blocks(K)
+    _gdn2_clip_fwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, out, n_rows, K, BLOCK_R=block_r, BLOCK_K=block_k)
+    return out
+
+
+@_gdn2_decay_clip_fwd.register_fake
+def _(g, k, b):
+    return g.new_empty(g.shape)
+
+
+@_triton_op("specgpt::gdn2_decay_clip_bwd")
+def _gdn2_decay_clip_bwd(dout: torch.Tensor, g: torch.Tensor, k: torch.Tensor,
+                         b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, k, b = g.contiguous(), k.contiguous(), b.contiguous()
+    K = g.shape[-1]
+    n_rows = g.numel() // K
+    dg, dk, db = torch.empty_like(g), torch.empty_like(k), torch.empty_like(b)
+    block_r, block_k = _gdn2_clip_blocks(K)
+    _gdn2_clip_bwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, dout.contiguous(), dg, dk, db, n_rows, K,
+                                                           BLOCK_R=block_r, BLOCK_K=block_k)
+    return dg, dk, db
+
+
+@_gdn2_decay_clip_bwd.register_fake
+def _(dout, g, k, b):
+    return g.new_empty(g.shape), k.new_empty(k.shape), b.new_empty(b.shape)
+
+
+def _gdn2_decay_clip_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _gdn2_decay_clip_backward(ctx, dout):
+    return _gdn2_decay_clip_bwd(dout, *ctx.saved_tensors)
+
+
+_gdn2_decay_clip_fwd.register_autograd(_gdn2_decay_clip_backward, setup_context=_gdn2_decay_clip_setup)
+
+
+def gdn2_decay_clip_triton(g, k, b):
+    if k.shape != g.shape or b.shape != g.shape:
+        raise ValueError(f"gdn2_decay_clip needs g, k, b of one shape [B,T,H,K]; got {tuple(g.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(b.shape)}; broadcast scalar gates with .expand_as(k)")
+    return _gdn2_decay_clip_fwd(g, k, b)
+
+
 def gdn2_decay_clip(g, k, b, kernels="auto"):
     if k.shape != g.shape or b.shape != g.shape:
         raise ValueError(f"gdn2_decay_clip needs g, k, b of one shape [B,T,H,K]; got {tuple(g.shape)}, "
@@ -512,6 +1347,30 @@ def gdn2_decay_clip(g, k, b, kernels="auto"):
     if path == "ref":
         return gdn2_decay_clip_ref(g, k, b)
     return gdn2_decay_clip_torch(g, k, b)
+
+
+def _gdn2_decay_clip_example(dtype, d):
+    shape = (d.B, d.T, d.H, d.K)
+    return lambda: _backward(gdn2_decay_clip_triton(_leaf(*shape), _leaf(*shape, dtype=dtype),
+                                                    _leaf(*shape, dtype=dtype)))
+
+
+def _gdn2_decay_clip_opcheck(randn):
+    k = F.normalize(randn(1, 3, 2, 4), dim=-1)
+    g, b = -randn(1, 3, 2, 4).abs(), randn(1, 3, 2, 4).abs() * 2
+    return [("gdn2_decay_clip", _gdn2_decay_clip_fwd, tuple(map(_requiring_grad, (g, k, b))), True),
+            ("gdn2_decay_clip_bwd", _gdn2_decay_clip_bwd, (randn(1, 3, 2, 4), g, k, b), False)]
+
+
+def _gdn2_decay_clip_compare(randn):   # b up to 2: a mix of clipped and kept decays
+    shape = (2, 9, 2, 16)
+    inputs = dict(g=-randn(*shape).abs(), k=F.normalize(randn(*shape), dim=-1), b=2 * randn(*shape).sigmoid())
+    return gdn2_decay_clip_triton, gdn2_decay_clip_ref, inputs
+
+
+OPS["gdn2_decay_clip"] = Op(gdn2_decay_clip_ref, gdn2_decay_clip_torch, gdn2_decay_clip_triton,
+                            _gdn2_decay_clip_example, _gdn2_decay_clip_opcheck, _gdn2_decay_clip_compare,
+                            fp16=({"k", "b"}, ()), in_model=False)
 
 
 # -----------------------------------------------------------------------------
@@ -548,6 +1407,160 @@ def gdn2_gates_torch(decay_logits, erase_logits, k, A_log, dt_bias, clip=True):
     return (gdn2_decay_clip_torch(log_decay, k, erase_gate) if clip else log_decay), erase_gate
 
 
+# gdn2_gates in Triton
+
+if HAS_TRITON:
+    @triton.jit
+    def _softplus(x):
+        # log(1 + eˣ), and x itself past 20 as in F.softplus. tl has no log1p: log(w)·u/(w − 1) with w = 1 + u is
+        # log1p(u) to full precision, where log(1 + u) would round away the small u = eˣ of a negative x
+        u = tl.exp(tl.minimum(x, 20.0))
+        w = 1.0 + u
+        return tl.where(x > 20.0, x, tl.where(w == 1.0, u, tl.log(w) * u / tl.where(w == 1.0, 1.0, w - 1.0)))
+
+    @triton.jit
+    def _sigmoid(x):
+        # σ(x) through e^−|x| ≤ 1, which cannot overflow
+        e = tl.exp(-tl.abs(x))
+        return tl.where(x >= 0, 1.0, e) / (1.0 + e)
+
+    @triton.jit
+    def _gdn2_gates_tile(ptr, stride, tokens, h, K, cols, mask):
+        # the [tokens, cols] tile of head h in fp32, a token's H·K values `stride` elements apart
+        return tl.load(ptr + tokens[:, None].to(tl.int64) * stride + h * K + cols[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr, dt_bias_ptr, n_tokens, H, K, stride_decay,
+                         stride_erase, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        # a [BLOCK_R, BLOCK_K] tile of BLOCK_R tokens of head h = program_id(1): x = decay_logits + dt_bias[h],
+        # A = exp(A_log[h]), the unclipped g = −A·softplus(x), and b = σ(erase_logits) rounded to erase_logits'
+        # dtype, as gdn2_gates returns it. Inputs are read at their token strides; offs addresses a contiguous
+        # [B,T,H,K]
+        h = tl.program_id(1)
+        tokens = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_K)
+        mask = (tokens[:, None] < n_tokens) & (cols[None, :] < K)
+        offs = (tokens[:, None].to(tl.int64) * H + h) * K + cols[None, :]
+        dt_bias = tl.load(dt_bias_ptr + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)
+        x = _gdn2_gates_tile(decay_logits_ptr, stride_decay, tokens, h, K, cols, mask) + dt_bias[None, :]
+        A = tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+        g = -A * _softplus(x)
+        erase_logits = _gdn2_gates_tile(erase_logits_ptr, stride_erase, tokens, h, K, cols, mask)
+        b = _sigmoid(erase_logits).to(erase_logits_ptr.dtype.element_ty).to(tl.float32)
+        return x, A, g, b, tokens, cols, offs, mask
+
+    @triton.jit
+    def _gdn2_gates_fwd_kernel(decay_logits_ptr, erase_logits_ptr, k_ptr, A_log_ptr, dt_bias_ptr, g_ptr, b_ptr,
+                               n_tokens, H, K, stride_decay, stride_erase, stride_k, CLIP: tl.constexpr,
+                               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        x, A, g, b, tokens, cols, offs, mask = _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr,
+                                                                dt_bias_ptr, n_tokens, H, K, stride_decay,
+                                                                stride_erase, BLOCK_R, BLOCK_K)
+        if CLIP:
+            k = _gdn2_gates_tile(k_ptr, stride_k, tokens, tl.program_id(1), K, cols, mask)
+            bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
+            g = tl.minimum(g, bound[:, None])
+        tl.store(g_ptr + offs, g, mask=mask)
+        tl.store(b_ptr + offs, b.to(b_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gdn2_gates_bwd_kernel(decay_logits_ptr, erase_logits_ptr, k_ptr, A_log_ptr, dt_bias_ptr, dg_ptr, db_ptr,
+                               d_decay_logits_ptr, d_erase_logits_ptr, dk_ptr, d_dt_bias_ptr, dA_log_ptr, n_tokens, H,
+                               K, stride_decay, stride_erase, stride_k, stride_dg, stride_db, CLIP: tl.constexpr,
+                               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        # through the clip (shared with the standalone kernel) to dg of the unclipped g = −A·softplus(x); then
+        # dx = −A·σ(x)·dg, which is also dt_bias's gradient per element; ∂g/∂A_log = g, so
+        # dA_log[h] = Σ dg·g, d erase_logits = b(1 − b)·db, db including the clip's share. dt_bias's and A_log's
+        # gradients are summed over the tile's tokens in fp32: one partial per (block of tokens, head), added outside
+        h = tl.program_id(1)
+        x, A, g, b, tokens, cols, offs, mask = _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr,
+                                                                dt_bias_ptr, n_tokens, H, K, stride_decay,
+                                                                stride_erase, BLOCK_R, BLOCK_K)
+        dg = _gdn2_gates_tile(dg_ptr, stride_dg, tokens, h, K, cols, mask)
+        db = _gdn2_gates_tile(db_ptr, stride_db, tokens, h, K, cols, mask)
+        if CLIP:
+            k = _gdn2_gates_tile(k_ptr, stride_k, tokens, h, K, cols, mask)
+            dg, dk, db_clip = _gdn2_clip_bwd(g, k, b, dg)
+            db += db_clip
+            tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=mask)
+        dx = -A * _sigmoid(x) * dg
+        tl.store(d_decay_logits_ptr + offs, dx.to(d_decay_logits_ptr.dtype.element_ty), mask=mask)
+        tl.store(d_erase_logits_ptr + offs, (b * (1.0 - b) * db).to(d_erase_logits_ptr.dtype.element_ty), mask=mask)
+        partial = tl.program_id(0).to(tl.int64) * H + h
+        tl.store(d_dt_bias_ptr + partial * K + cols, tl.sum(dx, axis=0), mask=cols < K)
+        tl.store(dA_log_ptr + partial, tl.sum(tl.sum(dg * g, axis=1), axis=0))
+
+
+@_triton_op("specgpt::gdn2_gates_fwd")
+def _gdn2_gates_fwd(decay_logits: torch.Tensor, erase_logits: torch.Tensor, k: torch.Tensor, A_log: torch.Tensor,
+                    dt_bias: torch.Tensor, clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    H, K = k.shape[-2:]
+    (decay2, stride_decay), (erase2, stride_erase), (k2, stride_k) = (_rows(t, H * K)
+                                                                      for t in (decay_logits, erase_logits, k))
+    n_tokens = k2.shape[0]
+    log_decay = torch.empty(k.shape, device=k.device, dtype=torch.float32)
+    erase_gate = torch.empty(k.shape, device=k.device, dtype=erase_logits.dtype)
+    block_r, block_k = _gdn2_clip_blocks(K)
+    _gdn2_gates_fwd_kernel[(triton.cdiv(n_tokens, block_r), H)](
+        decay2, erase2, k2, A_log.contiguous(), dt_bias.contiguous(), log_decay, erase_gate, n_tokens, H, K,
+        stride_decay, stride_erase, stride_k, CLIP=clip, BLOCK_R=block_r, BLOCK_K=block_k)
+    return log_decay, erase_gate
+
+
+@_gdn2_gates_fwd.register_fake
+def _(decay_logits, erase_logits, k, A_log, dt_bias, clip):
+    return k.new_empty(k.shape, dtype=torch.float32), erase_logits.new_empty(erase_logits.shape)
+
+
+@_triton_op("specgpt::gdn2_gates_bwd")
+def _gdn2_gates_bwd(d_log_decay: torch.Tensor, d_erase_gate: torch.Tensor, decay_logits: torch.Tensor,
+                    erase_logits: torch.Tensor, k: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                    clip: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of decay_logits, erase_logits, k, A_log, dt_bias; k's is empty without the clip (none flows)."""
+    H, K = k.shape[-2:]
+    (decay2, stride_decay), (erase2, stride_erase), (k2, stride_k), (dg2, stride_dg), (db2, stride_db) = (
+        _rows(t, H * K) for t in (decay_logits, erase_logits, k, d_log_decay, d_erase_gate))
+    n_tokens = k2.shape[0]
+    new = lambda t: torch.empty(k.shape, device=k.device, dtype=t.dtype)
+    d_decay_logits, d_erase_logits, dk = new(decay_logits), new(erase_logits), new(k) if clip else None
+    block_r, block_k = _gdn2_clip_blocks(K)
+    n_blocks = triton.cdiv(n_tokens, block_r)
+    d_dt_bias = torch.empty(n_blocks, H * K, device=k.device, dtype=torch.float32)
+    dA_log = torch.empty(n_blocks, H, device=k.device, dtype=torch.float32)
+    _gdn2_gates_bwd_kernel[(n_blocks, H)](
+        decay2, erase2, k2, A_log.contiguous(), dt_bias.contiguous(), dg2, db2, d_decay_logits, d_erase_logits, dk,
+        d_dt_bias, dA_log, n_tokens, H, K, stride_decay, stride_erase, stride_k, stride_dg, stride_db, CLIP=clip,
+        BLOCK_R=block_r, BLOCK_K=block_k)
+    return (d_decay_logits, d_erase_logits, dk if clip else k.new_empty(0), dA_log.sum(0).to(A_log.dtype),
+            d_dt_bias.sum(0).to(dt_bias.dtype).view(dt_bias.shape))
+
+
+@_gdn2_gates_bwd.register_fake
+def _(d_log_decay, d_erase_gate, decay_logits, erase_logits, k, A_log, dt_bias, clip):
+    return (decay_logits.new_empty(decay_logits.shape), erase_logits.new_empty(erase_logits.shape),
+            k.new_empty(k.shape if clip else 0), A_log.new_empty(A_log.shape), dt_bias.new_empty(dt_bias.shape))
+
+
+def _gdn2_gates_setup(ctx, inputs, output):
+    *tensors, ctx.clip = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _gdn2_gates_backward(ctx, d_log_decay, d_erase_gate):
+    d_decay_logits, d_erase_logits, dk, dA_log, d_dt_bias = _gdn2_gates_bwd(d_log_decay, d_erase_gate,
+                                                                            *ctx.saved_tensors, ctx.clip)
+    return d_decay_logits, d_erase_logits, dk if ctx.clip else None, dA_log, d_dt_bias, None
+
+
+_gdn2_gates_fwd.register_autograd(_gdn2_gates_backward, setup_context=_gdn2_gates_setup)
+
+
+def gdn2_gates_triton(decay_logits, erase_logits, k, A_log, dt_bias, clip=True):
+    _gdn2_gates_check(decay_logits, erase_logits, k, A_log, dt_bias)
+    return _gdn2_gates_fwd(decay_logits, erase_logits, k, A_log, dt_bias, clip)
+
+
 def gdn2_gates(decay_logits, erase_logits, k, A_log, dt_bias, clip=True, kernels="auto"):
     _gdn2_gates_check(decay_logits, erase_logits, k, A_log, dt_bias)
     path = _path("gdn2_gates", kernels, k)
@@ -556,6 +1569,32 @@ def gdn2_gates(decay_logits, erase_logits, k, A_log, dt_bias, clip=True, kernels
     if path == "ref":
         return gdn2_gates_ref(decay_logits, erase_logits, k, A_log, dt_bias, clip)
     return gdn2_gates_torch(decay_logits, erase_logits, k, A_log, dt_bias, clip)
+
+
+def _gdn2_gates_example(dtype, d):
+    shape = (d.B, d.T, d.H, d.K)
+    return lambda: [_backward(gdn2_gates_triton(_leaf(*shape, dtype=dtype), _leaf(*shape, dtype=dtype),
+                                                _leaf(*shape, dtype=dtype), _leaf(d.H), _leaf(d.H * d.K), clip))
+                    for clip in (True, False)]
+
+
+def _gdn2_gates_opcheck(randn):
+    gates = (randn(1, 3, 2, 4), randn(1, 3, 2, 4), F.normalize(randn(1, 3, 2, 4), dim=-1), randn(2), randn(8))
+    return [case for clip in (True, False) for case in (
+        (f"gdn2_gates clip={clip}", _gdn2_gates_fwd, (*map(_requiring_grad, gates), clip), clip),
+        (f"gdn2_gates_bwd clip={clip}", _gdn2_gates_bwd, (randn(1, 3, 2, 4), randn(1, 3, 2, 4), *gates, clip), False))]
+
+
+def _gdn2_gates_compare(randn):
+    B, T, H, K = 2, 9, 2, 16
+    gates = dict(decay_logits=randn(B, T, H, K) - 1, erase_logits=2 * randn(B, T, H, K),
+                 k=F.normalize(randn(B, T, H, K), dim=-1), A_log=2.7 * randn(H).sigmoid(), dt_bias=randn(H * K) - 3)
+    return (lambda **kw: gdn2_gates_triton(**kw, clip=True), lambda **kw: gdn2_gates_ref(**kw, clip=True), gates)
+
+
+# in fp16 the erase logits' and keys' gradients go through the rounded gate b
+OPS["gdn2_gates"] = Op(gdn2_gates_ref, gdn2_gates_torch, gdn2_gates_triton, _gdn2_gates_example, _gdn2_gates_opcheck,
+                       _gdn2_gates_compare, fp16=({"decay_logits", "erase_logits", "k"}, ("derase_logits", "dk")))
 
 
 # -----------------------------------------------------------------------------
@@ -745,1035 +1784,6 @@ def gdn2_torch(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16):
     return o.to(out_dtype), S.reshape(B, H, K, V)
 
 
-def gdn2_uses_triton(x, kernels="auto"):
-    """Whether gdn2 takes its Triton path for inputs on x's device (GatedDelta recomputes around it, see there)."""
-    return _path("gdn2", kernels, x) == "triton"
-
-
-def gdn2(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16, kernels="auto"):
-    path = _path("gdn2", kernels, q)
-    if path == "triton":
-        return gdn2_triton(q, k, v, g, b, w, scale, initial_state, chunk_size)
-    if path == "ref":
-        return gdn2_ref(q, k, v, g, b, w, scale, initial_state)
-    return gdn2_torch(q, k, v, g, b, w, scale, initial_state, chunk_size)
-
-
-# -----------------------------------------------------------------------------
-# ssd (Mamba2, ngroups = 1), state h ∈ R^{P×N} per head:
-#   h_t = exp(dt_t A) h_{t−1} + dt_t x_t B_tᵀ,   y_t = h_t C_t + D x_t
-# x [b,l,h,p], dt [b,l,h], A [h], B, C [b,l,1,n], D [h] or None, h [b,h,p,n]. fp32 inside;
-# y comes back in x's dtype, h_T in fp32. zoh_input_scale converts Euler's dt·B into ZOH's B̄.
-
-def zoh_input_scale(dt, A):
-    """expm1(dt·A)/(dt·A): multiply x by this to turn ssd's dt·x·Bᵀ into ZOH's (exp(dt A) − 1)/A · x·Bᵀ."""
-    z = dt.float() * A.float()
-    small = z.abs() < 1e-3
-    z_safe = torch.where(small, -1.0, z)                        # keeps the unused branch finite (and its gradient)
-    return torch.where(small, 1 + z / 2 + z * z / 6, torch.expm1(z_safe) / z_safe)
-
-
-def _ssd_check(x, dt, A, B, C, D, initial_state):
-    b, l, h, p = x.shape
-    if dt.shape != (b, l, h) or A.shape != (h,):
-        raise ValueError(f"ssd: dt must be [b,l,h] = {(b, l, h)} and A [h], got {tuple(dt.shape)}, {tuple(A.shape)}")
-    if B.ndim != 4 or B.shape[:3] != (b, l, 1) or C.shape != B.shape:
-        raise ValueError(f"ssd: B and C must be [b,l,1,n] (ngroups = 1), got {tuple(B.shape)}, {tuple(C.shape)}; "
-                         "use B.unsqueeze(2)")
-    if D is not None and D.shape != (h,):
-        raise ValueError(f"ssd: D must be [h] = ({h},) or None, got {tuple(D.shape)}")
-    if initial_state is not None and initial_state.shape != (b, h, p, B.shape[-1]):
-        raise ValueError(f"ssd: initial_state must be [b,h,p,n] = {(b, h, p, B.shape[-1])}, "
-                         f"got {tuple(initial_state.shape)}")
-
-
-@_fp32
-def ssd_ref(x, dt, A, B, C, D=None, initial_state=None):
-    _ssd_check(x, dt, A, B, C, D, initial_state)
-    b, l, h, p = x.shape
-    xf, dtf, Af, Bf, Cf = x.float(), dt.float(), A.float(), B.float()[:, :, 0], C.float()[:, :, 0]
-    hs = x.new_zeros(b, h, p, B.shape[-1], dtype=torch.float32) if initial_state is None else initial_state.float()
-    ys = []
-    for t in range(l):
-        decay = torch.exp(dtf[:, t] * Af)[..., None, None]                           # [b,h,1,1]
-        write = (dtf[:, t, :, None] * xf[:, t])[..., None] * Bf[:, t, None, None, :]  # dt_t x_t B_tᵀ
-        hs = decay * hs + write
-        ys.append(torch.einsum("bhpn,bn->bhp", hs, Cf[:, t]))
-    y = torch.stack(ys, dim=1)
-    if D is not None:
-        y = y + D.float()[:, None] * xf
-    return y.to(x.dtype), hs
-
-
-def _ssd_chunks(X, dtA, B, C, initial_state):
-    """The chunked scan on the layout [b, N, h, Cs, ·]: X = dt⊙x [b,N,h,Cs,p], dtA [b,N,h,Cs], B, C [b,N,Cs,n].
-    Returns y, the final state and what the backward reuses. In-place ops only on its own intermediates: double
-    backward reruns it under autograd."""
-    b, N, h, Cs, p = X.shape
-    a64 = dtA.double().cumsum(-1)                                # fp64: see ssd_torch
-    a = a64.float()
-    a_low = (a64 - a.double()).float()                           # a64 = a + a_low to fp64's precision
-    causal = torch.ones(Cs, Cs, device=X.device).tril()
-    # exp(a_r − a_s) for s ≤ r; the fp32 difference of a is correctly rounded and a_low adds back what rounding a
-    # dropped, so small exponents keep their digits however large a grows. Above the diagonal the exponent is
-    # set to 0 (never exp of a large one) and C Bᵀ is masked instead, at an eighth of the size
-    L = (a[..., :, None] - a[..., None, :]).add_(a_low[..., :, None]).sub_(a_low[..., None, :]).mul_(causal).exp_()
-    W = ((C @ B.transpose(-1, -2)) * causal).unsqueeze(2) * L    # (C Bᵀ) ⊙ L, C Bᵀ shared by the heads
-    y = W @ X
-    chunk_states = torch.einsum("bzhcp,bzcn->bzhpn", X * L[..., -1, :, None], B)   # Xᵀ diag(ℓ) B
-    chunk_decay = a[..., -1].exp()                               # [b,N,h]
-    S, entering = initial_state, []
-    for decay_z, state_z in zip(chunk_decay.unbind(1), chunk_states.unbind(1)):   # unbind: see gdn2_torch
-        entering.append(S)
-        S = state_z if S is None else decay_z[..., None, None] * S + state_z
-    first = 0 if initial_state is not None else 1               # a zero entering state reads nothing
-    S_in = torch.stack(entering[first:], 1) if N > first else None
-    if S_in is not None:
-        read = torch.einsum("bzcn,bzhpn->bzhcp", C[:, first:], S_in) * a[:, first:].exp()[..., None]
-        y = torch.cat([y[:, :first], y[:, first:] + read], 1)
-    return y, S, (a, L, W, S_in, chunk_decay, first)
-
-
-class _SSDChunks(torch.autograd.Function):
-    """_ssd_chunks with its backward written out. Per chunk, with entering state S:
-        y = W X + e^a ⊙ (C Sᵀ),   S' = e^{a_C} S + Xᵀ diag(ℓ) B,   ℓ_s = L_{Cs,s} = exp(a_C − a_s).
-    With G = ∂/∂S' (dS_T for the last chunk, then chunk by chunk backwards):
-        ∂S = e^{a_C} G + (e^a⊙dy)ᵀ C,   ∂X = Wᵀ dy + ℓ⊙(B Gᵀ),   dW = dy Xᵀ,
-        ∂C = (Σ_h dW⊙L) B + Σ_h e^a⊙(dy S),   ∂B = (Σ_h dW⊙L)ᵀ C + Σ_h (ℓ⊙X) G,
-        ∂(dt A)_i = Σ_{r≥i} Σ_{s<i} (dW⊙W)_rs + Σ_{r≥i} ∂a_r (the reads', ℓ's and e^{a_C}'s direct
-    terms): the first sum runs over the pairs whose segment a_r − a_s contains i, so nothing cancels there.
-    Under create_graph (Hessian-vector products) the backward differentiates _ssd_chunks' ops instead."""
-
-    @staticmethod
-    def forward(ctx, X, dtA, B, C, initial_state):
-        y, S, (a, L, W, S_in, chunk_decay, first) = _ssd_chunks(X, dtA, B, C, initial_state)
-        ctx.save_for_backward(X, dtA, B, C, initial_state, a, L, W, S_in, chunk_decay)
-        ctx.first = first
-        ctx.set_materialize_grads(False)                         # dS_T stays None when the final state is unused
-        return y, S
-
-    @staticmethod
-    def backward(ctx, dy, dS_T):
-        X, dtA, B, C, initial_state, a, L, W, S_in, chunk_decay = ctx.saved_tensors
-        if torch.is_grad_enabled():                              # double backward: differentiate the forward's ops
-            scan = lambda *inputs: _ssd_chunks(*inputs)[:2]
-            return _double_backward(scan, (X, dtA, B, C, initial_state), (dy, dS_T))
-        first, N = ctx.first, X.shape[1]
-        dy = torch.zeros_like(X) if dy is None else dy.contiguous()
-        dy_e = dy * a.exp()[..., None]
-        # G_z = ∂/∂(state after chunk z), last chunk first; None where it is zero (the final state unused)
-        from_reads = torch.einsum("bzhcp,bzcn->bzhpn", dy_e[:, first:], C[:, first:]) if N > first else None
-        G, Gs = dS_T, []
-        for z in range(N - 1, -1, -1):
-            Gs.append(G)
-            if z >= first:                                       # the state entering chunk z is read
-                G = from_reads[:, z - first] + (0 if G is None else chunk_decay[:, z, :, None, None] * G)
-        d_initial = G if first == 0 else None
-        dW = dy @ X.transpose(-1, -2)
-        dX = W.transpose(-1, -2) @ dy
-        dCB = (dW * L).sum(2).tril_()                            # L is 1 above the diagonal
-        d_seg = dW.mul_(W)                                       # ∂/∂(a_r − a_s), zero above the diagonal
-        dC, dB = dCB @ B, dCB.transpose(-1, -2) @ C
-        d_a = torch.zeros_like(a)
-        if any(G is not None for G in Gs):
-            Gs = torch.stack([torch.zeros_like(from_reads[:, 0]) if G is None else G for G in Gs[::-1]], 1)
-            ell = L[..., -1, :]
-            BG = torch.einsum("bzcn,bzhpn->bzhcp", B, Gs)        # B Gᵀ, per head
-            dX += BG * ell[..., None]
-            d_seg[..., -1, :] += (BG * X).sum(-1) * ell          # ℓ_s = exp(a_C − a_s) is the last row's pair
-            dB += torch.einsum("bzhcp,bzhpn->bzcn", X * ell[..., None], Gs)
-            if S_in is not None:
-                d_a[:, first:, :, -1] = (S_in * Gs[:, first:]).sum((-1, -2)) * chunk_decay[:, first:]
-        if S_in is not None:
-            dC[:, first:] += torch.einsum("bzhcp,bzhpn->bzcn", dy_e[:, first:], S_in)
-            d_a[:, first:] += (dy_e[:, first:] * torch.einsum("bzcn,bzhpn->bzhcp", C[:, first:], S_in)).sum(-1)
-        pairs = d_seg.cumsum(-1).tril_(-1).sum(-2)               # [.., j] = Σ_{r>j} Σ_{s≤j} d_seg[r, s]
-        d_dtA = F.pad(pairs[..., :-1], (1, 0)) + d_a.flip(-1).cumsum(-1).flip(-1)
-        return dX, d_dtA, dB, dC, d_initial
-
-
-@_fp32
-def ssd_torch(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
-    """Chunked SSD. Within a chunk, with a_r = Σ_{i≤r} dt_i A (cumulative log-decay from the chunk start):
-    y_r = Σ_{s≤r} (C_r·B_s) exp(a_r − a_s) dt_s x_s + exp(a_r) h_0 C_r, and the chunk's own contribution to
-    its end state is Σ_s exp(a_C − a_s) dt_s x_s B_sᵀ; states are passed between chunks in a short loop.
-    Every exponent is a within-chunk difference masked to s ≤ r, so it is ≤ 0. a is summed in fp64 and kept as
-    an fp32 value plus its fp32 rounding remainder: with a decay of −1000 in one step a reaches the thousands,
-    where a difference of fp32-rounded sums would lose the small exponents' digits. The backward is written out
-    (_SSDChunks). The tail is padded with dt = 0 and zero inputs, which leaves the state unchanged."""
-    _ssd_check(x, dt, A, B, C, D, initial_state)
-    b, l, h, p = x.shape
-    n = B.shape[-1]
-    if chunk_size < 1:
-        raise ValueError(f"ssd: chunk_size must be a positive integer, got {chunk_size}")
-    Cs = min(chunk_size, max(l, 1))                              # short inputs (decoding) get a short chunk
-    N = -(-l // Cs)
-    pad = N * Cs - l
-    # per-head products in the contiguous layout [b, N, h, Cs, ·]: CPU batched matmuls copy strided operands
-    xf = F.pad(x.float(), (0, 0, 0, 0, 0, pad)).view(b, N, Cs, h, p)
-    dtf = F.pad(dt.float(), (0, 0, 0, pad)).view(b, N, Cs, h)
-    X = (xf * dtf[..., None]).transpose(2, 3).contiguous()
-    dtA = (dtf * A.float()).transpose(-1, -2).contiguous()
-    Bf = F.pad(B.float()[:, :, 0], (0, 0, 0, pad)).view(b, N, Cs, n)
-    Cf = F.pad(C.float()[:, :, 0], (0, 0, 0, pad)).view(b, N, Cs, n)
-    y, h_T = _SSDChunks.apply(X, dtA, Bf, Cf, None if initial_state is None else initial_state.float())
-    y = y.transpose(2, 3).reshape(b, N * Cs, h, p)[:, :l]
-    if D is not None:
-        y = y + D.float()[:, None] * x.float()
-    return y.to(x.dtype), h_T
-
-
-def ssd(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None, kernels="auto"):
-    path = _path("ssd", kernels, x)
-    if path == "triton":
-        return ssd_triton(x, dt, A, B, C, D, chunk_size, initial_state)
-    if path == "ref":
-        return ssd_ref(x, dt, A, B, C, D, initial_state)
-    return ssd_torch(x, dt, A, B, C, D, chunk_size, initial_state)
-
-
-# =============================================================================
-# Triton: the fast paths, one subsection per op, in the order of the spec sections above.
-# Each op's forward and backward launches are torch.library custom ops ("specgpt::<op>_fwd", "specgpt::<op>_bwd";
-# rope's backward is its forward turned back), with fake functions for shapes and the backward registered as the
-# forward's autograd: torch.compile sees every Triton op as one opaque node and the model traces as one graph.
-
-
-def on_device_of(x):
-    """The context a Triton op's body runs in: x's GPU made the current device (Triton launches on the current
-    device, not on its arguments'), and autocast off, so the body's own einsums and casts keep the dtypes it asks
-    for (under autocast an fp32 einsum would become a bf16 matmul)."""
-    stack = contextlib.ExitStack()
-    if x.is_cuda:
-        stack.enter_context(torch.cuda.device(x.device))
-    stack.enter_context(autocast_off(x.device.type))
-    return stack
-
-
-def _triton_op(name):
-    """torch.library.custom_op(name) around a Triton op's body, which runs on_device_of its first tensor."""
-    def register(body):
-        @functools.wraps(body)
-        def on_inputs_device(*args, **kwargs):
-            with on_device_of(next(a for a in (*args, *kwargs.values()) if torch.is_tensor(a))):
-                return body(*args, **kwargs)
-        return torch.library.custom_op(name, mutates_args=())(on_inputs_device)
-    return register
-
-
-# ptxas gives a kernel up to 255 registers a thread wherever it can use them. The launches that took more than
-# MAX_REGISTERS are held to it (the launch option maxnreg), at which each fits without a spill on sm_75, sm_80 and
-# sm_90 (the ahead-of-time test compiles them): headroom under 255, so another compiler's choices spill nothing
-# unseen, at no cost in occupancy (above 128 registers an 8-warp kernel runs one block an SM either way, a 4-warp
-# one two). Only those: given a cap, ptxas uses up to it, and took more registers than uncapped (fewer blocks an
-# SM) where a launch needs fewer.
-MAX_REGISTERS = 232
-
-
-def _rows(t, width):
-    """(t as rows of its last `width` values, the stride between rows), which the kernels' pointer arithmetic
-    takes: a view where those values are contiguous and the leading dims flatten to one stride (a slice of a wider
-    tensor along its last dim, as the models pass their projections' columns), else a contiguous copy."""
-    rows = t.reshape(-1, width)
-    if width > 1 and rows.stride(1) != 1:
-        rows = rows.contiguous()
-    return rows, rows.stride(0)
-
-
-# -----------------------------------------------------------------------------
-# rms_norm in Triton
-
-def _programs_for(x, rows):
-    """Persistent-grid size for row kernels: a few programs per SM on a GPU, a handful elsewhere."""
-    if x.is_cuda:
-        return max(1, min(rows, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count))
-    return max(1, min(rows, 4))
-
-
-if HAS_TRITON:
-    @triton.jit
-    def _rms_norm_fwd_kernel(x_ptr, gate_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, stride_x, stride_gate, eps,
-                             HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # one program normalises BLOCK_R rows of g = x (⊙ silu(gate)); the whole row sits in registers, sums in fp32.
-        # x and the gate are read at their row strides, y written contiguous
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.arange(0, BLOCK_C)
-        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-        offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
-        g = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_GATE:
-            z = tl.load(gate_ptr + rows[:, None].to(tl.int64) * stride_gate + cols[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
-            g *= z * tl.sigmoid(z)
-        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(g * g, axis=1) / n_cols + eps)
-        tl.store(y_ptr + offs, (g * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(rstd_ptr + rows, rstd, mask=rows < n_rows)
-
-    @triton.jit
-    def _rms_norm_bwd_kernel(x_ptr, gate_ptr, w_ptr, rstd_ptr, dy_ptr, dx_ptr, dgate_ptr, dw_partial_ptr, n_rows,
-                             n_cols, stride_x, stride_gate, stride_dy, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_C: tl.constexpr):
-        # dg = rstd·(dy⊙w − ĝ·mean(dy⊙w⊙ĝ)) with ĝ = rstd·g; g = x gives dx = dg, g = x⊙silu(z) gives
-        # dx = dg⊙silu(z) and dz = dg⊙x⊙silu'(z), silu'(z) = σ(z)(1 + z(1 − σ(z))). Each program also sums
-        # dy⊙ĝ over its rows into one dw partial
-        pid, n_prog = tl.program_id(0), tl.num_programs(0)
-        cols = tl.arange(0, BLOCK_C)
-        w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        dw = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        for start in range(pid * BLOCK_R, n_rows, n_prog * BLOCK_R):
-            rows = start + tl.arange(0, BLOCK_R)
-            mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-            offs = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
-            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
-            g = x
-            if HAS_GATE:
-                z = tl.load(gate_ptr + rows[:, None].to(tl.int64) * stride_gate + cols[None, :], mask=mask,
-                            other=0.0).to(tl.float32)
-                g = x * z * tl.sigmoid(z)
-            dy = tl.load(dy_ptr + rows[:, None].to(tl.int64) * stride_dy + cols[None, :], mask=mask,
-                         other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)
-            g_hat = g * rstd[:, None]
-            dyw = dy * w[None, :]
-            dg = rstd[:, None] * (dyw - g_hat * (tl.sum(dyw * g_hat, axis=1) / n_cols)[:, None])
-            dw += tl.sum(dy * g_hat, axis=0)
-            if HAS_GATE:
-                sig = tl.sigmoid(z)
-                tl.store(dgate_ptr + offs, (dg * x * sig * (1 + z * (1 - sig))).to(dgate_ptr.dtype.element_ty),
-                         mask=mask)
-                dg *= z * sig
-            tl.store(dx_ptr + offs, dg.to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=cols < n_cols)
-
-
-def _rms_norm_blocks(n_cols, gated_backward=False):
-    """(BLOCK_R, BLOCK_C, num_warps): a tile of 4096 values, or one row when it is longer, spread 16 values a thread
-    (at most 16 warps) so that the backward's tiles stay in registers: no spills up to rows of 8192, or of 4096
-    with a gate. The gated backward holds more tiles at once and takes 2048 values, 8 a thread: under 232 registers
-    (4096 at 16 a thread took up to 254; 4096 at 8 a thread needs 16 warps, whose 128 registers spilled)."""
-    tile, per_thread = (2048, 8) if gated_backward else (4096, 16)
-    block_c = triton.next_power_of_2(n_cols)
-    block_r = max(1, min(64, tile // block_c))
-    return block_r, block_c, min(16, max(4, block_r * block_c // (32 * per_thread)))
-
-
-@_triton_op("specgpt::rms_norm_fwd")
-def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: Optional[torch.Tensor],
-                  out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd): the normalised x (⊙ silu(gate)) in out_dtype (x's by default) and each row's 1/rms, which the
-    backward reuses."""
-    n_cols = x.shape[-1]
-    x2, stride_x = _rows(x, n_cols)
-    gate2, stride_gate = (x2, stride_x) if gate is None else _rows(gate, n_cols)
-    n_rows = x2.shape[0]
-    y = torch.empty(x.shape, device=x.device, dtype=out_dtype or x.dtype)
-    rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
-    block_r, block_c, warps = _rms_norm_blocks(n_cols)
-    _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-        x2, gate2, weight.contiguous(), y, rstd, n_rows, n_cols, stride_x, stride_gate, eps, HAS_GATE=gate is not None,
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
-    return y, rstd
-
-
-@_rms_norm_fwd.register_fake
-def _(x, weight, eps, gate, out_dtype=None):
-    return x.new_empty(x.shape, dtype=out_dtype or x.dtype), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
-
-
-@_triton_op("specgpt::rms_norm_bwd")
-def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                  gate: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dweight, dgate); dgate is empty without a gate."""
-    n_cols = x.shape[-1]
-    (x2, stride_x), (dy2, stride_dy) = _rows(x, n_cols), _rows(dy, n_cols)
-    gate2, stride_gate = (x2, stride_x) if gate is None else _rows(gate, n_cols)
-    n_rows = x2.shape[0]
-    dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    dgate = torch.empty(gate.shape, device=x.device, dtype=gate.dtype) if gate is not None else x.new_empty(0)
-    block_r, block_c, warps = _rms_norm_blocks(n_cols, gated_backward=gate is not None)
-    n_prog = _programs_for(x2, triton.cdiv(n_rows, block_r))
-    dw_partial = torch.empty(n_prog, n_cols, device=x.device, dtype=torch.float32)
-    _rms_norm_bwd_kernel[(n_prog,)](x2, gate2, weight.contiguous(), rstd, dy2, dx, dgate, dw_partial, n_rows, n_cols,
-                                    stride_x, stride_gate, stride_dy, HAS_GATE=gate is not None, BLOCK_R=block_r,
-                                    BLOCK_C=block_c, num_warps=warps)
-    return dx, dw_partial.sum(0).to(weight.dtype), dgate
-
-
-@_rms_norm_bwd.register_fake
-def _(dy, x, weight, rstd, gate):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty(gate.shape if gate is not None else 0)
-
-
-def _rms_norm_setup(ctx, inputs, output):
-    x, weight, eps, gate, out_dtype = inputs
-    ctx.save_for_backward(x, weight, output[1], gate)
-    ctx.mark_non_differentiable(output[1])
-
-
-def _rms_norm_backward(ctx, dy, d_rstd):
-    x, weight, rstd, gate = ctx.saved_tensors
-    dx, dweight, dgate = _rms_norm_bwd(dy, x, weight, rstd, gate)
-    return dx, dweight, None, dgate if gate is not None else None, None
-
-
-_rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
-
-
-def rms_norm_triton(x, weight, eps=1e-6, gate=None, out_dtype=None):
-    return _rms_norm_fwd(x, weight, eps, gate, out_dtype)[0]
-
-
-# -----------------------------------------------------------------------------
-# rope in Triton
-
-if HAS_TRITON:
-    @triton.jit
-    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, H, HALF, SIN_SIGN: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-        # one program per (b, t): turn every head's (x_2i, x_2i+1) pairs by angle θ_t (SIN_SIGN=-1 turns back,
-        # which is the backward pass because a rotation's transpose is its inverse)
-        row = tl.program_id(0)
-        t = row % T
-        heads = tl.arange(0, BLOCK_H)
-        pairs = tl.arange(0, BLOCK_HALF)
-        mask = (heads[:, None] < H) & (pairs[None, :] < HALF)
-        offs = row.to(tl.int64) * H * 2 * HALF + heads[:, None] * 2 * HALF + 2 * pairs[None, :]
-        cos = tl.load(cos_ptr + t * HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)[None, :]
-        sin = SIN_SIGN * tl.load(sin_ptr + t * HALF + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)[None, :]
-        x_even = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x_odd = tl.load(x_ptr + offs + 1, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs, (x_even * cos - x_odd * sin).to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_ptr + offs + 1, (x_odd * cos + x_even * sin).to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@_triton_op("specgpt::rope")
-def _rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sin_sign: float) -> torch.Tensor:
-    """x's pairs turned by +θ (sin_sign = 1), or back by −θ (sin_sign = −1: the backward pass)."""
-    B, T, H, D = x.shape
-    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-    y = torch.empty_like(x)
-    _rope_kernel[(B * T,)](x, cos, sin, y, T, H, D // 2, SIN_SIGN=sin_sign,
-                           BLOCK_H=triton.next_power_of_2(H), BLOCK_HALF=triton.next_power_of_2(D // 2))
-    return y
-
-
-@_rope_rotate.register_fake
-def _(x, cos, sin, sin_sign):
-    return x.new_empty(x.shape)
-
-
-def _rope_setup(ctx, inputs, output):
-    x, cos, sin, sin_sign = inputs
-    ctx.save_for_backward(x, cos, sin)
-    ctx.sin_sign = sin_sign
-
-
-def _rope_backward(ctx, dy):
-    x, cos, sin = ctx.saved_tensors
-    dx = _rope_rotate(dy, cos, sin, -ctx.sin_sign)
-    dcos = dsin = None
-    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # cos/sin are usually buffers; cheap in torch
-        x_even, x_odd = x[..., 0::2].float(), x[..., 1::2].float()
-        dy_even, dy_odd = dy[..., 0::2].float(), dy[..., 1::2].float()
-        dcos = (dy_even * x_even + dy_odd * x_odd).sum((0, 2)).to(cos.dtype)
-        dsin = (dy_odd * x_even - dy_even * x_odd).sum((0, 2)).to(sin.dtype)
-    return dx, dcos, dsin, None
-
-
-_rope_rotate.register_autograd(_rope_backward, setup_context=_rope_setup)
-
-
-def rope_triton(x, cos, sin):
-    B, T, H, D = x.shape
-    if D % 2 or cos.shape != (T, D // 2) or sin.shape != (T, D // 2):
-        raise ValueError(f"rope needs x[B,T,H,D] with even D and cos, sin of shape [T, D/2]; got x {tuple(x.shape)}, "
-                         f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
-    return _rope_rotate(x, cos, sin, 1.0)
-
-
-# -----------------------------------------------------------------------------
-# softmax in Triton
-
-# The Triton softmax is the lab's teaching kernel (the fused softmax of the Triton tutorial): a
-# persistent grid of programs strides over the rows; each row is loaded once into registers (the
-# block is the row length rounded up to a power of two, the tail masked with -inf so it adds exp(-inf)=0),
-# reduced twice (max, then sum of exponentials) and written once. torch's unfused version reads and
-# writes the row several times; here HBM sees one read and one write per element.
-if HAS_TRITON:
-    @triton.jit
-    def _softmax_fwd_kernel(x_ptr, y_ptr, n_rows, n_cols, BLOCK_N: tl.constexpr):
-        cols = tl.arange(0, BLOCK_N)
-        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-            offs = row * n_cols + cols
-            x = tl.load(x_ptr + offs, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
-            e = tl.exp(x - tl.max(x, axis=0))
-            tl.store(y_ptr + offs, (e / tl.sum(e, axis=0)).to(y_ptr.dtype.element_ty), mask=cols < n_cols)
-
-    @triton.jit
-    def _softmax_bwd_kernel(y_ptr, dy_ptr, dx_ptr, n_rows, n_cols, BLOCK_N: tl.constexpr):
-        # dx = y ⊙ (dy − Σ dy⊙y), again one read of each input row and one write
-        cols = tl.arange(0, BLOCK_N)
-        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-            offs = row * n_cols + cols
-            y = tl.load(y_ptr + offs, mask=cols < n_cols, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + offs, mask=cols < n_cols, other=0.0).to(tl.float32)
-            dx = y * (dy - tl.sum(dy * y, axis=0))
-            tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=cols < n_cols)
-
-
-@_triton_op("specgpt::softmax_fwd")
-def _softmax_fwd(x: torch.Tensor) -> torch.Tensor:
-    x = x.contiguous()
-    y = torch.empty_like(x)
-    _softmax_fwd_kernel[(_programs_for(x, x.shape[0]),)](x, y, x.shape[0], x.shape[1],
-                                                          BLOCK_N=triton.next_power_of_2(x.shape[1]))
-    return y
-
-
-@_softmax_fwd.register_fake
-def _(x):
-    return x.new_empty(x.shape)
-
-
-@_triton_op("specgpt::softmax_bwd")
-def _softmax_bwd(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    y = y.contiguous()
-    dx = torch.empty_like(y)
-    _softmax_bwd_kernel[(_programs_for(y, y.shape[0]),)](y, dy.contiguous(), dx, y.shape[0], y.shape[1],
-                                                          BLOCK_N=triton.next_power_of_2(y.shape[1]))
-    return dx
-
-
-@_softmax_bwd.register_fake
-def _(dy, y):
-    return y.new_empty(y.shape)
-
-
-def _softmax_setup(ctx, inputs, output):
-    ctx.save_for_backward(output)
-
-
-def _softmax_backward(ctx, dy):
-    return _softmax_bwd(dy, *ctx.saved_tensors)
-
-
-_softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
-
-
-def softmax_triton(x):
-    if x.ndim != 2:
-        raise ValueError(f"softmax_triton takes a 2-D x[R, N]; got shape {tuple(x.shape)}; reshape to rows first")
-    return _softmax_fwd(x)
-
-
-# -----------------------------------------------------------------------------
-# sparsemax in Triton
-
-# τ without a sort, on z − max z (as every path, see sparsemax_ref): f(τ) = Σ_j [z_j − τ]₊ − 1 falls
-# monotonically in τ, f(−1) ≥ 0 (the largest entry alone gives 1) and f(0) = −1, so τ lies in [−1, 0]. Each
-# program holds BLOCK_R rows in registers and halves that bracket _SPARSEMAX_HALVINGS times (one pass over the
-# row each; 2^-24 is fp32's resolution on the unit bracket), keeping f(lo) ≥ 0. Then S = {z_j > lo} contains
-# the support and τ = (Σ_S z − 1)/|S| exactly; an entry wrongly in S lies within the final bracket width of τ,
-# so it moves τ by less than that width. The backward needs only p: S = {p > 0}.
-_SPARSEMAX_HALVINGS = 24
-
-
-def _sparsemax_blocks(n):
-    """(BLOCK_R, BLOCK_N, num_warps): whole rows in one tile of about 2048 entries (16 a thread: larger tiles
-    spill on sm_90), more warps for long rows."""
-    block_n = triton.next_power_of_2(n)
-    return max(1, min(64, 2048 // block_n)), block_n, min(16, max(4, block_n // 512))
-
-
-if HAS_TRITON:
-    @triton.jit
-    def _sparsemax_fwd_kernel(z_ptr, p_ptr, n_rows, T, N, CAUSAL: tl.constexpr, HALVINGS: tl.constexpr,
-                              BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.arange(0, BLOCK_N)
-        in_rows = (rows[:, None] < n_rows) & (cols[None, :] < N)
-        visible = in_rows
-        if CAUSAL:  # row t sees columns s ≤ N − T + t
-            visible = visible & (cols[None, :] <= (N - T + rows % T)[:, None])
-        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-        z = tl.load(z_ptr + offs, mask=visible, other=-float("inf")).to(tl.float32)
-        z = tl.where(rows[:, None] < n_rows, z, 0.0)  # rows past the end stay finite: no NaN in unused lanes
-        z = z - tl.max(z, axis=1)[:, None]
-        hi = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        lo = hi - 1.0
-        for _ in range(HALVINGS):
-            mid = 0.5 * (lo + hi)
-            above = tl.sum(tl.maximum(z - mid[:, None], 0.0), axis=1) >= 1.0  # f(mid) ≥ 0: τ ≥ mid
-            lo = tl.where(above, mid, lo)
-            hi = tl.where(above, hi, mid)
-        support = z > lo[:, None]
-        tau = (tl.sum(tl.where(support, z, 0.0), axis=1) - 1.0) / tl.sum(support.to(tl.float32), axis=1)
-        p = tl.maximum(z - tau[:, None], 0.0)  # hidden columns: −inf − τ → 0
-        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=in_rows)
-
-    @triton.jit
-    def _sparsemax_bwd_kernel(p_ptr, g_ptr, dz_ptr, n_rows, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-        # dz = g − mean_S(g) on S = {p > 0}, 0 elsewhere
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.arange(0, BLOCK_N)
-        mask = (rows[:, None] < n_rows) & (cols[None, :] < N)
-        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-        on = tl.load(p_ptr + offs, mask=mask, other=0.0) > 0
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        mean_g = tl.sum(tl.where(on, g, 0.0), axis=1) / tl.maximum(tl.sum(on.to(tl.float32), axis=1), 1.0)
-        dz = tl.where(on, g - mean_g[:, None], 0.0)
-        tl.store(dz_ptr + offs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
-
-    # forward and backward are each one opaque op to autograd and torch.compile
-    @_triton_op("specgpt::sparsemax_fwd")
-    def _sparsemax_fwd(z: torch.Tensor, causal: bool) -> torch.Tensor:
-        N = z.shape[-1]
-        z2 = z.reshape(-1, N).contiguous()
-        p = torch.empty_like(z2)
-        block_r, block_n, warps = _sparsemax_blocks(N)
-        _sparsemax_fwd_kernel[(triton.cdiv(z2.shape[0], block_r),)](
-            z2, p, z2.shape[0], z.shape[-2] if causal else 1, N, CAUSAL=causal, HALVINGS=_SPARSEMAX_HALVINGS,
-            BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
-        return p.view(z.shape)
-
-    @_sparsemax_fwd.register_fake
-    def _(z, causal):
-        return z.new_empty(z.shape)
-
-    @_triton_op("specgpt::sparsemax_bwd")
-    def _sparsemax_bwd(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        N = p.shape[-1]
-        p2, g2 = p.reshape(-1, N).contiguous(), g.reshape(-1, N).contiguous()
-        dz = torch.empty_like(p2)
-        block_r, block_n, warps = _sparsemax_blocks(N)
-        _sparsemax_bwd_kernel[(triton.cdiv(p2.shape[0], block_r),)](p2, g2, dz, p2.shape[0], N,
-                                                                    BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps)
-        return dz.view(p.shape)
-
-    @_sparsemax_bwd.register_fake
-    def _(p, g):
-        return p.new_empty(p.shape)
-
-    def _sparsemax_setup_context(ctx, inputs, output):
-        ctx.save_for_backward(output)
-
-    def _sparsemax_backward(ctx, g):
-        (p,) = ctx.saved_tensors
-        return _sparsemax_bwd(p, g), None
-
-    _sparsemax_fwd.register_autograd(_sparsemax_backward, setup_context=_sparsemax_setup_context)
-
-
-def sparsemax_triton(z, causal=False):
-    _sparsemax_visible(z, causal)  # the shape check
-    return _sparsemax_fwd(z, causal)
-
-
-# -----------------------------------------------------------------------------
-# sinkhorn in Triton
-
-if HAS_TRITON:
-    @triton.jit
-    def _sinkhorn_log_normalise(x, AXIS: tl.constexpr, real):
-        # x − logsumexp(x) along AXIS (2: rows, 1: columns) on the real lines;
-        # a padding line, all −inf, stays −inf
-        top = tl.where(real, tl.max(x, axis=AXIS), 0.0)
-        total = tl.where(real, tl.sum(tl.exp(x - tl.expand_dims(top, AXIS)), axis=AXIS), 1.0)
-        return x - tl.expand_dims(top + tl.log(total), AXIS)
-
-    @triton.jit
-    def _sinkhorn_load(l_ptr, M, n, BLOCK_M: tl.constexpr, BN: tl.constexpr):
-        # BLOCK_M matrices per program as a [BLOCK_M, BN, BN] tile; padding entries get logit −inf (P = 0). The first
-        # round runs in the log domain, as in sinkhorn_torch: A = row log-softmax, P1 = exp(column log-normalised A)
-        mats = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        idx = tl.arange(0, BN)
-        entry = (idx[None, :, None] < n) & (idx[None, None, :] < n)
-        offs = mats[:, None, None].to(tl.int64) * n * n + idx[None, :, None] * n + idx[None, None, :]
-        mask = entry & (mats[:, None, None] < M)
-        x = tl.where(entry, tl.load(l_ptr + offs, mask=mask, other=0.0).to(tl.float32), -float("inf"))
-        A = _sinkhorn_log_normalise(x, 2, idx[None, :] < n)
-        P1 = tl.exp(_sinkhorn_log_normalise(A, 1, idx[None, :] < n))
-        return tl.exp(A), P1, offs, mask, mats, idx
-
-    @triton.jit
-    def _sinkhorn_fwd_kernel(l_ptr, p_ptr, M, n, ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BN: tl.constexpr):
-        _, P, offs, mask, mats, idx = _sinkhorn_load(l_ptr, M, n, BLOCK_M, BN)
-        for _ in range(ITERS - 1):
-            P = P / tl.where(idx[None, :] < n, tl.sum(P, axis=2), 1.0)[:, :, None]  # rows
-            P = P / tl.where(idx[None, :] < n, tl.sum(P, axis=1), 1.0)[:, None, :]  # columns
-        tl.store(p_ptr + offs, P, mask=mask)
-
-    @triton.jit
-    def _sinkhorn_bwd_kernel(l_ptr, dp_ptr, dl_ptr, sums_ptr, M, n, ITERS: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BN: tl.constexpr):
-        # Recompute the iterates, keeping each normaliser (row sums r_k, column sums c_k) in a scratch
-        # buffer, then walk back: for Y = X / rowsum(X), dX = (dY − rowsum(dY⊙Y)) / r and X = Y·r
-        # (columns alike), down to P1. With Z = dP1 ⊙ P1 (the gradient of log P1), the column log-softmax
-        # gives dA = Z − P1·colsum(Z) and the row log-softmax dlogits = dA − exp(A)·rowsum(dA).
-        P0, P, offs, mask, mats, idx = _sinkhorn_load(l_ptr, M, n, BLOCK_M, BN)
-        sums = sums_ptr + mats[:, None].to(tl.int64) * (2 * (ITERS - 1) * BN) + idx[None, :]
-        for k in range(ITERS - 1):
-            r = tl.where(idx[None, :] < n, tl.sum(P, axis=2), 1.0)
-            tl.store(sums + (2 * k) * BN, r)
-            P = P / r[:, :, None]
-            c = tl.where(idx[None, :] < n, tl.sum(P, axis=1), 1.0)
-            tl.store(sums + (2 * k + 1) * BN, c)
-            P = P / c[:, None, :]
-        tl.debug_barrier()
-        dP = tl.load(dp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        for kk in range(ITERS - 1):
-            k = ITERS - 2 - kk
-            c = tl.load(sums + (2 * k + 1) * BN)
-            dP = (dP - tl.sum(dP * P, axis=1)[:, None, :]) / c[:, None, :]
-            P = P * c[:, None, :]
-            r = tl.load(sums + (2 * k) * BN)
-            dP = (dP - tl.sum(dP * P, axis=2)[:, :, None]) / r[:, :, None]
-            P = P * r[:, :, None]
-        Z = dP * P
-        dA = Z - P * tl.sum(Z, axis=1)[:, None, :]
-        tl.store(dl_ptr + offs, (dA - P0 * tl.sum(dA, axis=2)[:, :, None]).to(dl_ptr.dtype.element_ty), mask=mask)
-
-
-def _sinkhorn_blocks(n):
-    bn = triton.next_power_of_2(n)
-    return max(1, min(128, 2048 // (bn * bn))), bn
-
-
-@_triton_op("specgpt::sinkhorn_fwd")
-def _sinkhorn_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
-    n = logits.shape[-1]
-    L = logits.reshape(-1, n, n).contiguous()
-    P = torch.empty(L.shape, device=L.device, dtype=torch.float32)
-    block_m, bn = _sinkhorn_blocks(n)
-    _sinkhorn_fwd_kernel[(triton.cdiv(L.shape[0], block_m),)](L, P, L.shape[0], n, ITERS=iters,
-                                                              BLOCK_M=block_m, BN=bn)
-    return P.reshape(logits.shape)
-
-
-@_sinkhorn_fwd.register_fake
-def _(logits, iters):
-    return logits.new_empty(logits.shape, dtype=torch.float32)
-
-
-@_triton_op("specgpt::sinkhorn_bwd")
-def _sinkhorn_bwd(dP: torch.Tensor, logits: torch.Tensor, iters: int) -> torch.Tensor:
-    n = logits.shape[-1]
-    L = logits.reshape(-1, n, n).contiguous()
-    M = L.shape[0]
-    block_m, bn = _sinkhorn_blocks(n)
-    grid = triton.cdiv(M, block_m)
-    sums = torch.empty(grid * block_m, 2 * (iters - 1), bn, device=L.device, dtype=torch.float32)
-    dL = torch.empty_like(L)
-    _sinkhorn_bwd_kernel[(grid,)](L, dP.reshape(M, n, n).contiguous(), dL, sums, M, n, ITERS=iters,
-                                  BLOCK_M=block_m, BN=bn)
-    return dL.reshape(logits.shape)
-
-
-@_sinkhorn_bwd.register_fake
-def _(dP, logits, iters):
-    return logits.new_empty(logits.shape)
-
-
-def _sinkhorn_setup(ctx, inputs, output):
-    logits, iters = inputs
-    ctx.save_for_backward(logits)
-    ctx.iters = iters
-
-
-def _sinkhorn_backward(ctx, dP):
-    return _sinkhorn_bwd(dP, *ctx.saved_tensors, ctx.iters), None
-
-
-_sinkhorn_fwd.register_autograd(_sinkhorn_backward, setup_context=_sinkhorn_setup)
-
-
-def sinkhorn_triton(logits, iters=20):
-    _sinkhorn_check(logits, iters)
-    return _sinkhorn_fwd(logits, iters)
-
-
-# -----------------------------------------------------------------------------
-# gdn2_decay_clip in Triton
-
-if HAS_TRITON:
-    @triton.jit
-    def _gdn2_clip_bound(k, b):
-        # −log ρ and its pieces for a = k, c = b⊙k (rows of a [BLOCK_R, BLOCK_K] tile), cancellation-free as
-        # in gdn2_decay_clip_torch: δ = η − a·c ≥ 0, s = sqrt((2 − η)² + 4δ),
-        # ρ − 1 = 2δ/(s + 2 − η) for η < 2
-        c = b * k
-        na = tl.sqrt(tl.sum(k * k, axis=1))
-        nc = tl.sqrt(tl.sum(c * c, axis=1))
-        eta = na * nc
-        delta = tl.maximum(eta - tl.sum(k * c, axis=1), 0.0)
-        s = tl.sqrt((2.0 - eta) * (2.0 - eta) + 4.0 * delta)
-        small = eta < 2.0
-        rho_m1 = tl.where(small, 2.0 * delta / tl.where(small, s + 2.0 - eta, 1.0), (eta - 2.0 + s) / 2.0)
-        rho_m1 = tl.where(rho_m1 < 1e-6, 0.0, rho_m1)  # fp32 rounding of δ for parallel a, c, as gdn2_log_rho
-        bound = -tl.log(1.0 + rho_m1)
-        return bound, c, na, nc, eta, s, 1.0 + rho_m1
-
-    @triton.jit
-    def _gdn2_clip_load(g_ptr, k_ptr, b_ptr, n_rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.arange(0, BLOCK_K)
-        mask = (rows[:, None] < n_rows) & (cols[None, :] < K)
-        offs = rows[:, None].to(tl.int64) * K + cols[None, :]
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        return g, k, b, offs, mask
-
-    @triton.jit
-    def _gdn2_clip_fwd_kernel(g_ptr, k_ptr, b_ptr, out_ptr, n_rows, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        g, k, b, offs, mask = _gdn2_clip_load(g_ptr, k_ptr, b_ptr, n_rows, K, BLOCK_R, BLOCK_K)
-        bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
-        tl.store(out_ptr + offs, tl.minimum(g, bound[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _gdn2_clip_bwd(g, k, b, dout):
-        # (dg, dk, db) of g' = min(g, β) with β = −log ρ(η, a·c), on fp32 tiles where k and dout are 0 past the
-        # row ends; shared with the fused gdn2_gates kernel. The gradient goes to g where g < β, to β where g > β,
-        # half each on a tie (as torch.minimum).
-        # dβ/da = −(1/ρ)(∂ρ/∂η·‖c‖/‖a‖·a + ∂ρ/∂(a·c)·c), c alike, with
-        # ∂ρ/∂η = (1 + η/s)/2, ∂ρ/∂(a·c) = −1/s; then dk = da + b⊙dc, db = k⊙dc.
-        bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
-        bound = bound[:, None]
-        dg = tl.where(g < bound, dout, tl.where(g == bound, 0.5 * dout, 0.0))
-        dbound = tl.where(rho > 1.0, tl.sum(dout - dg, axis=1), 0.0)  # β is flat where ρ − 1 was rounded to 0
-        s_safe = tl.maximum(s, 1e-20)
-        deta = dbound * -(1.0 + eta / s_safe) / (2.0 * rho)
-        dac = dbound / (s_safe * rho)
-        da = (deta * tl.where(na > 0, nc / tl.where(na > 0, na, 1.0), 0.0))[:, None] * k + dac[:, None] * c
-        dc = (deta * tl.where(nc > 0, na / tl.where(nc > 0, nc, 1.0), 0.0))[:, None] * c + dac[:, None] * k
-        return dg, da + b * dc, k * dc
-
-    @triton.jit
-    def _gdn2_clip_bwd_kernel(g_ptr, k_ptr, b_ptr, dout_ptr, dg_ptr, dk_ptr, db_ptr, n_rows, K,
-                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        g, k, b, offs, mask = _gdn2_clip_load(g_ptr, k_ptr, b_ptr, n_rows, K, BLOCK_R, BLOCK_K)
-        dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        dg, dk, db = _gdn2_clip_bwd(g, k, b, dout)
-        tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mask)
-        tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=mask)
-        tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=mask)
-
-
-def _gdn2_clip_blocks(K):
-    block_k = triton.next_power_of_2(K)
-    return max(1, min(16, 1024 // block_k)), block_k  # larger tiles spill registers in the backward kernel
-
-
-@_triton_op("specgpt::gdn2_decay_clip_fwd")
-def _gdn2_decay_clip_fwd(g: torch.Tensor, k: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    g, k, b = g.contiguous(), k.contiguous(), b.contiguous()
-    K = g.shape[-1]
-    n_rows = g.numel() // K
-    out = torch.empty_like(g)
-    block_r, block_k = _gdn2_clip_blocks(K)
-    _gdn2_clip_fwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, out, n_rows, K, BLOCK_R=block_r, BLOCK_K=block_k)
-    return out
-
-
-@_gdn2_decay_clip_fwd.register_fake
-def _(g, k, b):
-    return g.new_empty(g.shape)
-
-
-@_triton_op("specgpt::gdn2_decay_clip_bwd")
-def _gdn2_decay_clip_bwd(dout: torch.Tensor, g: torch.Tensor, k: torch.Tensor,
-                         b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g, k, b = g.contiguous(), k.contiguous(), b.contiguous()
-    K = g.shape[-1]
-    n_rows = g.numel() // K
-    dg, dk, db = torch.empty_like(g), torch.empty_like(k), torch.empty_like(b)
-    block_r, block_k = _gdn2_clip_blocks(K)
-    _gdn2_clip_bwd_kernel[(triton.cdiv(n_rows, block_r),)](g, k, b, dout.contiguous(), dg, dk, db, n_rows, K,
-                                                           BLOCK_R=block_r, BLOCK_K=block_k)
-    return dg, dk, db
-
-
-@_gdn2_decay_clip_bwd.register_fake
-def _(dout, g, k, b):
-    return g.new_empty(g.shape), k.new_empty(k.shape), b.new_empty(b.shape)
-
-
-def _gdn2_decay_clip_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _gdn2_decay_clip_backward(ctx, dout):
-    return _gdn2_decay_clip_bwd(dout, *ctx.saved_tensors)
-
-
-_gdn2_decay_clip_fwd.register_autograd(_gdn2_decay_clip_backward, setup_context=_gdn2_decay_clip_setup)
-
-
-def gdn2_decay_clip_triton(g, k, b):
-    if k.shape != g.shape or b.shape != g.shape:
-        raise ValueError(f"gdn2_decay_clip needs g, k, b of one shape [B,T,H,K]; got {tuple(g.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(b.shape)}; broadcast scalar gates with .expand_as(k)")
-    return _gdn2_decay_clip_fwd(g, k, b)
-
-
-# -----------------------------------------------------------------------------
-# gdn2_gates in Triton
-
-if HAS_TRITON:
-    @triton.jit
-    def _softplus(x):
-        # log(1 + eˣ), and x itself past 20 as in F.softplus. tl has no log1p: log(w)·u/(w − 1) with w = 1 + u is
-        # log1p(u) to full precision, where log(1 + u) would round away the small u = eˣ of a negative x
-        u = tl.exp(tl.minimum(x, 20.0))
-        w = 1.0 + u
-        return tl.where(x > 20.0, x, tl.where(w == 1.0, u, tl.log(w) * u / tl.where(w == 1.0, 1.0, w - 1.0)))
-
-    @triton.jit
-    def _sigmoid(x):
-        # σ(x) through e^−|x| ≤ 1, which cannot overflow
-        e = tl.exp(-tl.abs(x))
-        return tl.where(x >= 0, 1.0, e) / (1.0 + e)
-
-    @triton.jit
-    def _gdn2_gates_tile(ptr, stride, tokens, h, K, cols, mask):
-        # the [tokens, cols] tile of head h in fp32, a token's H·K values `stride` elements apart
-        return tl.load(ptr + tokens[:, None].to(tl.int64) * stride + h * K + cols[None, :], mask=mask,
-                       other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr, dt_bias_ptr, n_tokens, H, K, stride_decay,
-                         stride_erase, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        # a [BLOCK_R, BLOCK_K] tile of BLOCK_R tokens of head h = program_id(1): x = decay_logits + dt_bias[h],
-        # A = exp(A_log[h]), the unclipped g = −A·softplus(x), and b = σ(erase_logits) rounded to erase_logits'
-        # dtype, as gdn2_gates returns it. Inputs are read at their token strides; offs addresses a contiguous
-        # [B,T,H,K]
-        h = tl.program_id(1)
-        tokens = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.arange(0, BLOCK_K)
-        mask = (tokens[:, None] < n_tokens) & (cols[None, :] < K)
-        offs = (tokens[:, None].to(tl.int64) * H + h) * K + cols[None, :]
-        dt_bias = tl.load(dt_bias_ptr + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)
-        x = _gdn2_gates_tile(decay_logits_ptr, stride_decay, tokens, h, K, cols, mask) + dt_bias[None, :]
-        A = tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-        g = -A * _softplus(x)
-        erase_logits = _gdn2_gates_tile(erase_logits_ptr, stride_erase, tokens, h, K, cols, mask)
-        b = _sigmoid(erase_logits).to(erase_logits_ptr.dtype.element_ty).to(tl.float32)
-        return x, A, g, b, tokens, cols, offs, mask
-
-    @triton.jit
-    def _gdn2_gates_fwd_kernel(decay_logits_ptr, erase_logits_ptr, k_ptr, A_log_ptr, dt_bias_ptr, g_ptr, b_ptr,
-                               n_tokens, H, K, stride_decay, stride_erase, stride_k, CLIP: tl.constexpr,
-                               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        x, A, g, b, tokens, cols, offs, mask = _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr,
-                                                                dt_bias_ptr, n_tokens, H, K, stride_decay,
-                                                                stride_erase, BLOCK_R, BLOCK_K)
-        if CLIP:
-            k = _gdn2_gates_tile(k_ptr, stride_k, tokens, tl.program_id(1), K, cols, mask)
-            bound, c, na, nc, eta, s, rho = _gdn2_clip_bound(k, b)
-            g = tl.minimum(g, bound[:, None])
-        tl.store(g_ptr + offs, g, mask=mask)
-        tl.store(b_ptr + offs, b.to(b_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _gdn2_gates_bwd_kernel(decay_logits_ptr, erase_logits_ptr, k_ptr, A_log_ptr, dt_bias_ptr, dg_ptr, db_ptr,
-                               d_decay_logits_ptr, d_erase_logits_ptr, dk_ptr, d_dt_bias_ptr, dA_log_ptr, n_tokens, H,
-                               K, stride_decay, stride_erase, stride_k, stride_dg, stride_db, CLIP: tl.constexpr,
-                               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-        # through the clip (shared with the standalone kernel) to dg of the unclipped g = −A·softplus(x); then
-        # dx = −A·σ(x)·dg, which is also dt_bias's gradient per element; ∂g/∂A_log = g, so
-        # dA_log[h] = Σ dg·g, d erase_logits = b(1 − b)·db, db including the clip's share. dt_bias's and A_log's
-        # gradients are summed over the tile's tokens in fp32: one partial per (block of tokens, head), added outside
-        h = tl.program_id(1)
-        x, A, g, b, tokens, cols, offs, mask = _gdn2_gates_load(decay_logits_ptr, erase_logits_ptr, A_log_ptr,
-                                                                dt_bias_ptr, n_tokens, H, K, stride_decay,
-                                                                stride_erase, BLOCK_R, BLOCK_K)
-        dg = _gdn2_gates_tile(dg_ptr, stride_dg, tokens, h, K, cols, mask)
-        db = _gdn2_gates_tile(db_ptr, stride_db, tokens, h, K, cols, mask)
-        if CLIP:
-            k = _gdn2_gates_tile(k_ptr, stride_k, tokens, h, K, cols, mask)
-            dg, dk, db_clip = _gdn2_clip_bwd(g, k, b, dg)
-            db += db_clip
-            tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=mask)
-        dx = -A * _sigmoid(x) * dg
-        tl.store(d_decay_logits_ptr + offs, dx.to(d_decay_logits_ptr.dtype.element_ty), mask=mask)
-        tl.store(d_erase_logits_ptr + offs, (b * (1.0 - b) * db).to(d_erase_logits_ptr.dtype.element_ty), mask=mask)
-        partial = tl.program_id(0).to(tl.int64) * H + h
-        tl.store(d_dt_bias_ptr + partial * K + cols, tl.sum(dx, axis=0), mask=cols < K)
-        tl.store(dA_log_ptr + partial, tl.sum(tl.sum(dg * g, axis=1), axis=0))
-
-
-@_triton_op("specgpt::gdn2_gates_fwd")
-def _gdn2_gates_fwd(decay_logits: torch.Tensor, erase_logits: torch.Tensor, k: torch.Tensor, A_log: torch.Tensor,
-                    dt_bias: torch.Tensor, clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    H, K = k.shape[-2:]
-    (decay2, stride_decay), (erase2, stride_erase), (k2, stride_k) = (_rows(t, H * K)
-                                                                      for t in (decay_logits, erase_logits, k))
-    n_tokens = k2.shape[0]
-    log_decay = torch.empty(k.shape, device=k.device, dtype=torch.float32)
-    erase_gate = torch.empty(k.shape, device=k.device, dtype=erase_logits.dtype)
-    block_r, block_k = _gdn2_clip_blocks(K)
-    _gdn2_gates_fwd_kernel[(triton.cdiv(n_tokens, block_r), H)](
-        decay2, erase2, k2, A_log.contiguous(), dt_bias.contiguous(), log_decay, erase_gate, n_tokens, H, K,
-        stride_decay, stride_erase, stride_k, CLIP=clip, BLOCK_R=block_r, BLOCK_K=block_k)
-    return log_decay, erase_gate
-
-
-@_gdn2_gates_fwd.register_fake
-def _(decay_logits, erase_logits, k, A_log, dt_bias, clip):
-    return k.new_empty(k.shape, dtype=torch.float32), erase_logits.new_empty(erase_logits.shape)
-
-
-@_triton_op("specgpt::gdn2_gates_bwd")
-def _gdn2_gates_bwd(d_log_decay: torch.Tensor, d_erase_gate: torch.Tensor, decay_logits: torch.Tensor,
-                    erase_logits: torch.Tensor, k: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                    clip: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of decay_logits, erase_logits, k, A_log, dt_bias; k's is empty without the clip (none flows)."""
-    H, K = k.shape[-2:]
-    (decay2, stride_decay), (erase2, stride_erase), (k2, stride_k), (dg2, stride_dg), (db2, stride_db) = (
-        _rows(t, H * K) for t in (decay_logits, erase_logits, k, d_log_decay, d_erase_gate))
-    n_tokens = k2.shape[0]
-    new = lambda t: torch.empty(k.shape, device=k.device, dtype=t.dtype)
-    d_decay_logits, d_erase_logits, dk = new(decay_logits), new(erase_logits), new(k) if clip else None
-    block_r, block_k = _gdn2_clip_blocks(K)
-    n_blocks = triton.cdiv(n_tokens, block_r)
-    d_dt_bias = torch.empty(n_blocks, H * K, device=k.device, dtype=torch.float32)
-    dA_log = torch.empty(n_blocks, H, device=k.device, dtype=torch.float32)
-    _gdn2_gates_bwd_kernel[(n_blocks, H)](
-        decay2, erase2, k2, A_log.contiguous(), dt_bias.contiguous(), dg2, db2, d_decay_logits, d_erase_logits, dk,
-        d_dt_bias, dA_log, n_tokens, H, K, stride_decay, stride_erase, stride_k, stride_dg, stride_db, CLIP=clip,
-        BLOCK_R=block_r, BLOCK_K=block_k)
-    return (d_decay_logits, d_erase_logits, dk if clip else k.new_empty(0), dA_log.sum(0).to(A_log.dtype),
-            d_dt_bias.sum(0).to(dt_bias.dtype).view(dt_bias.shape))
-
-
-@_gdn2_gates_bwd.register_fake
-def _(d_log_decay, d_erase_gate, decay_logits, erase_logits, k, A_log, dt_bias, clip):
-    return (decay_logits.new_empty(decay_logits.shape), erase_logits.new_empty(erase_logits.shape),
-            k.new_empty(k.shape if clip else 0), A_log.new_empty(A_log.shape), dt_bias.new_empty(dt_bias.shape))
-
-
-def _gdn2_gates_setup(ctx, inputs, output):
-    *tensors, ctx.clip = inputs
-    ctx.save_for_backward(*tensors)
-
-
-def _gdn2_gates_backward(ctx, d_log_decay, d_erase_gate):
-    d_decay_logits, d_erase_logits, dk, dA_log, d_dt_bias = _gdn2_gates_bwd(d_log_decay, d_erase_gate,
-                                                                            *ctx.saved_tensors, ctx.clip)
-    return d_decay_logits, d_erase_logits, dk if ctx.clip else None, dA_log, d_dt_bias, None
-
-
-_gdn2_gates_fwd.register_autograd(_gdn2_gates_backward, setup_context=_gdn2_gates_setup)
-
-
-def gdn2_gates_triton(decay_logits, erase_logits, k, A_log, dt_bias, clip=True):
-    _gdn2_gates_check(decay_logits, erase_logits, k, A_log, dt_bias)
-    return _gdn2_gates_fwd(decay_logits, erase_logits, k, A_log, dt_bias, clip)
-
-
-# -----------------------------------------------------------------------------
 # gdn2 in Triton
 
 # gdn2 in Triton. Two algorithms, picked by length in gdn2_triton:
@@ -2594,7 +2604,224 @@ def gdn2_triton(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16)
     return gdn2_chunked_triton(q, k, v, g, b, w, scale, initial_state, chunk)
 
 
+def gdn2_uses_triton(x, kernels="auto"):
+    """Whether gdn2 takes its Triton path for inputs on x's device (GatedDelta recomputes around it, see there)."""
+    return _path("gdn2", kernels, x) == "triton"
+
+
+def gdn2(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16, kernels="auto"):
+    path = _path("gdn2", kernels, q)
+    if path == "triton":
+        return gdn2_triton(q, k, v, g, b, w, scale, initial_state, chunk_size)
+    if path == "ref":
+        return gdn2_ref(q, k, v, g, b, w, scale, initial_state)
+    return gdn2_torch(q, k, v, g, b, w, scale, initial_state, chunk_size)
+
+
+def _gdn2_example(dtype, d):   # the recurrent kernels and the chunked ones (in chunks of 16)
+    B, T, H, K, V = d.B, d.T, d.H, d.K, d.V
+    return lambda: [_backward(fn(_leaf(B, T, H, K, dtype=dtype), _leaf(B, T, H, K, dtype=dtype),
+                                 _leaf(B, T, H, V, dtype=dtype), _leaf(B, T, H, K), _leaf(B, T, H, K, dtype=dtype),
+                                 _leaf(B, T, H, V, dtype=dtype), None, _leaf(B, H, K, V)))
+                    for fn in (gdn2_recurrent_triton, gdn2_chunked_triton)]
+
+
+def _gdn2_opcheck(randn):
+    # 17 tokens: two chunks of 16 in the chunked kernels, the second ragged, or one ragged chunk of 32
+    B, T, H, K, V = 1, 17, 1, 4, 5
+    q, k = F.normalize(randn(B, T, H, K), dim=-1), F.normalize(randn(B, T, H, K), dim=-1)
+    gdn2_in = (q, k, randn(B, T, H, V), -randn(B, T, H, K).abs() / 2, randn(B, T, H, K).sigmoid(),
+               randn(B, T, H, V).sigmoid())
+    cases = []
+    for s0, chunk in ((None, 16), (randn(B, H, K, V), 32)):
+        named, full = ("", False) if s0 is None else (" initial_state", True)
+        u = _gdn2_recurrent_fwd(*gdn2_in, 0.5, s0)[2]
+        d_out = (randn(B, T, H, V), randn(B, H, K, V))
+        cases += [("gdn2_recurrent" + named, _gdn2_recurrent_fwd, (*map(_requiring_grad, gdn2_in), 0.5,
+                                                                   _requiring_grad(s0)), full),
+                  ("gdn2_recurrent_bwd" + named, _gdn2_recurrent_bwd, (*d_out, *gdn2_in, u, 0.5, s0), False),
+                  (f"gdn2_chunked{named} chunk={chunk}", _gdn2_chunked_fwd,
+                   (*map(_requiring_grad, gdn2_in), 0.5, _requiring_grad(s0), chunk), full),
+                  (f"gdn2_chunked_bwd{named} chunk={chunk}", _gdn2_chunked_bwd, (*d_out, *gdn2_in, s0, 0.5, chunk),
+                   False)]
+    return cases
+
+
+def _gdn2_compare(randn):   # 37 tokens: the recurrent kernels (the chunked ones have tests of their own)
+    B, T, H, K, V = 2, 37, 3, 20, 12
+    q, k = F.normalize(randn(B, T, H, K), dim=-1), F.normalize(randn(B, T, H, K), dim=-1)
+    return gdn2_triton, gdn2_ref, dict(q=q, k=k, v=randn(B, T, H, V), g=-randn(B, T, H, K).abs() / 2,
+                                       b=randn(B, T, H, K).sigmoid(), w=randn(B, T, H, V).sigmoid(),
+                                       initial_state=randn(B, H, K, V))
+
+
+OPS["gdn2"] = Op(gdn2_ref, gdn2_torch, gdn2_triton, _gdn2_example, _gdn2_opcheck, _gdn2_compare)
+
+
 # -----------------------------------------------------------------------------
+# ssd (Mamba2, ngroups = 1), state h ∈ R^{P×N} per head:
+#   h_t = exp(dt_t A) h_{t−1} + dt_t x_t B_tᵀ,   y_t = h_t C_t + D x_t
+# x [b,l,h,p], dt [b,l,h], A [h], B, C [b,l,1,n], D [h] or None, h [b,h,p,n]. fp32 inside;
+# y comes back in x's dtype, h_T in fp32. zoh_input_scale converts Euler's dt·B into ZOH's B̄.
+
+def zoh_input_scale(dt, A):
+    """expm1(dt·A)/(dt·A): multiply x by this to turn ssd's dt·x·Bᵀ into ZOH's (exp(dt A) − 1)/A · x·Bᵀ."""
+    z = dt.float() * A.float()
+    small = z.abs() < 1e-3
+    z_safe = torch.where(small, -1.0, z)                        # keeps the unused branch finite (and its gradient)
+    return torch.where(small, 1 + z / 2 + z * z / 6, torch.expm1(z_safe) / z_safe)
+
+
+def _ssd_check(x, dt, A, B, C, D, initial_state):
+    b, l, h, p = x.shape
+    if dt.shape != (b, l, h) or A.shape != (h,):
+        raise ValueError(f"ssd: dt must be [b,l,h] = {(b, l, h)} and A [h], got {tuple(dt.shape)}, {tuple(A.shape)}")
+    if B.ndim != 4 or B.shape[:3] != (b, l, 1) or C.shape != B.shape:
+        raise ValueError(f"ssd: B and C must be [b,l,1,n] (ngroups = 1), got {tuple(B.shape)}, {tuple(C.shape)}; "
+                         "use B.unsqueeze(2)")
+    if D is not None and D.shape != (h,):
+        raise ValueError(f"ssd: D must be [h] = ({h},) or None, got {tuple(D.shape)}")
+    if initial_state is not None and initial_state.shape != (b, h, p, B.shape[-1]):
+        raise ValueError(f"ssd: initial_state must be [b,h,p,n] = {(b, h, p, B.shape[-1])}, "
+                         f"got {tuple(initial_state.shape)}")
+
+
+@_fp32
+def ssd_ref(x, dt, A, B, C, D=None, initial_state=None):
+    _ssd_check(x, dt, A, B, C, D, initial_state)
+    b, l, h, p = x.shape
+    xf, dtf, Af, Bf, Cf = x.float(), dt.float(), A.float(), B.float()[:, :, 0], C.float()[:, :, 0]
+    hs = x.new_zeros(b, h, p, B.shape[-1], dtype=torch.float32) if initial_state is None else initial_state.float()
+    ys = []
+    for t in range(l):
+        decay = torch.exp(dtf[:, t] * Af)[..., None, None]                           # [b,h,1,1]
+        write = (dtf[:, t, :, None] * xf[:, t])[..., None] * Bf[:, t, None, None, :]  # dt_t x_t B_tᵀ
+        hs = decay * hs + write
+        ys.append(torch.einsum("bhpn,bn->bhp", hs, Cf[:, t]))
+    y = torch.stack(ys, dim=1)
+    if D is not None:
+        y = y + D.float()[:, None] * xf
+    return y.to(x.dtype), hs
+
+
+def _ssd_chunks(X, dtA, B, C, initial_state):
+    """The chunked scan on the layout [b, N, h, Cs, ·]: X = dt⊙x [b,N,h,Cs,p], dtA [b,N,h,Cs], B, C [b,N,Cs,n].
+    Returns y, the final state and what the backward reuses. In-place ops only on its own intermediates: double
+    backward reruns it under autograd."""
+    b, N, h, Cs, p = X.shape
+    a64 = dtA.double().cumsum(-1)                                # fp64: see ssd_torch
+    a = a64.float()
+    a_low = (a64 - a.double()).float()                           # a64 = a + a_low to fp64's precision
+    causal = torch.ones(Cs, Cs, device=X.device).tril()
+    # exp(a_r − a_s) for s ≤ r; the fp32 difference of a is correctly rounded and a_low adds back what rounding a
+    # dropped, so small exponents keep their digits however large a grows. Above the diagonal the exponent is
+    # set to 0 (never exp of a large one) and C Bᵀ is masked instead, at an eighth of the size
+    L = (a[..., :, None] - a[..., None, :]).add_(a_low[..., :, None]).sub_(a_low[..., None, :]).mul_(causal).exp_()
+    W = ((C @ B.transpose(-1, -2)) * causal).unsqueeze(2) * L    # (C Bᵀ) ⊙ L, C Bᵀ shared by the heads
+    y = W @ X
+    chunk_states = torch.einsum("bzhcp,bzcn->bzhpn", X * L[..., -1, :, None], B)   # Xᵀ diag(ℓ) B
+    chunk_decay = a[..., -1].exp()                               # [b,N,h]
+    S, entering = initial_state, []
+    for decay_z, state_z in zip(chunk_decay.unbind(1), chunk_states.unbind(1)):   # unbind: see gdn2_torch
+        entering.append(S)
+        S = state_z if S is None else decay_z[..., None, None] * S + state_z
+    first = 0 if initial_state is not None else 1               # a zero entering state reads nothing
+    S_in = torch.stack(entering[first:], 1) if N > first else None
+    if S_in is not None:
+        read = torch.einsum("bzcn,bzhpn->bzhcp", C[:, first:], S_in) * a[:, first:].exp()[..., None]
+        y = torch.cat([y[:, :first], y[:, first:] + read], 1)
+    return y, S, (a, L, W, S_in, chunk_decay, first)
+
+
+class _SSDChunks(torch.autograd.Function):
+    """_ssd_chunks with its backward written out. Per chunk, with entering state S:
+        y = W X + e^a ⊙ (C Sᵀ),   S' = e^{a_C} S + Xᵀ diag(ℓ) B,   ℓ_s = L_{Cs,s} = exp(a_C − a_s).
+    With G = ∂/∂S' (dS_T for the last chunk, then chunk by chunk backwards):
+        ∂S = e^{a_C} G + (e^a⊙dy)ᵀ C,   ∂X = Wᵀ dy + ℓ⊙(B Gᵀ),   dW = dy Xᵀ,
+        ∂C = (Σ_h dW⊙L) B + Σ_h e^a⊙(dy S),   ∂B = (Σ_h dW⊙L)ᵀ C + Σ_h (ℓ⊙X) G,
+        ∂(dt A)_i = Σ_{r≥i} Σ_{s<i} (dW⊙W)_rs + Σ_{r≥i} ∂a_r (the reads', ℓ's and e^{a_C}'s direct
+    terms): the first sum runs over the pairs whose segment a_r − a_s contains i, so nothing cancels there.
+    Under create_graph (Hessian-vector products) the backward differentiates _ssd_chunks' ops instead."""
+
+    @staticmethod
+    def forward(ctx, X, dtA, B, C, initial_state):
+        y, S, (a, L, W, S_in, chunk_decay, first) = _ssd_chunks(X, dtA, B, C, initial_state)
+        ctx.save_for_backward(X, dtA, B, C, initial_state, a, L, W, S_in, chunk_decay)
+        ctx.first = first
+        ctx.set_materialize_grads(False)                         # dS_T stays None when the final state is unused
+        return y, S
+
+    @staticmethod
+    def backward(ctx, dy, dS_T):
+        X, dtA, B, C, initial_state, a, L, W, S_in, chunk_decay = ctx.saved_tensors
+        if torch.is_grad_enabled():                              # double backward: differentiate the forward's ops
+            scan = lambda *inputs: _ssd_chunks(*inputs)[:2]
+            return _double_backward(scan, (X, dtA, B, C, initial_state), (dy, dS_T))
+        first, N = ctx.first, X.shape[1]
+        dy = torch.zeros_like(X) if dy is None else dy.contiguous()
+        dy_e = dy * a.exp()[..., None]
+        # G_z = ∂/∂(state after chunk z), last chunk first; None where it is zero (the final state unused)
+        from_reads = torch.einsum("bzhcp,bzcn->bzhpn", dy_e[:, first:], C[:, first:]) if N > first else None
+        G, Gs = dS_T, []
+        for z in range(N - 1, -1, -1):
+            Gs.append(G)
+            if z >= first:                                       # the state entering chunk z is read
+                G = from_reads[:, z - first] + (0 if G is None else chunk_decay[:, z, :, None, None] * G)
+        d_initial = G if first == 0 else None
+        dW = dy @ X.transpose(-1, -2)
+        dX = W.transpose(-1, -2) @ dy
+        dCB = (dW * L).sum(2).tril_()                            # L is 1 above the diagonal
+        d_seg = dW.mul_(W)                                       # ∂/∂(a_r − a_s), zero above the diagonal
+        dC, dB = dCB @ B, dCB.transpose(-1, -2) @ C
+        d_a = torch.zeros_like(a)
+        if any(G is not None for G in Gs):
+            Gs = torch.stack([torch.zeros_like(from_reads[:, 0]) if G is None else G for G in Gs[::-1]], 1)
+            ell = L[..., -1, :]
+            BG = torch.einsum("bzcn,bzhpn->bzhcp", B, Gs)        # B Gᵀ, per head
+            dX += BG * ell[..., None]
+            d_seg[..., -1, :] += (BG * X).sum(-1) * ell          # ℓ_s = exp(a_C − a_s) is the last row's pair
+            dB += torch.einsum("bzhcp,bzhpn->bzcn", X * ell[..., None], Gs)
+            if S_in is not None:
+                d_a[:, first:, :, -1] = (S_in * Gs[:, first:]).sum((-1, -2)) * chunk_decay[:, first:]
+        if S_in is not None:
+            dC[:, first:] += torch.einsum("bzhcp,bzhpn->bzcn", dy_e[:, first:], S_in)
+            d_a[:, first:] += (dy_e[:, first:] * torch.einsum("bzcn,bzhpn->bzhcp", C[:, first:], S_in)).sum(-1)
+        pairs = d_seg.cumsum(-1).tril_(-1).sum(-2)               # [.., j] = Σ_{r>j} Σ_{s≤j} d_seg[r, s]
+        d_dtA = F.pad(pairs[..., :-1], (1, 0)) + d_a.flip(-1).cumsum(-1).flip(-1)
+        return dX, d_dtA, dB, dC, d_initial
+
+
+@_fp32
+def ssd_torch(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
+    """Chunked SSD. Within a chunk, with a_r = Σ_{i≤r} dt_i A (cumulative log-decay from the chunk start):
+    y_r = Σ_{s≤r} (C_r·B_s) exp(a_r − a_s) dt_s x_s + exp(a_r) h_0 C_r, and the chunk's own contribution to
+    its end state is Σ_s exp(a_C − a_s) dt_s x_s B_sᵀ; states are passed between chunks in a short loop.
+    Every exponent is a within-chunk difference masked to s ≤ r, so it is ≤ 0. a is summed in fp64 and kept as
+    an fp32 value plus its fp32 rounding remainder: with a decay of −1000 in one step a reaches the thousands,
+    where a difference of fp32-rounded sums would lose the small exponents' digits. The backward is written out
+    (_SSDChunks). The tail is padded with dt = 0 and zero inputs, which leaves the state unchanged."""
+    _ssd_check(x, dt, A, B, C, D, initial_state)
+    b, l, h, p = x.shape
+    n = B.shape[-1]
+    if chunk_size < 1:
+        raise ValueError(f"ssd: chunk_size must be a positive integer, got {chunk_size}")
+    Cs = min(chunk_size, max(l, 1))                              # short inputs (decoding) get a short chunk
+    N = -(-l // Cs)
+    pad = N * Cs - l
+    # per-head products in the contiguous layout [b, N, h, Cs, ·]: CPU batched matmuls copy strided operands
+    xf = F.pad(x.float(), (0, 0, 0, 0, 0, pad)).view(b, N, Cs, h, p)
+    dtf = F.pad(dt.float(), (0, 0, 0, pad)).view(b, N, Cs, h)
+    X = (xf * dtf[..., None]).transpose(2, 3).contiguous()
+    dtA = (dtf * A.float()).transpose(-1, -2).contiguous()
+    Bf = F.pad(B.float()[:, :, 0], (0, 0, 0, pad)).view(b, N, Cs, n)
+    Cf = F.pad(C.float()[:, :, 0], (0, 0, 0, pad)).view(b, N, Cs, n)
+    y, h_T = _SSDChunks.apply(X, dtA, Bf, Cf, None if initial_state is None else initial_state.float())
+    y = y.transpose(2, 3).reshape(b, N * Cs, h, p)[:, :l]
+    if D is not None:
+        y = y + D.float()[:, None] * x.float()
+    return y.to(x.dtype), h_T
+
+
 # ssd in Triton
 
 # ssd in Triton: the chunked scan of the Mamba-2 paper (Dao & Gu 2024) in mamba_ssm's decomposition, with chunks of up
@@ -3302,6 +3529,71 @@ def ssd_triton(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
     return _ssd_fwd(x, dt, A, B, C, D, chunk_size, initial_state)
 
 
+def ssd(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None, kernels="auto"):
+    path = _path("ssd", kernels, x)
+    if path == "triton":
+        return ssd_triton(x, dt, A, B, C, D, chunk_size, initial_state)
+    if path == "ref":
+        return ssd_ref(x, dt, A, B, C, D, initial_state)
+    return ssd_torch(x, dt, A, B, C, D, chunk_size, initial_state)
+
+
+def _ssd_example(dtype, d):
+    B, T, h, p, n = d.B, d.T, d.heads_ssd, d.p, d.n
+    return lambda: _backward(ssd_triton(_leaf(B, T, h, p, dtype=dtype), _leaf(B, T, h), _leaf(h),
+                                        _leaf(B, T, 1, n, dtype=dtype), _leaf(B, T, 1, n, dtype=dtype), _leaf(h),
+                                        d.chunk, _leaf(B, h, p, n)))
+
+
+def _ssd_opcheck(randn):
+    b, l, h, p, n, Cs = 1, 9, 2, 3, 4, 8   # 9 tokens: two chunks of 8, the second ragged
+    ssd_in = (randn(b, l, h, p), F.softplus(randn(b, l, h)), -randn(h).abs() - 0.5, randn(b, l, 1, n),
+              randn(b, l, 1, n))
+    cases = []
+    for D, s0 in ((None, None), (randn(h), randn(b, h, p, n))):
+        named, full = ("", False) if D is None else (" D initial_state", True)
+        cases += [("ssd" + named, _ssd_fwd, (*map(_requiring_grad, ssd_in), _requiring_grad(D), Cs,
+                                             _requiring_grad(s0)), full),
+                  ("ssd_bwd" + named, _ssd_bwd, (randn(b, l, h, p), randn(b, h, p, n), *ssd_in, D, s0, Cs), False)]
+    return cases
+
+
+def _ssd_compare(randn):   # 37 tokens in chunks of 16, the last ragged
+    b, l, h, p, n = 2, 37, 3, 8, 16
+    return (lambda **kw: ssd_triton(**kw, chunk_size=16), ssd_ref,
+            dict(x=randn(b, l, h, p), dt=F.softplus(randn(b, l, h) - 1), A=-randn(h).abs() - 0.5, B=randn(b, l, 1, n),
+                 C=randn(b, l, 1, n), D=randn(h), initial_state=randn(b, h, p, n)))
+
+
+OPS["ssd"] = Op(ssd_ref, ssd_torch, ssd_triton, _ssd_example, _ssd_opcheck, _ssd_compare)
+
+
+# -----------------------------------------------------------------------------
+# The registry's rules, checked at import, and every Triton op's example launch.
+
+def _check_ops():
+    """Each OPS row keeps the rules of Op: a one-line ValueError naming the row and the rule it breaks."""
+    for name, op in OPS.items():
+        checks = (op.example, op.opcheck, op.compare)
+        if not (callable(op.ref) and callable(op.torch)):
+            raise ValueError(f"OPS[{name!r}]: ref and torch must be functions, {name}_ref and {name}_torch")
+        if op.triton is None and (any(f is not None for f in checks) or op.fp16 is not None):
+            raise ValueError(f"OPS[{name!r}]: an op without a Triton path has no example, opcheck, compare or fp16")
+        if op.triton is not None and not all(callable(f) for f in (op.triton, *checks)):
+            raise ValueError(f"OPS[{name!r}]: a Triton path needs its example, opcheck and compare functions (see Op)")
+        if op.fp16 is not None and len(op.fp16) != 2:
+            raise ValueError(f"OPS[{name!r}]: fp16 is (the inputs given in fp16, the results allowed 2u) or None")
+
+
+_check_ops()
+
+
+def example_steps(dtype=torch.float32, **dims):
+    """{op: a thunk running its Triton forward and backward on CPU tensors} for every op with a Triton path, at the
+    model dims given (ExampleDims' fields; the rest at their defaults) in dtype: what triton_launches records."""
+    return {name: op.example(dtype, ExampleDims(**dims)) for name, op in OPS.items() if op.triton is not None}
+
+
 # -----------------------------------------------------------------------------
 # What a CPU can prove about a GPU run, found without one. The wrappers run on fake tensors (any shape is free)
 # with every launch recorded instead of run (kernel, grid, argument dtypes, constexprs, num_warps), so the launch
@@ -3321,7 +3613,8 @@ def _record_launches(step, on_launch, around_body=None):
     if given, is the context each body of custom op `name` runs in."""
     from unittest import mock
     from torch._subclasses.fake_tensor import FakeTensorMode
-    ops = [op for op in globals().values() if isinstance(op, torch._library.custom_ops.CustomOpDef)]
+    ops = {op for row in OPS.values() if row.triton is not None for op in vars(sys.modules[row.triton.__module__])
+           .values() if isinstance(op, torch._library.custom_ops.CustomOpDef)}   # the custom ops of each op's module
     fakes = {op: op._abstract_fn for op in ops}
 
     def record(self, *args, grid, warmup, **kwargs):
@@ -3465,41 +3758,10 @@ def triton_resources(launches, archs=(80, 89, 90), workers=None):
             for (kernel, signature, constexprs, options, arch), (shared, regs, stack) in zip(_COMPILE_JOBS, results)]
 
 
-def _example_steps(B=1, T=256, H=4, K=32, V=32, heads_ssd=8, p=32, n=64, chunk=64, dtype=torch.float32):
-    """fwd+bwd of every Triton op at one set of model dims, as thunks for triton_launches (CPU tensors)."""
-    def leaf(*shape, dt=dtype):
-        return torch.randn(*shape, dtype=dt).requires_grad_()
-
-    def backward(outs):
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        torch.autograd.backward([o for o in outs], [torch.zeros_like(o) for o in outs])
-
-    f32 = torch.float32
-    C = H * K
-    return {
-        "rms_norm": lambda: [backward(rms_norm_triton(leaf(B, T, C), leaf(C, dt=f32), 1e-6, gate))
-                             for gate in (None, leaf(B, T, C))],
-        "rope": lambda: backward(rope_triton(leaf(B, T, H, K), torch.ones(T, K // 2), torch.zeros(T, K // 2))),
-        "softmax": lambda: backward(softmax_triton(leaf(B * H * T, T))),
-        "sinkhorn": lambda: backward(sinkhorn_triton(leaf(B, T, 4, 4, dt=f32))),
-        "gdn2_decay_clip": lambda: backward(gdn2_decay_clip_triton(leaf(B, T, H, K, dt=f32), leaf(B, T, H, K),
-                                                                   leaf(B, T, H, K))),
-        "gdn2_gates": lambda: [backward(gdn2_gates_triton(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, K),
-                                                          leaf(H, dt=f32), leaf(H * K, dt=f32), clip))
-                               for clip in (True, False)],
-        "gdn2": lambda: [backward(fn(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, V), leaf(B, T, H, K, dt=f32),
-                                     leaf(B, T, H, K), leaf(B, T, H, V), None, leaf(B, H, K, V, dt=f32)))
-                         for fn in (gdn2_recurrent_triton, gdn2_chunked_triton)],
-        "ssd": lambda: backward(ssd_triton(leaf(B, T, heads_ssd, p), leaf(B, T, heads_ssd, dt=f32),
-                                           leaf(heads_ssd, dt=f32), leaf(B, T, 1, n), leaf(B, T, 1, n),
-                                           leaf(heads_ssd, dt=f32), chunk, leaf(B, heads_ssd, p, n, dt=f32))),
-    }
-
-
 def triton_resource_table(archs=(80, 89, 90), dtypes=(torch.float32, torch.bfloat16), **dims):
     """Print shared memory / registers / stack bytes (spilled registers) per kernel and arch for fwd+bwd of every
-    Triton op at the given dims (see _example_steps) in each dtype; a '!' marks shared memory over the arch's limit."""
-    steps = [step for dtype in dtypes for step in _example_steps(dtype=dtype, **dims).values()]
+    Triton op at the given dims (see example_steps) in each dtype; a '!' marks shared memory over the arch's limit."""
+    steps = [step for dtype in dtypes for step in example_steps(dtype=dtype, **dims).values()]
     rows = triton_resources(triton_launches(lambda: [step() for step in steps]), archs)
     print(f"{'kernel':34s} {'dtype':5s} {'constexprs':56s} warps "
           + " ".join(f"{'sm_' + str(a) + ' smem/regs/stack':>22s}" for a in archs))
@@ -4197,7 +4459,7 @@ if __name__ == "__main__":
         want = run("ref")
         want = want if isinstance(want, tuple) else (want,)
         for path in paths:
-            if path == "triton" and name not in TRITON_OPS:
+            if path == "triton" and OPS[name].triton is None:
                 continue
             got = run(path)
             got = got if isinstance(got, tuple) else (got,)

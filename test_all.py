@@ -7,6 +7,7 @@ dense Hessian, torch's own implementation, a closed form, a fact about the data)
 import ast
 import atexit
 import collections
+import contextlib
 import dataclasses
 import datetime
 import errno
@@ -647,17 +648,31 @@ def test_kernels_dispatch_rejects_bad_value():
         kernels.softmax(x, kernels="cuda")
 
 
-def test_kernels_dispatch_auto_on_cpu_is_torch_and_triton_needs_an_op():
+def test_kernels_dispatch_auto_on_cpu_is_torch_and_triton_needs_an_op(monkeypatch):
     x = torch.randn(4, 8)
     assert torch.equal(kernels.softmax(x), kernels.softmax(x, kernels="torch"))
     q = torch.randn(1, 5, 2, 4)
-    for op in ("rms_norm", "rope", "softmax", "sinkhorn", "gdn2_decay_clip", "gdn2_gates", "gdn2", "ssd"):
-        assert (op in kernels.TRITON_OPS) == hasattr(kernels, op + "_triton")   # the dispatcher's list is complete
-        has_path = kernels.HAS_TRITON and op in kernels.TRITON_OPS
+    for op, row in kernels.OPS.items():
+        assert (row.ref, row.torch, row.triton) == tuple(getattr(kernels, f"{op}_{path}", None)   # its own paths
+                                                         for path in ("ref", "torch", "triton"))
         assert kernels._path(op, "auto", q) == "torch"          # CPU tensors never go to Triton under auto
-        if not has_path:
-            with pytest.raises(ValueError, match="Triton path"):
+        if not kernels.HAS_TRITON:
+            with pytest.raises(ValueError, match="Triton path for .* triton is not installed"):
                 kernels._path(op, "triton", q)
+    with pytest.raises(ValueError, match="relu2 has no row in kernels.OPS"):
+        kernels._path("relu2", "triton", q)
+    monkeypatch.setitem(kernels.OPS, "softmax", kernels.OPS["softmax"]._replace(triton=None))
+    with pytest.raises(ValueError, match="softmax has no Triton path"):
+        kernels._path("softmax", "triton", q)
+
+
+def test_kernels_ops_row_that_breaks_a_rule_is_an_error_naming_it(monkeypatch):
+    monkeypatch.setitem(kernels.OPS, "scaled_copy", SCALED_COPY_ROW._replace(opcheck=None))
+    with pytest.raises(ValueError, match=r"OPS\['scaled_copy'\]: a Triton path needs its example, opcheck and compare"):
+        kernels._check_ops()
+    monkeypatch.setitem(kernels.OPS, "scaled_copy", SCALED_COPY_ROW._replace(triton=None))
+    with pytest.raises(ValueError, match=r"OPS\['scaled_copy'\]: an op without a Triton path has no example"):
+        kernels._check_ops()
 
 
 def test_kernels_shape_errors_are_value_errors():
@@ -1483,6 +1498,30 @@ def triton_assert_close(errs, tol=TRITON_TOL):
     assert not bad, f"relative RMS error above {tol}: {bad} (all: {errs})"
 
 
+def seeded_randn(device="cpu", seed=0):
+    """randn(*shape) on device from a generator of its own: the inputs an OPS row's checks draw."""
+    gen = torch.Generator().manual_seed(seed)
+    return lambda *shape: torch.randn(*shape, generator=gen).to(device)
+
+
+OPS_WITH_TRITON = [op for op, row in kernels.OPS.items() if row.triton is not None]   # the ops with a Triton path
+
+
+def check_triton_matches_its_reference(op, device):
+    """OPS[op].compare: the Triton path against <op>_ref in fp32, every output and every floating input's gradient
+    within TRITON_TOL."""
+    fn, reference, inputs = kernels.OPS[op].compare(seeded_randn())
+    errs = triton_compare(fn, reference, inputs, device)
+    assert {"out0"} | {"d" + name for name, t in inputs.items() if t.is_floating_point()} <= set(errs), errs
+    triton_assert_close(errs)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("op", OPS_WITH_TRITON)
+def test_triton_op_matches_its_reference(op, device):
+    check_triton_matches_its_reference(op, device)
+
+
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_rms_norm(device):
     x = torch.randn(3, 5, 37) * 2 + 0.5
@@ -1577,17 +1616,6 @@ def test_triton_sparsemax(shape, causal, device):
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_sparsemax_large_offsets_and_ties(device):
     kernels_sparsemax_check_offsets_and_ties(kernels.sparsemax_triton, device)
-
-
-@pytest.mark.parametrize("device", TRITON_DEVICES)
-def test_triton_sparsemax_custom_ops_pass_opcheck(device):
-    """specgpt::sparsemax_fwd / _bwd: schema, fake-tensor shapes, autograd registration, AOT dispatch."""
-    z = (torch.randn(2, 5, 7) * 3).to(device)
-    p = kernels.sparsemax_triton(z, True)
-    for op, args in ((torch.ops.specgpt.sparsemax_fwd.default, (z.requires_grad_(), True)),
-                     (torch.ops.specgpt.sparsemax_bwd.default, (p, torch.randn_like(p)))):
-        results = torch.library.opcheck(op, args)
-        assert all(v == "SUCCESS" for v in results.values()), results
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -2034,80 +2062,28 @@ OPCHECK_ALL = ("test_schema", "test_autograd_registration", "test_faketensor", "
 OPCHECK_LIGHT = ("test_schema", "test_faketensor")
 
 
-def triton_op_cases(device):
-    """(name, custom op, args, opcheck's test_utils) for every Triton op's forward and backward custom op, tiny fp32
-    shapes. Forward ops get inputs that require grad, and the whole opcheck (its autograd run through AOTAutograd
-    with dynamic shapes) on the variant with every optional input given; the other variant and the backward ops
-    (which that run already calls) get the schema and fake-tensor checks."""
-    gen = torch.Generator().manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(device)
-
-    def leaf(t):
-        return None if t is None else t.detach().requires_grad_(True)
-
-    x, w, gate = randn(2, 3, 5), randn(5), randn(2, 3, 5)
-    angle = randn(3, 2)
-    y, rstd = kernels._rms_norm_fwd(x, w, 1e-6, gate)
-    cases = [("rms_norm", kernels._rms_norm_fwd, (leaf(x), leaf(w), 1e-6, None), OPCHECK_LIGHT),
-             ("rms_norm gate", kernels._rms_norm_fwd, (leaf(x), leaf(w), 1e-6, leaf(gate)), OPCHECK_ALL),
-             ("rms_norm_bwd", kernels._rms_norm_bwd, (randn(2, 3, 5), x, w, rstd, None), OPCHECK_LIGHT),
-             ("rms_norm_bwd gate", kernels._rms_norm_bwd, (randn(2, 3, 5), x, w, rstd, gate), OPCHECK_LIGHT),
-             ("rope", kernels._rope_rotate, (leaf(randn(1, 3, 2, 4)), angle.cos(), angle.sin(), 1.0), OPCHECK_ALL),
-             ("softmax", kernels._softmax_fwd, (leaf(randn(3, 5)),), OPCHECK_ALL),
-             ("softmax_bwd", kernels._softmax_bwd, (randn(3, 5), kernels._softmax_fwd(randn(3, 5))), OPCHECK_LIGHT),
-             ("sinkhorn", kernels._sinkhorn_fwd, (leaf(randn(2, 3, 3)), 3), OPCHECK_ALL),
-             ("sinkhorn_bwd", kernels._sinkhorn_bwd, (randn(2, 3, 3), randn(2, 3, 3), 3), OPCHECK_LIGHT)]
-    k = F.normalize(randn(1, 3, 2, 4), dim=-1)
-    g, b = -randn(1, 3, 2, 4).abs(), randn(1, 3, 2, 4).abs() * 2
-    cases += [("gdn2_decay_clip", kernels._gdn2_decay_clip_fwd, (leaf(g), leaf(k), leaf(b)), OPCHECK_ALL),
-              ("gdn2_decay_clip_bwd", kernels._gdn2_decay_clip_bwd, (randn(1, 3, 2, 4), g, k, b), OPCHECK_LIGHT)]
-    gates = (randn(1, 3, 2, 4), randn(1, 3, 2, 4), k, randn(2), randn(8))
-    for clip in (True, False):
-        cases += [(f"gdn2_gates clip={clip}", kernels._gdn2_gates_fwd, (*map(leaf, gates), clip),
-                   OPCHECK_ALL if clip else OPCHECK_LIGHT),
-                  (f"gdn2_gates_bwd clip={clip}", kernels._gdn2_gates_bwd,
-                   (randn(1, 3, 2, 4), randn(1, 3, 2, 4), *gates, clip), OPCHECK_LIGHT)]
-    # 17 tokens: two chunks of 16 in the chunked kernels, the second ragged, or one ragged chunk of 32
-    B, T, H, K, V = 1, 17, 1, 4, 5
-    q, k = F.normalize(randn(B, T, H, K), dim=-1), F.normalize(randn(B, T, H, K), dim=-1)
-    gdn2_in = (q, k, randn(B, T, H, V), -randn(B, T, H, K).abs() / 2, randn(B, T, H, K).sigmoid(),
-               randn(B, T, H, V).sigmoid())
-    for s0, chunk in ((None, 16), (randn(B, H, K, V), 32)):
-        named, utils = ("", OPCHECK_LIGHT) if s0 is None else (" initial_state", OPCHECK_ALL)
-        rec = kernels._gdn2_recurrent_fwd(*gdn2_in, 0.5, s0)
-        d_out = (randn(B, T, H, V), randn(B, H, K, V))
-        cases += [("gdn2_recurrent" + named, kernels._gdn2_recurrent_fwd, (*map(leaf, gdn2_in), 0.5, leaf(s0)), utils),
-                  ("gdn2_recurrent_bwd" + named, kernels._gdn2_recurrent_bwd,
-                   (*d_out, *gdn2_in, rec[2], 0.5, s0), OPCHECK_LIGHT),
-                  (f"gdn2_chunked{named} chunk={chunk}", kernels._gdn2_chunked_fwd,
-                   (*map(leaf, gdn2_in), 0.5, leaf(s0), chunk), utils),
-                  (f"gdn2_chunked_bwd{named} chunk={chunk}", kernels._gdn2_chunked_bwd,
-                   (*d_out, *gdn2_in, s0, 0.5, chunk), OPCHECK_LIGHT)]
-    b_, l, h, p, n, Cs = 1, 9, 2, 3, 4, 8   # 9 tokens: two chunks of 8, the second ragged
-    ssd_in = (randn(b_, l, h, p), F.softplus(randn(b_, l, h)), -randn(h).abs() - 0.5, randn(b_, l, 1, n),
-              randn(b_, l, 1, n))
-    for D, s0 in ((None, None), (randn(h), randn(b_, h, p, n))):
-        named, utils = ("", OPCHECK_LIGHT) if D is None else (" D initial_state", OPCHECK_ALL)
-        cases += [("ssd" + named, kernels._ssd_fwd, (*map(leaf, ssd_in), leaf(D), Cs, leaf(s0)), utils),
-                  ("ssd_bwd" + named, kernels._ssd_bwd, (randn(b_, l, h, p), randn(b_, h, p, n), *ssd_in, D, s0, Cs),
-                   OPCHECK_LIGHT)]
-    return cases
+def check_op_passes_opcheck(op, device):
+    """Every case of OPS[op].opcheck: the custom op's schema, its fake (meta) function against the real outputs, and
+    on the cases that ask for the whole opcheck (the forward ops with every optional input given) its registered
+    autograd, run through AOTAutograd with dynamic shapes, against eager; the rest (the other variants, and the
+    backward ops, which that run already calls) get the schema and fake-tensor checks."""
+    cases = kernels.OPS[op].opcheck(seeded_randn(device))
+    assert cases, op
+    for name, custom_op, args, whole in cases:
+        result = torch.library.opcheck(custom_op, args, test_utils=OPCHECK_ALL if whole else OPCHECK_LIGHT)
+        assert set(result.values()) == {"SUCCESS"}, (name, result)
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-def test_triton_ops_pass_opcheck(device):
-    # every forward and backward custom op: its schema, its fake (meta) function against the real outputs, and
-    # its registered autograd, run through AOTAutograd with dynamic shapes, against eager
-    cases = triton_op_cases(device)
-    every_op = {getattr(kernels, f"_{name}_{part}") for name in ("rms_norm", "softmax", "sinkhorn", "gdn2_decay_clip",
-                                                                 "gdn2_gates", "gdn2_recurrent", "gdn2_chunked", "ssd")
-                for part in ("fwd", "bwd")} | {kernels._rope_rotate}
-    assert {op for _, op, _, _ in cases} == every_op
-    for name, op, args, test_utils in cases:
-        result = torch.library.opcheck(op, args, test_utils=test_utils)
-        assert set(result.values()) == {"SUCCESS"}, (name, result)
+@pytest.mark.parametrize("op", OPS_WITH_TRITON)
+def test_triton_ops_pass_opcheck(op, device):
+    check_op_passes_opcheck(op, device)
+
+
+def test_triton_opcheck_cases_cover_every_custom_op():
+    """The OPS rows' opcheck cases take every custom op kernels.py defines, forward and backward."""
+    checked = {case[1] for op in OPS_WITH_TRITON for case in kernels.OPS[op].opcheck(seeded_randn())}
+    assert checked == {v for v in vars(kernels).values() if isinstance(v, torch._library.custom_ops.CustomOpDef)}
 
 
 @pytest.mark.parametrize("path,mixer,residual,device",
@@ -2261,6 +2237,7 @@ AOT_CASES = {   # name: (GPTConfig overrides, T); each in fp32 and under bf16 au
     "gdn_expand_v=2 gdn chunk 32": (dict(mixer="G", n_embd=1024, n_head=8, gdn_expand_v=2, gdn_chunk_size=32), 128),
     "mamba p64 n128": (dict(mixer="M", mamba_headdim=64, mamba_d_state=128), 128),
     "mamba p128 n128 zoh": (dict(mixer="M", mamba_headdim=128, mamba_d_state=128, mamba_discretization="zoh"), 128),
+    "sparsemax attention T1024": (dict(mixer="A", attention="sparsemax"), 1024),
 }
 AOT_ARCHS = (80, 89, 90)
 # each pass: the autocast dtype the AOT_CASES run in and the archs its launches compile for: the bf16 GPUs (sm_80 and
@@ -2271,31 +2248,39 @@ AOT_NO_SPILL_ARCHS = (75, 80, 90)
 AOT_REGISTER_EXCEPTIONS = set()
 
 
-def aot_resource_rows():
-    """Run a GPT with kernels="triton" forward and backward for every AOT_CASES entry in each of AOT_PASSES, with
-    every launch recorded instead of run (kernels.triton_launches), plus the ops the model does not call (the clip
-    alone, softmax, sparsemax); then compile each distinct launch for its pass's archs (kernels.triton_resources).
+def aot_ops_alone():
+    """The ops whose example launches the AOT test runs itself: those with a Triton path that the model never calls."""
+    return [op for op, row in kernels.OPS.items() if row.triton is not None and not row.in_model]
+
+
+def aot_model_steps(dtype):
+    """{case: a thunk} for every AOT_CASES entry: a GPT with kernels="triton" forward and backward in dtype (at the
+    case's length and at 32, which takes the recurrent gdn2 kernels), then the example launches of the ops the model
+    does not call (OPS rows with in_model False) at the case's dims."""
+    def step(overrides, T):
+        cfg = make_config(**{"vocab_size": 64, "n_layer": len(overrides["mixer"]), "kernels": "triton",
+                             "block_size": T, **overrides})
+        gpt = GPT(cfg)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            for length in (T, 32):
+                idx = torch.zeros(1, length, dtype=torch.long)
+                gpt(idx, idx)[1].backward()
+        dims = kernels.ExampleDims(T=T, H=cfg.n_head, K=cfg.n_embd // cfg.n_head)
+        for op in aot_ops_alone():
+            kernels.OPS[op].example(dtype, dims)()
+    return {name: functools.partial(step, *case) for name, case in AOT_CASES.items()}
+
+
+def aot_resource_rows(steps_of=aot_model_steps):
+    """Run steps_of(dtype)'s thunks in each of AOT_PASSES with every launch recorded instead of run
+    (kernels.triton_launches), then compile each distinct launch for its pass's archs (kernels.triton_resources).
     Needs real, compiled Triton kernels: call it in a process where triton was imported before kernels.py without
     TRITON_INTERPRET=1."""
     torch.set_num_threads(1)
     rows = []
     for pass_name, (dtype, archs) in AOT_PASSES.items():
         launches = {}
-        for name, (overrides, T) in AOT_CASES.items():
-            def step():
-                cfg = make_config(**{"vocab_size": 64, "n_layer": len(overrides["mixer"]), "kernels": "triton",
-                                     "block_size": T, **overrides})
-                gpt = GPT(cfg)
-                H, K = cfg.n_head, cfg.n_embd // cfg.n_head
-                with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-                    for length in (T, 32):  # 32 takes the recurrent gdn2 kernel
-                        idx = torch.zeros(1, length, dtype=torch.long)
-                        gpt(idx, idx)[1].backward()
-                x = torch.zeros(1, T, H, K, dtype=dtype, requires_grad=True)
-                kernels.gdn2_decay_clip_triton(x.float(), x, x).sum().backward()
-                kernels.softmax_triton(x.reshape(-1, K)).sum().backward()
-                kernels.sparsemax_triton(torch.zeros(1, H, T, T, dtype=dtype, requires_grad=True),
-                                         True).sum().backward()
+        for name, step in steps_of(dtype).items():
             for kernel, signature, constexprs, options in kernels.triton_launches(step):
                 key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
                 launches.setdefault(key, (kernel, signature, constexprs, options, name))
@@ -2306,6 +2291,31 @@ def aot_resource_rows():
     return rows
 
 
+def aot_rows_fit(rows):
+    """The problems of compiled rows: launches over their arch's shared memory, spills on AOT_NO_SPILL_ARCHS, more
+    than kernels.MAX_REGISTERS registers a thread on sm_80 / sm_90 but for AOT_REGISTER_EXCEPTIONS."""
+    over = [(r["kernel"], r["case"], r["arch"], r["constexprs"], r["shared"])
+            for r in rows if r["shared"] > kernels.SHARED_LIMIT[r["arch"]]]
+    spills = {}
+    for r in rows:
+        if r["arch"] in AOT_NO_SPILL_ARCHS and r["stack"]:
+            spills.setdefault(r["kernel"], set()).add(f"{r['dtype']} sm_{r['arch']} {r['stack']} B ({r['case']})")
+    heavy = sorted({(r["kernel"], r["dtype"], r["arch"], r["case"], r["regs"]) for r in rows
+                    if r["arch"] in (80, 90) and r["regs"] > kernels.MAX_REGISTERS
+                    and (r["kernel"], r["dtype"], r["case"]) not in AOT_REGISTER_EXCEPTIONS})
+    return over, spills, heavy
+
+
+def aot_compiled_rows(program):
+    """The rows that `program` (Python, run where triton is imported before kernels.py and TRITON_INTERPRET is "0",
+    so that kernels compile for real) prints as its last line, as JSON."""
+    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")  # "0": compile for real, do not interpret
+    run = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1800)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.aot  # about 5 minutes on 2 cores: run with `python -m pytest -q -m aot test_all.py`
 def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time():
     """Every Triton kernel, at the launch parameters its wrapper picks for the AOT_CASES models, compiles for each
@@ -2313,12 +2323,7 @@ def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time():
     block (kernels.SHARED_LIMIT, the CUDA programming guide's: 64 / 163 / 99 / 227 KB), on sm_75, sm_80 and sm_90
     spills no register (stack bytes per thread 0, cuobjdump's count) and on sm_80 and sm_90 takes at most
     kernels.MAX_REGISTERS = 232 a thread, but for AOT_REGISTER_EXCEPTIONS."""
-    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")  # "0": compile for real, do not interpret
-    program = "import json, triton, test_all; print(json.dumps(test_all.aot_resource_rows()))"
-    run = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=1800)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    rows = aot_compiled_rows("import json, triton, test_all; print(json.dumps(test_all.aot_resource_rows()))")
     # every Triton kernel in kernels.py was launched by some case (so none escapes the check)
     assert {row["kernel"] for row in rows} == {name for name in dir(kernels)
                                                if name.endswith("_kernel") and name.startswith("_")}
@@ -2327,17 +2332,9 @@ def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time():
     assert {row["dtype"] for row in rows} == {"fp32", "bf16", "fp16"}
     for pass_name in AOT_PASSES:  # every kernel compiled in every pass
         assert {r["kernel"] for r in rows if r["pass"] == pass_name} == {r["kernel"] for r in rows}, pass_name
-    over = [(r["kernel"], r["case"], r["arch"], r["constexprs"], r["shared"])
-            for r in rows if r["shared"] > kernels.SHARED_LIMIT[r["arch"]]]
-    spills = {}
-    for r in rows:
-        if r["arch"] in AOT_NO_SPILL_ARCHS and r["stack"]:
-            spills.setdefault(r["kernel"], set()).add(f"{r['dtype']} sm_{r['arch']} {r['stack']} B ({r['case']})")
+    over, spills, heavy = aot_rows_fit(rows)
     assert not over and not spills, f"over shared memory: {over}; spilled bytes per thread: " + "; ".join(
         f"{kernel}: {', '.join(sorted(where))}" for kernel, where in sorted(spills.items()))
-    heavy = sorted({(r["kernel"], r["dtype"], r["arch"], r["case"], r["regs"]) for r in rows
-                    if r["arch"] in (80, 90) and r["regs"] > kernels.MAX_REGISTERS
-                    and (r["kernel"], r["dtype"], r["case"]) not in AOT_REGISTER_EXCEPTIONS})
     assert not heavy, f"over {kernels.MAX_REGISTERS} registers a thread: {heavy}"
 
 
@@ -2523,44 +2520,15 @@ def test_gpu_launch_grids_fit_cuda_limits(case):
     assert not bad, f"grids over CUDA's limits: {bad}"
 
 
-def triton_fp16_cases():
-    """{op: (Triton path, reference, inputs, the inputs given in fp16)} for the ops other than gdn2 and ssd (whose
-    error budgets take fp16 too: test_triton_gdn2_half_error_budget, test_triton_ssd_half_within_its_error_budget)."""
-    gen = torch.Generator().manual_seed(0)
-    randn = lambda *shape: torch.randn(*shape, generator=gen)
-    B, T, H, K = 2, 9, 2, 16
-    k = F.normalize(randn(B, T, H, K), dim=-1)
-    angles = torch.rand(7, 5, generator=gen) * 6
-    gates = dict(decay_logits=randn(B, T, H, K) - 1, erase_logits=2 * randn(B, T, H, K), k=k,
-                 A_log=2.7 * torch.rand(H, generator=gen), dt_bias=randn(H * K) - 3)
-    return {
-        "rms_norm": (lambda x, w, gate: kernels.rms_norm_triton(x, w, 1e-6, gate),
-                     lambda x, w, gate: kernels.rms_norm_ref(x, w, 1e-6, gate),
-                     dict(x=randn(3, 5, 37), w=randn(37), gate=2 * randn(3, 5, 37)), {"x", "gate"}),
-        "rope": (lambda x: kernels.rope_triton(x, angles.cos(), angles.sin()),
-                 lambda x: kernels.rope_ref(x, angles.cos().double(), angles.sin().double()),
-                 dict(x=randn(2, 7, 3, 10)), {"x"}),
-        "softmax": (kernels.softmax_triton, kernels.softmax_ref, dict(x=3 * randn(6, 33)), {"x"}),
-        "sparsemax": (lambda z: kernels.sparsemax_triton(z, True), lambda z: kernels.sparsemax_ref(z, True),
-                      dict(z=2 * randn(2, 9, 9)), {"z"}),
-        "gdn2_decay_clip": (kernels.gdn2_decay_clip_triton, kernels.gdn2_decay_clip_ref,
-                            dict(g=-torch.rand(B, T, H, K, generator=gen), k=k, b=2 * torch.rand(B, T, H, K,
-                                                                                             generator=gen)),
-                            {"k", "b"}),
-        "gdn2_gates": (lambda **kw: kernels.gdn2_gates_triton(**kw, clip=True),
-                       lambda **kw: kernels.gdn2_gates_ref(**kw, clip=True), gates, {"decay_logits", "erase_logits",
-                                                                                     "k"})}
-
-
-@pytest.mark.parametrize("device", TRITON_DEVICES)
-@pytest.mark.parametrize("op", list(triton_fp16_cases()))
-def test_triton_ops_take_fp16(op, device):
-    """For GPUs without bf16 (autocast in fp16) every Triton op but gdn2 and ssd (their own tests) takes fp16
-    activations, computes in fp32 and stores its results in the activations' dtype: against the fp64 reference on the
-    same fp16 values, each fp16 result is within one rounding, u = 2^-11 (measured 0.10-0.50u), the gates' erase
-    logit and key gradients, which go through the rounded gate b, within 2u (measured 0.81u, 0.86u), and fp32 results
-    within u/10 (measured 0.03u)."""
-    fn, reference, inputs, halves = triton_fp16_cases()[op]
+def check_op_takes_fp16(op, device):
+    """For GPUs without bf16 (autocast in fp16) an op with an fp16 case in its OPS row (every Triton op but sinkhorn,
+    which computes in fp32, and gdn2 and ssd, whose error budgets have tests of their own) takes fp16 activations (the
+    row's inputs given in fp16; the rest stay fp32), computes in fp32 and stores its results in the activations'
+    dtype: against the fp64 reference on the same fp16 values, each fp16 result is within one rounding, u = 2^-11
+    (measured 0.16-0.79u), the results the row names (the gates' erase logit and key gradients, which go through the
+    rounded gate b) within 2u (measured 0.81u, 0.93u), and fp32 results within u/10 (measured up to 0.02u)."""
+    fn, reference, inputs = kernels.OPS[op].compare(seeded_randn())
+    halves, within_2u = kernels.OPS[op].fp16
     u = 2.0 ** -11
     inputs = {name: t.half() if name in halves else t for name, t in inputs.items()}
     runs = {}
@@ -2576,17 +2544,108 @@ def test_triton_ops_take_fp16(op, device):
     (outs, leaves), (ref_outs, ref_leaves) = runs["triton"], runs["ref"]
     results = {f"out{i}": (o, r) for i, (o, r) in enumerate(zip(outs, ref_outs))}
     results.update({"d" + n: (t.grad, ref_leaves[n].grad) for n, t in leaves.items() if t.grad is not None})
-    with_fp32 = op in ("rms_norm", "gdn2_decay_clip", "gdn2_gates")   # dw; g and its gradient; g, dA_log, ddt_bias
+    with_fp32 = bool(set(inputs) - set(halves))   # an fp32 input: its gradient, and the outputs it makes fp32
     assert {t.dtype for t, _ in results.values()} == ({torch.float16, torch.float32} if with_fp32 else {torch.float16})
     budget = lambda name, t: (u / 10 if t.dtype == torch.float32 else
-                              2 * u if (op, name) in (("gdn2_gates", "derase_logits"), ("gdn2_gates", "dk")) else u)
+                              2 * u if name in within_2u else u)
     bad = {n: rel_err(t.cpu(), r) / u for n, (t, r) in results.items() if not rel_err(t.cpu(), r) <= budget(n, t)}
     assert not bad, f"errors in units of u above their budgets: {bad}"
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("op", [op for op, row in kernels.OPS.items() if row.fp16 is not None])
+def test_triton_ops_take_fp16(op, device):
+    check_op_takes_fp16(op, device)
+
+
+# A new op is its section and one row in kernels.OPS. The dummy op scaled_copy, y = 3x (its backward, dx = 3 dy, is
+# the same kernel), registered for one test, is run by every check that reads OPS.
+def scaled_copy_ref(x):
+    return 3 * x
+
+
+def scaled_copy_torch(x):
+    return x * 3.0
+
+
+if kernels.HAS_TRITON:
+    @triton.jit
+    def _scaled_copy_kernel(x_ptr, y_ptr, n, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n).to(tl.float32)
+        tl.store(y_ptr + offs, (SCALE * x).to(y_ptr.dtype.element_ty), mask=offs < n)
+
+
+@kernels._triton_op("specgpt_test::scaled_copy")
+def _scaled_copy(x: torch.Tensor) -> torch.Tensor:
+    x, y = x.contiguous(), x.new_empty(x.shape)
+    _scaled_copy_kernel[(triton.cdiv(x.numel(), 256),)](x, y, x.numel(), SCALE=3.0, BLOCK=256)
+    return y
+
+
+@_scaled_copy.register_fake
+def _(x):
+    return x.new_empty(x.shape)
+
+
+_scaled_copy.register_autograd(lambda ctx, dy: _scaled_copy(dy))
+
+
+def scaled_copy_triton(x):
+    return _scaled_copy(x)
+
+
+SCALED_COPY_ROW = kernels.Op(
+    scaled_copy_ref, scaled_copy_torch, scaled_copy_triton,
+    example=lambda dtype, d: lambda: kernels._backward(scaled_copy_triton(kernels._leaf(d.B, d.T, d.K, dtype=dtype))),
+    opcheck=lambda randn: [("scaled_copy", _scaled_copy, (randn(3, 37).requires_grad_(),), True)],
+    compare=lambda randn: (scaled_copy_triton, scaled_copy_ref, dict(x=randn(3, 37))), fp16=({"x"}, ()),
+    in_model=False)
+
+
+@contextlib.contextmanager
+def scaled_copy_registered():
+    """OPS with the dummy op's row, checked as kernels.py checks its own at import; OPS as it was after."""
+    kernels.OPS["scaled_copy"] = SCALED_COPY_ROW
+    try:
+        kernels._check_ops()
+        yield
+    finally:
+        del kernels.OPS["scaled_copy"]
+
+
+def scaled_copy_aot_rows():
+    """aot_resource_rows for the dummy op's example launch alone (in a process that compiles, as the AOT test's)."""
+    with scaled_copy_registered():
+        return aot_resource_rows(lambda dtype: {"scaled_copy": kernels.example_steps(dtype, T=64)["scaled_copy"]})
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_a_new_op_is_one_row_that_every_check_runs(device):
+    """The dummy op's row alone puts it through the dispatcher, the interpreter comparison against its _ref, opcheck,
+    the fp16 test, the launch recorder, the AOT test's ops run alone and the ahead-of-time compile for every pass of
+    AOT_PASSES (in a compiling process, its launches alone); OPS is restored after."""
+    before = dict(kernels.OPS)
+    with scaled_copy_registered():
+        assert kernels._path("scaled_copy", "triton", torch.ones(1)) == "triton"
+        check_triton_matches_its_reference("scaled_copy", device)
+        check_op_passes_opcheck("scaled_copy", device)
+        check_op_takes_fp16("scaled_copy", device)
+        launched = []
+        kernels._record_launches(kernels.example_steps(T=64)["scaled_copy"], lambda kernel, *_: launched.append(
+            kernel.fn.__name__))
+        assert launched == ["_scaled_copy_kernel"] * 2   # forward and backward
+        assert "scaled_copy" in aot_ops_alone()
+    assert kernels.OPS == before
+    rows = aot_compiled_rows("import json, triton, test_all; print(json.dumps(test_all.scaled_copy_aot_rows()))")
+    assert {(r["kernel"], r["pass"], r["arch"]) for r in rows} == {
+        ("_scaled_copy_kernel", p, a) for p, (_, archs) in AOT_PASSES.items() for a in archs}
+    assert aot_rows_fit(rows) == ([], {}, [])
+
+
 def test_every_triton_launch_runs_on_its_inputs_gpu_with_autocast_off(simulated_gpu):
     """Triton launches on the current GPU, not on its arguments': every launch of every Triton op, forward and
-    backward (kernels._example_steps, recorded instead of run), with its inputs on cuda:1 while cuda:0 is current and
+    backward (kernels.example_steps, recorded instead of run), with its inputs on cuda:1 while cuda:0 is current and
     bf16 autocast is on, happens with cuda:1 current and autocast off (each op's body runs in kernels.on_device_of),
     and cuda:0 is current again after."""
     simulated_gpu(count=2)
@@ -2595,7 +2654,7 @@ def test_every_triton_launch_runs_on_its_inputs_gpu_with_autocast_off(simulated_
 
     def step():
         with torch.device("cuda:1"), torch.autocast("cuda", dtype=torch.bfloat16):
-            for op_step in kernels._example_steps(T=64, chunk=16).values():
+            for op_step in kernels.example_steps(T=64, chunk=16).values():
                 op_step()
     kernels._record_launches(step, lambda kernel, grid, args, kwargs: seen.append(
         (kernel.fn.__name__, torch.cuda.current_device(), torch.is_autocast_enabled("cuda"))))
