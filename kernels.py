@@ -1635,6 +1635,64 @@ def gdn2_ref(q, k, v, g, b, w, scale=None, initial_state=None):
     return torch.stack(outs, dim=1).to(q.dtype), S
 
 
+def _segsum(a):
+    """[..., Q] -> [..., Q, Q]: entry (r, s) is the segment sum Σ_{s<i≤r} a_i for s ≤ r (0 on the diagonal) and −inf
+    above it, so that its exp is the decay from token s to token r, 0 where s comes later. Summed segment by segment,
+    not as a difference of cumulative sums: a short segment keeps its digits next to a steep one."""
+    Q = a.shape[-1]
+    later = torch.ones(Q, Q, dtype=torch.bool, device=a.device).tril(-1)             # i > s
+    seg = a[..., :, None].expand(*a.shape, Q).masked_fill(~later, 0).cumsum(-2)     # rows i ≤ r summed
+    return seg.masked_fill(later.T, float("-inf"))                                  # s > r
+
+
+@_fp32
+def gdn2_chunked_ref(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=64):
+    """gdn2_ref's recurrence in chunks of Q tokens: the chunked WY / UT-transform algorithm of the fast paths (Yang et
+    al., 2024, for DeltaNet), plain torch with autograd's backward. In a chunk entering with state S_0, with
+    G_r = Σ_{i≤r} g_i (per key channel, from the chunk start) and the delta rule's corrections
+    u_r = w_r⊙v_r − (b_r⊙k_r)ᵀ Diag(exp g_r) S_{r−1}, the recurrence S_r = Diag(exp g_r) S_{r−1} + k_r u_rᵀ unrolls to
+        S_r = Diag(exp G_r) S_0 + Σ_{s≤r} Diag(exp(G_r − G_s)) k_s u_sᵀ,
+    so the corrections solve one unit lower-triangular system (the UT transform)
+        (I + L) U = W⊙V − Ẽ S_0,   L_rs = Σ_d b_rd k_rd k_sd exp(G_rd − G_sd) (s < r),   Ẽ_r = exp(G_r)⊙b_r⊙k_r,
+    solved once for all chunks against the chunk's own inputs (the WY form): U = U_0 − Y S_0 with
+    [U_0, Y] = (I + L)^{-1} [W⊙V, Ẽ]. Then chunk by chunk
+        o_r = scale·(exp(G_r)⊙q_r)ᵀ S_0 + scale·Σ_{s≤r} Σ_d q_rd k_sd exp(G_rd − G_sd) u_s,
+        S_Q = Diag(exp G_Q) S_0 + Σ_s (exp(G_Q − G_s)⊙k_s) u_sᵀ   (the state handed to the next chunk).
+    Every exponent is a sum of g ≤ 0 over a segment s < i ≤ r or from the chunk start, so it is ≤ 0: nothing
+    overflows at any decay (Q²K decay factors a chunk, for clarity). KDA (b = w = β), GDN (KDA with g equal over K)
+    and DeltaNet (g = 0) are the same call with broadcast gates, as for gdn2_ref. The tail is padded with g = 0 and
+    zero inputs, which leaves the state unchanged."""
+    _gdn2_check(q, k, v, g, b, w, initial_state)
+    if chunk_size < 1:
+        raise ValueError(f"gdn2_chunked_ref: chunk_size must be a positive integer, got {chunk_size}")
+    B, T, H, K = q.shape
+    V, Q, N = v.shape[-1], chunk_size, -(-T // chunk_size)
+    scale = K ** -0.5 if scale is None else scale
+    out_dtype, dtype = q.dtype, _fp32_or_wider(q.dtype)
+
+    def chunks(t):  # [B,T,H,D] -> [B,H,N,Q,D] in dtype, the tail padded with zeros
+        return F.pad(t.to(dtype), (0, 0, 0, 0, 0, N * Q - T)).unflatten(1, (N, Q)).permute(0, 3, 1, 2, 4)
+
+    q, k, v, g, b, w = (chunks(t) for t in (q, k, v, g, b, w))
+    G = g.cumsum(-2)                                                    # [B,H,N,Q,K]
+    decay = _segsum(g.transpose(-1, -2)).exp()                          # [B,H,N,K,Q,Q]: exp(G_r − G_s), s ≤ r
+    L = torch.einsum("bhnrd,bhnsd,bhndrs->bhnrs", b * k, k, decay).tril(-1)
+    A_qk = torch.einsum("bhnrd,bhnsd,bhndrs->bhnrs", q * scale, k, decay)   # s ≤ r: decay is 0 above the diagonal
+    eye = torch.eye(Q, dtype=dtype, device=q.device)
+    U0, Y = torch.linalg.solve_triangular(eye + L, torch.cat([w * v, G.exp() * b * k], -1), upper=False,
+                                          unitriangular=True).split([V, K], -1)
+    q_in = q * scale * G.exp()                                          # exp(G_r)⊙q_r·scale
+    k_out = k * decay[..., -1, :].transpose(-1, -2)                     # exp(G_Q − G_s)⊙k_s
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dtype)
+    outs = []
+    for n in range(N):
+        U = U0[:, :, n] - Y[:, :, n] @ S                                # the corrections u_r
+        outs.append(q_in[:, :, n] @ S + A_qk[:, :, n] @ U)
+        S = G[:, :, n, -1, :, None].exp() * S + k_out[:, :, n].transpose(-1, -2) @ U
+    o = torch.stack(outs, 2).flatten(2, 3)[:, :, :T].transpose(1, 2)
+    return o.to(out_dtype), S
+
+
 def _gdn2_pair_positions(C, device):
     """Where W[r, s] sits among _gdn2_pair_weights' products (flattened level by level after one leading zero, the
     entry of every s ≥ r): the level of a pair is its highest differing bit, with half-blocks of h rows."""
@@ -2690,8 +2748,9 @@ def _ssd_check(x, dt, A, B, C, D, initial_state):
 def ssd_ref(x, dt, A, B, C, D=None, initial_state=None):
     _ssd_check(x, dt, A, B, C, D, initial_state)
     b, l, h, p = x.shape
-    xf, dtf, Af, Bf, Cf = x.float(), dt.float(), A.float(), B.float()[:, :, 0], C.float()[:, :, 0]
-    hs = x.new_zeros(b, h, p, B.shape[-1], dtype=torch.float32) if initial_state is None else initial_state.float()
+    dtype = _fp32_or_wider(x.dtype)
+    xf, dtf, Af, Bf, Cf = (t.to(dtype) for t in (x, dt, A, B[:, :, 0], C[:, :, 0]))
+    hs = x.new_zeros(b, h, p, B.shape[-1], dtype=dtype) if initial_state is None else initial_state.to(dtype)
     ys = []
     for t in range(l):
         decay = torch.exp(dtf[:, t] * Af)[..., None, None]                           # [b,h,1,1]
@@ -2700,8 +2759,47 @@ def ssd_ref(x, dt, A, B, C, D=None, initial_state=None):
         ys.append(torch.einsum("bhpn,bn->bhp", hs, Cf[:, t]))
     y = torch.stack(ys, dim=1)
     if D is not None:
-        y = y + D.float()[:, None] * xf
+        y = y + D.to(dtype)[:, None] * xf
     return y.to(x.dtype), hs
+
+
+@_fp32
+def ssd_chunked_ref(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
+    """ssd_ref's recurrence in chunks of Q tokens, the state space duality of Mamba2 (Dao & Gu, 2024) that the fast
+    paths compute, plain torch with autograd's backward. With a_r = Σ_{i≤r} dt_i A from the chunk's start, X_s =
+    dt_s x_s and exp(a_r − a_s) summed over the segment s < i ≤ r (_segsum), four steps:
+      1. the diagonal blocks, attention within a chunk:  y_r = Σ_{s≤r} (C_r·B_s) exp(a_r − a_s) X_s
+      2. the chunk states, each chunk's own end state:    H_z = Σ_s exp(a_Q − a_s) X_s B_sᵀ
+      3. the state passing between chunks:               h_z = exp(a_Q) h_{z−1} + H_z from h_0 = initial_state
+      4. the states' read-out:                           y_r += exp(a_r) h_{z−1} C_r
+    The tail is padded with dt = 0 and zero inputs, which leaves the state unchanged."""
+    _ssd_check(x, dt, A, B, C, D, initial_state)
+    if chunk_size < 1:
+        raise ValueError(f"ssd_chunked_ref: chunk_size must be a positive integer, got {chunk_size}")
+    b, l, h, p = x.shape
+    Q, N = chunk_size, -(-l // chunk_size)
+    out_dtype, dtype = x.dtype, _fp32_or_wider(x.dtype)
+    x, dt, A, B, C = (t.to(dtype) for t in (x, dt, A, B[:, :, 0], C[:, :, 0]))
+
+    def chunks(t):  # [b,l,...] -> [b,N,Q,...], the tail padded with zeros
+        return F.pad(t, (0, 0) * (t.ndim - 2) + (0, N * Q - l)).unflatten(1, (N, Q))
+
+    X, Bc, Cc = chunks(x * dt[..., None]), chunks(B), chunks(C)          # [b,N,Q,h,p], [b,N,Q,n]
+    dtA = chunks(dt * A).permute(0, 3, 1, 2)                            # [b,h,N,Q]
+    a = dtA.cumsum(-1)                                                  # a_r, from the chunk's start
+    decay = _segsum(dtA).exp()                                          # [b,h,N,Q,Q]: exp(a_r − a_s), s ≤ r
+    y = torch.einsum("bzrn,bzsn,bhzrs,bzshp->bzrhp", Cc, Bc, decay, X)                      # 1.
+    chunk_states = torch.einsum("bhzs,bzshp,bzsn->bzhpn", decay[..., -1, :], X, Bc)         # 2.
+    state = x.new_zeros(b, h, p, B.shape[-1]) if initial_state is None else initial_state.to(dtype)
+    entering = []
+    for z in range(N):                                                                      # 3.
+        entering.append(state)
+        state = a[:, :, z, -1, None, None].exp() * state + chunk_states[:, z]
+    y = y + torch.einsum("bzrn,bzhpn,bhzr->bzrhp", Cc, torch.stack(entering, 1), a.exp())   # 4.
+    y = y.flatten(1, 2)[:, :l]
+    if D is not None:
+        y = y + D.to(dtype)[:, None] * x
+    return y.to(out_dtype), state
 
 
 def _ssd_chunks(X, dtA, B, C, initial_state):
