@@ -37,6 +37,7 @@ import data
 import kernels
 import model
 import optim
+import runs
 from model import GPT, GPTConfig
 
 # ----------------------------------------------------------------------------------------------------
@@ -100,7 +101,7 @@ MODEL_DEFAULTS = {"block_size": 64, "mixer": "MAAA", "mamba_expand": 1, "mamba_d
 RESUME_CHANGEABLE = ("kernels", "attention", "chunk_size", "dropout", "rope_scaling", "rope_factor")
 # run settings that describe this command, not the run: a resumed run takes the others from its checkpoint
 COMMAND_KEYS = ("out_dir", "init_from", "overwrite", "sample_only")
-# the allowed values of each numeric key (data.in_range): ">= a", "> a", or an interval "in [a, b)"; the model's
+# the allowed values of each numeric key (runs.in_range): ">= a", "> a", or an interval "in [a, b)"; the model's
 # keys' are model.CONFIG_RANGES (analyze.py checks them too)
 RANGES = {"eval_interval": ">= 1", "eval_iters": ">= 1", "log_interval": ">= 1", "analyze_every": ">= 0",
           "seed": "in [0, 2**63)",
@@ -138,7 +139,7 @@ def config_help():
     setting's help with the optimizers that take it."""
     settings = {key: f"{', '.join(users)}: {s.help}"
                 for key, (s, users) in optim.SETTINGS.items()}
-    return {**data.source_comments(inspect.getsource(GPTConfig)), **data.source_comments(open(__file__).read()),
+    return {**runs.source_comments(inspect.getsource(GPTConfig)), **runs.source_comments(open(__file__).read()),
             **settings}
 
 
@@ -146,19 +147,19 @@ def allowed_help():
     """{key: --help's text of its allowed values}: the ranges, and each choice with its table row's comment."""
     tables = {**{key: (model, table) for key, table in model.CHOICE_TABLES.items()},
               "optimizer": (optim, "OPTIMIZERS"), "tokenizer": (data, "TOKENIZERS")}
-    return {**RANGES, **data.choices_help(choices(), tables)}
+    return {**RANGES, **runs.choices_help(choices(), tables)}
 
 
 def check_settings(c):
-    """Every key's range and choice and the device (data.check_values, as analyze.py checks them), the model's own
+    """Every key's range and choice and the device (runs.check_values, as analyze.py checks them), the model's own
     rules (GPTConfig's, with a stand-in vocabulary: before any data is read), the rule between the lrs, and the kernel
     path."""
-    data.check_values(c, RANGES, {key: allowed for key, allowed in choices().items() if key != "mixer"})
+    runs.check_values(c, RANGES, {key: allowed for key, allowed in choices().items() if key != "mixer"})
     GPTConfig(**{key: c[key] for key in model_defaults()})  # mixer letters, head size, ...
     if c["min_lr"] > peak_lr(c):
         given = f"--learning_rate={c['learning_rate']!r}" if c["learning_rate"] else \
             f"{c['optimizer']}'s own learning rate {peak_lr(c)!r} (optim.OPTIMIZERS)"
-        raise data.ConfigError(f"--min_lr={c['min_lr']!r} is above {given}: the schedule decays from the learning "
+        raise runs.ConfigError(f"--min_lr={c['min_lr']!r} is above {given}: the schedule decays from the learning "
                                f"rate down to min_lr; use a smaller --min_lr (1.5% of it: {0.015 * peak_lr(c):.3g})")
     check_kernel_path(c["kernels"], c["device"])
 
@@ -173,7 +174,7 @@ def check_kernel_path(path, device):
     Python starts)."""
     on_gpu = torch.cuda.is_available() if device == "auto" else torch.device(device).type == "cuda"
     if path == "triton" and not (kernels.HAS_TRITON and (on_gpu or os.environ.get("TRITON_INTERPRET") == "1")):
-        raise data.ConfigError("--kernels='triton' needs Triton on a CUDA GPU (on a CPU, slowly, its interpreter: "
+        raise runs.ConfigError("--kernels='triton' needs Triton on a CUDA GPU (on a CPU, slowly, its interpreter: "
                                "TRITON_INTERPRET=1 python train.py ...): use --kernels=auto or torch")
 
 
@@ -210,7 +211,7 @@ def resumed_model_config(saved, given):
         config[key] = saved.get(key, default)
         if key in given and given[key] != config[key]:
             if key not in RESUME_CHANGEABLE:
-                raise data.ConfigError(f"--{key}={given[key]!r} differs from the checkpoint's {key}={config[key]!r}: "
+                raise runs.ConfigError(f"--{key}={given[key]!r} differs from the checkpoint's {key}={config[key]!r}: "
                                        f"a resumed run keeps its model; drop --{key}, or start a new run in another "
                                        f"--out_dir")
             changes.append(f"{key} {config[key]!r} -> {given[key]!r}")
@@ -224,14 +225,14 @@ def check_schedule_length(saved, settings, given):
     before = saved.get("lr_decay_iters") or saved.get("max_iters")
     now = settings["lr_decay_iters"] or settings["max_iters"]
     if now != before and "lr_decay_iters" not in given:
-        raise data.ConfigError(f"--max_iters={settings['max_iters']} would change the lr schedule's length from "
+        raise runs.ConfigError(f"--max_iters={settings['max_iters']} would change the lr schedule's length from "
                                f"{before} to {now} iters: keep it with --lr_decay_iters={before} (past it the lr "
                                f"stays at min_lr), or stretch it with --lr_decay_iters={now}")
 
 
 def check_same_vocabulary(meta, dataset, saved_meta, saved_dataset):
     if any(meta.get(k) != saved_meta.get(k) for k in ("tokenizer", "vocab_size", "chars")):
-        raise data.ConfigError(f"--dataset={dataset!r} has a {meta['tokenizer']} vocabulary of {meta['vocab_size']} "
+        raise runs.ConfigError(f"--dataset={dataset!r} has a {meta['tokenizer']} vocabulary of {meta['vocab_size']} "
                                f"tokens, the checkpoint's ({saved_dataset!r}) a {saved_meta['tokenizer']} vocabulary "
                                f"of {saved_meta['vocab_size']}: resume with --dataset={saved_dataset!r}")
 
@@ -241,17 +242,17 @@ def check_prompt(start, tokenizer, dataset):
     try:
         ids = tokenizer.encode(start)
     except data.DataError as e:
-        raise data.ConfigError(f"--start={start!r} (the samples' prompt) does not fit the vocabulary of {dataset} "
+        raise runs.ConfigError(f"--start={start!r} (the samples' prompt) does not fit the vocabulary of {dataset} "
                                f"({e}): give a prompt made of its characters, or --num_samples=0") from None
     if not ids:
-        raise data.ConfigError(f"--start={start!r} (the samples' prompt) is empty: give at least one character")
+        raise runs.ConfigError(f"--start={start!r} (the samples' prompt) is empty: give at least one character")
 
 
 def check_step_time(flops_per_iter, peak, device):
     """One step that would take over MAX_STEP_SECONDS even at the device's peak is refused: a block_size or
     batch_size far beyond what the device can train."""
     if peak and flops_per_iter / peak > MAX_STEP_SECONDS:
-        raise data.ConfigError(f"one step of this run is {flops_per_iter:.1e} FLOPs, over "
+        raise runs.ConfigError(f"one step of this run is {flops_per_iter:.1e} FLOPs, over "
                                f"{flops_per_iter / peak / 3600:,.0f} hours on {device} even at its peak of "
                                f"{peak:.1e} FLOP/s: use a smaller --block_size, --batch_size or model")
 
@@ -271,18 +272,18 @@ def gpu_hint(args, device):
 @torch.no_grad()
 def evaluate(model, val_tokens, batch_size, block_size, eval_iters, device, autocast, received=None):
     """The mean validation loss over eval_iters batches, the same ones at every call (seed 0), with progress lines when
-    it runs long; None when a signal came (received: data.stop_signals' list): the eval is abandoned at once."""
+    it runs long; None when a signal came (received: runs.stop_signals' list): the eval is abandoned at once."""
     was_training = model.training
     model.eval()
     sampler = data.BatchSampler(val_tokens, batch_size, block_size, seed=0, device=device)
     total = torch.zeros((), device=device)
     try:
-        with data.abandoned_on_signal(received):
+        with runs.abandoned_on_signal(received):
             for _ in progress(range(eval_iters), "eval", "batches"):
                 x, y = sampler.next_batch()
                 with autocast:
                     total += model(x, y)[1].float()
-    except data.Abandoned:
+    except runs.Abandoned:
         return None
     finally:
         model.train(was_training)
@@ -328,6 +329,31 @@ def evals_left(iter_num, max_iters, eval_interval):
     return max_iters // eval_interval - (iter_num - 1) // eval_interval + (max_iters % eval_interval != 0)
 
 
+def autocast_dtype(device):
+    """The 16-bit dtype of mixed precision on a GPU: bf16 where it computes bf16 natively (compute capability 8.0 and
+    up: A100, H100, RTX 30xx and later), else fp16 (T4, V100, RTX 20xx), which needs a GradScaler."""
+    return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
+
+
+def matmul_rate():
+    """A float32 matmul rate of this machine measured now (0.2 s): an optimistic speed for check_step_time only,
+    as MFU against it would swing with the machine's load."""
+    a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))  # leaves the global RNG alone
+    b = a @ a
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.2:
+        a @ b
+        n += 1
+    return 2 * 512 ** 3 * n / (time.perf_counter() - t0)
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
 # ----------------------------------------------------------------------------------------------------
 # the run, in the steps of run() below: each step is one function
 
@@ -345,7 +371,7 @@ def run(args, cleanup):
     # 2. the device, made current (under torchrun each process's GPU is its LOCAL_RANK's); the dry run stops here,
     # before any process group, data or write
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    dev = kernels.use_device(c.device)
+    dev = runs.use_device(c.device)
     if rank == 0 and gpu_hint(args, dev):
         print(gpu_hint(args, dev))
     if c.dry_run:
@@ -372,7 +398,7 @@ def run(args, cleanup):
         print_banner(c, config, meta, len(train_tokens), r, world, changes if ckpt is not None else None)
     # 6. the loop: an eval (and checkpoint) every eval_interval steps and at the end, a log line every log_interval
     # steps (and after the first and the last); a signal stops it after its step (or abandons its eval)
-    received = cleanup.enter_context(data.stop_signals(again_stops=world == 1))
+    received = cleanup.enter_context(runs.stop_signals(again_stops=world == 1))
     stopped = train_loop(c, r, settings, meta, val_tokens, received)
     # 7. the end: the loss curve, and samples (or, after a signal, how to continue)
     if r.master:
@@ -389,14 +415,14 @@ def read_settings(args):
     """Step 1: (settings, the keys given, the checkpoint of a resumed run or None, what the resumed run changes). A
     run that a killed one set aside comes back first."""
     defaults = {**RUN_DEFAULTS, **model_defaults()}
-    given = data.parse_config(args, defaults, __doc__, config_help(), allowed=allowed_help())
+    given = runs.parse_config(args, defaults, __doc__, config_help(), allowed=allowed_help())
     settings, ckpt, changes = {**defaults, **given}, None, []
     if not settings["dry_run"] and int(os.environ.get("RANK", 0)) == 0:
-        note = data.recover_run(settings["out_dir"], data.RUN_FILES)
+        note = runs.recover_run(settings["out_dir"], runs.RUN_FILES)
         if note:
             print(note)
     if settings["init_from"] == "resume" and not settings["sample_only"]:
-        ckpt = data.load_checkpoint(os.path.join(settings["out_dir"], "ckpt.pt"))
+        ckpt = runs.load_checkpoint(os.path.join(settings["out_dir"], "ckpt.pt"))
         settings, changes = resumed_settings(ckpt["config"], given)
     check_settings(settings)
     settings["learning_rate"] = peak_lr(settings)
@@ -412,12 +438,12 @@ def model_config(settings, vocab_size):
 def sample_from_checkpoint(c, given, dev):
     """--sample_only=True: samples from out_dir/ckpt.pt, nothing trained or written."""
     ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
-    ckpt = data.load_checkpoint(ckpt_path)
+    ckpt = runs.load_checkpoint(ckpt_path)
     model_cfg, _ = resumed_model_config(ckpt["config"], given)
     tokenizer = data.tokenizer_from_meta(ckpt["meta"])
     check_prompt(c.start, tokenizer, ckpt["config"].get("dataset"))
     gpt = GPT(GPTConfig(vocab_size=ckpt["meta"]["vocab_size"], **model_cfg)).to(dev)
-    data.load_weights(gpt, ckpt, ckpt_path)
+    runs.load_weights(gpt, ckpt, ckpt_path)
     torch.manual_seed(c.seed)
     print_samples(gpt, tokenizer, c.start, dev, c.num_samples, c.max_new_tokens, c.temperature, c.top_k)
     return 0
@@ -428,17 +454,17 @@ def check_run(c, settings, ckpt, dev, master):
     the vocabulary of a resumed run, the prompt and the run's memory have passed their checks."""
     data.check_writable_folder(c.out_dir, "out_dir")
     if master:  # (the other processes would find the lock that rank 0 takes in step 5)
-        data.check_unlocked(c.out_dir)
-        data.check_run_folder(c.out_dir, c.init_from, c.overwrite)
+        runs.check_unlocked(c.out_dir)
+        runs.check_run_folder(c.out_dir, c.init_from, c.overwrite)
     train_tokens, val_tokens, meta = data.load_dataset(c.dataset, c.tokenizer)
-    wandb = data.import_wandb() if c.wandb_log and master else None
+    wandb = runs.import_wandb() if c.wandb_log and master else None
     if ckpt is not None:
         check_same_vocabulary(meta, c.dataset, ckpt["meta"], ckpt["config"].get("dataset"))
     settings.update(vocab_size=meta["vocab_size"])
     config = model_config(settings, meta["vocab_size"])
     for split, tokens in (("training", train_tokens), ("validation", val_tokens)):
         if len(tokens) < config.block_size + 2:
-            raise data.ConfigError(f"the {split} split of {c.dataset} has only {len(tokens)} tokens (the validation "
+            raise runs.ConfigError(f"the {split} split of {c.dataset} has only {len(tokens)} tokens (the validation "
                                    f"split is the last 10% of a text), fewer than block_size + 2 = "
                                    f"{config.block_size + 2}: use more text or a smaller --block_size")
     if c.num_samples > 0 and c.max_new_tokens > 0:
@@ -462,7 +488,7 @@ def build_run(c, config, ckpt, train_tokens, dev, rank, world):
     r.iter_num, r.best_val, r.val_loss, r.elapsed, r.saved_iter, r.last_eval = 0, math.inf, math.nan, 0.0, None, -1
     # mixed precision: float16's small range needs its loss scaled (GradScaler), which skips a step whose gradients
     # overflowed and lowers the scale; disabled, the scaler passes everything through unchanged
-    half = DTYPES[c.dtype] if c.dtype != "auto" else kernels.autocast_dtype(dev) if dev.type == "cuda" else None
+    half = DTYPES[c.dtype] if c.dtype != "auto" else autocast_dtype(dev) if dev.type == "cuda" else None
     r.autocast = torch.autocast(dev.type, dtype=half) if half else nullcontext()
     r.precision = {None: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[half]
     r.scaler = torch.amp.GradScaler(dev.type, enabled=half == torch.float16)
@@ -478,7 +504,7 @@ def build_run(c, config, ckpt, train_tokens, dev, rank, world):
     r.tokens_per_iter, train_tokens_run, eval_tokens_run = analyze.run_tokens(c, config.block_size, world)
     r.flops_per_iter = r.raw_model.flops_per_token(config.block_size) * r.tokens_per_iter / world
     r.peak = analyze.peak_flops(dev, r.precision, c.peak_tflops)
-    rate = r.peak or (kernels.matmul_rate() if dev.type == "cpu" else None)
+    rate = r.peak or (matmul_rate() if dev.type == "cpu" else None)
     check_step_time(r.flops_per_iter, rate, dev)
     if r.master and dev.type == "cpu":
         flops = analyze.run_flops(r.raw_model.flops_per_token(config.block_size), train_tokens_run,
@@ -494,7 +520,7 @@ def build_run(c, config, ckpt, train_tokens, dev, rank, world):
 
 def resume_from(r, ckpt, rank):
     """The weights, optimizer, sampler, RNG, loss scale and progress of a resumed run, from its checkpoint."""
-    data.load_weights(r.raw_model, ckpt, r.ckpt_path)
+    runs.load_weights(r.raw_model, ckpt, r.ckpt_path)
     r.opt.load_state_dict(ckpt["optimizer"])
     r.sampler.load_state_dict(ckpt["sampler"][rank] if rank < len(ckpt["sampler"]) else ckpt["sampler"][0])
     torch.set_rng_state(ckpt["rng"]["torch"])
@@ -512,13 +538,13 @@ def open_run_folder(c, settings, ckpt, r, wandb, cleanup):
     checkpoint, put back if it stops before), a resumed one drops what was logged after its checkpoint. Returns
     wandb's run, or None."""
     if r.master:
-        data.make_folder(c.out_dir, "out_dir")
-        cleanup.callback(data.release_lock, data.take_lock(c.out_dir))
-        data.check_run_folder(c.out_dir, c.init_from, c.overwrite)  # again: a run may have ended there since step 3
+        runs.make_folder(c.out_dir, "out_dir")
+        cleanup.callback(runs.release_lock, runs.take_lock(c.out_dir))
+        runs.check_run_folder(c.out_dir, c.init_from, c.overwrite)  # again: a run may have ended there since step 3
         data.remove_orphan_temporaries(c.out_dir)
-    wandb_run = data.start_wandb(wandb, c, settings) if wandb else None
-    if r.master and data.prepare_run_folder(c.out_dir, r.iter_num if ckpt is not None else None):
-        cleanup.callback(data.put_back_replaced_run, c.out_dir)
+    wandb_run = runs.start_wandb(wandb, c, settings) if wandb else None
+    if r.master and runs.prepare_run_folder(c.out_dir, r.iter_num if ckpt is not None else None):
+        cleanup.callback(runs.put_back_replaced_run, c.out_dir)
     return wandb_run
 
 
@@ -561,12 +587,12 @@ def train_loop(c, r, settings, meta, val_tokens, received):
             analyze.analyze_during_training(r.raw_model, r.analysis_batch, r.iter_num, c.out_dir)
         grad_norm = train_step(c, r)
         if r.iter_num == first_step:  # the first step compiles and warms up: the window opens after it
-            kernels.synchronize(r.device)
+            synchronize(r.device)
             r.window_start, r.window_tokens, r.paused = time.time(), 0, 0.0
         else:
             r.window_tokens += r.tokens_per_iter
         log_now = r.iter_num % c.log_interval == 0 or r.iter_num in (first_step, c.max_iters)
-        stopped = (log_now or not r.ddp) and data.stop_requested(received, r.ddp, r.device)
+        stopped = (log_now or not r.ddp) and runs.stop_requested(received, r.ddp, r.device)
         if r.ddp and log_now:  # every process logs at the same steps: the logged loss is the mean over them
             torch.distributed.all_reduce(r.loss_sum)
             r.loss_sum /= torch.distributed.get_world_size()
@@ -586,7 +612,7 @@ def eval_and_save(c, r, settings, meta, val_tokens, received):
     """The eval of step iter_num, its log line and the checkpoint; False when a signal abandoned the eval."""
     t_eval = time.time()
     val = evaluate(r.compiled, val_tokens, c.batch_size, r.block_size, c.eval_iters, r.device, r.autocast, received)
-    if data.stop_requested(received, r.ddp, r.device):  # a signal abandoned the eval (val None): the loop stops
+    if runs.stop_requested(received, r.ddp, r.device):  # a signal abandoned the eval (val None): the loop stops
         return False
     r.val_loss, r.last_eval = val, r.iter_num
     if not math.isfinite(r.val_loss) or not all_finite(r.raw_model):
@@ -596,7 +622,7 @@ def eval_and_save(c, r, settings, meta, val_tokens, received):
     if r.master:
         print(f"iter {r.iter_num}: val loss {r.val_loss:.4f} (best {r.best_val:.4f}), "
               f"{time.time() - r.t_start:.1f}s elapsed")
-        data.append_log(r.log_path, {"step": r.iter_num, "val": r.val_loss, "time": time.time() - r.t_start},
+        runs.append_log(r.log_path, {"step": r.iter_num, "val": r.val_loss, "time": time.time() - r.t_start},
                         r.wandb_run, sync=True)  # on the disk before the checkpoint after it
     save(r, settings, meta)
     r.saved_iter = r.iter_num
@@ -606,7 +632,7 @@ def eval_and_save(c, r, settings, meta, val_tokens, received):
 
 
 def save(r, settings, meta):
-    data.save_run(r.ckpt_path, r.raw_model, r.opt, r.sampler, r.master, settings, meta, iter_num=r.iter_num,
+    runs.save_run(r.ckpt_path, r.raw_model, r.opt, r.sampler, r.master, settings, meta, iter_num=r.iter_num,
              best_val_loss=r.best_val, val_loss=r.val_loss, val_iter=r.last_eval, elapsed=time.time() - r.t_start,
              scaler=r.scaler.state_dict())
 
@@ -659,7 +685,7 @@ def log_line(c, r, grad_norm):
     scaler = r.scaler
     scaling = f", loss scale {scaler.get_scale():g} ({r.skipped} steps skipped)" if scaler.is_enabled() else ""
     print(f"iter {r.iter_num}: loss {mean_loss:.4f}, lr {lr:.2e}, grad norm {norm:.3f}{scaling}, {speed}")
-    data.append_log(r.log_path, {"step": r.iter_num, "loss": mean_loss, "lr": lr, "tokens_per_s": tok_s, "mfu": mfu,
+    runs.append_log(r.log_path, {"step": r.iter_num, "loss": mean_loss, "lr": lr, "tokens_per_s": tok_s, "mfu": mfu,
                                  "grad_norm": norm, **({"loss_scale": scaler.get_scale(), "skipped_steps": r.skipped}
                                                        if scaler.is_enabled() else {})}, r.wandb_run)
     r.window_start, r.window_tokens, r.paused, r.skipped = now, 0, 0.0, 0
