@@ -653,7 +653,7 @@ if __name__ == "__main__":
               f"optimizer {config.get('optimizer')}, vocab {ckpt['meta'].get('vocab_size')}")
         rows, dropped = read_jsonl(os.path.join(out_dir, "log.jsonl"))
         print(f"log.jsonl: {len(rows)} rows, {sum('val' in row for row in rows)} of them evals"
-              + "".join(f"; {count} lines {why}" for why, count in dropped.items()))
+              + "".join(f"; {count} line{'s' * (count > 1)} {why}" for why, count in dropped.items()))
         holder = lock_holder(os.path.join(out_dir, ".lock"))
         print(f"in use by {holder}" if holder else "no process holds its lock")
     except ValueError as e:  # bad input: one line that says what to fix

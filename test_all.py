@@ -6346,6 +6346,26 @@ def test_every_script_prints_its_usage_with_help_and_refuses_unknown_arguments(t
     assert os.listdir(tmp_path) == ["a_file"]
 
 
+def test_runs_py_shows_the_run_in_a_folder(tmp_path):
+    """python runs.py out_dir prints the step, the val losses, the dataset, mixer, optimizer and vocabulary of the
+    checkpoint there, the count of log.jsonl's rows and evals (a hand-written line named as no step's row), and that
+    no process holds its lock; a folder without a checkpoint is one line."""
+    runs.save_checkpoint(str(tmp_path / "ckpt.pt"), {
+        "model": {}, "config": {"dataset": "d.txt", "mixer": "MA", "optimizer": "adamw"}, "meta": {"vocab_size": 7},
+        "iter_num": 12, "val_loss": 2.5, "best_val_loss": 2.25})
+    (tmp_path / "log.jsonl").write_text('{"step": 0, "val": 3.0}\n{"step": 5, "loss": 2.7}\n{"note": 1}\n')
+    show = lambda folder: subprocess.run([sys.executable, os.path.join(ROOT, "runs.py"), str(folder)], cwd=tmp_path,
+                                         capture_output=True, text=True, timeout=300)
+    proc = show(tmp_path)
+    assert proc.returncode == 0 and proc.stdout.splitlines() == [
+        f"{tmp_path}: iter 12, val loss 2.5000 (best 2.2500); d.txt, mixer MA, optimizer adamw, vocab 7",
+        f"log.jsonl: 2 rows, 1 of them evals; 1 line {runs.NOT_A_STEP}", "no process holds its lock"], proc
+    proc = show(tmp_path / "no_run")
+    missing = tmp_path / "no_run" / "ckpt.pt"
+    assert proc.returncode == 1 and proc.stderr.strip() == \
+        f"error: no checkpoint at {missing}: train first, or point --out_dir at a run", proc.stderr
+
+
 def test_the_tests_prepare_their_data_in_a_temporary_folder(tmp_path):
     """SPECGPT_DATA_DIR, set at the top of this file, sends every prepared dataset (of this process and of the
     scripts it starts) to TEST_DATA_DIR: a text prepared by python data.py lands there, and nothing in the clone's
