@@ -61,6 +61,7 @@ import data
 import kernels
 import model as model_module
 import optim
+import runs
 from init import in_residual, init_weights, natural_spectral_norm
 from model import GPT, GPTConfig, HyperConnection, GatedDelta, Attention
 
@@ -799,7 +800,7 @@ def _save(plt, fig, path):
 def plot_losses(log_path, png_path):
     """train.py's loss.png: the training loss (every log line) and the validation loss (every eval) against the step."""
     plt = _pyplot()
-    rows, _ = data.read_jsonl(log_path)
+    rows, _ = runs.read_jsonl(log_path)
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, label in (("loss", "train"), ("val", "val")):
         pts = [(r["step"], r[key]) for r in rows if key in r]
@@ -1235,7 +1236,7 @@ def analyze_during_training(model, batch, step, out_dir, micro_batches=4, hessia
             for key, value in section.during_training(twin, x, y, step, settings).items():
                 record[key] = {**record.get(key, {}), **value} if isinstance(value, dict) else value
     os.makedirs(out_dir, exist_ok=True)
-    data.append_line(os.path.join(out_dir, "analysis.jsonl"), json.dumps(_jsonable(record)))
+    runs.append_line(os.path.join(out_dir, "analysis.jsonl"), json.dumps(_jsonable(record)))
     return record
 
 
@@ -1243,7 +1244,7 @@ def plot_training_analysis(jsonl_path, png_path):
     """Natural spectral norm and stable rank of every matrix, the top Hessian eigenvalue and the noise
     scale against the step, from analyze_during_training's JSONL."""
     plt = _pyplot()
-    records, _ = data.read_jsonl(jsonl_path)
+    records, _ = runs.read_jsonl(jsonl_path)
     steps = [r["step"] for r in records]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     names = list(records[0]["weights"])
@@ -1307,7 +1308,7 @@ def batch_scan(batch_sizes, target, out_dir, max_iters=4000, analyze_batch=0, an
     cheap analysis sections (B_simple and B_noise) every analyze_every steps. Writes and returns
     out_dir/scan.json: {"target", "analyze_batch", "runs": [{"batch_size", "steps", "examples"}], "noise":
     [analyze_during_training records]}."""
-    runs, noise = [], []
+    scanned, noise = [], []
     for B in batch_sizes:
         run_dir = os.path.join(out_dir, f"B{B}")
         for name in ("log.jsonl", "analysis.jsonl"):
@@ -1324,22 +1325,22 @@ def batch_scan(batch_sizes, target, out_dir, max_iters=4000, analyze_batch=0, an
             proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err_file)
             steps = None
             while steps is None and proc.poll() is None:
-                steps = steps_to_target(data.read_jsonl(os.path.join(run_dir, "log.jsonl"))[0], target)
+                steps = steps_to_target(runs.read_jsonl(os.path.join(run_dir, "log.jsonl"))[0], target)
                 if steps is None:
                     time.sleep(1.0)
             proc.terminate()
             proc.wait()
-        steps = steps or steps_to_target(data.read_jsonl(os.path.join(run_dir, "log.jsonl"))[0], target)
+        steps = steps or steps_to_target(runs.read_jsonl(os.path.join(run_dir, "log.jsonl"))[0], target)
         if steps is None:
             err = open(os.path.join(run_dir, "stderr.txt")).read().strip()
             raise ValueError(f"batch size {B} did not reach val loss {target} in {max_iters} steps "
                              f"({err.splitlines()[-1] if err else 'no error'}): raise max_iters or the target")
-        runs.append({"batch_size": B, "steps": steps, "examples": steps * B})
+        scanned.append({"batch_size": B, "steps": steps, "examples": steps * B})
         if B == analyze_batch:
-            noise = data.read_jsonl(os.path.join(run_dir, "analysis.jsonl"))[0]
+            noise = runs.read_jsonl(os.path.join(run_dir, "analysis.jsonl"))[0]
         if verbose:
             print(f"B = {B}: val loss {target} after {steps:.1f} steps, {steps * B:.0f} sequences", flush=True)
-        result = {"target": target, "analyze_batch": analyze_batch, "runs": runs, "noise": noise}
+        result = {"target": target, "analyze_batch": analyze_batch, "runs": scanned, "noise": noise}
         _write_json(os.path.join(out_dir, "scan.json"), result)
     return result
 
@@ -1457,7 +1458,7 @@ def read_schedule_run(run_dir):
     if not os.path.isfile(os.path.join(run_dir, "log.jsonl")):
         raise ValueError(f"no {run_dir}/log.jsonl: give train.py run folders "
                          "(train with --out_dir=... --log_interval=1)")
-    rows = data.read_jsonl(os.path.join(run_dir, "log.jsonl"))[0]
+    rows = runs.read_jsonl(os.path.join(run_dir, "log.jsonl"))[0]
     lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
     if not lr or sorted(lr) != list(range(1, max(lr) + 1)):
         raise ValueError(f"{run_dir}/log.jsonl lacks the lr of every step: train with --log_interval=1")
@@ -1625,7 +1626,7 @@ def check_fit(memory, device):
     total = processes * sum(need.values())
     if total > have:
         each = f"{processes} processes x " if processes > 1 else ""
-        raise data.ConfigError(f"this run needs at least {size(total)} by formula ({each}" + ", ".join(
+        raise runs.ConfigError(f"this run needs at least {size(total)} by formula ({each}" + ", ".join(
             f"{k} {size(v)}" for k, v in need.items()) + f"), more than the {size(have)} of {where}: use a smaller "
             f"--n_layer or --n_embd (the weights and optimizer state), --batch_size or --block_size (the activations)")
 
@@ -1718,7 +1719,7 @@ OPTIONS = {  # analysis options; every GPTConfig key is also accepted (fresh ini
     "lr_transfer_widths": "64,256",    # the lr_transfer section's model widths
     "lr_transfer_steps": 200,          # the lr_transfer section's training steps per run (20 of them warm up)
 }
-# the allowed values of the numeric options and model keys (data.in_range)
+# the allowed values of the numeric options and model keys (runs.in_range)
 RANGES = {"seed": "in [0, 2**63)", "batch_size": ">= 1", "micro_batches": ">= 1", "hessian_batches": ">= 1",
           "top_k": ">= 1", "power_iters": ">= 1", "n_probes": ">= 1", "lanczos_iters": ">= 1", "n_slq": ">= 1",
           "scan_target": "> 0", "scan_max_iters": ">= 1", "scan_analyze_batch": ">= 0", "lr_transfer_steps": ">= 1",
@@ -1744,23 +1745,23 @@ def train_settings():
 
 
 def parse_args(argv):
-    """data.parse_config (train.py's parser) over OPTIONS and the GPTConfig keys, with GPTConfig's
+    """runs.parse_config (train.py's parser) over OPTIONS and the GPTConfig keys, with GPTConfig's
     defaults. A bare path or --config=path is a train.py config file; only its model keys, dataset and
     tokenizer are used (its other keys are train.py's settings; a key that is neither is refused). Every value is
-    checked as train.py checks its own (data.check_values, GPTConfig's rules), and the sections chosen. Returns
+    checked as train.py checks its own (runs.check_values, GPTConfig's rules), and the sections chosen. Returns
     (options, model overrides)."""
     model_keys = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size"}
     with open(__file__) as f:
         options_source = f.read().split("\nOPTIONS = {", 1)[1]
-    descriptions = {**data.source_comments(inspect.getsource(GPTConfig)), **data.source_comments(options_source)}
-    given = data.parse_config(argv, {**OPTIONS, **model_keys}, __doc__, descriptions,
+    descriptions = {**runs.source_comments(inspect.getsource(GPTConfig)), **runs.source_comments(options_source)}
+    given = runs.parse_config(argv, {**OPTIONS, **model_keys}, __doc__, descriptions,
                               file_keys={*model_keys, "dataset", "tokenizer"}, file_others=train_settings(),
-                              allowed={**RANGES, **data.choices_help(choices(), {
+                              allowed={**RANGES, **runs.choices_help(choices(), {
                                   **{key: (model_module, table) for key, table in model_module.CHOICE_TABLES.items()},
                                   "tokenizer": (data, "TOKENIZERS")})})
     opts = {**OPTIONS, **{k: v for k, v in given.items() if k in OPTIONS}}
     overrides = {k: v for k, v in given.items() if k not in OPTIONS}
-    data.check_values({**model_keys, **given}, RANGES, choices())
+    runs.check_values({**model_keys, **given}, RANGES, choices())
     GPTConfig(**{**model_keys, **overrides})  # the model's own rules, with a stand-in vocabulary
     check_sections(opts)
     return opts, overrides
@@ -1800,9 +1801,9 @@ def load_model(opts, model_overrides):
     if opts["ckpt"]:
         if model_overrides:
             raise ValueError(f"model keys {sorted(model_overrides)} cannot change a checkpoint's model: drop them")
-        ckpt = data.load_checkpoint(opts["ckpt"], "--ckpt")
+        ckpt = runs.load_checkpoint(opts["ckpt"], "--ckpt")
         model = GPT(GPTConfig.from_dict(ckpt["config"]))
-        data.load_weights(model, ckpt, opts["ckpt"])
+        runs.load_weights(model, ckpt, opts["ckpt"])
         return model, ckpt["config"].get("dataset", opts["dataset"]), ckpt["config"].get("tokenizer", opts["tokenizer"])
     _, _, meta = data.load_dataset(opts["dataset"], opts["tokenizer"])
     torch.manual_seed(opts["seed"])
@@ -1851,7 +1852,7 @@ def main_mpl(opts):
     predict_dirs = [d for d in opts["mpl_predict"].split(",") if d]
     out_dir = opts["out_dir"] or os.path.join("out", "mpl")
     data.check_writable_folder(out_dir, "out_dir")
-    data.make_folder(out_dir, "out_dir")
+    runs.make_folder(out_dir, "out_dir")
     result = mpl_predict(fit_dirs, predict_dirs, os.path.join(out_dir, "mpl.png"))
     print("multi-power law fitted to " + ", ".join(fit_dirs) + f" (rms {result['fit_rms']:.4f}): " +
           ", ".join(f"{k} {v:.4g}" for k, v in result["params"].items()))
@@ -1868,7 +1869,7 @@ def main(argv):
     if opts["mpl_fit"]:
         return main_mpl(opts)
     sections = [s for s in opts["sections"].split(",") if s]
-    device = kernels.use_device(opts["device"])  # made current: Triton launches on the current GPU
+    device = runs.use_device(opts["device"])  # made current: Triton launches on the current GPU
     factors = parse_list(opts, "lengths", float) if opts["lengths"] else None
     out_dir = opts["out_dir"] or os.path.join(os.path.dirname(opts["ckpt"]) if opts["ckpt"] else "out", "analysis")
     data.check_writable_folder(out_dir, "out_dir")

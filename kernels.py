@@ -174,55 +174,6 @@ def autocast_off(device_type):
     return contextlib.nullcontext()
 
 
-def mps_available():
-    return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
-
-
-def use_device(name="auto"):
-    """The device a run computes on, made current, as a torch.device with its index: auto is cuda > mps > cpu;
-    cuda is the current GPU (0 unless set), or under torchrun the GPU of the process's LOCAL_RANK; cuda:N is GPU N.
-    Making it current matters because Triton launches on the current GPU, not on its arguments'."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if mps_available() else "cpu"
-    device = torch.device(name)
-    if device.type != "cuda":
-        return device
-    local_rank = os.environ.get("LOCAL_RANK")
-    if local_rank is not None and device.index not in (None, int(local_rank)):
-        raise ValueError(f"--device={name!r}: under torchrun each process computes on the GPU of its LOCAL_RANK "
-                         f"(here cuda:{local_rank}); use --device=cuda or auto")
-    index = device.index if device.index is not None else int(local_rank) if local_rank is not None else \
-        torch.cuda.current_device()
-    device = torch.device("cuda", index)
-    torch.cuda.set_device(device)
-    return device
-
-
-def autocast_dtype(device):
-    """The 16-bit dtype of mixed precision on a GPU: bf16 where it computes bf16 natively (compute capability 8.0 and
-    up: A100, H100, RTX 30xx and later), else fp16 (T4, V100, RTX 20xx), which needs a GradScaler."""
-    return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
-
-
-def matmul_rate():
-    """A float32 matmul rate of this machine measured now (0.2 s): an optimistic speed for check_step_time only,
-    as MFU against it would swing with the machine's load."""
-    a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))  # leaves the global RNG alone
-    b = a @ a
-    t0, n = time.perf_counter(), 0
-    while time.perf_counter() - t0 < 0.2:
-        a @ b
-        n += 1
-    return 2 * 512 ** 3 * n / (time.perf_counter() - t0)
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
 def _fp32(fn):
     """Run a recurrence with autocast off: its fp32 matmuls and solves stay fp32 inside a bf16 autocast region."""
     @functools.wraps(fn)

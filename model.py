@@ -100,7 +100,7 @@ class GPTConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-# the allowed values of GPTConfig's numeric keys, as train.py and analyze.py check them (data.in_range's rules);
+# the allowed values of GPTConfig's numeric keys, as train.py and analyze.py check them (runs.in_range's rules);
 # GPTConfig itself checks the rules between keys
 CONFIG_RANGES = {"block_size": ">= 1", "n_layer": ">= 1", "n_head": ">= 1", "n_embd": ">= 1", "hc_streams": ">= 1",
                  "mamba_headdim": ">= 1", "vocab_multiple": ">= 1", "rope_base": "> 0", "dropout": "in [0, 1)"}

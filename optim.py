@@ -424,7 +424,7 @@ class Setting:
     and lists it in --help with help and the optimizers that take it: an optimizer's settings live in its row."""
     key: str              # train.py's config key
     default: object = None  # its value when not given (its type is the key's type): required
-    allowed: object = None  # a number's range as data.in_range reads it (">= a", "> a", "in [a, b)"), or a dict of
+    allowed: object = None  # a number's range as runs.in_range reads it (">= a", "> a", "in [a, b)"), or a dict of
     #                         choices: required
     help: str = ""          # the --help text
 

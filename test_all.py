@@ -206,6 +206,7 @@ import init
 import kernels
 import model as model_module
 import optim
+import runs
 import train
 import triton
 import triton.language as tl
@@ -4197,7 +4198,7 @@ def test_project_imports_form_no_cycle():
 
     trees = {m: ast.parse(open(os.path.join(ROOT, m + ".py")).read()) for m in modules}
     graph = {m: imported(ast.walk(tree)) - {m} for m, tree in trees.items()}
-    assert {"data", "kernels", "init", "model", "optim", "analyze", "train"} <= modules
+    assert {"data", "runs", "kernels", "init", "model", "optim", "analyze", "train"} <= modules
     assert graph["init"] == set() and graph["data"] == set() and graph["kernels"] == set(), graph
     assert "train" not in graph["analyze"], graph["analyze"]
     remaining = dict(graph)
@@ -5145,7 +5146,7 @@ def test_optim_spectral_lr_gives_muon_the_spectral_condition():
                                                           ("cuda:0", 1, None, 0), ("cuda:1", 2, None, 1),
                                                           ("cuda", 2, "1", 1), ("auto", 2, "1", 1)])
 def test_the_run_device_becomes_the_current_gpu(simulated_gpu, monkeypatch, device, gpus, local_rank, index):
-    """kernels.use_device on a simulated machine with `gpus` GPUs: auto, cuda, cuda:0, cuda:1 and torchrun's LOCAL_RANK
+    """runs.use_device on a simulated machine with `gpus` GPUs: auto, cuda, cuda:0, cuda:1 and torchrun's LOCAL_RANK
     each make the right GPU current through torch's own torch.cuda.set_device (which refuses an index-less "cuda"),
     and return it with its index, where every tensor of the run goes."""
     machine = simulated_gpu(count=gpus)
@@ -5153,9 +5154,9 @@ def test_the_run_device_becomes_the_current_gpu(simulated_gpu, monkeypatch, devi
         monkeypatch.delenv("LOCAL_RANK", raising=False)
     else:
         monkeypatch.setenv("LOCAL_RANK", local_rank)
-    assert kernels.use_device(device) == torch.device("cuda", index)
+    assert runs.use_device(device) == torch.device("cuda", index)
     assert torch.cuda.current_device() == index and ("set_device", index) in machine.calls
-    assert kernels.use_device("cpu") == torch.device("cpu") and torch.cuda.current_device() == index
+    assert runs.use_device("cpu") == torch.device("cpu") and torch.cuda.current_device() == index
 
 
 def test_a_gpu_that_is_not_there_or_not_this_process_is_one_line(simulated_gpu, monkeypatch, tmp_path):
@@ -5167,7 +5168,7 @@ def test_a_gpu_that_is_not_there_or_not_this_process_is_one_line(simulated_gpu, 
     simulated_gpu(count=2)
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(ValueError, match="under torchrun each process computes on the GPU of its LOCAL_RANK"):
-        kernels.use_device("cuda:1")
+        runs.use_device("cuda:1")
 
 
 def test_tests_fake_a_gpu_only_where_a_cpu_build_lacks_one():
@@ -5310,7 +5311,7 @@ def test_a_training_step_runs_on_fake_cuda_tensors(case, simulated_gpu):
     simulated_gpu(capability=capability, name="Tesla T4" if capability < (8, 0) else "NVIDIA H100 80GB HBM3")
     cfg = make_config(vocab_size=64, block_size=48, n_layer=len(overrides["mixer"]), n_embd=64, n_head=2,
                       chunk_size=16, kernels="auto", **{k: v for k, v in overrides.items()})
-    half = kernels.autocast_dtype(torch.device("cuda"))
+    half = train.autocast_dtype(torch.device("cuda"))
     record, step = GpuOpArguments(), GpuOpArguments()
     with FakeTensorMode():
         gpt = to_fake_gpu(GPT(cfg))  # made on the CPU, then moved, as train.py does
@@ -5388,12 +5389,12 @@ def test_float16_scales_the_loss_skips_overflowing_steps_and_resumes_exactly(tmp
     skipped = np.cumsum([r["skipped_steps"] for r in rows])
     assert skipped[-1] >= 1 and [r["loss_scale"] for r in rows] == [2.0 ** (16 - s) for s in skipped]
     train.main([*FP16_RUN, "--max_iters=6", "--lr_decay_iters=12", f"--out_dir={first}"])
-    assert data.load_checkpoint(os.path.join(first, "ckpt.pt"))["scaler"]["scale"] == rows[5]["loss_scale"]
+    assert runs.load_checkpoint(os.path.join(first, "ckpt.pt"))["scaler"]["scale"] == rows[5]["loss_scale"]
     train.main(["--init_from=resume", "--max_iters=12", f"--out_dir={first}"])
     kept = lambda out: [[r.get(k) for k in ("step", "loss", "val", "grad_norm", "loss_scale", "skipped_steps")]
                         for r in log_rows(out) if r["step"] > 6]
     assert kept(first) == kept(whole)
-    a, b = (data.load_checkpoint(os.path.join(d, "ckpt.pt"))["model"] for d in (whole, first))
+    a, b = (runs.load_checkpoint(os.path.join(d, "ckpt.pt"))["model"] for d in (whole, first))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -5455,13 +5456,13 @@ def test_diverging_run_keeps_the_last_finite_checkpoint(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "nan" in lines[0] and "--learning_rate" in lines[0] and "--grad_clip" not in lines[0], lines
-    ckpt = data.load_checkpoint(os.path.join(out, "ckpt.pt"))
+    ckpt = runs.load_checkpoint(os.path.join(out, "ckpt.pt"))
     assert 0 < ckpt["iter_num"] < 40 and f"still holds iter {ckpt['iter_num']}" in lines[0], lines
     tensors = [t for t in ckpt["model"].values() if t.is_floating_point()]
     assert tensors and all(torch.isfinite(t).all() for t in tensors)
     assert math.isfinite(ckpt["val_loss"])
     model = GPT(GPTConfig.from_dict(ckpt["config"]))
-    data.load_weights(model, ckpt, out)
+    runs.load_weights(model, ckpt, out)
     x = torch.zeros(1, 8, dtype=torch.long)
     assert torch.isfinite(model(x, x)[1])
     assert max(r["step"] for r in log_rows(out)) == ckpt["iter_num"]
@@ -5619,7 +5620,7 @@ def test_train_py_defines_no_model_key_and_documents_every_key(capsys):
     keys = {**train.RUN_DEFAULTS, **train.model_defaults()}
     assert [k for k in keys if not descriptions.get(k)] == []
     with pytest.raises(SystemExit):
-        data.parse_config(["--help"], keys, train.__doc__, descriptions)
+        runs.parse_config(["--help"], keys, train.__doc__, descriptions)
     shown = capsys.readouterr().out
     for key, value in keys.items():
         assert f"--{key}={value!r}" in shown and descriptions[key] in shown, key
@@ -5627,7 +5628,7 @@ def test_train_py_defines_no_model_key_and_documents_every_key(capsys):
 
 def test_parse_config_types_and_files(tmp_path):
     defaults = {"n": 3, "lr": 0.1, "flag": False, "name": "a", "maybe": None}
-    parse = lambda *args, **kw: data.parse_config(list(args), defaults, "", {}, **kw)
+    parse = lambda *args, **kw: runs.parse_config(list(args), defaults, "", {}, **kw)
     assert parse("--n=5", "--lr=1", "--flag=true", "--name=b.txt", "--maybe=None") == \
         {"n": 5, "lr": 1.0, "flag": True, "name": "b.txt", "maybe": None}
     assert isinstance(parse("--lr=1")["lr"], float)
@@ -5688,7 +5689,7 @@ PEAK_BF16 = {"A100": 312e12, "H100": 989e12, "H200": 989e12}  # the vendors' den
 def preset_config(name, **overrides):
     """A preset's model: train.py's defaults, then the file, then overrides; the vocabulary of its data."""
     defaults = {**train.RUN_DEFAULTS, **train.model_defaults()}
-    settings = {**defaults, **data.parse_config([os.path.join(ROOT, "config", name)], defaults, "", {})}
+    settings = {**defaults, **runs.parse_config([os.path.join(ROOT, "config", name)], defaults, "", {})}
     shards = data.is_shard_pattern(settings["dataset"])
     vocab = 50257 if shards else data.load_dataset(settings["dataset"])[2]["vocab_size"]
     return settings, GPTConfig(vocab_size=vocab, **{**{k: settings[k] for k in train.model_defaults()}, **overrides})
@@ -6104,11 +6105,11 @@ def test_a_full_disk_stops_train_py_in_one_line_and_it_resumes_from_the_kept_che
 
 
 def test_a_log_line_is_whole_or_absent_on_a_full_disk(tmp_path, monkeypatch):
-    """data.append_line when the disk fills: a write cut short (half the line written) is undone, a write that
+    """runs.append_line when the disk fills: a write cut short (half the line written) is undone, a write that
     fails outright leaves the file as it was; both are one DiskFullError line naming the path. On /dev/full (a
     real ENOSPC) the same."""
     path = tmp_path / "log.jsonl"
-    data.append_line(str(path), '{"step": 1}')
+    runs.append_line(str(path), '{"step": 1}')
     before, inode, real_write = path.read_bytes(), os.stat(path).st_ino, os.write
 
     def half_written(fd, buffer):
@@ -6121,13 +6122,13 @@ def test_a_log_line_is_whole_or_absent_on_a_full_disk(tmp_path, monkeypatch):
     for fake in (half_written, not_written):
         monkeypatch.setattr(os, "write", fake)
         with pytest.raises(data.DiskFullError) as error:
-            data.append_line(str(path), json.dumps({"step": 2, "loss": 3.25}))
+            runs.append_line(str(path), json.dumps({"step": 2, "loss": 3.25}))
         monkeypatch.undo()
         assert str(error.value).startswith(f"no space left on device writing {path}") and "\n" not in str(error.value)
         assert path.read_bytes() == before
     if os.path.exists("/dev/full"):
         with pytest.raises(data.DiskFullError, match="no space left on device writing /dev/full"):
-            data.append_line("/dev/full", "{}")
+            runs.append_line("/dev/full", "{}")
 
 
 def test_resume_drops_a_torn_last_log_line_and_says_so(tmp_path):
@@ -6176,12 +6177,12 @@ def test_stop_signals_first_asks_then_stops_at_once_and_restores_the_handlers():
     """The first signal is recorded, a second raises KeyboardInterrupt (under DDP, again_stops=False, it is only
     recorded); the previous handlers are back afterwards."""
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    with data.stop_signals() as received:
+    with runs.stop_signals() as received:
         signal.raise_signal(signal.SIGTERM)
         assert received == [signal.SIGTERM]
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
-    with data.stop_signals(again_stops=False) as received:
+    with runs.stop_signals(again_stops=False) as received:
         signal.raise_signal(signal.SIGINT)
         signal.raise_signal(signal.SIGINT)
         assert received == [signal.SIGINT, signal.SIGINT]
@@ -6299,8 +6300,8 @@ def test_overwrite_deletes_the_old_run_at_the_new_first_checkpoint_and_a_kill_be
     assert f"note: put back the run in {out}" in again.stdout and "holds a run (ckpt.pt)" in again.stderr, again
     assert sorted(os.listdir(out)) == sorted(before) and file_digests(out) == before
 
-    seen, save = [], data.save_checkpoint
-    monkeypatch.setattr(data, "save_checkpoint",
+    seen, save = [], runs.save_checkpoint
+    monkeypatch.setattr(runs, "save_checkpoint",
                         lambda path, state: (seen.append(file_digests(aside) if os.path.isdir(aside) else None),
                                              save(path, state)))
     assert train.main([*TINY, "--max_iters=3", "--eval_interval=3", "--overwrite=True", f"--out_dir={out}"]) == 0
@@ -6311,7 +6312,7 @@ def test_overwrite_deletes_the_old_run_at_the_new_first_checkpoint_and_a_kill_be
 
 
 def test_wandb_credentials_are_found_as_wandb_finds_them_without_a_network(tmp_path):
-    """data.import_wandb in fresh processes whose HOME and wandb folders are in tmp_path: with no key anywhere it is
+    """runs.import_wandb in fresh processes whose HOME and wandb folders are in tmp_path: with no key anywhere it is
     one line; a key in WANDB_API_KEY or ~/.netrc (api.wandb.ai), WANDB_MODE=offline or disabled, or mode = offline
     in wandb's settings file let it pass; a malformed key is one line. Nothing here reaches a network."""
     home, netrc_home, settings = tmp_path / "home", tmp_path / "netrc_home", tmp_path / "settings"
@@ -6326,7 +6327,7 @@ def test_wandb_credentials_are_found_as_wandb_finds_them_without_a_network(tmp_p
              ({"HOME": str(netrc_home)}, "ready"), ({"WANDB_MODE": "offline"}, "ready"),
              ({"WANDB_MODE": "disabled"}, "ready"), ({"WANDB_CONFIG_DIR": str(settings)}, "ready"),
              ({"WANDB_API_KEY": "short"}, "wandb's API key is not valid")]
-    code = "import data\ntry:\n    data.import_wandb()\n    print('ready')\nexcept ValueError as e:\n    print(e)\n"
+    code = "import runs\ntry:\n    runs.import_wandb()\n    print('ready')\nexcept ValueError as e:\n    print(e)\n"
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**base, **extra}, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for extra, _ in cases]
     for (extra, want), proc in zip(cases, procs):
@@ -6459,8 +6460,8 @@ def test_resume_drops_log_rows_that_are_not_steps_and_says_so(tmp_path):
     strays = ['42', '"text"', '[1, 2]', '{"loss": 3.0}', '{"step": "5"}', '{"step": true}', '{"step": null}']
     with open(os.path.join(out, "log.jsonl"), "a") as f:
         f.write("\n".join(strays) + '\n{"step": 25, "loss": 3.1, "lr"')
-    rows, dropped = data.read_jsonl(os.path.join(out, "log.jsonl"))
-    assert dict(dropped) == {data.NOT_A_STEP: len(strays), data.TORN: 1} and all(type(r["step"]) is int for r in rows)
+    rows, dropped = runs.read_jsonl(os.path.join(out, "log.jsonl"))
+    assert dict(dropped) == {runs.NOT_A_STEP: len(strays), runs.TORN: 1} and all(type(r["step"]) is int for r in rows)
     proc = run_train("--init_from=resume", "--max_iters=30", f"--out_dir={out}")
     assert f"note: dropped {len(strays)} lines of {out}/log.jsonl that are not a step's row" in proc.stdout
     assert f"note: dropped 1 line of {out}/log.jsonl cut short" in proc.stdout
@@ -6472,7 +6473,8 @@ def test_every_script_prints_its_usage_with_help_and_refuses_unknown_arguments(t
     running anything; an unknown argument is one line on stderr and exit 1; data.py's extra arguments and a --dir
     that is a file are one line too."""
     scripts = sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and f != "test_all.py")
-    assert scripts == ["analyze.py", "data.py", "init.py", "kernels.py", "model.py", "optim.py", "train.py"]
+    assert scripts == ["analyze.py", "data.py", "init.py", "kernels.py", "model.py", "optim.py", "runs.py",
+                       "train.py"]
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     wrong = {"analyze.py": (["--no_such_key=1"], "unknown config key 'no_such_key'"),
@@ -6481,6 +6483,7 @@ def test_every_script_prints_its_usage_with_help_and_refuses_unknown_arguments(t
              "kernels.py": (["--bogus"], "kernels.py takes no arguments (got '--bogus')"),
              "model.py": (["--bogus"], "'--bogus' is not a mixer string"),
              "optim.py": (["--bogus"], "optim.py takes no arguments (got '--bogus')"),
+             "runs.py": (["--bogus"], "unexpected argument '--bogus'"),
              "train.py": (["--no_such_key=1"], "unknown config key 'no_such_key'")}
     runs = [(script, ["--help"], None) for script in scripts] + [(s, *wrong[s]) for s in scripts]
     runs += [("data.py", ["shakespeare_char", "char", "extra"], "unexpected argument 'extra'"),
@@ -6496,6 +6499,26 @@ def test_every_script_prints_its_usage_with_help_and_refuses_unknown_arguments(t
             lines = stderr.strip().splitlines()
             assert proc.returncode == 1 and len(lines) == 1 and message in lines[0], (script, args, stderr)
     assert os.listdir(tmp_path) == ["a_file"]
+
+
+def test_runs_py_shows_the_run_in_a_folder(tmp_path):
+    """python runs.py out_dir prints the step, the val losses, the dataset, mixer, optimizer and vocabulary of the
+    checkpoint there, the count of log.jsonl's rows and evals (a hand-written line named as no step's row), and that
+    no process holds its lock; a folder without a checkpoint is one line."""
+    runs.save_checkpoint(str(tmp_path / "ckpt.pt"), {
+        "model": {}, "config": {"dataset": "d.txt", "mixer": "MA", "optimizer": "adamw"}, "meta": {"vocab_size": 7},
+        "iter_num": 12, "val_loss": 2.5, "best_val_loss": 2.25})
+    (tmp_path / "log.jsonl").write_text('{"step": 0, "val": 3.0}\n{"step": 5, "loss": 2.7}\n{"note": 1}\n')
+    show = lambda folder: subprocess.run([sys.executable, os.path.join(ROOT, "runs.py"), str(folder)], cwd=tmp_path,
+                                         capture_output=True, text=True, timeout=300)
+    proc = show(tmp_path)
+    assert proc.returncode == 0 and proc.stdout.splitlines() == [
+        f"{tmp_path}: iter 12, val loss 2.5000 (best 2.2500); d.txt, mixer MA, optimizer adamw, vocab 7",
+        f"log.jsonl: 2 rows, 1 of them evals; 1 line {runs.NOT_A_STEP}", "no process holds its lock"], proc
+    proc = show(tmp_path / "no_run")
+    missing = tmp_path / "no_run" / "ckpt.pt"
+    assert proc.returncode == 1 and proc.stderr.strip() == \
+        f"error: no checkpoint at {missing}: train first, or point --out_dir at a run", proc.stderr
 
 
 def test_the_tests_prepare_their_data_in_a_temporary_folder(tmp_path):
@@ -6520,7 +6543,7 @@ def test_a_checkpoint_that_does_not_fit_names_the_key_and_both_shapes(tmp_path):
     small, wide = GPT(tiny_config(n_embd=32, n_head=2)), GPT(tiny_config(n_embd=64, n_head=2))
     differ = [k for k, v in wide.state_dict().items() if small.state_dict()[k].shape != v.shape]
     with pytest.raises(ValueError) as error:
-        data.load_weights(wide, {"model": small.state_dict()}, "small.pt")
+        runs.load_weights(wide, {"model": small.state_dict()}, "small.pt")
     first = differ[0]
     want = (f"the weights in small.pt do not fit this model: {first} is {list(small.state_dict()[first].shape)} "
             f"there, {list(wide.state_dict()[first].shape)} here (and {len(differ) - 1} more)")
@@ -6528,7 +6551,7 @@ def test_a_checkpoint_that_does_not_fit_names_the_key_and_both_shapes(tmp_path):
     saved = dict(small.state_dict())
     saved["extra.weight"] = saved.pop("norm_f.weight")
     with pytest.raises(ValueError, match=r"norm_f\.weight is missing there \(and 1 more\)"):
-        data.load_weights(GPT(tiny_config(n_embd=32, n_head=2)), {"model": saved}, "edited.pt")
+        runs.load_weights(GPT(tiny_config(n_embd=32, n_head=2)), {"model": saved}, "edited.pt")
 
 
 def generated_bad_values(defaults, ranges, choices):
@@ -6768,7 +6791,7 @@ def test_a_dummy_kind_of_each_sort_trains_through_train_py(tmp_path, monkeypatch
     assert ([r["step"] for r in rows if "loss" in r] == [1, 2]
             and all(math.isfinite(r["loss"]) for r in rows if "loss" in r))
     assert [r["step"] for r in rows if "val" in r] == [0, 2]
-    ckpt = data.load_checkpoint(os.path.join(out, "ckpt.pt"))
+    ckpt = runs.load_checkpoint(os.path.join(out, "ckpt.pt"))
     assert (ckpt["config"]["mixer"], ckpt["config"]["mlp"], ckpt["config"]["residual"]) == \
         (f"{letter}A", DUMMY.mlp, DUMMY.residual)
     assert ckpt["meta"] == {**ckpt["meta"], "tokenizer": DUMMY.tokenizer, "vocab_size": 256}
@@ -6822,7 +6845,7 @@ def test_an_optimizer_declared_by_its_row_alone_gets_its_keys_help_checks_and_lr
                   "--num_samples=0", "--min_lr=0", f"--out_dir={out}")
     assert trained.returncode == 0, trained.stderr
     assert "signum, lr 0.0005 " in trained.stdout, trained.stdout
-    saved, = data.load_checkpoint(str(out / "ckpt.pt"))["optimizer"]["optimizers"]  # one SignSGD: element-wise
+    saved, = runs.load_checkpoint(str(out / "ckpt.pt"))["optimizer"]["optimizers"]  # one SignSGD: element-wise
     assert saved["param_groups"] and all(group["beta"] == 0.5 for group in saved["param_groups"]), saved
     no_default = SIGNUM_ROW.replace('"signum_beta", 0.9, "in [0, 1)", "the momentum\'s rate"',
                                     '"signum_beta", allowed="in [0, 1)", help="the momentum\'s rate"')
