@@ -606,11 +606,11 @@ def coordinate_check(model, optimizer, idx, targets, steps=10):
 
 
 def width_model(width, scheme, vocab_size, block_size):
-    """2 layers, head size 16 (the head count grows with the width), untied lm_head; spectral uses the
-    "exact" embedding, whose output has RMS 1 at every width ("stable" is n_embd^-½ by design)."""
+    """2 attention layers without qk_norm, head size 16 (the head count grows with the width), untied lm_head;
+    spectral uses the "exact" embedding, whose output has RMS 1 at every width ("stable" is n_embd^-½ by design)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=width // 16,
-                          n_embd=width, tie_embeddings=False, init=scheme))
+                          n_embd=width, mixer="A", qk_norm=False, tie_embeddings=False, init=scheme))
     if scheme == "spectral":
         init_weights(model, "spectral", embedding="exact")
     return model

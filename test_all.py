@@ -5459,7 +5459,7 @@ def test_train_py_defines_no_model_key_and_documents_every_key(capsys):
     assert set(train.RUN_DEFAULTS) <= assigned | optimizer_keys and optimizer_keys <= set(train.RUN_DEFAULTS)
     assert not assigned & optimizer_keys and not optimizer_keys & model_keys
     assert set(train.model_defaults()) == model_keys - {"vocab_size"}
-    assert set(train.MODEL_DEFAULTS) <= model_keys and set(train.RESUME_CHANGEABLE) <= model_keys
+    assert set(train.RESUME_CHANGEABLE) <= model_keys
     descriptions = train.config_help()
     keys = {**train.RUN_DEFAULTS, **train.model_defaults()}
     assert [k for k in keys if not descriptions.get(k)] == []
@@ -5468,6 +5468,27 @@ def test_train_py_defines_no_model_key_and_documents_every_key(capsys):
     shown = capsys.readouterr().out
     for key, value in keys.items():
         assert f"--{key}={value!r}" in shown and descriptions[key] in shown, key
+
+
+def test_gptconfig_defaults_are_the_default_runs(tmp_path, monkeypatch):
+    """One default per key: `python train.py` with no arguments builds GPTConfig() but for the vocabulary (the
+    data's), the README's baby model (one Mamba2 layer under three attention layers, 0.79M parameters), and no
+    dict in train.py names a GPTConfig field as a key (no second table of model defaults)."""
+    monkeypatch.chdir(tmp_path)  # read_settings looks for a set-aside run in ./out
+    settings = train.read_settings([])[0]
+    meta = data.load_dataset(settings["dataset"], settings["tokenizer"])[2]
+    config = train.model_config(settings, meta["vocab_size"])
+    assert config == GPTConfig(vocab_size=meta["vocab_size"])
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    stated = re.search(r"the baby GPT on Shakespeare \(([\d.]+)M parameters: one narrow Mamba2 layer under three "
+                       r"RoPE attention\s+layers", readme)
+    assert stated and config.mixer == "MAAA" and config.mamba_expand == 1
+    assert round(sum(p.numel() for p in GPT(config).parameters()) / 1e6, 2) == float(stated.group(1))
+    model_keys = {f.name for f in dataclasses.fields(GPTConfig)}
+    tree = ast.parse(open(os.path.join(ROOT, "train.py")).read())
+    tables = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Dict)
+              and {k.value for k in node.keys if isinstance(k, ast.Constant)} & model_keys]
+    assert tables == [], f"train.py's dicts at lines {tables} name model keys: their defaults are GPTConfig's"
 
 
 def test_parse_config_types_and_files(tmp_path):
