@@ -560,16 +560,68 @@ def test_fetch_fineweb_through_a_loopback_hub(tmp_path):
     assert not list((tmp_path / "offline").glob("*.bin")) and not (tmp_path / "data").exists()
 
 
-@pytest.mark.parametrize("name", list(data.TOKENIZERS))
-def test_every_tokenizer_round_trips_and_rebuilds_from_its_meta(name):
-    """decode(encode(text)) == text on Shakespeare with accents added; ids lie in [0, vocab_size); the
-    tokenizer rebuilt from its meta() (as meta.json and checkpoints hold it) gives the same ids."""
-    text = data.shakespeare_text()[:5000] + " café naïve"
-    tokenizer = data.TOKENIZERS[name].from_text(text)
+def check_round_trip(name, text):
+    """What data.TOKENIZERS' rule asks of a tokenizer built from text: decode(encode(text)) == text if it declares
+    lossless, else encode(decode(ids)) == ids; ids lie in [0, vocab_size); the tokenizer rebuilt from its meta() (as
+    meta.json and checkpoints hold it) gives the same ids."""
+    tokenizer = data.tokenizer_class(name).from_text(text)
     ids = tokenizer.encode(text)
     meta = json.loads(json.dumps({"tokenizer": name, **tokenizer.meta()}))
-    assert tokenizer.decode(ids) == text and 0 <= min(ids) and max(ids) < meta["vocab_size"] <= 65536
+    if data.TOKENIZERS[name].lossless:
+        assert tokenizer.decode(ids) == text
+    else:
+        assert tokenizer.encode(tokenizer.decode(ids)) == ids
+    assert 0 <= min(ids) and max(ids) < meta["vocab_size"] <= 65536
     assert data.tokenizer_from_meta(meta).encode(text) == ids
+
+
+@pytest.mark.parametrize("name", list(data.TOKENIZERS))
+def test_every_tokenizer_round_trips_and_rebuilds_from_its_meta(name):
+    """check_round_trip on Shakespeare with accents added."""
+    check_round_trip(name, data.shakespeare_text()[:5000] + " café naïve")
+
+
+class WordTokenizer:
+    """A dummy tokenizer that cannot round-trip: the words of the text's first half, every other word <unk>."""
+
+    lossless = False
+
+    def __init__(self, words):
+        self.words = words
+
+    @classmethod
+    def from_text(cls, text):
+        return cls(["<unk>", *sorted(set(text[:len(text) // 2].split()))])
+
+    @classmethod
+    def from_meta(cls, meta):
+        return cls(meta["words"])
+
+    def meta(self):
+        return {"vocab_size": len(self.words), "words": self.words}
+
+    def encode(self, text):
+        return [self.words.index(w) if w in self.words else 0 for w in text.split()]
+
+    def decode(self, ids):
+        return " ".join(self.words[i] for i in ids)
+
+
+def test_tokenizer_lossless_flag_is_declared_and_honoured(monkeypatch):
+    """A tokenizer that maps unknowns declares lossless=False and passes check_round_trip; declaring True it fails
+    there; declaring nothing it gets the rule's one line when first built."""
+    text = data.shakespeare_text()[:2000]
+    monkeypatch.setitem(data.TOKENIZERS, "dummy-words", WordTokenizer)
+    check_round_trip("dummy-words", text)
+    monkeypatch.setattr(WordTokenizer, "lossless", True)
+    with pytest.raises(AssertionError):
+        check_round_trip("dummy-words", text)
+    monkeypatch.delattr(WordTokenizer, "lossless")
+    with pytest.raises(data.DataError) as error:
+        data.tokenizer_class("dummy-words")
+    assert str(error.value) == ("tokenizer 'dummy-words' does not declare lossless: a tokenizer says whether "
+                                "decode(encode(text)) == text (lossless = True) or not (False: the rule above "
+                                "data.TOKENIZERS)")
 
 
 def test_tokenizer_choice_is_checked_against_the_dataset(tmp_path):
@@ -4853,6 +4905,24 @@ def test_optim_matrix_optimizers_reject_non_matrices():
             cls([nn.Parameter(torch.zeros(5))])
 
 
+
+def test_optimizer_settings_of_another_optimizer_are_refused(monkeypatch):
+    """The rule of optim.SETTINGS: a setting given must be one the chosen optimizer takes (its row, or the aux AdamW's
+    betas for a matrix optimizer). A dummy row's setting given with another optimizer gets the rule's one line."""
+    dummy = optim.Setting("dummy_rho", 0.5, "in [0, 1)", "a dummy's decay")
+    rows = {**optim.OPTIMIZERS, "dummy": optim.OptimizerKind(optim.SGD, False, "gradient", 0.1, {"momentum": dummy})}
+    monkeypatch.setattr(optim, "OPTIMIZERS", rows)
+    monkeypatch.setattr(optim, "SETTINGS", optim.optimizer_settings(rows))
+    optim.check_chosen_settings("dummy", {"dummy_rho": 0.9, "learning_rate": 0.1})
+    with pytest.raises(ValueError) as error:
+        optim.check_chosen_settings("muon", {"learning_rate": 0.1, "dummy_rho": 0.9})
+    assert str(error.value).startswith("--dummy_rho is a setting of dummy, not of the chosen --optimizer=muon (an "
+                                       "optimizer takes only the settings its row of optim.OPTIMIZERS declares)")
+    assert "\n" not in str(error.value)
+    optim.check_chosen_settings("muon", {"beta1": 0.5, "momentum": 0.9})  # a matrix optimizer's aux AdamW: betas
+    with pytest.raises(ValueError, match="--beta1 is a setting of the matrix optimizers' aux AdamW, adamw, nadam"):
+        optim.check_chosen_settings("sgd", {"beta1": 0.5})
+
 # -----------------------------------------------------------------------------
 # build_optimizer routing, and resume
 
@@ -5433,6 +5503,8 @@ def test_bad_values_are_one_line_errors_before_anything_is_created(tmp_path):
              (["--block_size=300000", "--batch_size=1", "--device=cpu", "--peak_tflops=0.001"],
               "hours on cpu even at its peak"),
              (["--optimizer=adamw", "--beta2=1.5"], "--beta2=1.5 is not valid"),
+             (["--optimizer=adamw", "--momentum=0.5"], "--momentum is a setting of sgd, muon, mousse, not of the "
+              "chosen --optimizer=adamw"),
              ([f"--dataset={no_newline}", "--num_samples=1"], "--start='\\n' (the samples' prompt) does not fit"),
              (["--start=", "--num_samples=1"], "--start='' (the samples' prompt) is empty"),
              ([f"--dataset={tmp_path}/foreign_train_*.bin"], "holds token id 60000, beyond the 50,257 ids")]
@@ -6566,6 +6638,8 @@ class PlainSGD(torch.optim.Optimizer):
 
 class ByteTokenizer:
     """UTF-8 bytes: 256 tokens, whatever the text."""
+
+    lossless = True
 
     @classmethod
     def from_text(cls, text):

@@ -394,6 +394,7 @@ def read_settings(args):
         ckpt = data.load_checkpoint(os.path.join(settings["out_dir"], "ckpt.pt"))
         settings, changes = resumed_settings(ckpt["config"], given)
     check_settings(settings)
+    optim.check_chosen_settings(settings["optimizer"], given)
     settings["learning_rate"] = peak_lr(settings)
     if ckpt is not None:
         check_schedule_length(ckpt["config"], settings, given)
