@@ -1139,7 +1139,8 @@ class Section:
     options) and the (summary, arrays) of every earlier section that ran. needs: the earlier sections
     run reads when present. plot(summary, arrays, path) draws <section>.png (None: no plot); show(summary)
     prints. default: run when --sections is not given. during_training: its cheap version for
-    train.py --analyze_every (None: not logged during training)."""
+    train.py --analyze_every (None: not logged during training). Both run under torch.no_grad() (so a section may
+    call .numpy() on what the model returns) unless needs_grad: it differentiates (a Hessian, gradients, training)."""
     run: object
     plot: object
     show: object
@@ -1147,6 +1148,7 @@ class Section:
     default: bool = True
     during_training: object = None
     two_batch_sizes: bool = False  # it compares the micro-batches' gradients with their mean's: --micro_batches >= 2
+    needs_grad: bool = False       # it differentiates: run with gradients on (every other section under no_grad)
 
 
 SECTIONS = {  # in run order: a section's needs come before it
@@ -1156,11 +1158,12 @@ SECTIONS = {  # in run order: a section's needs come before it
         model, inputs["batches"][:inputs["opts"]["hessian_batches"]], inputs["opts"]["top_k"],
         inputs["opts"]["power_iters"], n_probes=inputs["opts"]["n_probes"],
         lanczos_iters=inputs["opts"]["lanczos_iters"], n_slq=inputs["opts"]["n_slq"], seed=inputs["opts"]["seed"],
-        verbose=True), plot_hessian, show_hessian, during_training=hessian_during_training),
+        verbose=True), plot_hessian, show_hessian, during_training=hessian_during_training, needs_grad=True),
     "gradients": Section(lambda model, inputs: gradient_stats(model, inputs["batches"]), plot_gradients,
-                         show_gradients, during_training=gradients_during_training, two_batch_sizes=True),
+                         show_gradients, during_training=gradients_during_training, two_batch_sizes=True,
+                         needs_grad=True),
     "noise": Section(lambda model, inputs: (curvature_noise_scale(model, inputs["batches"]), {}), None, show_noise,
-                     during_training=noise_during_training, two_batch_sizes=True),
+                     during_training=noise_during_training, two_batch_sizes=True, needs_grad=True),
     "ns": Section(ns_section, plot_ns, show_ns, needs=("gradients",)),
     "hc": Section(lambda model, inputs: hc_spectra(model, inputs["idx"]), plot_hc, show_hc,
                   during_training=hc_during_training),
@@ -1168,14 +1171,31 @@ SECTIONS = {  # in run order: a section's needs come before it
                      during_training=gates_during_training),
     "isotropy": Section(lambda model, inputs: isotropy(model, inputs["idx"]), plot_isotropy, show_isotropy),
     "coord": Section(lambda model, inputs: coordinate_transfer(parse_list(inputs["opts"], "coord_widths", int)),
-                     plot_coordinate_transfer, show_coordinate_transfer, default=False),
+                     plot_coordinate_transfer, show_coordinate_transfer, default=False, needs_grad=True),
     "lr_transfer": Section(lambda model, inputs: lr_transfer(
         inputs["opts"]["dataset"], inputs["opts"]["tokenizer"], parse_list(inputs["opts"], "lr_transfer_widths", int),
-        steps=inputs["opts"]["lr_transfer_steps"]), plot_lr_transfer, show_lr_transfer, default=False),
+        steps=inputs["opts"]["lr_transfer_steps"]), plot_lr_transfer, show_lr_transfer, default=False,
+        needs_grad=True),
     "sparsity": Section(lambda model, inputs: attention_sparsity(model, inputs["batches"][0]), plot_sparsity,
                         show_sparsity),
 }
 DEFAULT_SECTIONS = [name for name, s in SECTIONS.items() if s.default]
+
+
+def run_section(name, fn, *args):
+    """fn(*args), section name's run or during_training, under torch.no_grad() unless its row declares needs_grad;
+    one that differentiates without declaring it gets a one-line error naming it and the rule."""
+    if SECTIONS[name].needs_grad:
+        with torch.enable_grad():
+            return fn(*args)
+    try:
+        with torch.no_grad():
+            return fn(*args)
+    except RuntimeError as e:
+        if "does not require grad" not in str(e):
+            raise
+        raise ValueError(f"analyze section {name!r} differentiates, but its row does not declare needs_grad=True "
+                         f"(sections run under torch.no_grad() unless their row in analyze.SECTIONS says so)") from None
 
 
 def run_analysis(model, batches, out_dir, sections=DEFAULT_SECTIONS, opts=None, verbose=True):
@@ -1193,7 +1213,7 @@ def run_analysis(model, batches, out_dir, sections=DEFAULT_SECTIONS, opts=None, 
         section = SECTIONS[name]
         if verbose:
             print(f"[{name}]", file=sys.stderr)
-        section_summary, arrays = section.run(model, inputs)
+        section_summary, arrays = run_section(name, section.run, model, inputs)
         summary[name] = section_summary
         if section_summary is None:
             continue
@@ -1229,10 +1249,10 @@ def analyze_during_training(model, batch, step, out_dir, micro_batches=4, hessia
     settings = {"micro_batches": micro_batches, "hessian_sequences": hessian_sequences, "power_iters": power_iters}
     record = {"step": step}
     with kernels.autocast_off(x.device.type):  # fp32 even inside a bf16 training step
-        for section in SECTIONS.values():
+        for name, section in SECTIONS.items():
             if section.during_training is None:
                 continue
-            for key, value in section.during_training(twin, x, y, step, settings).items():
+            for key, value in run_section(name, section.during_training, twin, x, y, step, settings).items():
                 record[key] = {**record.get(key, {}), **value} if isinstance(value, dict) else value
     os.makedirs(out_dir, exist_ok=True)
     data.append_line(os.path.join(out_dir, "analysis.jsonl"), json.dumps(_jsonable(record)))

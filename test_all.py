@@ -7198,6 +7198,32 @@ def test_sections_table_runs_in_order_and_takes_a_new_row(tmp_path, monkeypatch)
         analyze.run_analysis(model, batches, str(tmp_path), ["weights", "nope"], verbose=False)
 
 
+def test_sections_run_without_gradients_unless_their_row_declares_needs_grad(tmp_path, monkeypatch):
+    """A section runs under torch.no_grad() (so .numpy() on the model's logits works), both its run and its
+    during_training; one that differentiates needs needs_grad=True in its row, and without it gets the rule's line."""
+    logits_numpy = lambda model, idx: model(idx)[0].numpy().std()
+    differentiate = lambda model, x, y: sum(p.norm() for p in torch.autograd.grad(model(x, y)[1], [
+        next(model.parameters())])).item()
+    monkeypatch.setitem(analyze.SECTIONS, "dummy-numpy", analyze.Section(
+        lambda model, inputs: ({"std": float(logits_numpy(model, inputs["idx"]))}, {}), None, print,
+        during_training=lambda model, x, y, step, settings: {"std": float(logits_numpy(model, x))}))
+    monkeypatch.setitem(analyze.SECTIONS, "dummy-grad", analyze.Section(
+        lambda model, inputs: ({"g": differentiate(model, *inputs["batches"][0])}, {}), None, print,
+        during_training=lambda model, x, y, step, settings: {"g": differentiate(model, x, y)}, needs_grad=True))
+    model = analyze.analysis_model(analyze_tiny_gpt())
+    x, y = torch.randint(0, 8, (2, 8)), torch.randint(0, 8, (2, 8))
+    summary = analyze.run_analysis(model, [(x, y)], str(tmp_path), ["dummy-numpy", "dummy-grad"], verbose=False)
+    assert summary["dummy-numpy"]["std"] > 0 and summary["dummy-grad"]["g"] > 0
+    record = analyze.analyze_during_training(model, (x, y), 0, str(tmp_path), micro_batches=1)
+    assert record["std"] == summary["dummy-numpy"]["std"] and record["g"] > 0
+    monkeypatch.setattr(analyze.SECTIONS["dummy-grad"], "needs_grad", False)
+    with pytest.raises(ValueError) as error:
+        analyze.run_analysis(model, [(x, y)], str(tmp_path), ["dummy-grad"], verbose=False)
+    assert str(error.value) == ("analyze section 'dummy-grad' differentiates, but its row does not declare "
+                                "needs_grad=True (sections run under torch.no_grad() unless their row in "
+                                "analyze.SECTIONS says so)")
+
+
 def test_attention_sparsity_counts_exact_zeros_per_layer_and_head():
     """attention_sparsity against zeros counted here from each layer's q, k rebuilt from its input (a forward
     pre-hook), over the causal entries only; softmax attention has none at init."""
