@@ -737,35 +737,28 @@ def show_lr_transfer(summary):
 def attention_sparsity(model, batch):
     """Fraction of exact zeros in each attention layer's weights, per head, over the causal entries (key s ≤
     query t) of one forward pass of batch = (x, y) (or x alone), on analysis_model(model): softmax for sdpa and
-    math models, sparsemax for sparsemax ones. The weights are recomputed from the q, k that each layer hands
-    its explicit attention function. Returns (summary, arrays); (None, {}) for a model without attention."""
+    math models, sparsemax for sparsemax ones: each layer's Attention.attention_weights on the input it got (a
+    forward pre-hook). Returns (summary, arrays); (None, {}) for a model without attention."""
     twin = analysis_model(model)
     names = [name for name, module in twin.named_modules() if isinstance(module, Attention)]
     if not names:
         return None, {}
     idx = batch[0] if isinstance(batch, (tuple, list)) else batch
     kind = twin.config.attention
-    # Attention.forward looks its function up in model.ATTENTIONS at call time: wrap it for one pass to see q, k
-    original, captured = model_module.ATTENTIONS[kind], []
-
-    def recording(q, k, *args):
-        captured.append((q, k))
-        return original(q, k, *args)
-    model_module.ATTENTIONS[kind] = recording
+    inputs = []  # each attention layer's input and positions, for its attention_weights
+    hooks = [twin.get_submodule(name).register_forward_pre_hook(lambda m, args: inputs.append((m, *args[:2])))
+             for name in names]
     try:
         twin(idx.to(next(twin.parameters()).device))
     finally:
-        model_module.ATTENTIONS[kind] = original
+        for h in hooks:
+            h.remove()
     layers, fractions = [], []
-    for name, (q, k) in zip(names, captured):
-        T, S = q.size(2), k.size(2)
-        scores = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5
-        causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-        if kind == "sparsemax":
-            weights = kernels.sparsemax(scores, causal=True, kernels="torch")
-        else:
-            weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-        zeros = ((weights == 0) & causal).sum((0, 2, 3)).double() / (q.size(0) * causal.sum())
+    for name, (module, x, rope) in zip(names, inputs):
+        weights = module.attention_weights(x, rope)
+        B, _, T, S = weights.shape
+        causal = torch.ones(T, S, dtype=torch.bool, device=weights.device).tril(S - T)
+        zeros = ((weights == 0) & causal).sum((0, 2, 3)).double() / (B * causal.sum())
         layers.append({"name": name, "zero_frac": zeros.mean().item(), "zero_frac_per_head": zeros.tolist(),
                        "mean_keys_used": (weights > 0).sum(-1).double().mean().item()})  # nonzero weights per query
         fractions.append(zeros.cpu().numpy())

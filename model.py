@@ -213,7 +213,7 @@ def attention_math(q, k, v, dropout=0.0, kernels_path="auto"):
     att = torch.baddbmm(mask.expand(B * nh, T, S), q.reshape(B * nh, T, d), k.reshape(B * nh, S, d).transpose(1, 2),
                         alpha=d ** -0.5)
     att = F.dropout(att.softmax(dim=-1), dropout)
-    return torch.bmm(att, v.reshape(B * nh, S, d)).view(B, nh, T, d)
+    return torch.bmm(att, v.reshape(B * nh, S, -1)).view(B, nh, T, -1)
 
 
 def attention_sparsemax(q, k, v, dropout=0.0, kernels_path="auto"):
@@ -224,7 +224,9 @@ def attention_sparsemax(q, k, v, dropout=0.0, kernels_path="auto"):
     return F.dropout(att, dropout) @ v
 
 
-# GPTConfig.attention: how the scores become weights, each (q, k, v, dropout, kernels_path) -> (B, nh, T, d)
+# GPTConfig.attention: how the scores become weights, each (q, k, v, dropout, kernels_path) -> (B, nh, T, d).
+# The rule: the output is W v with weights W (B, nh, T, S) from q and k alone, for v of any width (with dropout 0),
+# so Attention.attention_weights reads W as the output for v = I.
 ATTENTIONS = {
     "sdpa": attention_sdpa,             # softmax, by PyTorch's fused kernels
     "math": attention_math,             # softmax by plain ops: supports double backward
@@ -261,19 +263,39 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, cache=None):
         B, T, C = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_head, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_head, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotate(q, k, rope)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
+        q, k, v = self.heads(x, rope)
         if cache is not None:  # generation: append to the keys and values of earlier positions
             if "k" in cache:
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v
         y = ATTENTIONS[self.attention](q, k, v, self.dropout if self.training else 0.0, self.kernels_path)
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def heads(self, x, rope):
+        """q, k, v (B, nh, T, hs) of x (B, T, C): the projections, qk_norm, and R_t on q and k."""
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_head, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_head, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotate(q, k, rope)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def attention_weights(self, x, rope):
+        """The weights (B, nh, T, T) each query of x (B, T, C) puts on each key, as this layer's kind in ATTENTIONS
+        makes them (softmax, sparsemax, ...; no dropout): the output for v = I, by the rule above ATTENTIONS."""
+        q, k, _ = self.heads(x, rope)
+        B, nh, T, _ = q.shape
+        identity = torch.eye(T, device=q.device, dtype=q.dtype).expand(B, nh, T, T)
+        try:
+            weights = ATTENTIONS[self.attention](q, k, identity, 0.0, self.kernels_path)
+        except RuntimeError:
+            weights = None
+        if weights is None or weights.shape != (B, nh, T, T):
+            raise ValueError(f"attention {self.attention!r} cannot give its weights: its output must be W v for v of "
+                             f"any width (the rule above model.ATTENTIONS)")
+        return weights
 
     def rotate(self, q, k, rope):
         """R_t q, R_t k for q, k (B, T, nh, hs). rope: (cos, sin) of the T positions' angles for rope="fixed"

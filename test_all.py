@@ -7224,6 +7224,30 @@ def test_sections_run_without_gradients_unless_their_row_declares_needs_grad(tmp
                                 "analyze.SECTIONS says so)")
 
 
+@pytest.mark.parametrize("kind", list(model_module.ATTENTIONS))
+def test_attention_weights_hook_gives_the_weights_forward_uses(kind, monkeypatch):
+    """Attention.attention_weights: W v (v each head's values) is the attention's output before out_proj, W is
+    causal with rows summing to 1; an ATTENTIONS row that breaks its rule (the output W v for v of any width)
+    gets the rule's one line."""
+    cfg = make_config(attention=kind, n_embd=32, n_head=2, block_size=16, qk_norm=True, kernels="torch")
+    layer = Attention(cfg).eval()
+    x = torch.randn(2, 12, 32)  # 12 tokens: not the head size 16
+    rope = rope_cache(12, 16, cfg.rope_base)
+    with torch.no_grad():
+        weights = layer.attention_weights(x, rope)
+        _, _, v = layer.heads(x, rope)
+        y = layer.out_proj((weights @ v).transpose(1, 2).reshape(2, 12, 32))
+        assert torch.allclose(y, layer(x, rope), atol=1e-5)
+    assert (weights.triu(1) == 0).all() and torch.allclose(weights.sum(-1), torch.ones(2, 2, 12), atol=1e-5)
+    fixed_width = lambda q, k, v, dropout, path: model_module.attention_math(q, k, v, dropout, path).reshape(q.shape)
+    monkeypatch.setitem(model_module.ATTENTIONS, "dummy-fixed-width", fixed_width)
+    layer.attention = "dummy-fixed-width"
+    with pytest.raises(ValueError) as error:
+        layer.attention_weights(x, rope)
+    assert str(error.value) == ("attention 'dummy-fixed-width' cannot give its weights: its output must be W v for v "
+                                "of any width (the rule above model.ATTENTIONS)")
+
+
 def test_attention_sparsity_counts_exact_zeros_per_layer_and_head():
     """attention_sparsity against zeros counted here from each layer's q, k rebuilt from its input (a forward
     pre-hook), over the causal entries only; softmax attention has none at init."""
