@@ -11,9 +11,11 @@ residuals replace `x + F(norm(x))` by a mix of n parallel streams (see HyperConn
 The ops with fast paths (RMSNorm, RoPE, the linear recurrences) come from kernels.py.
 """
 import functools
+import inspect
 import itertools
 import math
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -685,13 +687,28 @@ def relu_squared(h):
     return h * h  # a plain product backpropagates faster on the CPU than .square()
 
 
-# The MLP kinds (GPTConfig.mlp): name -> (activation φ, gated). Plain: W_out φ(W_in x); gated:
-# W_out (φ(W_gate x) ⊙ W_in x), whose third matrix is paid for with a hidden layer 2/3 as wide.
+class MLPKind(NamedTuple):
+    activation: object            # φ, elementwise
+    gated: bool                   # W_out (φ(W_gate x) ⊙ W_in x) in place of W_out φ(W_in x)
+    takes_kernels: bool = False   # φ(h, kernels=cfg.kernels): an op of kernels.py with a torch and a Triton path
+
+
+# The MLP kinds (GPTConfig.mlp): name -> MLPKind. Plain: W_out φ(W_in x); gated: W_out (φ(W_gate x) ⊙ W_in x), whose
+# third matrix is paid for with a hidden layer 2/3 as wide. The rule: a row with takes_kernels=True has an activation
+# with a kernels= parameter (a kernels.py op), which gets --kernels; the others are called as φ(h).
 MLPS = {
-    "relu2": (relu_squared, False),   # relu²
-    "gelu": (F.gelu, False),          # gelu
-    "swiglu": (F.silu, True),         # gated silu
+    "relu2": MLPKind(relu_squared, False),   # relu²
+    "gelu": MLPKind(F.gelu, False),          # gelu
+    "swiglu": MLPKind(F.silu, True),         # gated silu
 }
+
+
+def signature_parameters(fn):
+    """fn's parameter names; none for a builtin that shows no signature (torch.tanh)."""
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
 
 
 class MLP(nn.Module):
@@ -700,7 +717,11 @@ class MLP(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.activation, gated = MLPS[cfg.mlp]
+        activation, gated, takes_kernels = MLPKind(*MLPS[cfg.mlp])
+        if takes_kernels and "kernels" not in signature_parameters(activation):
+            raise ValueError(f"mlp {cfg.mlp!r} declares takes_kernels but its activation has no kernels= parameter "
+                             f"(the rule above model.MLPS): add it, or declare takes_kernels=False")
+        self.activation = functools.partial(activation, kernels=cfg.kernels) if takes_kernels else activation
         hidden = MLP.hidden_size(cfg)
         self.in_proj = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
         self.gate_proj = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias) if gated else None

@@ -2873,6 +2873,28 @@ def test_attention_model_is_causal(mlp):
     assert not torch.allclose(a[:, 12:], b[:, 12:])
 
 
+def test_mlp_row_that_takes_kernels_gets_the_kernel_path(monkeypatch):
+    """An MLPS row with takes_kernels=True has its activation called with kernels=cfg.kernels (and computes what the
+    same φ without the flag does); one whose activation has no kernels= parameter gets the rule's one line."""
+    seen = []
+
+    def tanh_op(h, kernels="auto"):
+        seen.append(kernels)
+        return torch.tanh(h)
+    monkeypatch.setitem(MLPS, "dummy-tanh-op", model_module.MLPKind(tanh_op, False, takes_kernels=True))
+    monkeypatch.setitem(MLPS, "dummy-tanh", model_module.MLPKind(torch.tanh, False))
+    idx = torch.randint(0, 50, (2, 12))
+    with_op = GPT(tiny_config(mlp="dummy-tanh-op", kernels="ref", n_layer=2))
+    plain = GPT(tiny_config(mlp="dummy-tanh", kernels="ref", n_layer=2))
+    plain.load_state_dict(with_op.state_dict())
+    assert torch.equal(with_op(idx)[0], plain(idx)[0]) and seen == ["ref", "ref"]
+    monkeypatch.setitem(MLPS, "dummy-tanh", model_module.MLPKind(torch.tanh, False, takes_kernels=True))
+    with pytest.raises(ValueError) as error:
+        GPT(tiny_config(mlp="dummy-tanh"))
+    assert str(error.value) == ("mlp 'dummy-tanh' declares takes_kernels but its activation has no kernels= "
+                                "parameter (the rule above model.MLPS): add it, or declare takes_kernels=False")
+
+
 def test_rope_scores_depend_only_on_relative_position():
     """q_mᵀ k_n after rotation depends on n − m only (rotations R_m^T R_n = R_{n−m})."""
     torch.manual_seed(0)
@@ -6673,7 +6695,7 @@ def register_dummy_kinds(monkeypatch):
     """One dummy of each sort in its table; returns the running-mean mixer's letter."""
     letter, = unused_letters(1)
     monkeypatch.setitem(MIXERS, letter, RunningMeanMixer)
-    monkeypatch.setitem(MLPS, DUMMY.mlp, (torch.tanh, False))
+    monkeypatch.setitem(MLPS, DUMMY.mlp, model_module.MLPKind(torch.tanh, False))
     monkeypatch.setitem(RESIDUALS, DUMMY.residual, ScaledResidual)
     monkeypatch.setitem(optim.OPTIMIZERS, DUMMY.optimizer, optim.OptimizerKind(PlainSGD, False, "gradient", 0.1, {}))
     monkeypatch.setitem(data.TOKENIZERS, DUMMY.tokenizer, ByteTokenizer)
