@@ -10,6 +10,7 @@ G = the gated delta family (DeltaNet / GDN / KDA / Gated DeltaNet-2), M = Mamba2
 residuals replace `x + F(norm(x))` by a mix of n parallel streams (see HyperConnection below).
 The ops with fast paths (RMSNorm, RoPE, the linear recurrences) come from kernels.py.
 """
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -20,6 +21,8 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_in_torch_dispatch_mode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import kernels
@@ -675,11 +678,63 @@ class Mamba2(nn.Module):
 #   Mousse, ...): keep a per-head gain 1-D, (H,) not (H, 1), or Muon orthogonalises it
 #   a Linear that fuses several projections sets .row_splits (their output sizes) so the spectral init
 #   scales each part by its own shape
+# and one by dtype: under autocast a mixer hands specgpt's ops (kernels.py) its activations in its projections'
+# dtype, the autocast dtype (a cast to fp32 doubles the kernels' bytes); only OP_FP32_ARGS may stay fp32. GPT checks
+# it when a kind is first built for the Triton path (check_mixer_dtypes).
 MIXERS = {
     "A": Attention,    # attention
     "G": GatedDelta,   # gated delta rule
     "M": Mamba2,       # Mamba2
 }
+# the specgpt ops' arguments that may stay fp32 under autocast: parameters, positions' angles, the decays and steps
+# whose exponents and cumulative sums need fp32 (dt, A, g), recurrent states
+OP_FP32_ARGS = {"rms_norm_fwd": {"weight"}, "rope": {"cos", "sin"}, "ssd_fwd": {"dt", "A", "D", "initial_state"},
+                "gdn2_gates_fwd": {"A_log", "dt_bias"}, "gdn2_recurrent_fwd": {"g", "initial_state"},
+                "gdn2_chunked_fwd": {"g", "initial_state"}}
+DTYPE_CHECKED = set()  # the mixer classes check_mixer_dtypes has passed in this process
+
+
+class OpArguments(TorchDispatchMode):
+    """Records (specgpt op name, {argument: dtype}) for every specgpt forward op dispatched while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "specgpt" and not func._opname.endswith("_bwd"):
+            bound = {**dict(zip([a.name for a in func._schema.arguments], args)), **(kwargs or {})}
+            self.calls.append((func._opname, {k: v.dtype for k, v in bound.items()
+                                              if torch.is_tensor(v) and v.is_floating_point()}))
+        return func(*args, **(kwargs or {}))
+
+
+def check_mixer_dtypes(letter, cfg):
+    """The dtype rule above MIXERS for mixer `letter`, once a process for each class: its forward on fake tensors
+    (any size is free) under the CPU's bf16 autocast (which casts as CUDA's does) on the Triton path, every floating
+    argument of each specgpt forward op bf16 but OP_FP32_ARGS. Only for a model that may take the Triton path
+    (kernels triton, or auto with CUDA), where the ops are specgpt's; skipped inside another dispatch mode (a fake or
+    recording one), where the next build outside it checks."""
+    cls = MIXERS[letter]
+    triton_path = cfg.kernels == "triton" or (cfg.kernels == "auto" and torch.cuda.is_available())
+    if cls in DTYPE_CHECKED or not (kernels.HAS_TRITON and triton_path) or is_in_torch_dispatch_mode():
+        return
+    T, head_dim = min(cfg.block_size, 64), cfg.n_embd // cfg.n_head
+    record = OpArguments()
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"), FakeTensorMode(), torch.no_grad():
+        mixer = cls(dataclasses.replace(cfg, kernels="triton", dropout=0.0))
+        x = torch.randn(1, T, cfg.n_embd)
+        rope = (rope_cache(T, head_dim, cfg.rope_base) if cfg.rope == "fixed"
+                else torch.arange(T, dtype=torch.float32))
+        with record, torch.autocast("cpu", dtype=torch.bfloat16):
+            mixer(x, rope)
+    for op, args in record.calls:
+        for arg, dtype in args.items():
+            if dtype != torch.bfloat16 and arg not in OP_FP32_ARGS.get(op, ()):
+                raise ValueError(f"mixer {letter!r} hands specgpt::{op} its {arg} in {dtype} under bf16 autocast: a "
+                                 f"mixer hands specgpt's ops its projections' dtype, the autocast dtype (the rule "
+                                 f"above model.MIXERS)")
+    DTYPE_CHECKED.add(cls)
 
 
 def relu_squared(h):
@@ -1207,6 +1262,8 @@ class GPT(nn.Module):
         self.config = cfg
         self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
+        for letter in dict.fromkeys(cfg.mixer):
+            check_mixer_dtypes(letter, cfg)
         self.blocks = nn.ModuleList([Block(cfg, layer) for layer in range(cfg.n_layer)])
         self.norm_f = RMSNorm(cfg.n_embd, kernels_path=cfg.kernels)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)

@@ -2400,9 +2400,7 @@ def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time():
 
 # the custom ops' arguments that may stay fp32 under bf16 autocast: parameters, positions' angles, the decays and
 # steps whose exponents and cumulative sums need fp32 (dt, A, g), recurrent states
-GPU_FP32_ARGS = {"rms_norm_fwd": {"weight"}, "rope": {"cos", "sin"}, "ssd_fwd": {"dt", "A", "D", "initial_state"},
-                 "gdn2_gates_fwd": {"A_log", "dt_bias"}, "gdn2_recurrent_fwd": {"g", "initial_state"},
-                 "gdn2_chunked_fwd": {"g", "initial_state"}}
+GPU_FP32_ARGS = model_module.OP_FP32_ARGS
 # every letter of model.MIXERS (a new one calls no specgpt op unless it is listed in GPU_MIXER_OPS), then variants
 GPU_MIXERS = {**{letter: dict(mixer=letter) for letter in MIXERS}, "A": dict(mixer="A", qk_norm=True),
               "M-zoh": dict(mixer="M", mamba_discretization="zoh")}
@@ -2457,6 +2455,35 @@ def test_gpu_bf16_activations_reach_every_kernel(case):
             must = [a for a in args if a in GPU_OPERANDS] if name.startswith(GPU_MATMULS) else []
         bad += [(name, a, str(args[a])) for a in must if args[a] != torch.bfloat16]
     assert not bad, f"fp32 where bf16 should arrive: {bad}"
+
+
+class Fp32NormMixer(nn.Module):
+    """A dummy mixer that breaks the dtype rule: it casts its projection to fp32 before specgpt's rms_norm."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.weight = nn.Parameter(torch.ones(cfg.n_embd))
+        self.kernels_path = cfg.kernels
+
+    def forward(self, x, rope, cache=None):
+        return kernels.rms_norm(self.proj(x).float(), self.weight, kernels=self.kernels_path)
+
+
+def test_a_mixer_that_casts_to_fp32_under_autocast_hears_the_dtype_rule(monkeypatch):
+    """model.check_mixer_dtypes, when a GPT is first built for the Triton path: a mixer handing specgpt's ops fp32 under
+    bf16 autocast gets the rule's one line naming its letter; the same mixer without the cast builds."""
+    letter, = unused_letters(1)
+    monkeypatch.setitem(MIXERS, letter, Fp32NormMixer)
+    with pytest.raises(ValueError) as error:
+        GPT(make_config(mixer=letter + "A", n_embd=32, n_head=2, block_size=16, kernels="triton"))
+    assert str(error.value) == (f"mixer {letter!r} hands specgpt::rms_norm_fwd its x in torch.float32 under bf16 "
+                                f"autocast: a mixer hands specgpt's ops its projections' dtype, the autocast dtype "
+                                f"(the rule above model.MIXERS)")
+    monkeypatch.setattr(Fp32NormMixer, "forward", lambda self, x, rope, cache=None: kernels.rms_norm(
+        self.proj(x), self.weight, kernels=self.kernels_path))
+    GPT(make_config(mixer=letter, n_embd=32, n_head=2, block_size=16, kernels="triton"))
+    assert Fp32NormMixer in model_module.DTYPE_CHECKED
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
