@@ -441,6 +441,8 @@ class OptimizerKind(NamedTuple):
 # the settings the rows below take (a setting shared by several optimizers is one Setting)
 BETAS = (Setting("beta1", 0.9, "in [0, 1)", "decay of the first moment (lion: the update's mix)"),
          Setting("beta2", 0.99, "in [0, 1)", "decay of the second moment (lion: the momentum's; shampoo: L's, R's)"))
+# the matrix optimizers' AdamW for the embeddings, head, norms and gates (build_optimizer) takes BETAS too
+AUX_ADAMW = "the matrix optimizers' aux AdamW"
 MOMENTUM = Setting("momentum", 0.95, "in [0, 1)", "momentum")
 NS = Setting("ns_coeffs", "dion", NS_COEFFS, "Newton-Schulz coefficients (optim.NS_COEFFS)")
 PRECOND_EVERY = Setting("precond_every", 10, ">= 1", "steps between eigendecompositions")
@@ -466,10 +468,6 @@ OPTIMIZERS = {
         "update_proj_gap": Setting("galore_gap", 200, ">= 1", "steps between projection updates"),
         "scale": Setting("galore_scale", 0.25, "> 0", "scale of the projected update")}),
 }
-
-
-# the matrix optimizers' AdamW for the embeddings, head, norms and gates (build_optimizer) takes BETAS too
-AUX_ADAMW = "the matrix optimizers' aux AdamW"
 
 
 def optimizer_settings(rows):
