@@ -702,10 +702,11 @@ class OpArguments(TorchDispatchMode):
         self.calls = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "specgpt" and not func._opname.endswith("_bwd"):
+        namespace, _, op = func._schema.name.partition("::")
+        if namespace == "specgpt" and not op.endswith("_bwd"):
             bound = {**dict(zip([a.name for a in func._schema.arguments], args)), **(kwargs or {})}
-            self.calls.append((func._opname, {k: v.dtype for k, v in bound.items()
-                                              if torch.is_tensor(v) and v.is_floating_point()}))
+            self.calls.append((op, {k: v.dtype for k, v in bound.items()
+                                    if torch.is_tensor(v) and v.is_floating_point()}))
         return func(*args, **(kwargs or {}))
 
 
