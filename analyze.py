@@ -607,11 +607,11 @@ def coordinate_check(model, optimizer, idx, targets, steps=10):
 
 
 def width_model(width, scheme, vocab_size, block_size):
-    """2 layers, head size 16 (the head count grows with the width), untied lm_head; spectral uses the
-    "exact" embedding, whose output has RMS 1 at every width ("stable" is n_embd^-½ by design)."""
+    """2 attention layers without qk_norm, head size 16 (the head count grows with the width), untied lm_head;
+    spectral uses the "exact" embedding, whose output has RMS 1 at every width ("stable" is n_embd^-½ by design)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=width // 16,
-                          n_embd=width, tie_embeddings=False, init=scheme))
+                          n_embd=width, mixer="A", qk_norm=False, tie_embeddings=False, init=scheme))
     if scheme == "spectral":
         init_weights(model, "spectral", embedding="exact")
     return model
@@ -738,35 +738,28 @@ def show_lr_transfer(summary):
 def attention_sparsity(model, batch):
     """Fraction of exact zeros in each attention layer's weights, per head, over the causal entries (key s ≤
     query t) of one forward pass of batch = (x, y) (or x alone), on analysis_model(model): softmax for sdpa and
-    math models, sparsemax for sparsemax ones. The weights are recomputed from the q, k that each layer hands
-    its explicit attention function. Returns (summary, arrays); (None, {}) for a model without attention."""
+    math models, sparsemax for sparsemax ones: each layer's Attention.attention_weights on the input it got (a
+    forward pre-hook). Returns (summary, arrays); (None, {}) for a model without attention."""
     twin = analysis_model(model)
     names = [name for name, module in twin.named_modules() if isinstance(module, Attention)]
     if not names:
         return None, {}
     idx = batch[0] if isinstance(batch, (tuple, list)) else batch
     kind = twin.config.attention
-    # Attention.forward looks its function up in model.ATTENTIONS at call time: wrap it for one pass to see q, k
-    original, captured = model_module.ATTENTIONS[kind], []
-
-    def recording(q, k, *args):
-        captured.append((q, k))
-        return original(q, k, *args)
-    model_module.ATTENTIONS[kind] = recording
+    inputs = []  # each attention layer's input and positions, for its attention_weights
+    hooks = [twin.get_submodule(name).register_forward_pre_hook(lambda m, args: inputs.append((m, *args[:2])))
+             for name in names]
     try:
         twin(idx.to(next(twin.parameters()).device))
     finally:
-        model_module.ATTENTIONS[kind] = original
+        for h in hooks:
+            h.remove()
     layers, fractions = [], []
-    for name, (q, k) in zip(names, captured):
-        T, S = q.size(2), k.size(2)
-        scores = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5
-        causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-        if kind == "sparsemax":
-            weights = kernels.sparsemax(scores, causal=True, kernels="torch")
-        else:
-            weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-        zeros = ((weights == 0) & causal).sum((0, 2, 3)).double() / (q.size(0) * causal.sum())
+    for name, (module, x, rope) in zip(names, inputs):
+        weights = module.attention_weights(x, rope)
+        B, _, T, S = weights.shape
+        causal = torch.ones(T, S, dtype=torch.bool, device=weights.device).tril(S - T)
+        zeros = ((weights == 0) & causal).sum((0, 2, 3)).double() / (B * causal.sum())
         layers.append({"name": name, "zero_frac": zeros.mean().item(), "zero_frac_per_head": zeros.tolist(),
                        "mean_keys_used": (weights > 0).sum(-1).double().mean().item()})  # nonzero weights per query
         fractions.append(zeros.cpu().numpy())
@@ -1140,7 +1133,8 @@ class Section:
     options) and the (summary, arrays) of every earlier section that ran. needs: the earlier sections
     run reads when present. plot(summary, arrays, path) draws <section>.png (None: no plot); show(summary)
     prints. default: run when --sections is not given. during_training: its cheap version for
-    train.py --analyze_every (None: not logged during training)."""
+    train.py --analyze_every (None: not logged during training). Both run under torch.no_grad() (so a section may
+    call .numpy() on what the model returns) unless needs_grad: it differentiates (a Hessian, gradients, training)."""
     run: object
     plot: object
     show: object
@@ -1148,6 +1142,7 @@ class Section:
     default: bool = True
     during_training: object = None
     two_batch_sizes: bool = False  # it compares the micro-batches' gradients with their mean's: --micro_batches >= 2
+    needs_grad: bool = False       # it differentiates: run with gradients on (every other section under no_grad)
 
 
 SECTIONS = {  # in run order: a section's needs come before it
@@ -1157,11 +1152,12 @@ SECTIONS = {  # in run order: a section's needs come before it
         model, inputs["batches"][:inputs["opts"]["hessian_batches"]], inputs["opts"]["top_k"],
         inputs["opts"]["power_iters"], n_probes=inputs["opts"]["n_probes"],
         lanczos_iters=inputs["opts"]["lanczos_iters"], n_slq=inputs["opts"]["n_slq"], seed=inputs["opts"]["seed"],
-        verbose=True), plot_hessian, show_hessian, during_training=hessian_during_training),
+        verbose=True), plot_hessian, show_hessian, during_training=hessian_during_training, needs_grad=True),
     "gradients": Section(lambda model, inputs: gradient_stats(model, inputs["batches"]), plot_gradients,
-                         show_gradients, during_training=gradients_during_training, two_batch_sizes=True),
+                         show_gradients, during_training=gradients_during_training, two_batch_sizes=True,
+                         needs_grad=True),
     "noise": Section(lambda model, inputs: (curvature_noise_scale(model, inputs["batches"]), {}), None, show_noise,
-                     during_training=noise_during_training, two_batch_sizes=True),
+                     during_training=noise_during_training, two_batch_sizes=True, needs_grad=True),
     "ns": Section(ns_section, plot_ns, show_ns, needs=("gradients",)),
     "hc": Section(lambda model, inputs: hc_spectra(model, inputs["idx"]), plot_hc, show_hc,
                   during_training=hc_during_training),
@@ -1169,14 +1165,31 @@ SECTIONS = {  # in run order: a section's needs come before it
                      during_training=gates_during_training),
     "isotropy": Section(lambda model, inputs: isotropy(model, inputs["idx"]), plot_isotropy, show_isotropy),
     "coord": Section(lambda model, inputs: coordinate_transfer(parse_list(inputs["opts"], "coord_widths", int)),
-                     plot_coordinate_transfer, show_coordinate_transfer, default=False),
+                     plot_coordinate_transfer, show_coordinate_transfer, default=False, needs_grad=True),
     "lr_transfer": Section(lambda model, inputs: lr_transfer(
         inputs["opts"]["dataset"], inputs["opts"]["tokenizer"], parse_list(inputs["opts"], "lr_transfer_widths", int),
-        steps=inputs["opts"]["lr_transfer_steps"]), plot_lr_transfer, show_lr_transfer, default=False),
+        steps=inputs["opts"]["lr_transfer_steps"]), plot_lr_transfer, show_lr_transfer, default=False,
+        needs_grad=True),
     "sparsity": Section(lambda model, inputs: attention_sparsity(model, inputs["batches"][0]), plot_sparsity,
                         show_sparsity),
 }
 DEFAULT_SECTIONS = [name for name, s in SECTIONS.items() if s.default]
+
+
+def run_section(name, fn, *args):
+    """fn(*args), section name's run or during_training, under torch.no_grad() unless its row declares needs_grad;
+    one that differentiates without declaring it gets a one-line error naming it and the rule."""
+    if SECTIONS[name].needs_grad:
+        with torch.enable_grad():
+            return fn(*args)
+    try:
+        with torch.no_grad():
+            return fn(*args)
+    except RuntimeError as e:
+        if "does not require grad" not in str(e):
+            raise
+        raise ValueError(f"analyze section {name!r} differentiates, but its row does not declare needs_grad=True "
+                         f"(sections run under torch.no_grad() unless their row in analyze.SECTIONS says so)") from None
 
 
 def run_analysis(model, batches, out_dir, sections=DEFAULT_SECTIONS, opts=None, verbose=True):
@@ -1194,7 +1207,7 @@ def run_analysis(model, batches, out_dir, sections=DEFAULT_SECTIONS, opts=None, 
         section = SECTIONS[name]
         if verbose:
             print(f"[{name}]", file=sys.stderr)
-        section_summary, arrays = section.run(model, inputs)
+        section_summary, arrays = run_section(name, section.run, model, inputs)
         summary[name] = section_summary
         if section_summary is None:
             continue
@@ -1230,10 +1243,10 @@ def analyze_during_training(model, batch, step, out_dir, micro_batches=4, hessia
     settings = {"micro_batches": micro_batches, "hessian_sequences": hessian_sequences, "power_iters": power_iters}
     record = {"step": step}
     with kernels.autocast_off(x.device.type):  # fp32 even inside a bf16 training step
-        for section in SECTIONS.values():
+        for name, section in SECTIONS.items():
             if section.during_training is None:
                 continue
-            for key, value in section.during_training(twin, x, y, step, settings).items():
+            for key, value in run_section(name, section.during_training, twin, x, y, step, settings).items():
                 record[key] = {**record.get(key, {}), **value} if isinstance(value, dict) else value
     os.makedirs(out_dir, exist_ok=True)
     runs.append_line(os.path.join(out_dir, "analysis.jsonl"), json.dumps(_jsonable(record)))

@@ -127,6 +127,8 @@ def gpt2_encoding():
 class CharTokenizer:
     """One token per distinct character of the text, numbered in sorted order."""
 
+    lossless = True  # a character not in the vocabulary is an error, never mapped
+
     def __init__(self, chars):
         self.chars = list(chars)
         self.stoi = {c: i for i, c in enumerate(self.chars)}
@@ -155,6 +157,8 @@ class CharTokenizer:
 class GPT2Tokenizer:
     """GPT-2's byte-pair encoding (tiktoken's r50k_base): 50,257 tokens, whatever the text."""
 
+    lossless = True  # byte-level: every text has its ids
+
     @classmethod
     def from_text(cls, text):
         return cls()
@@ -178,6 +182,9 @@ class GPT2Tokenizer:
 #   from_meta(meta)  the same tokenizer again, from what meta() returned (it is saved in meta.json and checkpoints)
 #   meta()           a JSON-able dict with at least vocab_size (ids are 0 .. vocab_size − 1, at most 65,536)
 #   encode(text) -> list of ids,  decode(ids) -> text
+#   lossless         True where decode(encode(text)) == text for every text encode accepts; False for one that maps
+#                    what it does not know to a shared id (a word tokenizer's <unk>): then at least
+#                    encode(decode(ids)) == ids. The tests check whichever it declares; it must declare one.
 TOKENIZERS = {
     "char": CharTokenizer,   # one id per character of the training text
     "gpt2": GPT2Tokenizer,   # GPT-2's byte-level BPE by tiktoken, 50257 tokens
@@ -188,6 +195,9 @@ def tokenizer_class(name):
     if name not in TOKENIZERS:
         raise DataError(f"tokenizer {name!r} is not known: use one of {', '.join(TOKENIZERS)}, "
                         f"or add it to data.TOKENIZERS")
+    if not isinstance(getattr(TOKENIZERS[name], "lossless", None), bool):
+        raise DataError(f"tokenizer {name!r} does not declare lossless: a tokenizer says whether decode(encode(text)) "
+                        f"== text (lossless = True) or not (False: the rule above data.TOKENIZERS)")
     return TOKENIZERS[name]
 
 

@@ -10,29 +10,38 @@ G = the gated delta family (DeltaNet / GDN / KDA / Gated DeltaNet-2), M = Mamba2
 residuals replace `x + F(norm(x))` by a mix of n parallel streams (see HyperConnection below).
 The ops with fast paths (RMSNorm, RoPE, the linear recurrences) come from kernels.py.
 """
+import dataclasses
 import functools
+import inspect
 import itertools
 import math
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_in_torch_dispatch_mode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import kernels
 from init import SCHEMES, init_weights
 
 
+# The defaults are the default run's (`python train.py`, the baby MAAA model, RESULTS.md "The default run"): nanoGPT's
+# shakespeare_char context; one Mamba2 layer below three attention layers, narrowed to an inner width of n_embd
+# and a state of 16 (its short convolution and recurrence lower the loss per step far more than the layer costs),
+# and RMSNorm on queries and keys. train.py and analyze.py read every model default from here.
 @dataclass
 class GPTConfig:
     vocab_size: int = 84             # tokens in the vocabulary (train.py takes it from the data)
     vocab_multiple: int = 1          # embedding and head rows: vocab_size rounded up to a multiple of this
-    block_size: int = 256            # context length in tokens
+    block_size: int = 64             # context length in tokens
     n_layer: int = 4                 # blocks (mixer + MLP)
     n_head: int = 4                  # heads of every mixer; n_embd / n_head is the head size (even)
     n_embd: int = 128                # residual stream width
-    mixer: str = "A"               # letters cycled over layers (MIXERS)
+    mixer: str = "MAAA"            # letters cycled over layers (MIXERS)
     mlp: str = "relu2"             # the MLP's activation (MLPS)
     residual: str = "res"          # the residual stream (RESIDUALS)
     hc_streams: int = 4              # parallel residual streams of the hyper-connection residuals
@@ -40,7 +49,7 @@ class GPTConfig:
     rope: str = "fixed"            # RoPE's fixed θ_i, learned θ per head, or lie (θ and a trainable basis U)
     rope_scaling: str = "none"     # how fixed θ_i adapt to a context rope_factor× longer (rope_frequencies)
     rope_factor: float = 1.0       # attention accepts block_size·rope_factor tokens (eval/generate past training)
-    qk_norm: bool = False            # RMSNorm on queries and keys before RoPE
+    qk_norm: bool = True             # RMSNorm on queries and keys before RoPE
     tie_embeddings: bool = True      # lm_head shares the token embedding's weight
     bias: bool = False               # biases in the linear layers
     dropout: float = 0.0             # dropout probability (embeddings, attention, residual branches)
@@ -49,8 +58,8 @@ class GPTConfig:
     gdn_clip: bool = True            # gdn2: the spectral clip that keeps each transition contractive
     gdn_expand_v: int = 1            # G mixer: value width = gdn_expand_v x head size
     conv_size: int = 4               # G and M mixers: width of the causal short convolution
-    mamba_d_state: int = 64          # M mixer: state size N
-    mamba_expand: int = 2            # M mixer: inner width = mamba_expand x n_embd
+    mamba_d_state: int = 16          # M mixer: state size N
+    mamba_expand: int = 1            # M mixer: inner width = mamba_expand x n_embd
     mamba_headdim: int = 32          # M mixer: head size P (divides the inner width)
     mamba_discretization: str = "euler"  # M mixer: the input factor dt (euler) or (exp(dt A) − 1)/A (zoh)
     chunk_size: int = 256            # M mixer: SSD chunk length, torch and Triton paths (Triton: at most 256)
@@ -209,7 +218,7 @@ def attention_math(q, k, v, dropout=0.0, kernels_path="auto"):
     att = torch.baddbmm(mask.expand(B * nh, T, S), q.reshape(B * nh, T, d), k.reshape(B * nh, S, d).transpose(1, 2),
                         alpha=d ** -0.5)
     att = F.dropout(att.softmax(dim=-1), dropout)
-    return torch.bmm(att, v.reshape(B * nh, S, d)).view(B, nh, T, d)
+    return torch.bmm(att, v.reshape(B * nh, S, -1)).view(B, nh, T, -1)
 
 
 def attention_sparsemax(q, k, v, dropout=0.0, kernels_path="auto"):
@@ -220,7 +229,9 @@ def attention_sparsemax(q, k, v, dropout=0.0, kernels_path="auto"):
     return F.dropout(att, dropout) @ v
 
 
-# GPTConfig.attention: how the scores become weights, each (q, k, v, dropout, kernels_path) -> (B, nh, T, d)
+# GPTConfig.attention: how the scores become weights, each (q, k, v, dropout, kernels_path) -> (B, nh, T, d).
+# The rule: the output is W v with weights W (B, nh, T, S) from q and k alone, for v of any width (with dropout 0),
+# so Attention.attention_weights reads W as the output for v = I.
 ATTENTIONS = {
     "sdpa": attention_sdpa,             # softmax, by PyTorch's fused kernels
     "math": attention_math,             # softmax by plain ops: supports double backward
@@ -257,19 +268,39 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, cache=None):
         B, T, C = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_head, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_head, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotate(q, k, rope)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
+        q, k, v = self.heads(x, rope)
         if cache is not None:  # generation: append to the keys and values of earlier positions
             if "k" in cache:
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v
         y = ATTENTIONS[self.attention](q, k, v, self.dropout if self.training else 0.0, self.kernels_path)
         return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def heads(self, x, rope):
+        """q, k, v (B, nh, T, hs) of x (B, T, C): the projections, qk_norm, and R_t on q and k."""
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_head, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_head, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotate(q, k, rope)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def attention_weights(self, x, rope):
+        """The weights (B, nh, T, T) each query of x (B, T, C) puts on each key, as this layer's kind in ATTENTIONS
+        makes them (softmax, sparsemax, ...; no dropout): the output for v = I, by the rule above ATTENTIONS."""
+        q, k, _ = self.heads(x, rope)
+        B, nh, T, _ = q.shape
+        identity = torch.eye(T, device=q.device, dtype=q.dtype).expand(B, nh, T, T)
+        try:
+            weights = ATTENTIONS[self.attention](q, k, identity, 0.0, self.kernels_path)
+        except RuntimeError:
+            weights = None
+        if weights is None or weights.shape != (B, nh, T, T):
+            raise ValueError(f"attention {self.attention!r} cannot give its weights: its output must be W v for v of "
+                             f"any width (the rule above model.ATTENTIONS)")
+        return weights
 
     def rotate(self, q, k, rope):
         """R_t q, R_t k for q, k (B, T, nh, hs). rope: (cos, sin) of the T positions' angles for rope="fixed"
@@ -647,11 +678,64 @@ class Mamba2(nn.Module):
 #   Mousse, ...): keep a per-head gain 1-D, (H,) not (H, 1), or Muon orthogonalises it
 #   a Linear that fuses several projections sets .row_splits (their output sizes) so the spectral init
 #   scales each part by its own shape
+# and one by dtype: under autocast a mixer hands specgpt's ops (kernels.py) its activations in its projections'
+# dtype, the autocast dtype (a cast to fp32 doubles the kernels' bytes); only OP_FP32_ARGS may stay fp32. GPT checks
+# it when a kind is first built for the Triton path (check_mixer_dtypes).
 MIXERS = {
     "A": Attention,    # attention
     "G": GatedDelta,   # gated delta rule
     "M": Mamba2,       # Mamba2
 }
+# the specgpt ops' arguments that may stay fp32 under autocast: parameters, positions' angles, the decays and steps
+# whose exponents and cumulative sums need fp32 (dt, A, g), recurrent states
+OP_FP32_ARGS = {"rms_norm_fwd": {"weight"}, "rope": {"cos", "sin"}, "ssd_fwd": {"dt", "A", "D", "initial_state"},
+                "gdn2_gates_fwd": {"A_log", "dt_bias"}, "gdn2_recurrent_fwd": {"g", "initial_state"},
+                "gdn2_chunked_fwd": {"g", "initial_state"}}
+DTYPE_CHECKED = set()  # the mixer classes check_mixer_dtypes has passed in this process
+
+
+class OpArguments(TorchDispatchMode):
+    """Records (specgpt op name, {argument: dtype}) for every specgpt forward op dispatched while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, _, op = func._schema.name.partition("::")
+        if namespace == "specgpt" and not op.endswith("_bwd"):
+            bound = {**dict(zip([a.name for a in func._schema.arguments], args)), **(kwargs or {})}
+            self.calls.append((op, {k: v.dtype for k, v in bound.items()
+                                    if torch.is_tensor(v) and v.is_floating_point()}))
+        return func(*args, **(kwargs or {}))
+
+
+def check_mixer_dtypes(letter, cfg):
+    """The dtype rule above MIXERS for mixer `letter`, once a process for each class: its forward on fake tensors
+    (any size is free) under the CPU's bf16 autocast (which casts as CUDA's does) on the Triton path, every floating
+    argument of each specgpt forward op bf16 but OP_FP32_ARGS. Only for a model that may take the Triton path
+    (kernels triton, or auto with CUDA), where the ops are specgpt's; skipped inside another dispatch mode (a fake or
+    recording one), where the next build outside it checks."""
+    cls = MIXERS[letter]
+    triton_path = cfg.kernels == "triton" or (cfg.kernels == "auto" and torch.cuda.is_available())
+    if cls in DTYPE_CHECKED or not (kernels.HAS_TRITON and triton_path) or is_in_torch_dispatch_mode():
+        return
+    T, head_dim = min(cfg.block_size, 64), cfg.n_embd // cfg.n_head
+    record = OpArguments()
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"), FakeTensorMode(), torch.no_grad():
+        mixer = cls(dataclasses.replace(cfg, kernels="triton", dropout=0.0))
+        x = torch.randn(1, T, cfg.n_embd)
+        rope = (rope_cache(T, head_dim, cfg.rope_base) if cfg.rope == "fixed"
+                else torch.arange(T, dtype=torch.float32))
+        with record, torch.autocast("cpu", dtype=torch.bfloat16):
+            mixer(x, rope)
+    for op, args in record.calls:
+        for arg, dtype in args.items():
+            if dtype != torch.bfloat16 and arg not in OP_FP32_ARGS.get(op, ()):
+                raise ValueError(f"mixer {letter!r} hands specgpt::{op} its {arg} in {dtype} under bf16 autocast: a "
+                                 f"mixer hands specgpt's ops its projections' dtype, the autocast dtype (the rule "
+                                 f"above model.MIXERS)")
+    DTYPE_CHECKED.add(cls)
 
 
 def relu_squared(h):
@@ -659,13 +743,28 @@ def relu_squared(h):
     return h * h  # a plain product backpropagates faster on the CPU than .square()
 
 
-# The MLP kinds (GPTConfig.mlp): name -> (activation φ, gated). Plain: W_out φ(W_in x); gated:
-# W_out (φ(W_gate x) ⊙ W_in x), whose third matrix is paid for with a hidden layer 2/3 as wide.
+class MLPKind(NamedTuple):
+    activation: object            # φ, elementwise
+    gated: bool                   # W_out (φ(W_gate x) ⊙ W_in x) in place of W_out φ(W_in x)
+    takes_kernels: bool = False   # φ(h, kernels=cfg.kernels): an op of kernels.py with a torch and a Triton path
+
+
+# The MLP kinds (GPTConfig.mlp): name -> MLPKind. Plain: W_out φ(W_in x); gated: W_out (φ(W_gate x) ⊙ W_in x), whose
+# third matrix is paid for with a hidden layer 2/3 as wide. The rule: a row with takes_kernels=True has an activation
+# with a kernels= parameter (a kernels.py op), which gets --kernels; the others are called as φ(h).
 MLPS = {
-    "relu2": (relu_squared, False),   # relu²
-    "gelu": (F.gelu, False),          # gelu
-    "swiglu": (F.silu, True),         # gated silu
+    "relu2": MLPKind(relu_squared, False),   # relu²
+    "gelu": MLPKind(F.gelu, False),          # gelu
+    "swiglu": MLPKind(F.silu, True),         # gated silu
 }
+
+
+def signature_parameters(fn):
+    """fn's parameter names; none for a builtin that shows no signature (torch.tanh)."""
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
 
 
 class MLP(nn.Module):
@@ -674,7 +773,11 @@ class MLP(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.activation, gated = MLPS[cfg.mlp]
+        activation, gated, takes_kernels = MLPKind(*MLPS[cfg.mlp])
+        if takes_kernels and "kernels" not in signature_parameters(activation):
+            raise ValueError(f"mlp {cfg.mlp!r} declares takes_kernels but its activation has no kernels= parameter "
+                             f"(the rule above model.MLPS): add it, or declare takes_kernels=False")
+        self.activation = functools.partial(activation, kernels=cfg.kernels) if takes_kernels else activation
         hidden = MLP.hidden_size(cfg)
         self.in_proj = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias)
         self.gate_proj = nn.Linear(cfg.n_embd, hidden, bias=cfg.bias) if gated else None
@@ -1160,6 +1263,8 @@ class GPT(nn.Module):
         self.config = cfg
         self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
+        for letter in dict.fromkeys(cfg.mixer):
+            check_mixer_dtypes(letter, cfg)
         self.blocks = nn.ModuleList([Block(cfg, layer) for layer in range(cfg.n_layer)])
         self.norm_f = RMSNorm(cfg.n_embd, kernels_path=cfg.kernels)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)

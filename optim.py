@@ -441,6 +441,8 @@ class OptimizerKind(NamedTuple):
 # the settings the rows below take (a setting shared by several optimizers is one Setting)
 BETAS = (Setting("beta1", 0.9, "in [0, 1)", "decay of the first moment (lion: the update's mix)"),
          Setting("beta2", 0.99, "in [0, 1)", "decay of the second moment (lion: the momentum's; shampoo: L's, R's)"))
+# the matrix optimizers' AdamW for the embeddings, head, norms and gates (build_optimizer) takes BETAS too
+AUX_ADAMW = "the matrix optimizers' aux AdamW"
 MOMENTUM = Setting("momentum", 0.95, "in [0, 1)", "momentum")
 NS = Setting("ns_coeffs", "dion", NS_COEFFS, "Newton-Schulz coefficients (optim.NS_COEFFS)")
 PRECOND_EVERY = Setting("precond_every", 10, ">= 1", "steps between eigendecompositions")
@@ -471,7 +473,7 @@ OPTIMIZERS = {
 def optimizer_settings(rows):
     """{key: (Setting, [the optimizers that take it])} over rows (OPTIMIZERS) and the aux AdamW's betas: train.py's
     optimizer keys. Each option must be a Setting, and one key one Setting: else a one-line error (at import)."""
-    found = {s.key: (s, ["the matrix optimizers' aux AdamW"]) for s in BETAS}
+    found = {s.key: (s, [AUX_ADAMW]) for s in BETAS}
     for name, kind in rows.items():
         for arg, declared in kind.options.items():
             for s in declared if isinstance(declared, tuple) else (declared,):
@@ -488,6 +490,18 @@ def optimizer_settings(rows):
 # train.py's optimizer keys: {key: (Setting, the optimizers that take it)}; a row that declares a setting badly
 # fails here, at import
 SETTINGS = optimizer_settings(OPTIMIZERS)
+
+
+def check_chosen_settings(optimizer, given):
+    """The rule of SETTINGS: a setting given (a config file or --key=value) must be one the chosen optimizer takes
+    (its row declares it, or it is matrix and the aux AdamW takes it): another optimizer's setting would do nothing."""
+    kind = optimizer_kind(optimizer)
+    for key in given:
+        users = SETTINGS[key][1] if key in SETTINGS else [optimizer]
+        if optimizer not in users and not (kind.matrix and AUX_ADAMW in users):
+            raise ValueError(f"--{key} is a setting of {', '.join(users)}, not of the chosen --optimizer={optimizer} "
+                             f"(an optimizer takes only the settings its row of optim.OPTIMIZERS declares): drop "
+                             f"--{key}, or choose one of those optimizers")
 
 
 def optimizer_kind(name):

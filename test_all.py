@@ -562,16 +562,68 @@ def test_fetch_fineweb_through_a_loopback_hub(tmp_path):
     assert not list((tmp_path / "offline").glob("*.bin")) and not (tmp_path / "data").exists()
 
 
-@pytest.mark.parametrize("name", list(data.TOKENIZERS))
-def test_every_tokenizer_round_trips_and_rebuilds_from_its_meta(name):
-    """decode(encode(text)) == text on Shakespeare with accents added; ids lie in [0, vocab_size); the
-    tokenizer rebuilt from its meta() (as meta.json and checkpoints hold it) gives the same ids."""
-    text = data.shakespeare_text()[:5000] + " café naïve"
-    tokenizer = data.TOKENIZERS[name].from_text(text)
+def check_round_trip(name, text):
+    """What data.TOKENIZERS' rule asks of a tokenizer built from text: decode(encode(text)) == text if it declares
+    lossless, else encode(decode(ids)) == ids; ids lie in [0, vocab_size); the tokenizer rebuilt from its meta() (as
+    meta.json and checkpoints hold it) gives the same ids."""
+    tokenizer = data.tokenizer_class(name).from_text(text)
     ids = tokenizer.encode(text)
     meta = json.loads(json.dumps({"tokenizer": name, **tokenizer.meta()}))
-    assert tokenizer.decode(ids) == text and 0 <= min(ids) and max(ids) < meta["vocab_size"] <= 65536
+    if data.TOKENIZERS[name].lossless:
+        assert tokenizer.decode(ids) == text
+    else:
+        assert tokenizer.encode(tokenizer.decode(ids)) == ids
+    assert 0 <= min(ids) and max(ids) < meta["vocab_size"] <= 65536
     assert data.tokenizer_from_meta(meta).encode(text) == ids
+
+
+@pytest.mark.parametrize("name", list(data.TOKENIZERS))
+def test_every_tokenizer_round_trips_and_rebuilds_from_its_meta(name):
+    """check_round_trip on Shakespeare with accents added."""
+    check_round_trip(name, data.shakespeare_text()[:5000] + " café naïve")
+
+
+class WordTokenizer:
+    """A dummy tokenizer that cannot round-trip: the words of the text's first half, every other word <unk>."""
+
+    lossless = False
+
+    def __init__(self, words):
+        self.words = words
+
+    @classmethod
+    def from_text(cls, text):
+        return cls(["<unk>", *sorted(set(text[:len(text) // 2].split()))])
+
+    @classmethod
+    def from_meta(cls, meta):
+        return cls(meta["words"])
+
+    def meta(self):
+        return {"vocab_size": len(self.words), "words": self.words}
+
+    def encode(self, text):
+        return [self.words.index(w) if w in self.words else 0 for w in text.split()]
+
+    def decode(self, ids):
+        return " ".join(self.words[i] for i in ids)
+
+
+def test_tokenizer_lossless_flag_is_declared_and_honoured(monkeypatch):
+    """A tokenizer that maps unknowns declares lossless=False and passes check_round_trip; declaring True it fails
+    there; declaring nothing it gets the rule's one line when first built."""
+    text = data.shakespeare_text()[:2000]
+    monkeypatch.setitem(data.TOKENIZERS, "dummy-words", WordTokenizer)
+    check_round_trip("dummy-words", text)
+    monkeypatch.setattr(WordTokenizer, "lossless", True)
+    with pytest.raises(AssertionError):
+        check_round_trip("dummy-words", text)
+    monkeypatch.delattr(WordTokenizer, "lossless")
+    with pytest.raises(data.DataError) as error:
+        data.tokenizer_class("dummy-words")
+    assert str(error.value) == ("tokenizer 'dummy-words' does not declare lossless: a tokenizer says whether "
+                                "decode(encode(text)) == text (lossless = True) or not (False: the rule above "
+                                "data.TOKENIZERS)")
 
 
 def test_tokenizer_choice_is_checked_against_the_dataset(tmp_path):
@@ -2442,9 +2494,7 @@ def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time():
 
 # the custom ops' arguments that may stay fp32 under bf16 autocast: parameters, positions' angles, the decays and
 # steps whose exponents and cumulative sums need fp32 (dt, A, g), recurrent states
-GPU_FP32_ARGS = {"rms_norm_fwd": {"weight"}, "rope": {"cos", "sin"}, "ssd_fwd": {"dt", "A", "D", "initial_state"},
-                 "gdn2_gates_fwd": {"A_log", "dt_bias"}, "gdn2_recurrent_fwd": {"g", "initial_state"},
-                 "gdn2_chunked_fwd": {"g", "initial_state"}}
+GPU_FP32_ARGS = model_module.OP_FP32_ARGS
 # every letter of model.MIXERS (a new one calls no specgpt op unless it is listed in GPU_MIXER_OPS), then variants
 GPU_MIXERS = {**{letter: dict(mixer=letter) for letter in MIXERS}, "A": dict(mixer="A", qk_norm=True),
               "M-zoh": dict(mixer="M", mamba_discretization="zoh")}
@@ -2499,6 +2549,35 @@ def test_gpu_bf16_activations_reach_every_kernel(case):
             must = [a for a in args if a in GPU_OPERANDS] if name.startswith(GPU_MATMULS) else []
         bad += [(name, a, str(args[a])) for a in must if args[a] != torch.bfloat16]
     assert not bad, f"fp32 where bf16 should arrive: {bad}"
+
+
+class Fp32NormMixer(nn.Module):
+    """A dummy mixer that breaks the dtype rule: it casts its projection to fp32 before specgpt's rms_norm."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.weight = nn.Parameter(torch.ones(cfg.n_embd))
+        self.kernels_path = cfg.kernels
+
+    def forward(self, x, rope, cache=None):
+        return kernels.rms_norm(self.proj(x).float(), self.weight, kernels=self.kernels_path)
+
+
+def test_a_mixer_that_casts_to_fp32_under_autocast_hears_the_dtype_rule(monkeypatch):
+    """model.check_mixer_dtypes, when a GPT is first built for the Triton path: a mixer handing specgpt's ops fp32 under
+    bf16 autocast gets the rule's one line naming its letter; the same mixer without the cast builds."""
+    letter, = unused_letters(1)
+    monkeypatch.setitem(MIXERS, letter, Fp32NormMixer)
+    with pytest.raises(ValueError) as error:
+        GPT(make_config(mixer=letter + "A", n_embd=32, n_head=2, block_size=16, kernels="triton"))
+    assert str(error.value) == (f"mixer {letter!r} hands specgpt::rms_norm_fwd its x in torch.float32 under bf16 "
+                                f"autocast: a mixer hands specgpt's ops its projections' dtype, the autocast dtype "
+                                f"(the rule above model.MIXERS)")
+    monkeypatch.setattr(Fp32NormMixer, "forward", lambda self, x, rope, cache=None: kernels.rms_norm(
+        self.proj(x), self.weight, kernels=self.kernels_path))
+    GPT(make_config(mixer=letter, n_embd=32, n_head=2, block_size=16, kernels="triton"))
+    assert Fp32NormMixer in model_module.DTYPE_CHECKED
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -2975,6 +3054,28 @@ def test_attention_model_is_causal(mlp):
     b, _ = model(changed)
     assert torch.equal(a[:, :12], b[:, :12])
     assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+def test_mlp_row_that_takes_kernels_gets_the_kernel_path(monkeypatch):
+    """An MLPS row with takes_kernels=True has its activation called with kernels=cfg.kernels (and computes what the
+    same φ without the flag does); one whose activation has no kernels= parameter gets the rule's one line."""
+    seen = []
+
+    def tanh_op(h, kernels="auto"):
+        seen.append(kernels)
+        return torch.tanh(h)
+    monkeypatch.setitem(MLPS, "dummy-tanh-op", model_module.MLPKind(tanh_op, False, takes_kernels=True))
+    monkeypatch.setitem(MLPS, "dummy-tanh", model_module.MLPKind(torch.tanh, False))
+    idx = torch.randint(0, 50, (2, 12))
+    with_op = GPT(tiny_config(mlp="dummy-tanh-op", kernels="ref", n_layer=2))
+    plain = GPT(tiny_config(mlp="dummy-tanh", kernels="ref", n_layer=2))
+    plain.load_state_dict(with_op.state_dict())
+    assert torch.equal(with_op(idx)[0], plain(idx)[0]) and seen == ["ref", "ref"]
+    monkeypatch.setitem(MLPS, "dummy-tanh", model_module.MLPKind(torch.tanh, False, takes_kernels=True))
+    with pytest.raises(ValueError) as error:
+        GPT(tiny_config(mlp="dummy-tanh"))
+    assert str(error.value) == ("mlp 'dummy-tanh' declares takes_kernels but its activation has no kernels= "
+                                "parameter (the rule above model.MLPS): add it, or declare takes_kernels=False")
 
 
 def test_rope_scores_depend_only_on_relative_position():
@@ -5009,6 +5110,24 @@ def test_optim_matrix_optimizers_reject_non_matrices():
             cls([nn.Parameter(torch.zeros(5))])
 
 
+
+def test_optimizer_settings_of_another_optimizer_are_refused(monkeypatch):
+    """The rule of optim.SETTINGS: a setting given must be one the chosen optimizer takes (its row, or the aux AdamW's
+    betas for a matrix optimizer). A dummy row's setting given with another optimizer gets the rule's one line."""
+    dummy = optim.Setting("dummy_rho", 0.5, "in [0, 1)", "a dummy's decay")
+    rows = {**optim.OPTIMIZERS, "dummy": optim.OptimizerKind(optim.SGD, False, "gradient", 0.1, {"momentum": dummy})}
+    monkeypatch.setattr(optim, "OPTIMIZERS", rows)
+    monkeypatch.setattr(optim, "SETTINGS", optim.optimizer_settings(rows))
+    optim.check_chosen_settings("dummy", {"dummy_rho": 0.9, "learning_rate": 0.1})
+    with pytest.raises(ValueError) as error:
+        optim.check_chosen_settings("muon", {"learning_rate": 0.1, "dummy_rho": 0.9})
+    assert str(error.value).startswith("--dummy_rho is a setting of dummy, not of the chosen --optimizer=muon (an "
+                                       "optimizer takes only the settings its row of optim.OPTIMIZERS declares)")
+    assert "\n" not in str(error.value)
+    optim.check_chosen_settings("muon", {"beta1": 0.5, "momentum": 0.9})  # a matrix optimizer's aux AdamW: betas
+    with pytest.raises(ValueError, match="--beta1 is a setting of the matrix optimizers' aux AdamW, adamw, nadam"):
+        optim.check_chosen_settings("sgd", {"beta1": 0.5})
+
 # -----------------------------------------------------------------------------
 # build_optimizer routing, and resume
 
@@ -5589,6 +5708,8 @@ def test_bad_values_are_one_line_errors_before_anything_is_created(tmp_path):
              (["--block_size=300000", "--batch_size=1", "--device=cpu", "--peak_tflops=0.001"],
               "hours on cpu even at its peak"),
              (["--optimizer=adamw", "--beta2=1.5"], "--beta2=1.5 is not valid"),
+             (["--optimizer=adamw", "--momentum=0.5"], "--momentum is a setting of sgd, muon, mousse, not of the "
+              "chosen --optimizer=adamw"),
              ([f"--dataset={no_newline}", "--num_samples=1"], "--start='\\n' (the samples' prompt) does not fit"),
              (["--start=", "--num_samples=1"], "--start='' (the samples' prompt) is empty"),
              ([f"--dataset={tmp_path}/foreign_train_*.bin"], "holds token id 60000, beyond the 50,257 ids")]
@@ -5615,7 +5736,7 @@ def test_train_py_defines_no_model_key_and_documents_every_key(capsys):
     assert set(train.RUN_DEFAULTS) <= assigned | optimizer_keys and optimizer_keys <= set(train.RUN_DEFAULTS)
     assert not assigned & optimizer_keys and not optimizer_keys & model_keys
     assert set(train.model_defaults()) == model_keys - {"vocab_size"}
-    assert set(train.MODEL_DEFAULTS) <= model_keys and set(train.RESUME_CHANGEABLE) <= model_keys
+    assert set(train.RESUME_CHANGEABLE) <= model_keys
     descriptions = train.config_help()
     keys = {**train.RUN_DEFAULTS, **train.model_defaults()}
     assert [k for k in keys if not descriptions.get(k)] == []
@@ -5624,6 +5745,27 @@ def test_train_py_defines_no_model_key_and_documents_every_key(capsys):
     shown = capsys.readouterr().out
     for key, value in keys.items():
         assert f"--{key}={value!r}" in shown and descriptions[key] in shown, key
+
+
+def test_gptconfig_defaults_are_the_default_runs(tmp_path, monkeypatch):
+    """One default per key: `python train.py` with no arguments builds GPTConfig() but for the vocabulary (the
+    data's), the README's baby model (one Mamba2 layer under three attention layers, 0.79M parameters), and no
+    dict in train.py names a GPTConfig field as a key (no second table of model defaults)."""
+    monkeypatch.chdir(tmp_path)  # read_settings looks for a set-aside run in ./out
+    settings = train.read_settings([])[0]
+    meta = data.load_dataset(settings["dataset"], settings["tokenizer"])[2]
+    config = train.model_config(settings, meta["vocab_size"])
+    assert config == GPTConfig(vocab_size=meta["vocab_size"])
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    stated = re.search(r"the baby GPT on Shakespeare \(([\d.]+)M parameters: one narrow Mamba2 layer under three "
+                       r"RoPE attention\s+layers", readme)
+    assert stated and config.mixer == "MAAA" and config.mamba_expand == 1
+    assert round(sum(p.numel() for p in GPT(config).parameters()) / 1e6, 2) == float(stated.group(1))
+    model_keys = {f.name for f in dataclasses.fields(GPTConfig)}
+    tree = ast.parse(open(os.path.join(ROOT, "train.py")).read())
+    tables = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Dict)
+              and {k.value for k in node.keys if isinstance(k, ast.Constant)} & model_keys]
+    assert tables == [], f"train.py's dicts at lines {tables} name model keys: their defaults are GPTConfig's"
 
 
 def test_parse_config_types_and_files(tmp_path):
@@ -6724,6 +6866,8 @@ class PlainSGD(torch.optim.Optimizer):
 class ByteTokenizer:
     """UTF-8 bytes: 256 tokens, whatever the text."""
 
+    lossless = True
+
     @classmethod
     def from_text(cls, text):
         return cls()
@@ -6756,7 +6900,7 @@ def register_dummy_kinds(monkeypatch):
     """One dummy of each sort in its table; returns the running-mean mixer's letter."""
     letter, = unused_letters(1)
     monkeypatch.setitem(MIXERS, letter, RunningMeanMixer)
-    monkeypatch.setitem(MLPS, DUMMY.mlp, (torch.tanh, False))
+    monkeypatch.setitem(MLPS, DUMMY.mlp, model_module.MLPKind(torch.tanh, False))
     monkeypatch.setitem(RESIDUALS, DUMMY.residual, ScaledResidual)
     monkeypatch.setitem(optim.OPTIMIZERS, DUMMY.optimizer, optim.OptimizerKind(PlainSGD, False, "gradient", 0.1, {}))
     monkeypatch.setitem(data.TOKENIZERS, DUMMY.tokenizer, ByteTokenizer)
@@ -7279,6 +7423,56 @@ def test_sections_table_runs_in_order_and_takes_a_new_row(tmp_path, monkeypatch)
     assert json.load(open(os.path.join(tmp_path, "summary.json")))["probe"]["batches"] == 2
     with pytest.raises(ValueError, match="unknown sections"):
         analyze.run_analysis(model, batches, str(tmp_path), ["weights", "nope"], verbose=False)
+
+
+def test_sections_run_without_gradients_unless_their_row_declares_needs_grad(tmp_path, monkeypatch):
+    """A section runs under torch.no_grad() (so .numpy() on the model's logits works), both its run and its
+    during_training; one that differentiates needs needs_grad=True in its row, and without it gets the rule's line."""
+    logits_numpy = lambda model, idx: model(idx)[0].numpy().std()
+    differentiate = lambda model, x, y: sum(p.norm() for p in torch.autograd.grad(model(x, y)[1], [
+        next(model.parameters())])).item()
+    monkeypatch.setitem(analyze.SECTIONS, "dummy-numpy", analyze.Section(
+        lambda model, inputs: ({"std": float(logits_numpy(model, inputs["idx"]))}, {}), None, print,
+        during_training=lambda model, x, y, step, settings: {"std": float(logits_numpy(model, x))}))
+    monkeypatch.setitem(analyze.SECTIONS, "dummy-grad", analyze.Section(
+        lambda model, inputs: ({"g": differentiate(model, *inputs["batches"][0])}, {}), None, print,
+        during_training=lambda model, x, y, step, settings: {"g": differentiate(model, x, y)}, needs_grad=True))
+    model = analyze.analysis_model(analyze_tiny_gpt())
+    x, y = torch.randint(0, 8, (2, 8)), torch.randint(0, 8, (2, 8))
+    summary = analyze.run_analysis(model, [(x, y)], str(tmp_path), ["dummy-numpy", "dummy-grad"], verbose=False)
+    assert summary["dummy-numpy"]["std"] > 0 and summary["dummy-grad"]["g"] > 0
+    record = analyze.analyze_during_training(model, (x, y), 0, str(tmp_path), micro_batches=1)
+    assert record["std"] == summary["dummy-numpy"]["std"] and record["g"] > 0
+    monkeypatch.setattr(analyze.SECTIONS["dummy-grad"], "needs_grad", False)
+    with pytest.raises(ValueError) as error:
+        analyze.run_analysis(model, [(x, y)], str(tmp_path), ["dummy-grad"], verbose=False)
+    assert str(error.value) == ("analyze section 'dummy-grad' differentiates, but its row does not declare "
+                                "needs_grad=True (sections run under torch.no_grad() unless their row in "
+                                "analyze.SECTIONS says so)")
+
+
+@pytest.mark.parametrize("kind", list(model_module.ATTENTIONS))
+def test_attention_weights_hook_gives_the_weights_forward_uses(kind, monkeypatch):
+    """Attention.attention_weights: W v (v each head's values) is the attention's output before out_proj, W is
+    causal with rows summing to 1; an ATTENTIONS row that breaks its rule (the output W v for v of any width)
+    gets the rule's one line."""
+    cfg = make_config(attention=kind, n_embd=32, n_head=2, block_size=16, qk_norm=True, kernels="torch")
+    layer = Attention(cfg).eval()
+    x = torch.randn(2, 12, 32)  # 12 tokens: not the head size 16
+    rope = rope_cache(12, 16, cfg.rope_base)
+    with torch.no_grad():
+        weights = layer.attention_weights(x, rope)
+        _, _, v = layer.heads(x, rope)
+        y = layer.out_proj((weights @ v).transpose(1, 2).reshape(2, 12, 32))
+        assert torch.allclose(y, layer(x, rope), atol=1e-5)
+    assert (weights.triu(1) == 0).all() and torch.allclose(weights.sum(-1), torch.ones(2, 2, 12), atol=1e-5)
+    fixed_width = lambda q, k, v, dropout, path: model_module.attention_math(q, k, v, dropout, path).reshape(q.shape)
+    monkeypatch.setitem(model_module.ATTENTIONS, "dummy-fixed-width", fixed_width)
+    layer.attention = "dummy-fixed-width"
+    with pytest.raises(ValueError) as error:
+        layer.attention_weights(x, rope)
+    assert str(error.value) == ("attention 'dummy-fixed-width' cannot give its weights: its output must be W v for v "
+                                "of any width (the rule above model.ATTENTIONS)")
 
 
 def test_attention_sparsity_counts_exact_zeros_per_layer_and_head():

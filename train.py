@@ -10,8 +10,8 @@ Train a specgpt model.
     python train.py --sample_only=True --start="ROMEO:"   # sample from out_dir/ckpt.pt
     torchrun --nproc_per_node=2 train.py             # data-parallel (DDP) on 2 processes
 
-The config keys are the run settings below and every field of model.GPTConfig (the model; only
-MODEL_DEFAULTS differ from GPTConfig's defaults). Every value is checked before anything is written: a
+The config keys are the run settings below and every field of model.GPTConfig (the model, with GPTConfig's
+defaults). Every value is checked before anything is written: a
 wrong key, type or value stops with a one-line error. The checkpoint out_dir/ckpt.pt (written
 atomically at every eval, only while the loss and weights are finite) holds the model, the optimizer,
 the config, the RNG and sampler states, so a resumed CPU run continues bit for bit; a resumed run takes its
@@ -93,11 +93,6 @@ start = "\n"                   # the prompt of every sample
 RUN_DEFAULTS = {**{k: v for k, v in globals().items()
                    if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))},
                 **{key: setting.default for key, (setting, _) in optim.SETTINGS.items()}}
-# the model's keys are GPTConfig's fields (vocab_size comes from the data); the run's own defaults:
-# nanoGPT's shakespeare_char context; one Mamba2 layer below three attention layers, narrowed to an inner width
-# of n_embd and a state of 16 (its short convolution and recurrence lower the loss per step far more than the
-# layer costs), and RMSNorm on queries and keys (RESULTS.md, "The default run")
-MODEL_DEFAULTS = {"block_size": 64, "mixer": "MAAA", "mamba_expand": 1, "mamba_d_state": 16, "qk_norm": True}
 # model keys that may change on resume: they change how the same weights compute or train, not the weights
 RESUME_CHANGEABLE = ("kernels", "attention", "chunk_size", "dropout", "rope_scaling", "rope_factor")
 # run settings that describe this command, not the run: a resumed run takes the others from its checkpoint
@@ -514,6 +509,7 @@ def read_settings(args):
         ckpt = runs.load_checkpoint(os.path.join(settings["out_dir"], "ckpt.pt"))
         settings, changes = resumed_settings(ckpt["config"], given)
     check_settings(settings)
+    optim.check_chosen_settings(settings["optimizer"], given)
     settings["learning_rate"] = peak_lr(settings)
     if ckpt is not None:
         check_schedule_length(ckpt["config"], settings, given)
@@ -521,8 +517,8 @@ def read_settings(args):
 
 
 def model_defaults():
-    """GPTConfig's fields and defaults, with MODEL_DEFAULTS in place of GPTConfig's own."""
-    return {f.name: MODEL_DEFAULTS.get(f.name, f.default) for f in fields(GPTConfig) if f.name != "vocab_size"}
+    """The model's keys, GPTConfig's fields (vocab_size comes from the data), and their defaults: GPTConfig's."""
+    return {f.name: f.default for f in fields(GPTConfig) if f.name != "vocab_size"}
 
 
 def choices():
