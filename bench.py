@@ -198,30 +198,37 @@ def _compile_resources(kernel, signature, constexprs, options, arch):
     return compiled.metadata.shared, regs, stack
 
 
-_COMPILE_JOBS = []   # what the forked compile workers read (kernels do not pickle)
+_FORKED = []   # what forked_map's workers read: (fn, items), which need not pickle (kernels and closures do not)
 
 
-def _compile_job(i):
-    kernel, signature, constexprs, options, arch = _COMPILE_JOBS[i]
-    return _compile_resources(kernel, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()), arch)
+def _forked_call(i):
+    fn, items = _FORKED[0]
+    return fn(items[i])
+
+
+def forked_map(fn, items, workers=None):
+    """[fn(item) for item in items], in `workers` forked processes (default: one per CPU core); the results must
+    pickle, fn and items need not."""
+    import concurrent.futures
+    import multiprocessing
+    workers = min(workers or os.cpu_count() or 1, len(items))
+    if workers <= 1:
+        return [fn(item) for item in items]
+    _FORKED[:] = [(fn, items)]
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(_forked_call, range(len(items))))
 
 
 def triton_resources(launches, archs=(80, 89, 90), workers=None):
     """One row per (launch, arch): dict(kernel, arch, constexprs, num_warps, dtype, shared, limit, regs, stack). The
     compiles run in `workers` forked processes (default: one per CPU core)."""
-    import concurrent.futures
-    import multiprocessing
-    _COMPILE_JOBS[:] = [(*launch, arch) for launch in launches for arch in archs]
-    workers = min(workers or os.cpu_count() or 1, len(_COMPILE_JOBS))
-    if workers > 1:
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            results = list(pool.map(_compile_job, range(len(_COMPILE_JOBS))))
-    else:
-        results = [_compile_job(i) for i in range(len(_COMPILE_JOBS))]
+    jobs = [(*launch, arch) for launch in launches for arch in archs]
+    results = forked_map(lambda job: _compile_resources(job[0], *(tuple(d.items()) for d in job[1:4]), job[4]), jobs,
+                         workers)
     return [dict(kernel=kernel.fn.__name__, arch=arch, constexprs=constexprs, num_warps=options.get("num_warps", 4),
                  dtype=next((d for d in ("bf16", "fp16") if f"*{d}" in signature.values()), "fp32"), shared=shared,
                  limit=kernels.SHARED_LIMIT[arch], regs=regs, stack=stack)
-            for (kernel, signature, constexprs, options, arch), (shared, regs, stack) in zip(_COMPILE_JOBS, results)]
+            for (kernel, signature, constexprs, options, arch), (shared, regs, stack) in zip(jobs, results)]
 
 
 def triton_resource_table(archs=(80, 89, 90), dtypes=(torch.float32, torch.bfloat16), **dims):
@@ -470,11 +477,13 @@ def _multilinear(corners, lo, hi, at):
 def scaled_counts(counts_at, lo, hi, at):
     """The counts of interpreter_counts at the shape `at`, each the multilinear function (_multilinear) through the
     shapes whose every coordinate is at lo or hi; counts_at(shape) gives interpreter_counts there, the same kernels
-    in the same order at every shape. params is None where it differs between the shapes, a count None where it
+    in the same order at every shape (the shapes are counted in forked processes, one per CPU core: the
+    interpreter is single-threaded). params is None where it differs between the shapes, a count None where it
     comes out a fraction (work that does not scale multilinearly: a grid of ⌈rows / block⌉ programs, say);
     corners holds the counts at each shape."""
-    runs = {corner: counts_at(tuple(h if i else l for i, l, h in zip(corner, lo, hi)))
-            for corner in itertools.product((0, 1), repeat=len(lo))}
+    corners = list(itertools.product((0, 1), repeat=len(lo)))
+    shapes = [tuple(h if i else l for i, l, h in zip(corner, lo, hi)) for corner in corners]
+    runs = dict(zip(corners, forked_map(counts_at, shapes)))
     names = {corner: [c["kernel"] for c in counts] for corner, counts in runs.items()}
     if len({tuple(n) for n in names.values()}) != 1:
         raise ValueError(f"the launches differ between the shapes {lo} and {hi}: {names}")

@@ -2743,8 +2743,9 @@ def test_kernel_cost_no_eager_copies_or_casts_inside_the_mixers_custom_ops():
 
 
 @INTERPRETED
-@pytest.mark.aot  # 26 minutes on 2 cores shared with another run (the interpreter's counts, then sm_90's)
-def test_kernel_cost_report_of_g_and_m_at_the_hybrid_shapes():
+@pytest.mark.aot  # minutes a mixer (the interpreter's counts in a process a core, then sm_90's compiles)
+@pytest.mark.parametrize("mixer", ["G", "M"])
+def test_kernel_cost_report_of_g_and_m_at_the_hybrid_shapes(mixer):
     """bench.kernel_cost_rows for G (704 wide, 11 heads of 64) and M (768 wide, 48 heads of 32, state 64), one
     layer forward + backward at B 16, T 1024 in bf16: rms_norm's launches, scaled (G's forward) or replayed at the
     real heads (M's, over 1536 channels, and both backwards), read and write exactly their closed forms at that
@@ -2756,20 +2757,19 @@ def test_kernel_cost_report_of_g_and_m_at_the_hybrid_shapes():
     few MB of fp32 parameter-gradient sums."""
     B, T = 16, 1024
     assert (GPTConfig().gdn_chunk_size, GPTConfig().chunk_size) == (64, 256)
-    for mixer, rows_per_norm, C, gated, most_bytes in (("G", B * T * 11, 64, False, 2.7e9),
-                                                       ("M", B * T, 1536, True, 1.3e9)):
-        rows, eager = bench.kernel_cost_rows(mixer, B, T, torch.bfloat16)
-        totals = bench.cost_totals(rows, eager)
-        assert totals["triton"] + totals["eager"] <= most_bytes and totals["steps"] <= 16, (mixer, totals)
-        assert totals["eager"] < 4e6, (mixer, eager)
-        x_bytes = rows_per_norm * C * 2 * (1 + gated)
-        forward = dict(read=x_bytes + C * 4, written=rows_per_norm * (C * 2 + 4))
-        backward = dict(read=x_bytes + rows_per_norm * (C * 2 + 4) + C * 4, written=x_bytes + 4 * C * 4)
-        norms = [(r["kernel"], r["read"], r["written"]) for r in rows if r["kernel"].startswith("_rms_norm")]
-        assert norms and all((k, r, w) in {("_rms_norm_fwd_kernel", *forward.values()),
-                                           ("_rms_norm_bwd_kernel", *backward.values())} for k, r, w in norms), norms
-        assert all(r["stack"] == 0 and r["blocks_per_sm"] >= 1 and r["waves"] >= 1 for r in rows)
-        assert all(r["time"] == max(r["t_bytes"], r["t_flops"], r["t_floor"]) > 0 for r in rows)
+    rows_per_norm, C, gated, most_bytes = {"G": (B * T * 11, 64, False, 2.7e9), "M": (B * T, 1536, True, 1.3e9)}[mixer]
+    rows, eager = bench.kernel_cost_rows(mixer, B, T, torch.bfloat16)
+    totals = bench.cost_totals(rows, eager)
+    assert totals["triton"] + totals["eager"] <= most_bytes and totals["steps"] <= 16, (mixer, totals)
+    assert totals["eager"] < 4e6, (mixer, eager)
+    x_bytes = rows_per_norm * C * 2 * (1 + gated)
+    forward = dict(read=x_bytes + C * 4, written=rows_per_norm * (C * 2 + 4))
+    backward = dict(read=x_bytes + rows_per_norm * (C * 2 + 4) + C * 4, written=x_bytes + 4 * C * 4)
+    norms = [(r["kernel"], r["read"], r["written"]) for r in rows if r["kernel"].startswith("_rms_norm")]
+    assert norms and all((k, r, w) in {("_rms_norm_fwd_kernel", *forward.values()),
+                                       ("_rms_norm_bwd_kernel", *backward.values())} for k, r, w in norms), norms
+    assert all(r["stack"] == 0 and r["blocks_per_sm"] >= 1 and r["waves"] >= 1 for r in rows)
+    assert all(r["time"] == max(r["t_bytes"], r["t_flops"], r["t_floor"]) > 0 for r in rows)
 
 
 def test_step_bytes_by_hand():
