@@ -486,13 +486,11 @@ def _multilinear(corners, lo, hi, at):
 def scaled_counts(counts_at, lo, hi, at):
     """The counts of interpreter_counts at the shape `at`, each the multilinear function (_multilinear) through the
     shapes whose every coordinate is at lo or hi; counts_at(shape) gives interpreter_counts there, the same kernels
-    in the same order at every shape (the shapes are counted in forked processes, one per CPU core: the
-    interpreter is single-threaded). params is None where it differs between the shapes, a count None where it
+    in the same order at every shape. params is None where it differs between the shapes, a count None where it
     comes out a fraction (work that does not scale multilinearly: a grid of ⌈rows / block⌉ programs, say);
     corners holds the counts at each shape."""
-    corners = list(itertools.product((0, 1), repeat=len(lo)))
-    shapes = [tuple(h if i else l for i, l, h in zip(corner, lo, hi)) for corner in corners]
-    runs = dict(zip(corners, forked_map(counts_at, shapes)))
+    runs = {corner: counts_at(tuple(h if i else l for i, l, h in zip(corner, lo, hi)))
+            for corner in itertools.product((0, 1), repeat=len(lo))}
     names = {corner: [c["kernel"] for c in counts] for corner, counts in runs.items()}
     if len({tuple(n) for n in names.values()}) != 1:
         raise ValueError(f"the launches differ between the shapes {lo} and {hi}: {names}")
