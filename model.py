@@ -804,82 +804,6 @@ class MLP(nn.Module):
         return act * (cfg.n_embd + (4 if MLPS[cfg.mlp][1] else 2) * MLP.hidden_size(cfg))
 
 
-def mixer_kept_activations(cfg, B, T):
-    """What autograd keeps for the backward of one cfg.mixer[0] mixer, run on a [B, T, n_embd] input under bf16
-    autocast, in units of one bf16 [B, T, n_embd] activation; counted on fake tensors (kernels.kept_bytes), so
-    any shape is free, and with cfg.kernels="triton" on a CPU too (no kernel runs)."""
-    def step():
-        mixer = MIXERS[cfg.mixer[0]](cfg)
-        x = torch.randn(B, T, cfg.n_embd, requires_grad=True)
-        rope = rope_cache(T, cfg.n_embd // cfg.n_head, cfg.rope_base)
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # the input in bf16, as the block's RMSNorm gives it
-            return mixer, (x, rope), mixer(x.to(torch.bfloat16), rope)
-    return kernels.kept_bytes(step) / (2 * B * T * cfg.n_embd)
-
-
-def kept_activation_table(shapes=((16, 2048, 2048, 16), (8, 1024, 768, 12))):
-    """Print mixer_kept_activations for A, G and M, Triton path, at each (B, T, n_embd, n_head)."""
-    print("what autograd keeps per mixer under bf16 autocast, Triton path, in bf16 [B, T, n_embd] activations")
-    for B, T, C, H in shapes:
-        cfg = lambda mixer: GPTConfig(n_embd=C, n_head=H, block_size=T, mixer=mixer, kernels="triton")
-        print(f"  B={B} T={T} n_embd={C} n_head={H}: " +
-              "  ".join(f"{m} {mixer_kept_activations(cfg(m), B, T):5.2f}x" for m in MIXERS))
-
-
-# The mixers of the kernel cost report (kernels.kernel_costs): GPTConfig keys for H heads, the heads it reports
-# (the hybrid preset's G and A: 704 wide, 11 heads of 64; Mamba2 at GPT-2 small's 768: 48 heads of 32, state 64),
-# and the fewest heads at which its counts are linear in H (ssd's dB/dC programs sum over groups of 16 heads)
-COST_MIXERS = {"G": (lambda H: dict(n_embd=64 * H, n_head=H, gdn_variant="gdn2", gdn_expand_v=1), 11, 1),
-               "M": (lambda H: dict(n_embd=16 * H, n_head=1, mamba_expand=2, mamba_headdim=32, mamba_d_state=64), 48,
-                     16),
-               "A": (lambda H: dict(n_embd=64 * H, n_head=H, qk_norm=True, rope="fixed", attention="sdpa"), 11, 1)}
-
-
-def mixer_cost_step(mixer, B, T, H, dtype=torch.bfloat16):
-    """A thunk that builds one `mixer` (a letter of COST_MIXERS) with H heads, kernels="triton", and runs it forward
-    and backward on a [B, T, n_embd] input under autocast to dtype (none for fp32). GPTConfig's other keys keep
-    their defaults (the chunk lengths among them): the report is of the model as it is configured."""
-    cfg = GPTConfig(block_size=T, mixer=mixer, kernels="triton", **COST_MIXERS[mixer][0](H))
-
-    def step():
-        torch.manual_seed(0)
-        layer = MIXERS[mixer](cfg)
-        x = torch.randn(B, T, cfg.n_embd).to(dtype).requires_grad_()
-        rope = rope_cache(T, cfg.n_embd // cfg.n_head, cfg.rope_base)
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            y = layer(x, rope)
-        y.backward(torch.randn_like(y))
-    return step
-
-
-def kernel_cost_rows(mixer, B=16, T=1024, dtype=torch.bfloat16, resources=True):
-    """kernels.kernel_costs of one `mixer` forward + backward at [B, T] and its report's heads, counted in Triton's
-    interpreter (TRITON_INTERPRET=1) at small shapes: B 1 and 2, the two shortest lengths of whole chunks past 64
-    (gdn2's fused recurrent kernel takes T ≤ 64), the fewest heads and twice them; with resources, compiled for
-    sm_90 in a Python of its own."""
-    heads, fewest = COST_MIXERS[mixer][1:]
-    chunk = {"G": GPTConfig().gdn_chunk_size, "M": GPTConfig().chunk_size}.get(mixer, 16)
-    short = chunk * (64 // chunk + 1)
-    found = None
-    if resources:
-        found = kernels.in_compiling_python(
-            "import json, torch, triton, kernels, model; print(json.dumps(kernels.sm90_resources("
-            f"model.mixer_cost_step({mixer!r}, {B}, {T}, {heads}, {dtype}))))")
-    return kernels.kernel_costs(lambda b, t, h: mixer_cost_step(mixer, b, t, h, dtype), (1, short, fewest),
-                                (2, short + chunk, 2 * fewest), (B, T, heads), found)
-
-
-def kernel_cost_report(mixers="GMA", B=16, T=1024, dtype=torch.bfloat16, resources=True):
-    """Print kernel_cost_rows for each mixer (its launches, the eager bytes inside its custom ops) and their totals;
-    returns {mixer: (rows, eager)}."""
-    reports = {}
-    for m in mixers:
-        keys, heads = COST_MIXERS[m][0](COST_MIXERS[m][1]), COST_MIXERS[m][1]
-        reports[m] = (f"{m} ({keys['n_embd']} wide, {heads} heads)", *kernel_cost_rows(m, B, T, dtype, resources))
-    kernels.print_kernel_costs(reports, f"one layer forward + backward, B={B} T={T} {str(dtype).split('.')[-1]}")
-    return {m: report[1:] for m, report in reports.items()}
-
-
 # -----------------------------------------------------------------------------
 # Hyper-connections: n parallel residual streams X (B, T, n, C), one HyperConnection per sublayer.
 
@@ -1390,159 +1314,21 @@ def activation_formula(cfg, batch_size, act):
 
 
 if __name__ == "__main__":
-    # Forward + backward + AdamW throughput at nanoGPT's CPU recipe shape (4 layers, 4 heads, 128 dims,
-    # block 64, batch 12, char vocabulary) for each mixer kind, against a baseline timed in the same rounds:
-    # a GPT-2-style model (learned positions, LayerNorm, fused qkv, GELU, no biases: nanoGPT's architecture
-    # under its train.py defaults), written here only as a yardstick. Rounds alternate; the median of the
-    # per-round ratios is robust to this machine's drift. `python model.py recipe` instead trains the yardstick
-    # with nanoGPT's CPU recipe, to time against `python train.py` run alongside.
-    # `python model.py residuals` times every residual kind's training step against `res` the same way.
-    import statistics
+    # the model alone: the baby GPT (GPTConfig's defaults), its parameters, one forward; what measures the model
+    # (its training step against a GPT-2-style yardstick, nanoGPT's recipe) is in bench.py
     import sys
-    import time
-
-    class GPT2Block(nn.Module):
-        def __init__(self, C, n_head):
-            super().__init__()
-            self.n_head = n_head
-            self.ln1, self.ln2 = nn.LayerNorm(C, bias=False), nn.LayerNorm(C, bias=False)
-            self.qkv, self.proj = nn.Linear(C, 3 * C, bias=False), nn.Linear(C, C, bias=False)
-            self.fc, self.fc_out = nn.Linear(C, 4 * C, bias=False), nn.Linear(4 * C, C, bias=False)
-
-        def forward(self, x):
-            B, T, C = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(B, T, 3 * self.n_head, -1).transpose(1, 2).split(self.n_head, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
-            x = x + self.proj(y)
-            return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
-
-    class GPT2(nn.Module):
-        def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd):
-            super().__init__()
-            self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
-            self.blocks = nn.ModuleList([GPT2Block(n_embd, n_head) for _ in range(n_layer)])
-            self.ln_f = nn.LayerNorm(n_embd, bias=False)
-
-        def forward(self, idx, targets):
-            x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
-            for block in self.blocks:
-                x = block(x)
-            logits = self.ln_f(x) @ self.wte.weight.T
-            return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-    def train_step(model, B, T, V):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        idx = torch.randint(0, V, (B, T))
-
-        def step():
-            _, loss = model(idx, idx)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        for _ in range(5):
-            step()
-        return step
-
-    def nanogpt_recipe():
-        """nanoGPT's shakespeare_char CPU recipe, lr-tuned, on the yardstick: nanoGPT's init (std 0.02, residual
-        projections 0.02/sqrt(2·n_layer)), batch 12 x 64, 2000 iterations, AdamW (lr 3e-3, betas (0.9, 0.99),
-        weight decay 0.1 on matrices), 100 warmup steps then a cosine to 3e-4, gradient clip 1, an eval of 20
-        train and 20 val batches every 250 iterations. Prints its wall time and, untimed, the val loss on
-        train.py's fixed validation batches (20 of 24 x 64, seed 0), so the two runs' losses compare."""
-        import data
-        train_tokens, val_tokens, _ = data.load_dataset("shakespeare_char")
-        torch.manual_seed(1337)
-        model = GPT2(84, 64, 4, 4, 128)
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * 4) if name.endswith(("proj.weight", "fc_out.weight")) else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                lr=3e-3, betas=(0.9, 0.99))
-        samplers = {"train": data.BatchSampler(train_tokens, 12, 64, seed=1337),
-                    "val": data.BatchSampler(val_tokens, 12, 64, seed=1)}
-
-        @torch.no_grad()
-        def mean_loss(sampler, batches):
-            model.eval()
-            loss = sum(model(*sampler.next_batch())[1].item() for _ in range(batches)) / batches
-            model.train()
-            return loss
-        t0 = time.perf_counter()
-        for it in range(2001):
-            if it % 250 == 0:
-                print(f"iter {it}: train {mean_loss(samplers['train'], 20):.4f}, "
-                      f"val {mean_loss(samplers['val'], 20):.4f}, {time.perf_counter() - t0:.1f}s")
-            if it == 2000:
-                break
-            lr = (3e-3 * (it + 1) / 101 if it < 100
-                  else 3e-4 + 0.5 * (1 + math.cos(math.pi * (it - 100) / 1900)) * (3e-3 - 3e-4))
-            for group in opt.param_groups:
-                group["lr"] = lr
-            loss = model(*samplers["train"].next_batch())[1]
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        seconds = time.perf_counter() - t0
-        val = mean_loss(data.BatchSampler(val_tokens, 24, 64, seed=0), 20)
-        print(f"nanoGPT recipe: {seconds:.1f}s wall for 2000 iterations and evals, "
-              f"val loss {val:.4f} on train.py's validation batches")
-
-    def interleaved_seconds(runs, rounds, steps):
-        """{name: [seconds per step in each round]}, the runs taking turns round by round."""
-        seconds = {name: [] for name in runs}
-        for _ in range(rounds):
-            for name, step in runs.items():
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    step()
-                seconds[name].append((time.perf_counter() - t0) / steps)
-        return seconds
-
-    def residual_kinds():
-        """`python model.py residuals`: the training step of the default model (A mixer, n = 4 streams) for every
-        residual kind, batch 16 x 64, against `res` timed in the same interleaved rounds (8 rounds of 3 steps)."""
-        B, T, V, rounds, steps = 16, 64, 84, 8, 3
-        runs = {}
-        for kind in RESIDUALS:
-            torch.manual_seed(0)
-            runs[kind] = train_step(GPT(GPTConfig(vocab_size=V, block_size=T, residual=kind)), B, T, V)
-        seconds = interleaved_seconds(runs, rounds, steps)
-        print(f"forward+backward+AdamW, batch {B}x{T}, {torch.get_num_threads()} threads, {rounds} interleaved rounds "
-              f"of {steps} steps")
-        for kind, s in seconds.items():
-            ratio = statistics.median(t / r for r, t in zip(seconds["res"], s))
-            print(f"  {kind:>8}: {1e3 * statistics.median(s):6.1f} ms/step (median round), {ratio:.2f}x res")
-
-    usage = ("python model.py [mixer ...]   each mixer string's training step (default A) against the gpt2-style one\n"
-             "python model.py recipe        nanoGPT's CPU recipe on the gpt2-style model (to time python train.py by)\n"
-             "python model.py residuals     each residual kind's training step against res")
-    args = sys.argv[1:]
-    if args in (["-h"], ["--help"]):
+    usage = "python model.py   builds GPTConfig's default model, counts its parameters and runs one forward"
+    if sys.argv[1:]:
+        if sys.argv[1:] not in (["-h"], ["--help"]):
+            sys.exit(f"model.py takes no arguments (got {sys.argv[1]!r}): {usage}")
         print(usage)
         sys.exit()
-    if args == ["recipe"]:
-        nanogpt_recipe()
-        sys.exit()
-    if args == ["residuals"]:
-        residual_kinds()
-        sys.exit()
-    wrong = [a for a in args if not a or set(a) - set(MIXERS)]
-    if wrong:
-        sys.exit(f"model.py: {wrong[0]!r} is not a mixer string (letters of {', '.join(MIXERS)}), recipe or residuals: "
-                 f"python model.py --help")
     torch.manual_seed(0)
-    B, T, V, rounds, steps = 12, 64, 84, 20, 5
-    mixers = args or ["A"]
-    runs = {"gpt2-style": train_step(GPT2(V, T, 4, 4, 128), B, T, V)}
-    for mixer in mixers:
-        runs[mixer] = train_step(GPT(GPTConfig(vocab_size=V, block_size=T, mixer=mixer)), B, T, V)
-    seconds = interleaved_seconds(runs, rounds, steps)
-    print(f"forward+backward+AdamW, batch {B}x{T}, {torch.get_num_threads()} threads, {rounds} alternating rounds")
-    for name, s in seconds.items():
-        ratio = statistics.median(b / t for b, t in zip(seconds["gpt2-style"], s))
-        print(f"  {name:>10}: {B * T / statistics.median(s):8,.0f} tokens/s (median round), "
-              f"{ratio:.2f}x the gpt2-style baseline")
+    cfg = GPTConfig()
+    model = GPT(cfg)
+    idx, targets = torch.randint(0, cfg.vocab_size, (2, 2, cfg.block_size))
+    logits, loss = model(idx, targets)
+    print(f"mixer {cfg.mixer!r}, {cfg.n_layer} layers of {cfg.n_embd}: "
+          f"{sum(p.numel() for p in model.parameters()):,} parameters")
+    print(f"logits {tuple(logits.shape)}, loss at init on random tokens {loss.item():.4f} (ln {cfg.vocab_size} = "
+          f"{math.log(cfg.vocab_size):.4f})")

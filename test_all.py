@@ -198,9 +198,10 @@ os.symlink(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "_do
 os.environ["SPECGPT_DATA_DIR"] = TEST_DATA_DIR
 
 from model import (GPT, MIXERS, MLPS, RESIDUALS, Attention, ConvSiLU, GPTConfig, GatedDelta, HCRead, HCWrite,
-                   HyperConnection, Mamba2, hc_res_init, mixer_kept_activations, rope_cache, rope_frequencies,
+                   HyperConnection, Mamba2, hc_res_init, rope_cache, rope_frequencies,
                    yarn_correction_range)
 import analyze
+import bench
 import data
 import init
 import kernels
@@ -2020,7 +2021,7 @@ def test_triton_gdn2_dispatch_by_length(device):
         def step():
             t = torch.zeros(1, 256, 1, 16, dtype=dtype)
             kernels.gdn2_triton(t, t, t, t.float(), t, t, chunk_size=64)
-        assert ("_gdn2_chunk_intra_kernel", (chunks, 1)) in kernels.triton_grids(step), dtype
+        assert ("_gdn2_chunk_intra_kernel", (chunks, 1)) in bench.triton_grids(step), dtype
 
 
 # 16-bit error budgets: each gdn2 kernel on bf16 (or fp16) inputs (g in fp32, as the model passes it) against the
@@ -2375,7 +2376,7 @@ def test_gated_delta_gpt_is_one_graph(mixer, path):
 
 # Ahead-of-time compile of every Triton kernel for sm_80 / sm_89 / sm_90 at the launch parameters the wrappers
 # choose for real models: a GPT with kernels="triton" runs forward+backward on fake tensors with every launch
-# recorded (kernels.triton_launches), then each distinct launch is compiled with the wheel's ptxas. In a subprocess
+# recorded (bench.triton_launches), then each distinct launch is compiled with the wheel's ptxas. In a subprocess
 # without TRITON_INTERPRET, which importing triton before kernels.py makes compile real kernels.
 AOT_CASES = {   # name: (GPTConfig overrides, T); each in fp32 and under bf16 autocast. The batch changes no launch
     "default": (dict(mixer="AGM", residual="mhc"), 256),                          # but its grid (see test_gpu_...)
@@ -2422,7 +2423,7 @@ def aot_model_steps(dtype):
 
 def aot_resource_rows(steps_of=aot_model_steps):
     """Run steps_of(dtype)'s thunks in each of AOT_PASSES with every launch recorded instead of run
-    (kernels.triton_launches), then compile each distinct launch for its pass's archs (kernels.triton_resources).
+    (bench.triton_launches), then compile each distinct launch for its pass's archs (bench.triton_resources).
     Needs real, compiled Triton kernels: call it in a process where triton was imported before kernels.py without
     TRITON_INTERPRET=1."""
     torch.set_num_threads(1)
@@ -2430,10 +2431,10 @@ def aot_resource_rows(steps_of=aot_model_steps):
     for pass_name, (dtype, archs) in AOT_PASSES.items():
         launches = {}
         for name, step in steps_of(dtype).items():
-            for kernel, signature, constexprs, options in kernels.triton_launches(step):
+            for kernel, signature, constexprs, options in bench.triton_launches(step):
                 key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
                 launches.setdefault(key, (kernel, signature, constexprs, options, name))
-        compiled = kernels.triton_resources([launch[:4] for launch in launches.values()], archs=archs)
+        compiled = bench.triton_resources([launch[:4] for launch in launches.values()], archs=archs)
         for row, launch in zip(compiled, [launch for launch in launches.values() for _ in archs]):
             row["case"], row["pass"], row["constexprs"] = launch[4], pass_name, str(row["constexprs"])
         rows += compiled
@@ -2642,10 +2643,10 @@ def test_gpu_kept_bytes_counts_each_storage_once():
         linear = nn.Linear(8, 8, bias=False)
         x = torch.randn(3, 8, requires_grad=True)
         return linear, x, f(linear, x).sum()
-    assert kernels.kept_bytes(lambda: step(lambda linear, x: linear(x) * x)) == 3 * 8 * 4
-    assert kernels.kept_bytes(lambda: step(lambda linear, x: (x * x).sin())) == 3 * 8 * 4
+    assert bench.kept_bytes(lambda: step(lambda linear, x: linear(x) * x)) == 3 * 8 * 4
+    assert bench.kept_bytes(lambda: step(lambda linear, x: (x * x).sin())) == 3 * 8 * 4
     checkpointed = lambda linear, x: torch.utils.checkpoint.checkpoint(lambda x: (x * x).sin(), x, use_reentrant=False)
-    assert kernels.kept_bytes(lambda: step(checkpointed)) == 0
+    assert bench.kept_bytes(lambda: step(checkpointed)) == 0
 
 
 GPU_KEPT_SHAPES = [(16, 2048, 2048, 16), (8, 1024, 768, 12)]   # (B, T, n_embd, n_head): a 2048-wide model, GPT-2 small
@@ -2655,10 +2656,10 @@ GPU_KEPT_SHAPES = [(16, 2048, 2048, 16), (8, 1024, 768, 12)]   # (B, T, n_embd, 
 @pytest.mark.parametrize("mixer", ["G", "M"])
 def test_gpu_mixers_keep_at_most_twice_attention(mixer, B, T, C, H):
     """What autograd keeps for one mixer's backward under bf16 autocast on the Triton path
-    (model.mixer_kept_activations: fake tensors, each saved storage once): G and M each at most twice what
+    (bench.mixer_kept_activations: fake tensors, each saved storage once): G and M each at most twice what
     attention keeps at the same shape."""
     cfg = lambda letter: make_config(n_embd=C, n_head=H, block_size=T, mixer=letter, kernels="triton")
-    attention, kept = mixer_kept_activations(cfg("A"), B, T), mixer_kept_activations(cfg(mixer), B, T)
+    attention, kept = bench.mixer_kept_activations(cfg("A"), B, T), bench.mixer_kept_activations(cfg(mixer), B, T)
     assert 6 < attention < 12          # q, k, v, their pre-rotation copies, the output, the input: the count works
     assert kept <= 2 * attention, f"{mixer} keeps {kept:.2f}, attention {attention:.2f} bf16 activations"
 
@@ -2672,7 +2673,7 @@ GPU_GRID_CASES = {   # name: (op, B, T, heads, head dims); fake tensors, so the 
 
 @pytest.mark.parametrize("case", list(GPU_GRID_CASES))
 def test_gpu_launch_grids_fit_cuda_limits(case):
-    """Every launch of the op's forward and backward (kernels.triton_grids records them) fits CUDA's grid: axis x up to
+    """Every launch of the op's forward and backward (bench.triton_grids records them) fits CUDA's grid: axis x up to
     2^31 − 1 programs, axes y and z up to 65,535."""
     op, B, T, H, D = GPU_GRID_CASES[case]
 
@@ -2689,7 +2690,7 @@ def test_gpu_launch_grids_fit_cuda_limits(case):
         for o, state in outs:
             (o.float().sum() + state.sum()).backward()
 
-    grids = kernels.triton_grids(step)
+    grids = bench.triton_grids(step)
     assert {name for name, _ in grids} >= ({"_ssd_chunk_scan_kernel"} if op == "ssd" else {"_gdn2_rec_fwd_kernel"})
     bad = sorted({(name, grid) for name, grid in grids
                   if grid[0] > 2**31 - 1 or any(g > 65535 for g in grid[1:])})
@@ -2832,7 +2833,7 @@ def test_every_triton_launch_runs_on_its_inputs_gpu_with_autocast_off(simulated_
         with torch.device("cuda:1"), torch.autocast("cuda", dtype=torch.bfloat16):
             for op_step in kernels.example_steps(T=64, chunk=16).values():
                 op_step()
-    kernels._record_launches(step, lambda kernel, grid, args, kwargs: seen.append(
+    bench._record_launches(step, lambda kernel, grid, args, kwargs: seen.append(
         (kernel.fn.__name__, torch.cuda.current_device(), torch.is_autocast_enabled("cuda"))))
     launched = {name for name, _, _ in seen}
     assert len(launched) >= 15 and {"_ssd_chunk_scan_kernel", "_rms_norm_fwd_kernel"} <= launched, launched
@@ -2867,7 +2868,7 @@ def test_triton_op_bodies_keep_their_dtypes_under_autocast(op):
     assert all(torch.equal(a, b) for a, b in zip(*results)), [rel_err(a, b) for a, b in zip(*results)]
 
 
-# Kernel cost, counted on a CPU (kernels.kernel_costs): Triton's interpreter, its builder instrumented, counts
+# Kernel cost, counted on a CPU (bench.kernel_costs): Triton's interpreter, its builder instrumented, counts
 # each launch's unique bytes, dot FLOPs, exps and loop steps; small shapes scale to real ones exactly.
 INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts in Triton's interpreter")
 
@@ -2903,12 +2904,12 @@ def test_kernel_cost_counts_match_a_hand_count():
     64 × 64 lanes, reading x, gate (70·48·2 each) and the weight once (48·4), writing y (70·48·2) and each row's
     rstd (70·4), one exp per lane for the sigmoid, masked lanes included."""
     a, b, out = torch.randn(16, 16), torch.randn(16, 16), torch.zeros(16, 16)
-    probe = kernels.interpreter_counts(lambda: _cost_probe_kernel[(2,)](a, b, out, 5, N=16))
-    assert [{k: c[k] for k in kernels._COUNTED} for c in probe] == [
+    probe = bench.interpreter_counts(lambda: _cost_probe_kernel[(2,)](a, b, out, 5, N=16))
+    assert [{k: c[k] for k in bench._COUNTED} for c in probe] == [
         dict(programs=2, read=2 * 256 * 4, written=15 * 16 * 4, dot_flops=2 * 5 * 2 * 16 ** 3, exps=2 * 256, steps=5)]
     x, gate = torch.randn(70, 48).bfloat16(), torch.randn(70, 48).bfloat16()
-    norm = kernels.interpreter_counts(lambda: kernels.rms_norm_triton(x, torch.ones(48), 1e-6, gate))
-    assert [{k: c[k] for k in ("kernel", *kernels._COUNTED)} for c in norm] == [
+    norm = bench.interpreter_counts(lambda: kernels.rms_norm_triton(x, torch.ones(48), 1e-6, gate))
+    assert [{k: c[k] for k in ("kernel", *bench._COUNTED)} for c in norm] == [
         dict(kernel="_rms_norm_fwd_kernel", programs=2, read=2 * 70 * 48 * 2 + 48 * 4, written=70 * 48 * 2 + 70 * 4,
              dot_flops=0, exps=2 * 64 * 64, steps=1)]
 
@@ -2934,16 +2935,16 @@ def test_kernel_cost_counts_scale_exactly_in_batch_length_and_heads():
     is multilinear in (B, T, H): fitted through the eight shapes with B in {1, 2}, T in {16, 32} (chunks of 16),
     H in {1, 2}, it predicts the direct count at (3, 48, 3), where no coordinate is a fitted one, exactly."""
     lo, hi, at = (1, 16, 1), (2, 32, 2), (3, 48, 3)
-    scaled = kernels.scaled_counts(lambda shape: kernels.interpreter_counts(gdn2_cost_step(*shape)), lo, hi, at)
-    direct = kernels.interpreter_counts(gdn2_cost_step(*at))
+    scaled = bench.scaled_counts(lambda shape: bench.interpreter_counts(gdn2_cost_step(*shape)), lo, hi, at)
+    direct = bench.interpreter_counts(gdn2_cost_step(*at))
     assert len(direct) == 10 and all(c["params"] is not None for c in scaled)
-    assert [{k: c[k] for k in ("kernel", "params", *kernels._COUNTED)} for c in scaled] == \
-        [{k: c[k] for k in ("kernel", "params", *kernels._COUNTED)} for c in direct]
+    assert [{k: c[k] for k in ("kernel", "params", *bench._COUNTED)} for c in scaled] == \
+        [{k: c[k] for k in ("kernel", "params", *bench._COUNTED)} for c in direct]
     assert max(c["steps"] for c in direct) == 3   # the state passes walk the 3 chunks
 
 
 def test_kernel_cost_eager_bytes_inside_custom_ops_by_hand():
-    """The aten ops inside the custom ops' bodies, counted on fake tensors (kernels.real_launches): for rms_norm on
+    """The aten ops inside the custom ops' bodies, counted on fake tensors (bench.real_launches): for rms_norm on
     a transposed (non-contiguous) bf16 x of 320 rows of 64, the forward's .contiguous() copies x (read and written,
     2·320·64·2) and the backward's again, plus the sum of its 4 programs' fp32 dw partials (read 4·64·4, written
     64·4); views, allocations and .contiguous() of contiguous tensors move nothing. The launches: a forward of 5
@@ -2952,7 +2953,7 @@ def test_kernel_cost_eager_bytes_inside_custom_ops_by_hand():
         x = torch.randn(64, 320, dtype=torch.bfloat16).t().requires_grad_()
         y = kernels.rms_norm_triton(x, torch.ones(64), 1e-6)
         y.backward(torch.ones_like(y))
-    launches, eager = kernels.real_launches(step)
+    launches, eager = bench.real_launches(step)
     assert [(launch["kernel"], launch["grid"]) for launch in launches] == [("_rms_norm_fwd_kernel", (5,)),
                                                                            ("_rms_norm_bwd_kernel", (4,))]
     assert eager == {"rms_norm_fwd": 2 * 320 * 64 * 2, "rms_norm_bwd": 2 * 320 * 64 * 2 + 4 * 64 * 4 + 64 * 4}
@@ -2962,7 +2963,7 @@ def test_kernel_cost_no_eager_copies_or_casts_inside_the_mixers_custom_ops():
     """At the mixers' own inputs (column slices of in_proj's output and views of them, under bf16 autocast) the
     custom ops copy and cast nothing: their kernels read the slices at their row strides and write every final
     gradient in its input's dtype (gdn2's chunked ops move no eager byte at all; ssd's partials of ddt, dB and dC are
-    added inside its kernels 7 and 8). Left to eager ops, on fake tensors (kernels.real_launches), are only the sums
+    added inside its kernels 7 and 8). Left to eager ops, on fake tensors (bench.real_launches), are only the sums
     of many short fp32 partials into fp32 parameters' gradients, each partial read once and the sum written: M (8
     heads of 32, state 64, B 1, T 128, GPTConfig's chunk_size 256: one chunk of 128 tokens) sums dA over its one
     (batch, chunk) partial, the gated norm's dw (256 channels) over a CPU's 4 programs; G (1 head of 64) sums
@@ -2972,14 +2973,15 @@ def test_kernel_cost_no_eager_copies_or_casts_inside_the_mixers_custom_ops():
                 "G": {"gdn2_gates_fwd": 0, "gdn2_chunked_fwd": 0, "gdn2_chunked_bwd": 0, "rms_norm_fwd": 0,
                       "gdn2_gates_bwd": sums(8, 64) + sums(8, 1), "rms_norm_bwd": sums(2, 64)}}
     for mixer, heads in (("M", 8), ("G", 1)):
-        launches, eager = kernels.real_launches(model_module.mixer_cost_step(mixer, 1, 128, heads, torch.bfloat16))
+        launches, eager = bench.real_launches(bench.mixer_cost_step(mixer, 1, 128, heads, torch.bfloat16))
         assert {op: eager.get(op) for op in expected[mixer]} == expected[mixer], eager
 
 
 @INTERPRETED
-@pytest.mark.aot  # 26 minutes on 2 cores shared with another run (the interpreter's counts, then sm_90's)
-def test_kernel_cost_report_of_g_and_m_at_the_hybrid_shapes():
-    """model.kernel_cost_rows for G (704 wide, 11 heads of 64) and M (768 wide, 48 heads of 32, state 64), one
+@pytest.mark.aot  # minutes a mixer (the interpreter's counts in a process a core, then sm_90's compiles)
+@pytest.mark.parametrize("mixer", ["G", "M"])
+def test_kernel_cost_report_of_g_and_m_at_the_hybrid_shapes(mixer):
+    """bench.kernel_cost_rows for G (704 wide, 11 heads of 64) and M (768 wide, 48 heads of 32, state 64), one
     layer forward + backward at B 16, T 1024 in bf16: rms_norm's launches, scaled (G's forward) or replayed at the
     real heads (M's, over 1536 channels, and both backwards), read and write exactly their closed forms at that
     shape (rows·C bf16 of x, the gate and dy, C fp32 of the weight, rows fp32 of rstd; outputs y or dx and dgate, and
@@ -2990,31 +2992,30 @@ def test_kernel_cost_report_of_g_and_m_at_the_hybrid_shapes():
     few MB of fp32 parameter-gradient sums."""
     B, T = 16, 1024
     assert (GPTConfig().gdn_chunk_size, GPTConfig().chunk_size) == (64, 256)
-    for mixer, rows_per_norm, C, gated, most_bytes in (("G", B * T * 11, 64, False, 2.7e9),
-                                                       ("M", B * T, 1536, True, 1.3e9)):
-        rows, eager = model_module.kernel_cost_rows(mixer, B, T, torch.bfloat16)
-        totals = kernels.cost_totals(rows, eager)
-        assert totals["triton"] + totals["eager"] <= most_bytes and totals["steps"] <= 16, (mixer, totals)
-        assert totals["eager"] < 4e6, (mixer, eager)
-        x_bytes = rows_per_norm * C * 2 * (1 + gated)
-        forward = dict(read=x_bytes + C * 4, written=rows_per_norm * (C * 2 + 4))
-        backward = dict(read=x_bytes + rows_per_norm * (C * 2 + 4) + C * 4, written=x_bytes + 4 * C * 4)
-        norms = [(r["kernel"], r["read"], r["written"]) for r in rows if r["kernel"].startswith("_rms_norm")]
-        assert norms and all((k, r, w) in {("_rms_norm_fwd_kernel", *forward.values()),
-                                           ("_rms_norm_bwd_kernel", *backward.values())} for k, r, w in norms), norms
-        assert all(r["stack"] == 0 and r["blocks_per_sm"] >= 1 and r["waves"] >= 1 for r in rows)
-        assert all(r["time"] == max(r["t_bytes"], r["t_flops"], r["t_floor"]) > 0 for r in rows)
+    rows_per_norm, C, gated, most_bytes = {"G": (B * T * 11, 64, False, 2.7e9), "M": (B * T, 1536, True, 1.3e9)}[mixer]
+    rows, eager = bench.kernel_cost_rows(mixer, B, T, torch.bfloat16)
+    totals = bench.cost_totals(rows, eager)
+    assert totals["triton"] + totals["eager"] <= most_bytes and totals["steps"] <= 16, (mixer, totals)
+    assert totals["eager"] < 4e6, (mixer, eager)
+    x_bytes = rows_per_norm * C * 2 * (1 + gated)
+    forward = dict(read=x_bytes + C * 4, written=rows_per_norm * (C * 2 + 4))
+    backward = dict(read=x_bytes + rows_per_norm * (C * 2 + 4) + C * 4, written=x_bytes + 4 * C * 4)
+    norms = [(r["kernel"], r["read"], r["written"]) for r in rows if r["kernel"].startswith("_rms_norm")]
+    assert norms and all((k, r, w) in {("_rms_norm_fwd_kernel", *forward.values()),
+                                       ("_rms_norm_bwd_kernel", *backward.values())} for k, r, w in norms), norms
+    assert all(r["stack"] == 0 and r["blocks_per_sm"] >= 1 and r["waves"] >= 1 for r in rows)
+    assert all(r["time"] == max(r["t_bytes"], r["t_flops"], r["t_floor"]) > 0 for r in rows)
 
 
 def test_step_bytes_by_hand():
-    """kernels.step_bytes on fake tensors: a bf16 x of 96 rows of 64 cast to fp32 (read 2, written 4 bytes an element)
+    """bench.step_bytes on fake tensors: a bf16 x of 96 rows of 64 cast to fp32 (read 2, written 4 bytes an element)
     and its gated rms_norm in bf16 by Triton: the launch's tensor arguments each once (x, the gate and y bf16, the
     fp32 weight and rstd), the custom op itself nothing beyond its body (which here copies nothing)."""
     def step():
         x = torch.randn(96, 64, dtype=torch.bfloat16)
         x.float()
         kernels.rms_norm_triton(x, torch.ones(64), 1e-6, torch.randn(96, 64, dtype=torch.bfloat16))
-    moved = kernels.step_bytes(step)
+    moved = bench.step_bytes(step)
     assert moved == {"aten._to_copy.default": 96 * 64 * (2 + 4), "aten.randn.default": 2 * 96 * 64 * 2,
                      "aten.ones.default": 64 * 4, "_rms_norm_fwd_kernel": 3 * 96 * 64 * 2 + 64 * 4 + 96 * 4}, moved
 
@@ -3024,10 +3025,10 @@ def test_kernel_cost_blocks_per_sm_by_hand():
     per block, 2048 threads, 32 blocks): 8 warps at 128 registers fill the registers with 2 blocks; at 255
     registers (8160 a warp, allocated 8192) 4 warps fit twice; 100 KB of shared memory fits twice; a 1-warp block of
     32 registers is held to 32 blocks."""
-    assert kernels.blocks_per_sm(128, 8, 0) == 2
-    assert kernels.blocks_per_sm(255, 4, 0) == 2
-    assert kernels.blocks_per_sm(64, 4, 100 * 1024) == 2
-    assert kernels.blocks_per_sm(32, 1, 0) == 32
+    assert bench.blocks_per_sm(128, 8, 0) == 2
+    assert bench.blocks_per_sm(255, 4, 0) == 2
+    assert bench.blocks_per_sm(64, 4, 100 * 1024) == 2
+    assert bench.blocks_per_sm(32, 1, 0) == 32
 
 
 # ==================================================================================================
@@ -3375,7 +3376,7 @@ def test_param_closed_form_equals_num_params_for_every_kind(case):
     dict(mixer="A", residual="mhc"), dict(mixer="GGGA", gdn_variant="kda")], ids=str)
 def test_activation_formula_counts_what_autograd_keeps(case):
     """model.activation_formula (each kind's kept_per_token) under bf16 autocast, Triton path, against what the
-    forward leaves alive for the backward (kernels.kept_bytes on fake tensors), the weights' bf16 copies left out
+    forward leaves alive for the backward (bench.kept_bytes on fake tensors), the weights' bf16 copies left out
     (the dry run prices them apart). The formula leaves out the norms' fp32 statistics and RoPE's angle tables:
     within 6% under."""
     cfg = make_config(vocab_size=96, block_size=256, n_head=4, n_embd=128, kernels="triton", mamba_headdim=32,
@@ -3389,7 +3390,7 @@ def test_activation_formula_counts_what_autograd_keeps(case):
             return gpt, idx, gpt(idx, idx)[1]
     with torch.device("meta"):
         weight_copies = 2 * sum(m.weight.numel() for m in GPT(cfg).modules() if isinstance(m, nn.Linear))
-    measured = kernels.kept_bytes(step) - weight_copies
+    measured = bench.kept_bytes(step) - weight_copies
     assert 0.94 < model_module.activation_formula(cfg, 2, act=2) / measured <= 1.0
 
 
@@ -6611,19 +6612,21 @@ def test_resume_drops_log_rows_that_are_not_steps_and_says_so(tmp_path):
 
 
 def test_every_script_prints_its_usage_with_help_and_refuses_unknown_arguments(tmp_path):
-    """python X.py --help for every project file prints its usage (the command it describes) and exits 0 without
-    running anything; an unknown argument is one line on stderr and exit 1; data.py's extra arguments and a --dir
-    that is a file are one line too."""
-    scripts = sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and f != "test_all.py")
-    assert scripts == ["analyze.py", "data.py", "init.py", "kernels.py", "model.py", "optim.py", "runs.py",
+    """python X.py --help for every project file that runs as a script prints its usage (the command it describes)
+    and exits 0 without running anything; an unknown argument is one line on stderr and exit 1; data.py's extra
+    arguments and a --dir that is a file are one line too."""
+    scripts = sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and f != "test_all.py"
+                     and 'if __name__ == "__main__":' in open(os.path.join(ROOT, f)).read())
+    assert scripts == ["analyze.py", "bench.py", "data.py", "init.py", "kernels.py", "model.py", "optim.py", "runs.py",
                        "train.py"]
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     wrong = {"analyze.py": (["--no_such_key=1"], "unknown config key 'no_such_key'"),
              "data.py": (["--bogus"], "unexpected argument '--bogus'"),
              "init.py": (["--bogus"], "init.py takes no arguments (got '--bogus')"),
+             "bench.py": (["bogus"], "invalid choice: 'bogus'"),
              "kernels.py": (["--bogus"], "kernels.py takes no arguments (got '--bogus')"),
-             "model.py": (["--bogus"], "'--bogus' is not a mixer string"),
+             "model.py": (["--bogus"], "model.py takes no arguments (got '--bogus')"),
              "optim.py": (["--bogus"], "optim.py takes no arguments (got '--bogus')"),
              "runs.py": (["--bogus"], "unexpected argument '--bogus'"),
              "train.py": (["--no_such_key=1"], "unknown config key 'no_such_key'")}
@@ -7038,7 +7041,7 @@ def test_a_mixer_without_closed_forms_is_skipped_by_their_tests_and_named_by_the
 
 # ----------------------------------------------------------------------------------------------------
 # On a real GPU (marked gpu, deselected and skipped elsewhere; `python -m pytest -q -m gpu test_all.py`, about 8
-# minutes on one H100): the Triton tests compiled, python kernels.py's timings, 20 compiled steps of each preset,
+# minutes on one H100): the Triton tests compiled, python bench.py kernels' timings, 20 compiled steps of each preset,
 # the default run. They print what they measured (-s shows it), for RESULTS.md.
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -7056,11 +7059,11 @@ def test_gpu_the_triton_tests_pass_compiled():
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_kernels_py_reports_and_times_every_op():
-    """python kernels.py on a GPU: each op's errors against its reference and the forward + backward timings of the
-    Triton path against the torch path and torch.compile, to its end."""
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "kernels.py")], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
+def test_gpu_bench_kernels_reports_and_times_every_op():
+    """python bench.py kernels on a GPU: each op's errors against its reference and the forward + backward timings of
+    the Triton path against the torch path and torch.compile, to its end."""
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "kernels"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
     print(run.stdout[-6000:])
     assert run.returncode == 0 and "speed at T=" in run.stdout, run.stderr[-3000:]
 

@@ -1,0 +1,1207 @@
+"""
+bench.py: what measures specgpt (nanoGPT's name for it): its kernels' errors, launches, registers and costs, and
+its model's speed. One command with subcommands; the library files never import this one, only the tests do.
+
+    python bench.py kernels          each op's error against its reference and the chunked paths' speed against the
+                                     token loops; the Triton walk-through and each Triton op against its reference
+                                     (on a CPU in Triton's interpreter: TRITON_INTERPRET=1 python bench.py kernels);
+                                     on a GPU each op's forward + backward timed against the torch path and
+                                     torch.compile
+    python bench.py costs            what autograd keeps per mixer, and the kernel cost report: per Triton launch of a
+                                     mixer's forward + backward the bytes, FLOPs, exps and steps counted in Triton's
+                                     interpreter, its sm_90 occupancy and an estimated H100 time
+    python bench.py aot              every Triton kernel compiled ahead of time for sm_80/89/90 in fp32 and bf16:
+                                     shared memory, registers, spilled bytes
+    python bench.py recipe           nanoGPT's CPU recipe on a GPT-2-style yardstick, to time python train.py by
+    python bench.py mixers [A G ...] each mixer string's training step against the GPT-2-style yardstick
+    python bench.py residuals        each residual kind's training step against res
+"""
+import argparse
+import ast
+import collections
+import contextlib
+import functools
+import itertools
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+import model
+from model import GPT, GPTConfig, MIXERS, RESIDUALS
+
+if kernels.HAS_TRITON:  # as kernels.py decided: a GPU, Triton's interpreter, or triton imported before it
+    import triton
+    import triton.language as tl
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# -----------------------------------------------------------------------------
+# What a CPU can prove about a GPU run, found without one. The wrappers run on fake tensors (any shape is free)
+# with every launch recorded instead of run (kernel, grid, argument dtypes, constexprs, num_warps), so the launch
+# parameters are exactly the ones the wrappers choose: triton_grids checks them against CUDA's grid limits, and
+# each distinct launch is compiled by triton.compile for a GPUTarget with the wheel's own ptxas (triton_resources:
+# shared memory, registers, spills; needs a process that imported triton itself, without TRITON_INTERPRET, whose
+# kernels cannot be compiled). kept_bytes counts what autograd keeps for the backward, again on fake tensors.
+
+_TRITON_DTYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64"}
+
+
+def _record_launches(step, on_launch, around_body=None):
+    """Run step() under FakeTensorMode (step makes its tensors there, so any shape is free) with every Triton launch
+    handed to on_launch(kernel, grid, args, kwargs) instead of run. Each Triton op's custom ops run their own bodies
+    there, not their fake functions, so the wrappers choose their launches as they would on a GPU; around_body(name),
+    if given, is the context each body of custom op `name` runs in."""
+    from unittest import mock
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    ops = {op for row in kernels.OPS.values() if row.triton is not None
+           for op in vars(sys.modules[row.triton.__module__]).values()
+           if isinstance(op, torch._library.custom_ops.CustomOpDef)}   # the custom ops of each op's module
+    fakes = {op: op._abstract_fn for op in ops}
+
+    def record(self, *args, grid, warmup, **kwargs):
+        on_launch(self, tuple(grid), args, kwargs)
+
+    def body(op):
+        if around_body is None:
+            return op._init_fn
+
+        def run_around(*args, **kwargs):
+            with around_body(op._name):
+                return op._init_fn(*args, **kwargs)
+        return run_around
+
+    try:
+        for op in ops:
+            op.register_fake(body(op))
+        with FakeTensorMode(), mock.patch.object(type(kernels._rms_norm_fwd_kernel), "run", record):
+            step()
+    finally:
+        for op, fake in fakes.items():
+            op.register_fake(fake)
+
+
+def triton_launches(step):
+    """[(kernel, signature, constexprs, options)], one per distinct launch that step() (Triton ops forward and
+    backward) makes, recorded on fake tensors (_record_launches)."""
+    launches = {}
+
+    def record(kernel, grid, args, kwargs):
+        signature, constexprs, options = _launch_signature(kernel, args, kwargs)
+        key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
+        launches.setdefault(key, (kernel, signature, constexprs, options))
+
+    _record_launches(step, record)
+    return list(launches.values())
+
+
+def _launch_signature(kernel, args, kwargs):
+    """(signature, constexprs, options) of one launch, as triton.compile takes them."""
+    import inspect
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in kernels.LAUNCH_OPTIONS if k in kwargs}
+    bound = inspect.signature(kernel.fn).bind(*args, **kwargs).arguments
+    signature, constexprs = {}, {}
+    for param in kernel.params:
+        value = bound[param.name]
+        if param.is_constexpr or value is None:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+        elif torch.is_tensor(value):
+            signature[param.name] = _TRITON_DTYPES[value.dtype]
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        else:
+            signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+    return signature, constexprs, options
+
+
+def triton_grids(step):
+    """[(kernel name, grid)] for every launch step() makes, recorded on fake tensors (_record_launches)."""
+    grids = []
+    _record_launches(step, lambda kernel, grid, args, kwargs: grids.append((kernel.fn.__name__, grid)))
+    return grids
+
+
+def kept_bytes(step):
+    """Bytes the forward leaves alive for the backward: step() runs under FakeTensorMode (it builds its module
+    and inputs there, so any shape is free) and returns (module, inputs, output); counted are the storages that
+    ops made during step and that the output's autograd graph still holds, each once, the module's parameters,
+    the inputs (the caller's) and the output itself left out. What stays alive, rather than what
+    saved_tensors_hooks see, also counts what activation checkpointing keeps in its own caches."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    made = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    made[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
+            return out
+
+    with FakeTensorMode(), Record():
+        module, inputs, output = step()
+    for t in [*module.parameters(), *torch.utils._pytree.tree_leaves((inputs, output))]:
+        if isinstance(t, torch.Tensor):
+            made.pop(StorageWeakRef(t.untyped_storage()), None)
+    return sum(nbytes for ref, nbytes in made.items() if not ref.expired())
+
+
+def mixer_kept_activations(cfg, B, T):
+    """What autograd keeps for the backward of one cfg.mixer[0] mixer, run on a [B, T, n_embd] input under bf16
+    autocast, in units of one bf16 [B, T, n_embd] activation; counted on fake tensors (kept_bytes), so
+    any shape is free, and with cfg.kernels="triton" on a CPU too (no kernel runs)."""
+    def step():
+        mixer = MIXERS[cfg.mixer[0]](cfg)
+        x = torch.randn(B, T, cfg.n_embd, requires_grad=True)
+        rope = model.rope_cache(T, cfg.n_embd // cfg.n_head, cfg.rope_base)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the input in bf16, as the block's RMSNorm gives it
+            return mixer, (x, rope), mixer(x.to(torch.bfloat16), rope)
+    return kept_bytes(step) / (2 * B * T * cfg.n_embd)
+
+
+def kept_activation_table(shapes=((16, 2048, 2048, 16), (8, 1024, 768, 12))):
+    """Print mixer_kept_activations for A, G and M, Triton path, at each (B, T, n_embd, n_head)."""
+    print("what autograd keeps per mixer under bf16 autocast, Triton path, in bf16 [B, T, n_embd] activations")
+    for B, T, C, H in shapes:
+        cfg = lambda mixer: GPTConfig(n_embd=C, n_head=H, block_size=T, mixer=mixer, kernels="triton")
+        print(f"  B={B} T={T} n_embd={C} n_head={H}: " +
+              "  ".join(f"{m} {mixer_kept_activations(cfg(m), B, T):5.2f}x" for m in MIXERS))
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_resources(kernel, signature, constexprs, options, arch):
+    """(shared bytes, registers, stack bytes) of one launch compiled for sm_<arch>; registers and stack (where
+    spilled registers go) from cuobjdump, None where the wheel has none."""
+    import re
+    import subprocess
+    import tempfile
+    from triton.backends.compiler import GPUTarget
+    src = triton.compiler.ASTSource(kernel, dict(signature), dict(constexprs))
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
+    cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
+    regs = stack = None
+    if os.path.exists(cuobjdump):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+        found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+        regs, stack = (int(found[1]), int(found[2])) if found else (None, None)
+    return compiled.metadata.shared, regs, stack
+
+
+_FORKED = []   # what forked_map's workers read: (fn, items), which need not pickle (kernels and closures do not)
+
+
+def _forked_call(i):
+    fn, items = _FORKED[0]
+    return fn(items[i])
+
+
+def forked_map(fn, items, workers=None):
+    """[fn(item) for item in items], in `workers` forked processes (default: one per CPU core); the results must
+    pickle, fn and items need not."""
+    import concurrent.futures
+    import multiprocessing
+    workers = min(workers or os.cpu_count() or 1, len(items))
+    if workers <= 1:
+        return [fn(item) for item in items]
+    _FORKED[:] = [(fn, items)]
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(_forked_call, range(len(items))))
+
+
+def triton_resources(launches, archs=(80, 89, 90), workers=None):
+    """One row per (launch, arch): dict(kernel, arch, constexprs, num_warps, dtype, shared, limit, regs, stack). The
+    compiles run in `workers` forked processes (default: one per CPU core)."""
+    jobs = [(*launch, arch) for launch in launches for arch in archs]
+    results = forked_map(lambda job: _compile_resources(job[0], *(tuple(d.items()) for d in job[1:4]), job[4]), jobs,
+                         workers)
+    return [dict(kernel=kernel.fn.__name__, arch=arch, constexprs=constexprs, num_warps=options.get("num_warps", 4),
+                 dtype=next((d for d in ("bf16", "fp16") if f"*{d}" in signature.values()), "fp32"), shared=shared,
+                 limit=kernels.SHARED_LIMIT[arch], regs=regs, stack=stack)
+            for (kernel, signature, constexprs, options, arch), (shared, regs, stack) in zip(jobs, results)]
+
+
+def triton_resource_table(archs=(80, 89, 90), dtypes=(torch.float32, torch.bfloat16), **dims):
+    """Print shared memory / registers / stack bytes (spilled registers) per kernel and arch for fwd+bwd of every
+    Triton op at the given dims (see kernels.example_steps) in each dtype; a '!' marks shared memory over the arch's
+    limit."""
+    steps = [step for dtype in dtypes for step in kernels.example_steps(dtype=dtype, **dims).values()]
+    rows = triton_resources(triton_launches(lambda: [step() for step in steps]), archs)
+    print(f"{'kernel':34s} {'dtype':5s} {'constexprs':56s} warps "
+          + " ".join(f"{'sm_' + str(a) + ' smem/regs/stack':>22s}" for a in archs))
+    for i in range(0, len(rows), len(archs)):
+        group = rows[i:i + len(archs)]
+        consts = ",".join(f"{k}={v}" for k, v in group[0]["constexprs"].items() if v is not None)
+        cells = [f"{r['shared'] / 1024:6.1f}K{'!' if r['shared'] > r['limit'] else ' '}/{r['regs']}/{r['stack']}"
+                 for r in group]
+        print(f"{group[0]['kernel']:34s} {group[0]['dtype']:5s} {consts[:56]:56s} {group[0]['num_warps']:5d} "
+              + " ".join(f"{c:>22s}" for c in cells))
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# Kernel cost, counted on a CPU. Per Triton launch of a mixer's forward + backward: the unique bytes it reads
+# and writes, its dot FLOPs and exps, counted by running it in Triton's interpreter with the interpreter's
+# builder instrumented (_counting_interpreter), and its sequential steps; these counts are multilinear in the
+# batch B, the length T (in whole chunks) and the heads H, so eight small runs (each of B, T, H at two sizes)
+# give them exactly at any shape (scaled_counts; a launch whose constexprs change with H is replayed at the real
+# H). The launches at the real shape (grids, warps, stages) are recorded on fake tensors, their registers and
+# shared memory compiled for sm_90 (triton_resources), and the eager aten ops inside each custom op's body
+# counted there too (torch.compile cannot fuse into a custom op), each op as the body calls it (a composite op
+# such as einsum by its inputs and outputs). What is estimated, not counted: the time, a roofline at the H100
+# SXM's datasheet peaks with a latency floor per sequential step (kernel_costs). kernel_cost_report (below) runs
+# it on the mixers. Unique bytes are what a launch needs from memory at the least (a GPU's caches may not keep
+# every re-read); a dot's FLOPs are 2·M·N·K whatever its operand kind (3xTF32 runs three).
+
+H100_SXM = dict(bandwidth=3.35e12, dot_flops=989e12, sms=132, step_latency=1e-6)  # B/s, dense bf16 FLOP/s, SMs, s
+SM90_LIMITS = dict(registers=65536, shared=233472, threads=2048, blocks=32)        # per SM (CUDA programming guide)
+
+
+def blocks_per_sm(regs, num_warps, shared, limits=SM90_LIMITS):
+    """Resident blocks of one launch per SM: registers are allocated per warp in units of 256 (regs·32 rounded up),
+    shared memory per block with 1 KB reserved by the driver; at most limits["threads"] threads and
+    limits["blocks"] blocks."""
+    by_regs = limits["registers"] // (num_warps * -(-regs * 32 // 256) * 256)
+    by_shared = limits["shared"] // (shared + 1024)
+    return min(by_regs, by_shared, limits["threads"] // (32 * num_warps), limits["blocks"])
+
+
+class _LoopSteps(ast.NodeTransformer):
+    """Wraps every loop of a kernel (tl.static_range's unrolled ones apart) between the counting builder's
+    _cost_loop_enter / _cost_loop_exit, and marks the start of each iteration (_cost_iteration); the builder is
+    reached by the name the interpreter itself gives its kernels (interpreter_builder)."""
+
+    def __init__(self, rewrite_assign):
+        self.rewrite_assign = rewrite_assign  # the interpreter's own rewrite of the kernel's assignments
+
+    def visit_Assign(self, node):
+        return self.rewrite_assign(node)
+
+    @staticmethod
+    def hook(name):
+        builder = ast.Name(id="interpreter_builder", ctx=ast.Load())
+        return ast.Expr(ast.Call(ast.Attribute(builder, name, ast.Load()), args=[], keywords=[]))
+
+    def visit_For(self, node):
+        self.generic_visit(node)
+        unrolled = isinstance(node.iter, ast.Call) and getattr(node.iter.func, "attr", "") == "static_range"
+        if unrolled:
+            return node
+        node.body.insert(0, self.hook("_cost_iteration"))
+        return [self.hook("_cost_loop_enter"), ast.Try(body=[node], handlers=[], orelse=[],
+                                                       finalbody=[self.hook("_cost_loop_exit")])]
+
+    visit_While = visit_For
+
+
+class _LaunchCounts:
+    """What one launch touches: the unique addresses it loads and stores (per element size), its dot FLOPs, the
+    elements it exponentiates, and the most loop steps one of its programs walks."""
+
+    def __init__(self, kernel, grid, params):
+        self.kernel, self.grid, self.params = kernel, grid, params
+        self.addresses = {"read": {}, "written": {}}    # element bytes -> [address arrays]
+        self.dot_flops = self.exps = self.steps = self.pending = 0
+        self.program_steps = self.depth = 0
+        self.iteration_open = self.iteration_loaded = False
+
+    def touch(self, kind, ptrs, mask):
+        import numpy as np
+        size = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
+        lanes = np.broadcast_to(mask.data, ptrs.data.shape) if mask is not None else None
+        addresses = ptrs.data[lanes] if lanes is not None else ptrs.data.ravel()
+        pending = self.addresses[kind].setdefault(size, [])
+        pending.append(np.asarray(addresses, dtype=np.uint64).ravel())
+        self.pending += pending[-1].size
+        if self.pending > 1 << 23:  # keep memory bounded: fold what each list holds into its unique addresses
+            for arrays in (a for by_size in self.addresses.values() for a in by_size.values()):
+                arrays[:] = [np.unique(np.concatenate(arrays))]
+            self.pending = 0
+        if kind == "read":
+            self.iteration_loaded = True
+
+    def close_iteration(self):
+        if self.iteration_open and self.iteration_loaded:
+            self.program_steps += 1
+        self.iteration_open = False
+
+    def next_program(self):
+        self.close_iteration()
+        self.steps = max(self.steps, self.program_steps)
+        self.program_steps, self.depth = 0, 0
+
+    def bytes(self, kind):
+        import numpy as np
+        return sum(size * len(np.unique(np.concatenate(arrays))) for size, arrays in self.addresses[kind].items())
+
+    def counts(self):
+        self.next_program()
+        return dict(kernel=self.kernel, params=self.params, programs=math.prod(self.grid), read=self.bytes("read"),
+                    written=self.bytes("written"), dot_flops=self.dot_flops, exps=self.exps, steps=max(1, self.steps))
+
+
+@contextlib.contextmanager
+def _counting_interpreter():
+    """Triton's interpreter (3.6 and 3.7) with its builder instrumented for counting: this patches the interpreter,
+    not the kernels under test, whose every load, store, dot and exp still runs as before. Yields the list that
+    collects one _LaunchCounts per launch. Loads and stores count the addresses of their unmasked lanes; atomics
+    (none in kernels.py today) read and write theirs; a dot counts 2·M·N·K FLOPs, an exp every element of its tile;
+    a program's steps are the iterations of its outermost loops that load from memory (tl.static_range's unrolled
+    loops are straight-line code), the launch's the most any program walks."""
+    from unittest import mock
+    from triton.runtime import interpreter
+    builder = interpreter.InterpreterBuilder
+    launches, patched = [], set()   # patched: the modules of the device functions this launch has patched for
+    current = lambda: launches[-1]
+    run, load, store = interpreter.InterpretedFunction.run, builder.create_masked_load, builder.create_masked_store
+    rmw, cas, dot, exp, exp2 = (builder.create_atomic_rmw, builder.create_atomic_cas, builder.create_dot,
+                                builder.create_exp, builder.create_exp2)
+    set_grid_idx, patch_lang_tensor = builder.set_grid_idx, interpreter._patch_lang_tensor
+
+    def counted_run(self, *args, grid, warmup, **kwargs):
+        launches.append(_LaunchCounts(self.fn.__name__, tuple(grid), _launch_params(self.fn, args, kwargs)))
+        patched.clear()
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    def counted_load(self, ptrs, mask, *rest, **kwargs):
+        current().touch("read", ptrs, mask)
+        return load(self, ptrs, mask, *rest, **kwargs)
+
+    def counted_store(self, ptrs, value, mask, *rest, **kwargs):
+        current().touch("written", ptrs, mask)
+        return store(self, ptrs, value, mask, *rest, **kwargs)
+
+    def counted_rmw(self, op, ptr, val, mask, *rest):
+        for kind in ("read", "written"):
+            current().touch(kind, ptr, mask)
+        return rmw(self, op, ptr, val, mask, *rest)
+
+    def counted_cas(self, ptr, *rest):
+        for kind in ("read", "written"):
+            current().touch(kind, ptr, None)
+        return cas(self, ptr, *rest)
+
+    def counted_dot(self, a, b, *rest):
+        current().dot_flops += 2 * a.data.size * b.data.shape[-1]   # a [.., M, K] @ b [.., K, N]
+        return dot(self, a, b, *rest)
+
+    def counted(fn):
+        def exponentiate(self, arg):
+            current().exps += arg.data.size
+            return fn(self, arg)
+        return exponentiate
+
+    def loop_enter(self):
+        current().depth += 1
+
+    def iteration(self):
+        if current().depth == 1:
+            current().close_iteration()
+            current().iteration_open, current().iteration_loaded = True, False
+
+    def loop_exit(self):
+        current().depth -= 1
+        if current().depth == 0:
+            current().close_iteration()
+
+    def next_program(self, *idx):
+        current().next_program()
+        return set_grid_idx(self, *idx)
+
+    def patch_tensor(tensor, scope):   # 3.6's loops took int() of a [1] array, which numpy 2 refuses; 3.7's squeeze
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    # a @triton.jit function called from a kernel: the interpreter patches the triton.language its module sees at
+    # every call, the same each time (half the time counted); once a launch and module is enough
+    def device_call(self, *args, **kwargs):
+        if self.fn.__module__ not in patched:
+            patched.add(self.fn.__module__)
+            interpreter._patch_lang(self.fn)
+        return self.rewrite()(*args, **kwargs)
+
+    patches = dict(create_masked_load=counted_load, create_masked_store=counted_store, create_atomic_rmw=counted_rmw,
+                   create_atomic_cas=counted_cas, create_dot=counted_dot, create_exp=counted(exp),
+                   create_exp2=counted(exp2), set_grid_idx=next_program, _cost_loop_enter=loop_enter,
+                   _cost_iteration=iteration, _cost_loop_exit=loop_exit)
+    steps = _LoopSteps(interpreter.ASTTransformer().visit_Assign)
+    with contextlib.ExitStack() as stack:
+        for name, fn in patches.items():
+            stack.enter_context(mock.patch.object(builder, name, fn, create=True))
+        stack.enter_context(mock.patch.object(interpreter.InterpretedFunction, "run", counted_run))
+        stack.enter_context(mock.patch.object(interpreter.InterpretedFunction, "__call__", device_call))
+        stack.enter_context(mock.patch.object(interpreter.FunctionRewriter, "ast_transformer", steps))
+        stack.enter_context(mock.patch.object(interpreter.InterpretedFunction, "rewritten_fn", {}))  # fresh rewrites
+        stack.enter_context(mock.patch.object(interpreter, "_patch_lang_tensor", patch_tensor))
+        yield launches
+
+
+def _launch_params(fn, args, kwargs):
+    """A launch's constexprs and its options (LAUNCH_OPTIONS): what compiles it, as a dict."""
+    import inspect
+    signature = inspect.signature(fn)
+    bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k in signature.parameters}).arguments
+    constexprs = {name: bound.get(name) for name, p in signature.parameters.items() if p.annotation is tl.constexpr}
+    return {**constexprs, **{k: kwargs[k] for k in kernels.LAUNCH_OPTIONS if k in kwargs}}
+
+
+def interpreter_counts(step):
+    """[dict(kernel, params, programs, read, written, dot_flops, exps, steps)], one per Triton launch of step() in
+    launch order, counted in Triton's instrumented interpreter (_counting_interpreter): read and written are unique
+    bytes, params the launch's constexprs and options."""
+    if not (kernels.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"):
+        raise RuntimeError("counting launches needs Triton's interpreter: set TRITON_INTERPRET=1 before Python starts")
+    with _counting_interpreter() as launches:
+        step()
+    return [launch.counts() for launch in launches]
+
+
+_COUNTED = ("programs", "read", "written", "dot_flops", "exps", "steps")
+
+
+def _multilinear(corners, lo, hi, at):
+    """The value at `at` (a Fraction) of the function that is linear in each coordinate (for (B, T, H):
+    a·B·T·H + b·B·T + … + h) and equals corners[c] at each corner c, a tuple of 0 (lo) or 1 (hi) per
+    coordinate."""
+    from fractions import Fraction
+    total = Fraction(0)
+    for corner, value in corners.items():
+        weight = Fraction(1)
+        for i, x, a, b in zip(corner, at, lo, hi):
+            weight *= Fraction(x - a, b - a) if i else Fraction(b - x, b - a)
+        total += weight * value
+    return total
+
+
+def scaled_counts(counts_at, lo, hi, at):
+    """The counts of interpreter_counts at the shape `at`, each the multilinear function (_multilinear) through the
+    shapes whose every coordinate is at lo or hi; counts_at(shape) gives interpreter_counts there, the same kernels
+    in the same order at every shape. params is None where it differs between the shapes, a count None where it
+    comes out a fraction (work that does not scale multilinearly: a grid of ⌈rows / block⌉ programs, say);
+    corners holds the counts at each shape."""
+    runs = {corner: counts_at(tuple(h if i else l for i, l, h in zip(corner, lo, hi)))
+            for corner in itertools.product((0, 1), repeat=len(lo))}
+    names = {corner: [c["kernel"] for c in counts] for corner, counts in runs.items()}
+    if len({tuple(n) for n in names.values()}) != 1:
+        raise ValueError(f"the launches differ between the shapes {lo} and {hi}: {names}")
+    scaled = []
+    for i, first in enumerate(next(iter(runs.values()))):
+        values = {key: _multilinear({c: runs[c][i][key] for c in runs}, lo, hi, at) for key in _COUNTED}
+        params = first["params"] if all(runs[c][i]["params"] == first["params"] for c in runs) else None
+        scaled.append(dict(kernel=first["kernel"], params=params, corners={c: runs[c][i] for c in runs},
+                           **{k: int(v) if v.denominator == 1 else None for k, v in values.items()}))
+    return scaled
+
+
+def _unique_bytes(t):
+    """Bytes of t's elements, each once: a broadcast (stride-0) dimension adds none (t's layout is taken as
+    non-overlapping otherwise)."""
+    return t.element_size() * math.prod(n for n, s in zip(t.shape, t.stride()) if s != 0)
+
+
+def _eager_op_bytes(by_op=None):
+    """A TorchDispatchMode that sums, into .bytes (and by_op[op name], if given), what the aten ops it sees read
+    (each input tensor's elements) and write (each output tensor). This file's custom ops move what their bodies do
+    (counted there, _record_launches' around_body). Moving nothing: an op whose outputs are all views of its inputs
+    (a view, a reshape or .contiguous() that needs no copy, .to() its own dtype) unless it mutates them,
+    allocations, and ops that return no tensor (a tensor's device)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    free = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default, torch.ops.aten.empty_like.default,
+            torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default}
+    tensors = lambda tree: [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    storage = lambda t: StorageWeakRef(t.untyped_storage())
+
+    class EagerBytes(TorchDispatchMode):
+        bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins, outs = tensors((args, kwargs)), tensors(out)
+            views = {storage(t) for t in ins}.issuperset(storage(t) for t in outs) and not func._schema.is_mutable
+            if outs and not views and func not in free and func.namespace != "specgpt":  # Triton ops: their bodies
+                moved = sum(_unique_bytes(t) for t in ins + outs)
+                self.bytes += moved
+                if by_op is not None:
+                    by_op[str(func)] += moved
+            return out
+    return EagerBytes()
+
+
+class _TensorSpec:
+    """A fake tensor argument of a recorded launch, as what replays it needs: its storage (an id shared by the
+    arguments that alias one) and its view of it."""
+
+    def __init__(self, t, storages):
+        storage = t.untyped_storage()
+        self.storage = storages.setdefault(id(storage), (len(storages), storage.nbytes()))
+        self.dtype, self.offset, self.size, self.stride = t.dtype, t.storage_offset(), t.shape, t.stride()
+
+
+def replay_counts(launch):
+    """interpreter_counts of one launch recorded by real_launches (its kernel, grid and arguments), run again on CPU
+    tensors of its own shapes, strides and aliasing (zeros): exact at any shape, at the interpreter's speed."""
+    storages = {}
+
+    def real(arg):
+        if not isinstance(arg, _TensorSpec):
+            return arg
+        key, nbytes = arg.storage
+        storage = storages.setdefault(key, torch.zeros(nbytes, dtype=torch.uint8).untyped_storage())
+        return torch.empty(0, dtype=arg.dtype).set_(storage, arg.offset, arg.size, arg.stride)
+    args, kwargs = [real(a) for a in launch["args"]], {k: real(v) for k, v in launch["kwargs"].items()}
+    return interpreter_counts(lambda: launch["fn"][launch["grid"]](*args, **kwargs))[0]
+
+
+def real_launches(step, signatures=False):
+    """(launches, eager): step()'s Triton launches recorded on fake tensors (_record_launches), in order, each
+    dict(kernel name, fn, grid, params, options, args and kwargs (tensors as _TensorSpec), and with signatures=True
+    also signature, constexprs: what triton.compile takes, not available in the interpreter), and {custom op: bytes
+    its body's aten ops move}."""
+    launches, eager, storages = [], collections.Counter(), {}
+    spec = lambda a: _TensorSpec(a, storages) if isinstance(a, torch.Tensor) else a
+
+    def record(kernel, grid, args, kwargs):
+        launch = dict(kernel=kernel.fn.__name__, fn=kernel, grid=grid, params=_launch_params(kernel.fn, args, kwargs),
+                      options={k: kwargs[k] for k in kernels.LAUNCH_OPTIONS if k in kwargs},
+                      args=[spec(a) for a in args], kwargs={k: spec(v) for k, v in kwargs.items()})
+        if signatures:
+            launch["signature"], launch["constexprs"], _ = _launch_signature(kernel, args, kwargs)
+        launches.append(launch)
+
+    @contextlib.contextmanager
+    def count_eager(name):
+        with _eager_op_bytes() as mode:
+            yield
+        eager[name] += mode.bytes
+
+    _record_launches(step, record, count_eager)
+    return launches, dict(eager)
+
+
+def step_bytes(step):
+    """{op or kernel name: bytes} that step() (making its tensors itself) moves, on fake tensors: every aten op by
+    _eager_op_bytes' rules, inside the Triton ops' bodies too, and every Triton launch by its tensor arguments, each
+    element once (exact for a kernel that touches every element of its arguments once, as rms_norm's and rope's do;
+    a lower bound for one that re-reads, and no substitute for the interpreter's counts of the recurrences)."""
+    moved = collections.Counter()
+
+    def record(kernel, grid, args, kwargs):
+        views = {(id(t.untyped_storage()), t.storage_offset(), t.shape, t.stride()): t
+                 for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+        moved[kernel.fn.__name__] += sum(_unique_bytes(t) for t in views.values())
+
+    def run():
+        with _eager_op_bytes(moved):
+            step()
+    _record_launches(run, record, lambda name: _eager_op_bytes(moved))
+    return dict(moved)
+
+
+def sm90_resources(step):
+    """[dict(regs, shared, stack)] per Triton launch of step() (recorded on fake tensors), compiled for sm_90, each
+    distinct launch once; in a process that imported triton without the interpreter (in_compiling_python)."""
+    launches, _ = real_launches(step, signatures=True)
+    keys = [(l["kernel"], tuple(l["signature"].items()), tuple(l["constexprs"].items()), tuple(l["options"].items()))
+            for l in launches]
+    distinct = {key: (l["fn"], l["signature"], l["constexprs"], l["options"]) for key, l in zip(keys, launches)}
+    found = dict(zip(distinct, triton_resources(list(distinct.values()), archs=(90,))))
+    return [{k: found[key][k] for k in ("regs", "shared", "stack")} for key in keys]
+
+
+def in_compiling_python(program):
+    """The JSON value that a Python program prints last, run in a fresh Python without Triton's interpreter, so that
+    kernels compile (the interpreter's cannot); the program imports what it needs, triton before this file."""
+    import json
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", program], cwd=HERE, env=env,
+                         capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"compiling for sm_90 failed: {run.stderr[-2000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def kernel_costs(step_at, lo, hi, at, resources=None, gpu=H100_SXM):
+    """(rows, eager) for the step step_at(B, T, H) at `at` = (B, T, H), from the shapes with each coordinate at lo
+    or hi. rows: one dict per Triton launch, in order: kernel, grid, read and written (unique bytes), dot_flops,
+    exps, steps, num_warps, num_stages, counted: scaled from the eight small shapes (scaled_counts), or, for a launch
+    whose constexprs or grid do not scale with H, replayed at the real H and the four small (B, T) and scaled in
+    those (a count that still does not scale is None: rms_norm's persistent backward's steps, whose grid is 4
+    programs on a CPU, 4 per SM on a GPU; steps that grow with the batch are those of a loop over such a grid, not a
+    serial chain, and are None too). With resources (sm90_resources of the same step) also regs, shared, stack and
+    the estimate: blocks_per_sm, waves = ⌈programs / (blocks_per_sm · SMs)⌉, t_bytes = bytes / bandwidth, t_flops =
+    dot FLOPs / peak, t_floor = waves · steps · step_latency where a launch does not pipeline its loop (num_stages =
+    1; with num_stages ≥ 2, Triton's default 3, one step a wave), and time = the largest of the three. eager:
+    {custom op: bytes its body's aten ops move}, counted on fake tensors at `at`."""
+    B, T, heads = at
+    recorded = functools.lru_cache(maxsize=None)(lambda shape: real_launches(step_at(*shape))[0])
+    counts = scaled_counts(lambda shape: interpreter_counts(step_at(*shape)), lo, hi, at)
+    launches, eager = real_launches(step_at(*at))
+    if [c["kernel"] for c in counts] != [launch["kernel"] for launch in launches]:
+        raise ValueError(f"the launches at {at} are not those of the small shapes")
+    rows = []
+    for i, (c, launch) in enumerate(zip(counts, launches)):
+        if c["params"] != launch["params"] or c["programs"] != math.prod(launch["grid"]):
+            # its constexprs or grid change with the heads (rms_norm over Mamba2's inner width, a grid of row blocks):
+            # this launch alone, replayed at the real heads, scaled in B and T
+            replayed = lambda shape: [replay_counts(recorded((*shape, heads))[i])]
+            c = scaled_counts(replayed, lo[:2], hi[:2], (B, T))[0]
+            if c["params"] != launch["params"]:
+                raise ValueError(f"{launch['kernel']}'s constexprs change with B and T: not counted")
+        if c["read"] is None or c["written"] is None:
+            raise ValueError(f"{launch['kernel']}'s bytes do not scale with the shape")
+        if any(n["steps"] != c["corners"][(1, *rest)]["steps"] for (b, *rest), n in c["corners"].items() if not b):
+            c["steps"] = None   # steps that grow with the batch: a loop over a device-sized (persistent) grid
+        rows.append(dict(c, programs=math.prod(launch["grid"]), grid=launch["grid"],
+                         num_warps=launch["options"].get("num_warps", 4),
+                         num_stages=launch["options"].get("num_stages", 3)))
+    for row, found in zip(rows, resources or []):
+        row.update(found, blocks_per_sm=blocks_per_sm(found["regs"], row["num_warps"], found["shared"]))
+        row["waves"] = -(-row["programs"] // (max(1, row["blocks_per_sm"]) * gpu["sms"]))
+        row["t_bytes"] = (row["read"] + row["written"]) / gpu["bandwidth"]
+        row["t_flops"] = row["dot_flops"] / gpu["dot_flops"]
+        steps = row["steps"] if row["num_stages"] == 1 else 1
+        if steps is None:
+            raise ValueError(f"{row['kernel']} does not pipeline its loop and its steps are not counted")
+        row["t_floor"] = row["waves"] * steps * gpu["step_latency"]
+        row["time"] = max(row["t_bytes"], row["t_flops"], row["t_floor"])
+    return rows, eager
+
+
+def cost_totals(rows, eager, gpu=H100_SXM):
+    """One step's totals from kernel_costs: launches, Triton bytes (read + written), eager bytes, dot FLOPs and exps
+    (of the launches that have them counted), the most steps of a launch, and (with resources) the estimated time:
+    the launches' plus the eager bytes at the bandwidth (their own launch latencies left out)."""
+    known = lambda key: [r[key] for r in rows if r[key] is not None]
+    totals = dict(launches=len(rows), triton=sum(r["read"] + r["written"] for r in rows), eager=sum(eager.values()),
+                  dot_flops=sum(known("dot_flops")), exps=sum(known("exps")), steps=max(known("steps"), default=1))
+    if all("time" in r for r in rows):
+        totals["time"] = sum(r["time"] for r in rows) + totals["eager"] / gpu["bandwidth"]
+    return totals
+
+
+def _shown(value, unit, width, digits):
+    """value / unit in a column of `width`, or – where it was not counted."""
+    return f"{'–':>{width}s}" if value is None else f"{value / unit:{width}.{digits}f}"
+
+
+def print_kernel_costs(reports, shape):
+    """Print kernel_costs' rows and eager bytes of each {name: (title, rows, eager)} (per launch: counted; its time on
+    an H100 SXM: estimated, where the rows have it), then their totals; `shape` says what was run."""
+    resources = all("time" in r for _, rows, _ in reports.values() for r in rows)
+    bound = lambda r: max(("bytes", r["t_bytes"]), ("flops", r["t_flops"]), ("latency", r["t_floor"]),
+                          key=lambda x: x[1])
+    for title, rows, eager in reports.values():
+        print(f"\n== {title}: {shape}, per Triton launch (counted)" + (" and its time on an H100 SXM (estimated)"
+                                                                       if resources else "") + " ==")
+        print(f"{'kernel':30s} {'grid':>12s} {'read MB':>9s} {'write MB':>9s} {'GFLOP':>7s} {'Mexp':>7s} {'steps':>5s} "
+              f"{'warps':>5s} {'stages':>6s}" + (f" {'regs':>4s} {'smem KB':>7s} {'blk/SM':>6s} {'waves':>5s} "
+                                                 f"{'est us':>7s} bound" if resources else ""))
+        for r in rows:
+            line = (f"{r['kernel']:30s} {'x'.join(map(str, r['grid'])):>12s} {r['read'] / 1e6:9.1f} "
+                    f"{r['written'] / 1e6:9.1f} {_shown(r['dot_flops'], 1e9, 7, 2)} {_shown(r['exps'], 1e6, 7, 1)} "
+                    f"{_shown(r['steps'], 1, 5, 0)} {r['num_warps']:5d} {r['num_stages']:6d}")
+            if resources:
+                line += (f" {r['regs']:4d} {r['shared'] / 1024:7.1f} {r['blocks_per_sm']:6d} {r['waves']:5d} "
+                         f"{r['time'] * 1e6:7.1f} {bound(r)[0]}")
+            print(line)
+        print("– not counted (kernel_costs says why); eager aten ops inside the custom ops: " + (", ".join(
+            f"{op} {n / 1e6:.1f} MB" for op, n in sorted(eager.items(), key=lambda kv: -kv[1]) if n) or "none"))
+    print(f"\n== totals, {shape}: bytes and FLOPs counted" + (", time estimated" if resources else "") + " ==")
+    print(f"{'name':5s} {'launches':>8s} {'Triton GB':>9s} {'eager GB':>8s} {'total GB':>8s} {'dot GFLOP':>9s} "
+          f"{'Gexp':>6s} {'most steps':>10s}" + (f" {'est us':>7s}" if resources else ""))
+    for name, (_, rows, eager) in reports.items():
+        t = cost_totals(rows, eager)
+        print(f"{name:5s} {t['launches']:8d} {t['triton'] / 1e9:9.2f} {t['eager'] / 1e9:8.2f} "
+              f"{(t['triton'] + t['eager']) / 1e9:8.2f} {t['dot_flops'] / 1e9:9.1f} {t['exps'] / 1e9:6.2f} "
+              f"{t['steps']:10d}" + (f" {t['time'] * 1e6:7.0f}" if resources else ""))
+
+
+# The mixers of the kernel cost report (kernel_costs): GPTConfig keys for H heads, the heads it reports
+# (the hybrid preset's G and A: 704 wide, 11 heads of 64; Mamba2 at GPT-2 small's 768: 48 heads of 32, state 64),
+# and the fewest heads at which its counts are linear in H (ssd's dB/dC programs sum over groups of 16 heads)
+COST_MIXERS = {"G": (lambda H: dict(n_embd=64 * H, n_head=H, gdn_variant="gdn2", gdn_expand_v=1), 11, 1),
+               "M": (lambda H: dict(n_embd=16 * H, n_head=1, mamba_expand=2, mamba_headdim=32, mamba_d_state=64), 48,
+                     16),
+               "A": (lambda H: dict(n_embd=64 * H, n_head=H, qk_norm=True, rope="fixed", attention="sdpa"), 11, 1)}
+
+
+def mixer_cost_step(mixer, B, T, H, dtype=torch.bfloat16):
+    """A thunk that builds one `mixer` (a letter of COST_MIXERS) with H heads, kernels="triton", and runs it forward
+    and backward on a [B, T, n_embd] input under autocast to dtype (none for fp32). GPTConfig's other keys keep
+    their defaults (the chunk lengths among them): the report is of the model as it is configured."""
+    cfg = GPTConfig(block_size=T, mixer=mixer, kernels="triton", **COST_MIXERS[mixer][0](H))
+
+    def step():
+        torch.manual_seed(0)
+        layer = MIXERS[mixer](cfg)
+        x = torch.randn(B, T, cfg.n_embd).to(dtype).requires_grad_()
+        rope = model.rope_cache(T, cfg.n_embd // cfg.n_head, cfg.rope_base)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            y = layer(x, rope)
+        y.backward(torch.randn_like(y))
+    return step
+
+
+def kernel_cost_rows(mixer, B=16, T=1024, dtype=torch.bfloat16, resources=True):
+    """kernel_costs of one `mixer` forward + backward at [B, T] and its report's heads, counted in Triton's
+    interpreter (TRITON_INTERPRET=1) at small shapes: B 1 and 2, the two shortest lengths of whole chunks past 64
+    (gdn2's fused recurrent kernel takes T ≤ 64), the fewest heads and twice them; with resources, compiled for
+    sm_90 in a Python of its own."""
+    heads, fewest = COST_MIXERS[mixer][1:]
+    chunk = {"G": GPTConfig().gdn_chunk_size, "M": GPTConfig().chunk_size}.get(mixer, 16)
+    short = chunk * (64 // chunk + 1)
+    found = None
+    if resources:
+        found = in_compiling_python(
+            "import json, torch, triton, bench; print(json.dumps(bench.sm90_resources("
+            f"bench.mixer_cost_step({mixer!r}, {B}, {T}, {heads}, {dtype}))))")
+    return kernel_costs(lambda b, t, h: mixer_cost_step(mixer, b, t, h, dtype), (1, short, fewest),
+                        (2, short + chunk, 2 * fewest), (B, T, heads), found)
+
+
+def kernel_cost_report(mixers="GMA", B=16, T=1024, dtype=torch.bfloat16, resources=True):
+    """Print kernel_cost_rows for each mixer (its launches, the eager bytes inside its custom ops) and their totals;
+    returns {mixer: (rows, eager)}."""
+    reports = {}
+    for m in mixers:
+        keys, heads = COST_MIXERS[m][0](COST_MIXERS[m][1]), COST_MIXERS[m][1]
+        reports[m] = (f"{m} ({keys['n_embd']} wide, {heads} heads)", *kernel_cost_rows(m, B, T, dtype, resources))
+    print_kernel_costs(reports, f"one layer forward + backward, B={B} T={T} {str(dtype).split('.')[-1]}")
+    return {m: report[1:] for m, report in reports.items()}
+
+
+# -----------------------------------------------------------------------------
+# python bench.py kernels: every op's paths against its reference and the chunked paths' speed against the token
+# loops (errors_and_speed), then the Triton side (triton_report): a walk through the softmax teaching kernel,
+# every Triton op against its reference (outputs and all input gradients), and on a GPU the benchmark (T = 2048,
+# 8 heads of 64, forward+backward; RMSNorm bandwidth). On a CPU the kernels run in Triton's interpreter
+# (TRITON_INTERPRET=1), which is slow, so shapes are tiny there.
+
+# dense HBM bandwidth of common GPUs in GB/s (spec sheets), for RMSNorm's "% of peak"
+_GPU_PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 NVL": 3900, "H100 PCIe": 2000, "H100": 3350,
+                  "A100-SXM4-80GB": 2039, "A100 80GB PCIe": 1935, "A100": 1555, "L40S": 864, "L4": 300, "A10G": 600,
+                  "RTX 4090": 1008, "RTX 3090": 936, "V100": 900, "T4": 320}
+
+
+def triton_report(device):
+    if not kernels.HAS_TRITON:
+        print("Triton is not loaded: on a CPU run `TRITON_INTERPRET=1 python bench.py kernels` (Triton's interpreter)")
+        return
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+
+    def rand(*shape):
+        return torch.rand(*shape, device=device, generator=gen)
+
+    # 1. the teaching kernel
+    R, N = 5, 37
+    x = randn(R, N) * 3
+    block_n = triton.next_power_of_2(N)
+    print("\n== softmax_triton, the fused softmax of the Triton tutorial ==")
+    print(f"x is [{R}, {N}]. Each row fits in one block of BLOCK_N = next_power_of_2({N}) = {block_n} lanes; the\n"
+          f"{block_n - N} lanes past the row end load -inf, so they add exp(-inf) = 0 to the sum. A persistent grid\n"
+          f"of {kernels._programs_for(x, R)} programs walks the rows (program i takes rows i, i + P, ...).\n"
+          f"Per row: one load, max, exp(x - max), sum, divide, one store: HBM traffic 2·R·N·4 bytes, where the\n"
+          f"unfused torch version reads and writes the [R, N] tensor about 4 times. Backward: dx = y·(dy − Σ dy·y),\n"
+          f"again one pass over y and dy.")
+    y = kernels.softmax_triton(x)
+    print(f"row sums {[round(s, 6) for s in y.sum(-1).tolist()]}; max |softmax_triton − softmax_ref| = "
+          f"{(y - kernels.softmax_ref(x)).abs().max().item():.1e}")
+
+    # 2. errors against the references, forward and backward
+    def errors(fn_tri, fn_ref, inputs):
+        results = []
+        for fn in (fn_tri, fn_ref):
+            leaves = {k: a.detach().clone().requires_grad_(True) if torch.is_tensor(a) and a.is_floating_point() else a
+                      for k, a in inputs.items()}
+            outs = fn(**leaves)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            results.append((leaves, outs))
+        cot = [torch.randn(o.shape, device=device, generator=gen) for o in results[1][1]]
+        for leaves, outs in results:
+            sum((o.float() * c).sum() for o, c in zip(outs, cot)).backward()
+        pairs = [(f"out{i}", a, b) for i, (a, b) in enumerate(zip(results[0][1], results[1][1]))]
+        pairs += [(f"d{k}", results[0][0][k].grad, b.grad) for k, b in results[1][0].items()
+                  if torch.is_tensor(b) and b.grad is not None]
+        return [(name, (a.float() - b.float()).abs().max().item(),
+                 ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()) for name, a, b in pairs]
+
+    small = device == "cpu"
+    cases = [(name, *op.compare(randn)) for name, op in kernels.OPS.items() if op.triton is not None]
+    print(f"\n== Triton vs <op>_ref on {device}{' (interpreter)' if small else ''}, fp32: "
+          "max abs / relative RMS error ==")
+    print("at each OPS row's compare inputs; out* are outputs, d<name> the gradient of that input")
+    for name, fn_tri, fn_ref, inputs in cases:
+        errs = errors(fn_tri, fn_ref, inputs)
+        print(f"  {name:16s} " + "  ".join(f"{n} {m:.1e}/{r:.1e}" for n, m, r in errs))
+    if device != "cuda":
+        return
+
+    # 3. GPU benchmark: forward+backward at T = 2048, 8 heads of 64, every op against its torch path
+    from triton.testing import do_bench
+    B, T, H, D = 4, 2048, 8, 64
+    print(f"\n== forward+backward, B={B} T={T} H={H} head dim {D} (ms, median of do_bench; (n x) = time / Triton's) ==")
+    # as the model feeds them under bf16 autocast: activations and gates in bf16, decays, dt and angles in fp32
+    bf16 = torch.bfloat16
+    x4 = randn(B, T, H, D).to(bf16)
+    cos, sin = randn(T, D // 2).cos(), randn(T, D // 2).sin()
+    gdn2_args = [F.normalize(randn(B, T, H, D), dim=-1).to(bf16), F.normalize(randn(B, T, H, D), dim=-1).to(bf16),
+                 randn(B, T, H, D).to(bf16), -rand(B, T, H, D), rand(B, T, H, D).to(bf16), rand(B, T, H, D).to(bf16)]
+    ssd_args = [randn(B, T, H, D).to(bf16), F.softplus(randn(B, T, H) - 3), -rand(H) - 0.5, randn(B, T, 1, D).to(bf16),
+                randn(B, T, 1, D).to(bf16), randn(H)]
+    bench = [
+        ("rms_norm", lambda x, w: kernels.rms_norm_triton(x, w, 1e-6), lambda x, w: kernels.rms_norm_torch(x, w, 1e-6),
+         [x4.reshape(B * T, H * D), torch.ones(H * D, device=device)]),
+        ("rope", lambda x: kernels.rope_triton(x, cos, sin), lambda x: kernels.rope_ref(x, cos, sin), [x4]),
+        ("softmax", kernels.softmax_triton, kernels.softmax_torch, [x4.reshape(-1, D)]),
+        ("sparsemax", lambda z: kernels.sparsemax_triton(z, True), lambda z: kernels.sparsemax_torch(z, True),
+         [randn(B, H, T, T).to(bf16)]),
+        ("sinkhorn", kernels.sinkhorn_triton, kernels.sinkhorn_torch, [randn(B, T, 4, 4)]),
+        ("gdn2_decay_clip", kernels.gdn2_decay_clip_triton, kernels.gdn2_decay_clip_torch,
+         gdn2_args[3:4] + gdn2_args[1:2] + gdn2_args[4:5]),
+        ("gdn2_gates", kernels.gdn2_gates_triton, kernels.gdn2_gates_torch,
+         [randn(B, T, H, D) - 1, randn(B, T, H, D).to(bf16), gdn2_args[1], 2.7 * rand(H), randn(H * D) - 3]),
+        ("gdn2", kernels.gdn2_triton, kernels.gdn2_torch, gdn2_args),
+        ("ssd", kernels.ssd_triton, kernels.ssd_torch, ssd_args),
+    ]
+
+    def fwd_bwd(fn, args):
+        leaves = [a.detach().requires_grad_(True) for a in args]
+
+        def step():
+            outs = fn(*leaves)
+            sum(o.float().sum() for o in (outs if isinstance(outs, tuple) else (outs,))).backward()
+        return step
+
+    for name, tri, torch_fn, args in bench:
+        t_tri = do_bench(fwd_bwd(tri, args))
+        t_torch = do_bench(fwd_bwd(torch_fn, args))
+        try:
+            t_compiled = do_bench(fwd_bwd(torch.compile(torch_fn), args))
+            compiled = f"torch.compile {t_compiled:7.3f} ms ({t_compiled / t_tri:5.1f}x)"
+        except Exception as e:  # a compiler failure should not hide the other numbers
+            compiled = f"torch.compile failed: {type(e).__name__}"
+        print(f"  {name:16s} triton {t_tri:7.3f} ms | torch {t_torch:7.3f} ms ({t_torch / t_tri:5.1f}x) | {compiled}")
+
+    rows, C = 16384, 4096
+    x = randn(rows, C).to(torch.bfloat16)
+    w = torch.ones(C, device=device, dtype=torch.bfloat16)
+    nbytes = 2 * x.numel() * x.element_size()              # read x, write y
+    t_fwd = do_bench(lambda: kernels.rms_norm_triton(x, w, 1e-6))
+    t_copy = do_bench(lambda: x.clone())
+    t_torch = do_bench(lambda: kernels.rms_norm_torch(x, w, 1e-6))
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in _GPU_PEAK_GBPS.items() if k in name), None)
+    gbps = nbytes / t_fwd / 1e6
+    print(f"\n== RMSNorm forward, [{rows}, {C}] bf16 on {name} ==")
+    print(f"  triton {t_fwd * 1e3:7.1f} us = {gbps:6.0f} GB/s"
+          + (f" = {100 * gbps / peak:4.1f}% of the {peak} GB/s spec peak" if peak else " (peak unknown for this GPU)")
+          + f"; x.clone() {nbytes / t_copy / 1e6:6.0f} GB/s; torch path {t_torch / t_fwd:4.1f}x slower")
+
+
+def errors_and_speed(device):
+    """Every op's paths against <op>_ref, and the chunked paths' speed against the token loops (best of 3)."""
+    torch.manual_seed(0)
+    paths = ["torch"] + [p for p in ("triton",) if device == "cuda" and kernels.HAS_TRITON]
+
+    def rand(*shape, lo=None, hi=None):
+        t = torch.randn(*shape, device=device) if lo is None else lo + (hi - lo) * torch.rand(*shape, device=device)
+        return t
+
+    def best_time(fn, repeats=3):
+        fn()
+        best = float("inf")
+        for _ in range(repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    B, T, H, K, V = 2, 512, 4, 64, 64
+    x4 = rand(B, T, H, K)
+    theta = torch.arange(T, device=device)[:, None] * 10000.0 ** (-torch.arange(K // 2, device=device) / (K // 2))
+    gates = (rand(B, T, H, K), F.normalize(rand(B, T, H, K), dim=-1), rand(B, T, H, V),
+             rand(B, T, H, K, lo=-1.0, hi=-0.01), rand(B, T, H, K, lo=0.0, hi=1.0), rand(B, T, H, V, lo=0.0, hi=1.0))
+    gate_logits = (rand(B, T, H, K) - 1, 2 * rand(B, T, H, K), gates[1], rand(H, lo=0.0, hi=2.7), rand(H * K) - 3)
+    ssd_in = (rand(B, T, H, V), F.softplus(rand(B, T, H) - 2), -rand(H, lo=1.0, hi=4.0), rand(B, T, 1, 32),
+              rand(B, T, 1, 32), rand(H))
+    ops = {
+        "rms_norm": lambda path: kernels.rms_norm(x4, x4[0, 0, 0], 1e-6, kernels=path),
+        "rope": lambda path: kernels.rope(x4, theta.cos(), theta.sin(), kernels=path),
+        "softmax": lambda path: kernels.softmax(x4.reshape(-1, K) * 4, kernels=path),
+        "sparsemax": lambda path: kernels.sparsemax(x4[:, :K].transpose(1, 2) * 4, causal=True, kernels=path),
+        "sinkhorn": lambda path: kernels.sinkhorn(x4.reshape(-1, 4, 4) * 5, kernels=path),
+        "gdn2_decay_clip": lambda path: kernels.gdn2_decay_clip(gates[3], gates[1], gates[4], kernels=path),
+        "gdn2_gates": lambda path: kernels.gdn2_gates(*gate_logits, kernels=path),
+        "gdn2": lambda path: kernels.gdn2(*gates, kernels=path),
+        "ssd": lambda path: kernels.ssd(*ssd_in, kernels=path),
+    }
+    print(f"device {device}; shapes B={B} T={T} H={H} K={K} V={V}; errors against <op>_ref")
+    for name, run in ops.items():
+        want = run("ref")
+        want = want if isinstance(want, tuple) else (want,)
+        for path in paths:
+            if path == "triton" and kernels.OPS[name].triton is None:
+                continue
+            got = run(path)
+            got = got if isinstance(got, tuple) else (got,)
+            for part, (a, b) in enumerate(zip(got, want)):
+                err = (a.float() - b.float())
+                print(f"  {name:16s} {path:6s} out{part}: max abs {err.abs().max().item():.2e}  "
+                      f"rel RMS {(err.norm() / b.float().norm()).item():.2e}")
+
+    print(f"speed at T={T} (best of 3; ratio = token loop time / chunked time)")
+    b1, h1, d1 = 1, 2, 32                                         # a small shape next to the main one
+    small_gates = (rand(b1, T, h1, d1), F.normalize(rand(b1, T, h1, d1), dim=-1), rand(b1, T, h1, d1),
+                   rand(b1, T, h1, d1, lo=-1.0, hi=-0.01), rand(b1, T, h1, d1, lo=0.0, hi=1.0),
+                   rand(b1, T, h1, d1, lo=0.0, hi=1.0))
+    small_ssd = (rand(b1, T, h1, d1), F.softplus(rand(b1, T, h1) - 2), -rand(h1, lo=1.0, hi=4.0),
+                 rand(b1, T, 1, 32), rand(b1, T, 1, 32), rand(h1))
+    for name, ref_fn, fast_fn, inputs, shape in (
+            ("gdn2", kernels.gdn2_ref, kernels.gdn2_torch, small_gates, f"B={b1} H={h1} K=V={d1}"),
+            ("gdn2", kernels.gdn2_ref, kernels.gdn2_torch, gates, f"B={B} H={H} K=V={K}"),
+            ("ssd", kernels.ssd_ref, kernels.ssd_torch, small_ssd, f"b={b1} h={h1} p={d1} n=32"),
+            ("ssd", kernels.ssd_ref, kernels.ssd_torch, ssd_in, f"b={B} h={H} p={V} n=32")):
+        for path in paths:
+            fn = fast_fn if path == "torch" else {"gdn2": kernels.gdn2_triton, "ssd": kernels.ssd_triton}[name]
+            with torch.no_grad():
+                t_ref, t_fast = best_time(lambda: ref_fn(*inputs), 1), best_time(lambda: fn(*inputs))
+            print(f"  {name:5s} {path:6s} {shape:19s} forward:          {t_ref * 1e3:8.1f} ms vs "
+                  f"{t_fast * 1e3:7.2f} ms = {t_ref / t_fast:6.1f}x")
+            leaves = [t.detach().requires_grad_() for t in inputs]
+
+            def train_step(f):
+                out, state = f(*leaves)
+                (out.float().sum() + state.sum()).backward()
+            t_ref, t_fast = best_time(lambda: train_step(ref_fn), 1), best_time(lambda: train_step(fn))
+            print(f"  {name:5s} {path:6s} {shape:19s} forward+backward: {t_ref * 1e3:8.1f} ms vs "
+                  f"{t_fast * 1e3:7.2f} ms = {t_ref / t_fast:6.1f}x")
+
+
+# -----------------------------------------------------------------------------
+# The model's speed: forward + backward + AdamW throughput at nanoGPT's CPU recipe shape (4 layers, 4 heads, 128
+# dims, block 64, batch 12, char vocabulary) for each mixer kind, against a baseline timed in the same rounds: a
+# GPT-2-style model (learned positions, LayerNorm, fused qkv, GELU, no biases: nanoGPT's architecture under its
+# train.py defaults), written here only as a yardstick. Rounds alternate; the median of the per-round ratios is
+# robust to this machine's drift. nanogpt_recipe instead trains the yardstick with nanoGPT's CPU recipe, to time
+# against `python train.py` run alongside; residual_kinds times every residual kind's training step against `res`.
+
+class GPT2Block(nn.Module):
+    def __init__(self, C, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.ln1, self.ln2 = nn.LayerNorm(C, bias=False), nn.LayerNorm(C, bias=False)
+        self.qkv, self.proj = nn.Linear(C, 3 * C, bias=False), nn.Linear(C, C, bias=False)
+        self.fc, self.fc_out = nn.Linear(C, 4 * C, bias=False), nn.Linear(4 * C, C, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3 * self.n_head, -1).transpose(1, 2).split(self.n_head, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.proj(y)
+        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT2(nn.Module):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList([GPT2Block(n_embd, n_head) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(n_embd, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.ln_f(x) @ self.wte.weight.T
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def train_step(net, B, T, V):
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    idx = torch.randint(0, V, (B, T))
+
+    def step():
+        _, loss = net(idx, idx)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for _ in range(5):
+        step()
+    return step
+
+
+def nanogpt_recipe():
+    """nanoGPT's shakespeare_char CPU recipe, lr-tuned, on the yardstick: nanoGPT's init (std 0.02, residual
+    projections 0.02/sqrt(2·n_layer)), batch 12 x 64, 2000 iterations, AdamW (lr 3e-3, betas (0.9, 0.99),
+    weight decay 0.1 on matrices), 100 warmup steps then a cosine to 3e-4, gradient clip 1, an eval of 20
+    train and 20 val batches every 250 iterations. Prints its wall time and, untimed, the val loss on
+    train.py's fixed validation batches (20 of 24 x 64, seed 0), so the two runs' losses compare."""
+    import data
+    train_tokens, val_tokens, _ = data.load_dataset("shakespeare_char")
+    torch.manual_seed(1337)
+    net = GPT2(84, 64, 4, 4, 128)
+    for name, p in net.named_parameters():
+        if p.dim() == 2:
+            std = 0.02 / math.sqrt(2 * 4) if name.endswith(("proj.weight", "fc_out.weight")) else 0.02
+            nn.init.normal_(p, mean=0.0, std=std)
+    decay = [p for p in net.parameters() if p.dim() >= 2]
+    no_decay = [p for p in net.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=3e-3, betas=(0.9, 0.99))
+    samplers = {"train": data.BatchSampler(train_tokens, 12, 64, seed=1337),
+                "val": data.BatchSampler(val_tokens, 12, 64, seed=1)}
+
+    @torch.no_grad()
+    def mean_loss(sampler, batches):
+        net.eval()
+        loss = sum(net(*sampler.next_batch())[1].item() for _ in range(batches)) / batches
+        net.train()
+        return loss
+    t0 = time.perf_counter()
+    for it in range(2001):
+        if it % 250 == 0:
+            print(f"iter {it}: train {mean_loss(samplers['train'], 20):.4f}, "
+                  f"val {mean_loss(samplers['val'], 20):.4f}, {time.perf_counter() - t0:.1f}s")
+        if it == 2000:
+            break
+        lr = (3e-3 * (it + 1) / 101 if it < 100
+              else 3e-4 + 0.5 * (1 + math.cos(math.pi * (it - 100) / 1900)) * (3e-3 - 3e-4))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss = net(*samplers["train"].next_batch())[1]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - t0
+    val = mean_loss(data.BatchSampler(val_tokens, 24, 64, seed=0), 20)
+    print(f"nanoGPT recipe: {seconds:.1f}s wall for 2000 iterations and evals, "
+          f"val loss {val:.4f} on train.py's validation batches")
+
+
+def interleaved_seconds(runs, rounds, steps):
+    """{name: [seconds per step in each round]}, the runs taking turns round by round."""
+    seconds = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, step in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            seconds[name].append((time.perf_counter() - t0) / steps)
+    return seconds
+
+
+def residual_kinds():
+    """`python bench.py residuals`: the training step of the default model (A mixer, n = 4 streams) for every
+    residual kind, batch 16 x 64, against `res` timed in the same interleaved rounds (8 rounds of 3 steps)."""
+    B, T, V, rounds, steps = 16, 64, 84, 8, 3
+    runs = {}
+    for kind in RESIDUALS:
+        torch.manual_seed(0)
+        runs[kind] = train_step(GPT(GPTConfig(vocab_size=V, block_size=T, residual=kind)), B, T, V)
+    seconds = interleaved_seconds(runs, rounds, steps)
+    print(f"forward+backward+AdamW, batch {B}x{T}, {torch.get_num_threads()} threads, {rounds} interleaved rounds "
+          f"of {steps} steps")
+    for kind, s in seconds.items():
+        ratio = statistics.median(t / r for r, t in zip(seconds["res"], s))
+        print(f"  {kind:>8}: {1e3 * statistics.median(s):6.1f} ms/step (median round), {ratio:.2f}x res")
+
+
+def mixers_throughput(mixers):
+    """Each mixer string's training step against the gpt2-style yardstick, in alternating rounds."""
+    torch.manual_seed(0)
+    B, T, V, rounds, steps = 12, 64, 84, 20, 5
+    runs = {"gpt2-style": train_step(GPT2(V, T, 4, 4, 128), B, T, V)}
+    for mixer in mixers:
+        runs[mixer] = train_step(GPT(GPTConfig(vocab_size=V, block_size=T, mixer=mixer)), B, T, V)
+    seconds = interleaved_seconds(runs, rounds, steps)
+    print(f"forward+backward+AdamW, batch {B}x{T}, {torch.get_num_threads()} threads, {rounds} alternating rounds")
+    for name, s in seconds.items():
+        ratio = statistics.median(b / t for b, t in zip(seconds["gpt2-style"], s))
+        print(f"  {name:>10}: {B * T / statistics.median(s):8,.0f} tokens/s (median round), "
+              f"{ratio:.2f}x the gpt2-style baseline")
+
+
+# -----------------------------------------------------------------------------
+# python bench.py <what>: one subcommand per measurement; the compile and kept-bytes runs go to a Python that
+# imported triton without the interpreter (its kernels compile, and Triton's custom ops run on fake tensors)
+
+def in_fresh_python(program, interpret):
+    """Run a Python program here in a fresh process, with or without Triton's interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", program], env=dict(env, TRITON_INTERPRET="1") if interpret else env,
+                   cwd=HERE, check=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python bench.py", description="specgpt's measurements, one per "
+                                     "subcommand; each prints first what it measures.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{kernels,costs,aot,recipe,mixers,"
+                                     "residuals}")
+    commands.add_parser("kernels", help="each op's error against its reference and the chunked paths' speed; the "
+                        "Triton walk-through (TRITON_INTERPRET=1 on a CPU); on a GPU the timings against the torch "
+                        "path and torch.compile")
+    commands.add_parser("costs", help="what autograd keeps per mixer, and the kernel cost report (bytes, FLOPs, exps "
+                        "and steps per Triton launch, counted in Triton's interpreter; an H100 estimate)")
+    commands.add_parser("aot", help="every Triton kernel compiled ahead of time for sm_80/89/90 in fp32 and bf16: "
+                        "shared memory, registers, spills")
+    commands.add_parser("recipe", help="nanoGPT's CPU recipe on the GPT-2-style yardstick, to time python train.py by")
+    mixers = commands.add_parser("mixers", help="each mixer string's training step against the GPT-2-style "
+                                 "yardstick")
+    mixers.add_argument("mixers", nargs="*", default=["A"], help="mixer strings, letters of "
+                        f"{''.join(MIXERS)} (default A)")
+    commands.add_parser("residuals", help="each residual kind's training step against res")
+    parser.error = lambda message: sys.exit(f"bench.py: {message}: python bench.py --help")   # one line, exit 1
+    args = parser.parse_args(argv)
+    if args.command == "kernels":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        print(f"== every op's paths against its reference on {device}; the chunked paths against the token loops ==")
+        errors_and_speed(device)
+        triton_report(device)
+    elif args.command == "costs":
+        print("== what autograd keeps for one mixer's backward (on fake tensors), then the kernel cost report ==")
+        in_fresh_python("import triton, bench; bench.kept_activation_table()", interpret=False)
+        # in Triton's interpreter (it counts; the sm_90 compile runs in a process of its own), a few minutes
+        in_fresh_python("import bench; bench.kernel_cost_report()", interpret=True)
+    elif args.command == "aot":
+        print("== Triton kernels compiled ahead of time: shared memory / registers / stack bytes (spills) per thread, "
+              "head dim 64, Mamba p 64, n 128, ssd chunk 64; '!' marks shared memory over the limit ==")
+        in_fresh_python("import triton, bench; bench.triton_resource_table(B=1, T=256, H=8, K=64, V=64, heads_ssd=8, "
+                        "p=64, n=128, chunk=64)", interpret=False)
+    elif args.command == "recipe":
+        print("== nanoGPT's shakespeare_char CPU recipe on the GPT-2-style yardstick: wall time and val loss ==")
+        nanogpt_recipe()
+    elif args.command == "mixers":
+        wrong = [m for m in args.mixers if not m or set(m) - set(MIXERS)]
+        if wrong:
+            parser.error(f"{wrong[0]!r} is not a mixer string (letters of {', '.join(MIXERS)})")
+        print(f"== training step of each mixer string ({' '.join(args.mixers)}) against the GPT-2-style yardstick ==")
+        mixers_throughput(args.mixers)
+    else:
+        print("== training step of each residual kind against res ==")
+        residual_kinds()
+
+
+if __name__ == "__main__":
+    main()
