@@ -1525,6 +1525,28 @@ def test_kernels_chunked_refs_fit_on_a_slide():
     assert lines(kernels.gdn2_chunked_ref) + lines(kernels._segsum) <= 70
 
 
+def test_readme_reading_order_names_code_that_exists():
+    """Every `file.py:name` in the README's reading order is a top-level function, class or assignment of that file,
+    and where the README gives its lines (a–b), they are exactly its lines now (decorators included); a failure
+    lists the right ones."""
+    section = open(os.path.join(ROOT, "README.md")).read().split("## Reading order")[1].split("\n## ")[0]
+    named = re.findall(r"`(\w+\.py):(\w+)`(?: \((\d+)–(\d+)\))?", section)
+    assert len(named) >= 16 and {f for f, *_ in named} == {"model.py", "kernels.py"}, named
+    wrong = []
+    for file, name, first, last in named:
+        spans = {}
+        for node in ast.parse(open(os.path.join(ROOT, file)).read()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                spans[node.name] = (min([node.lineno] + [d.lineno for d in node.decorator_list]), node.end_lineno)
+            elif isinstance(node, ast.Assign):
+                spans.update({t.id: (node.lineno, node.end_lineno) for t in node.targets if isinstance(t, ast.Name)})
+        if name not in spans:
+            wrong.append(f"{file}:{name} is not defined there")
+        elif first and (int(first), int(last)) != spans[name]:
+            wrong.append(f"{file}:{name} is at lines {spans[name][0]}–{spans[name][1]}, not {first}–{last}")
+    assert not wrong, wrong
+
+
 def test_kernels_low_precision_inputs_and_autocast():
     # bf16 inputs: fp32 inside, outputs back in bf16, states in fp32; a bf16 autocast region changes nothing
     q, k, v, g, b, w, S0 = _kernels_gdn2_inputs(1, 40, 2, 8, 8, 0.5, True)
@@ -2809,7 +2831,7 @@ def test_a_new_op_is_one_row_that_every_check_runs(device):
         check_op_passes_opcheck("scaled_copy", device)
         check_op_takes_fp16("scaled_copy", device)
         launched = []
-        kernels._record_launches(kernels.example_steps(T=64)["scaled_copy"], lambda kernel, *_: launched.append(
+        bench._record_launches(kernels.example_steps(T=64)["scaled_copy"], lambda kernel, *_: launched.append(
             kernel.fn.__name__))
         assert launched == ["_scaled_copy_kernel"] * 2   # forward and backward
         assert "scaled_copy" in aot_ops_alone()
