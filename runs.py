@@ -324,8 +324,10 @@ def release_lock(path):
 # A new run in a folder that holds another run's files moves them into folder/.replaced (set_aside_run) and deletes
 # them once it has written its own first checkpoint (drop_replaced_run); until then the old run is whole in there.
 # If the new run fails before that, it puts the old one back (restore_run); if it was killed, the next train.py in
-# that folder does (recover_run). names: the run's files, its checkpoint first; a folder holding both a checkpoint and
-# .replaced is one whose new run had checkpointed.
+# that folder does (recover_run). Its first checkpoint is the first of a trained step (iter_num >= 1): the one of
+# its eval at iter 0, or of a Ctrl-C in it, holds an untrained model and replaces nothing. names: the run's files,
+# its checkpoint first; a folder holding both .replaced and a trained checkpoint is one whose new run had
+# checkpointed (and was killed before it deleted .replaced).
 REPLACED = ".replaced"
 
 
@@ -368,21 +370,30 @@ def drop_replaced_run(folder):
     shutil.rmtree(os.path.join(folder, REPLACED), ignore_errors=True)
 
 
+def trained_checkpoint(path):
+    """Whether path is a readable checkpoint of at least one finished training step (iter_num >= 1)."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # missing, unreadable: not a checkpoint that may replace a run
+        return False
+    return isinstance(ckpt, dict) and isinstance(ckpt.get("iter_num"), int) and ckpt["iter_num"] >= 1
+
+
 def recover_run(folder, names):
-    """The run set aside in folder/.replaced by a new run that was killed before its first checkpoint is put back
-    (returns a note saying so); one whose new run had checkpointed is deleted. Nothing is done while a live process
-    holds folder/.lock (a new run that is still starting)."""
+    """The run set aside in folder/.replaced by a new run that was killed before its first checkpoint of a
+    trained step is put back (returns a note saying so); one whose new run had written one is deleted. Nothing is
+    done while a live process holds folder/.lock (a new run that is still starting)."""
     aside = os.path.join(folder, REPLACED)
     if not os.path.isdir(aside) or lock_holder(os.path.join(folder, ".lock")) is not None:
         return None
     lock = take_lock(folder)
     try:
-        if os.path.exists(os.path.join(folder, names[0])):  # the new run checkpointed
+        if trained_checkpoint(os.path.join(folder, names[0])):  # the new run checkpointed a trained step
             drop_replaced_run(folder)
             return None
         if restore_run(folder, names):
             return (f"note: put back the run in {folder} that a new run (--overwrite=True) had set aside in {aside} "
-                    f"and was killed before its first checkpoint")
+                    f"and was killed before its first checkpoint of a trained step")
         return None
     finally:
         release_lock(lock)
@@ -418,9 +429,10 @@ def prepare_run_folder(out_dir, resume_iter):
 
 
 def put_back_replaced_run(out_dir):
-    """The run a new run set aside comes back when the new one ends before its first checkpoint."""
+    """The run a new run set aside comes back when the new one ends before its first checkpoint of a trained step."""
     if restore_run(out_dir, RUN_FILES):
-        print(f"note: {out_dir} holds the run it held before again: this run stopped before its first checkpoint")
+        print(f"note: {out_dir} holds the run it held before again: this run stopped before its first checkpoint "
+              f"of a trained step")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -632,7 +644,8 @@ def save_run(path, raw_model, opt, sampler, master, settings, meta, **progress):
             "model": raw_model.state_dict(), "optimizer": opt.state_dict(), "config": settings, "meta": meta,
             "sampler": samplers, "rng": {"torch": torch.get_rng_state(),
                                          "cuda": torch.cuda.get_rng_state() if cuda else None}, **progress})
-        drop_replaced_run(os.path.dirname(path))  # the first checkpoint of a new run: the one it replaces goes
+        if progress["iter_num"] >= 1:  # a new run's first trained checkpoint: the run it replaces goes
+            drop_replaced_run(os.path.dirname(path))
 
 
 if __name__ == "__main__":

@@ -6447,10 +6447,49 @@ def test_overwrite_deletes_the_old_run_at_the_new_first_checkpoint_and_a_kill_be
                         lambda path, state: (seen.append(file_digests(aside) if os.path.isdir(aside) else None),
                                              save(path, state)))
     assert train.main([*TINY, "--max_iters=3", "--eval_interval=3", "--overwrite=True", f"--out_dir={out}"]) == 0
-    assert {k: v for k, v in seen[0].items() if k != "files.json"} == before and seen[1:] == [None], seen
+    assert len(seen) == 2 and all({k: v for k, v in whole.items() if k != "files.json"} == before for whole in seen), \
+        seen  # at iter 0 and at iter 3, the first trained checkpoint
     assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl", "loss.png"]
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 3
     assert [r["step"] for r in log_rows(out)] == [0, 1, 3, 3]
+
+
+def test_overwrite_then_ctrl_c_in_the_first_eval_a_divergence_or_a_kill_after_it_puts_the_old_run_back(tmp_path):
+    """--overwrite=True over a finished run, then: Ctrl-C in the new run's first eval (at iter 0), a new run that
+    diverges (--learning_rate=1e30) after its iter-0 checkpoint, and a new run killed (SIGKILL) after its iter-0
+    checkpoint, before any trained one (--eval_interval=100000), followed by another train.py there. Each time the
+    old run's files are back, byte for byte, and nothing is set aside: an untrained checkpoint replaces nothing."""
+    out = str(tmp_path / "run")
+    train.main([*TINY, "--max_iters=20", "--eval_interval=10", f"--out_dir={out}"])
+    before = file_digests(out)
+
+    def old_run_is_back():
+        assert sorted(os.listdir(out)) == sorted(before) and file_digests(out) == before
+    proc = start_train(*TINY, "--eval_iters=10000000", "--overwrite=True", f"--out_dir={out}")
+    for line in proc.stdout:
+        if line.startswith("eval: "):  # its progress line: the first eval is under way
+            break
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    assert f"note: {out} holds the run it held before again" in stdout, stdout
+    old_run_is_back()
+    proc = run_train(*TINY, "--learning_rate=1e30", "--overwrite=True", f"--out_dir={out}", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "stopped" in lines[0], proc.stderr
+    assert "iter 0: val loss" in proc.stdout, proc.stdout  # its iter-0 checkpoint was written
+    old_run_is_back()
+    proc = start_train(*TINY, "--eval_interval=100000", "--max_iters=200000", "--log_interval=1", "--overwrite=True",
+                       f"--out_dir={out}")
+    for line in proc.stdout:
+        if line.startswith("iter 2: loss"):  # after the iter-0 eval and its checkpoint
+            break
+    assert os.path.exists(os.path.join(out, "ckpt.pt")) and os.path.isdir(os.path.join(out, ".replaced"))
+    proc.kill()
+    proc.communicate(timeout=60)
+    again = run_train(*TINY, f"--out_dir={out}", check=False)
+    assert f"note: put back the run in {out}" in again.stdout and "holds a run (ckpt.pt)" in again.stderr, again
+    old_run_is_back()
 
 
 def test_wandb_credentials_are_found_as_wandb_finds_them_without_a_network(tmp_path):

@@ -16,7 +16,8 @@ wrong key, type or value stops with a one-line error. The checkpoint out_dir/ckp
 atomically at every eval, only while the loss and weights are finite) holds the model, the optimizer,
 the config, the RNG and sampler states, so a resumed CPU run continues bit for bit; a resumed run takes its
 settings from the checkpoint, except those given again. A new run never replaces the run in out_dir unasked,
-and with --overwrite=True deletes it only after its own first checkpoint (out_dir/.replaced holds it until then);
+and with --overwrite=True deletes it only after its own first checkpoint of a trained step (out_dir/.replaced holds
+it until then, and it comes back if the new run stops or fails before);
 out_dir/.lock keeps a second process out while one trains there. Ctrl-C (or SIGTERM) stops the run after the
 step it is in (or abandons the eval it is in), with a checkpoint to resume from.
 """
@@ -46,7 +47,7 @@ from model import GPT, GPTConfig
 # the comment beside each is its --help text)
 out_dir = "out"                # folder for ckpt.pt, log.jsonl, loss.png
 init_from = "scratch"          # where the run starts: from scratch, or resume out_dir/ckpt.pt
-overwrite = False              # a new run may replace the run in out_dir (deleted at the new one's first checkpoint)
+overwrite = False              # a new run may replace the run in out_dir (deleted at its first trained checkpoint)
 sample_only = False            # load out_dir/ckpt.pt, print samples, exit
 eval_interval = 250            # steps between evals (each eval writes the checkpoint)
 eval_iters = 20                # validation batches per eval (a fixed set, the same at every eval)
@@ -473,7 +474,10 @@ def finish(c, progress, t_start, stopped, ckpt_path, log_path, wandb_run):
     if c.analyze_every:
         analyze.plot_training_analysis(os.path.join(c.out_dir, "analysis.jsonl"),
                                        os.path.join(c.out_dir, "analysis.png"))
-    if stopped:
+    if stopped and os.path.isdir(os.path.join(c.out_dir, runs.REPLACED)):  # the run it replaces comes back
+        print(f"interrupted at iter {progress.iter_num}, before this run's first checkpoint of a trained step: "
+              f"nothing of it is kept")
+    elif stopped:
         out = "" if c.out_dir == RUN_DEFAULTS["out_dir"] else f" --out_dir={c.out_dir}"
         print(f"interrupted at iter {progress.iter_num}: saved {ckpt_path}; continue with python train.py "
               f"--init_from=resume{out}")
