@@ -6047,6 +6047,35 @@ def test_ddp_two_processes_on_cpu(tmp_path):
     assert first == pytest.approx(sum(losses) / 2, rel=1e-5) and abs(losses[0] - losses[1]) > 1e-3, (first, losses)
 
 
+def test_ddp_logged_loss_is_the_mean_over_every_ranks_micro_steps_of_each_interval(tmp_path, monkeypatch):
+    """torchrun --nproc_per_node=2 (gloo) with --gradient_accumulation_steps=2 and --log_interval=10 logs at steps 1,
+    10, 20 and 30 the same training losses as one process whose every micro-batch is rank 0's and rank 1's
+    concatenated (streams of seeds 1337 and 1338, batch 2 x 4): the same gradients, so the same run up to float32
+    rounding, and each line the mean over both ranks' micro-steps of its interval (no rank's sum carried over)."""
+    out, one = str(tmp_path / "ddp"), tmp_path / "one"
+    args = [*TINY, "--max_iters=30", "--eval_interval=30", "--log_interval=10", "--gradient_accumulation_steps=2",
+            "--seed=1337"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           os.path.join(ROOT, "train.py"), *args, f"--out_dir={out}"],
+                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sampler = data.BatchSampler
+
+    def both_ranks(tokens, batch_size, block_size, seed, device="cpu"):
+        if seed != 1337:  # the eval's batches
+            return sampler(tokens, batch_size, block_size, seed, device)
+        streams = [sampler(tokens, batch_size // 2, block_size, seed + rank, device) for rank in range(2)]
+        return types.SimpleNamespace(state_dict=streams[0].state_dict, next_batch=lambda: tuple(
+            torch.cat(parts) for parts in zip(*(stream.next_batch() for stream in streams))))
+    monkeypatch.setattr(data, "BatchSampler", both_ranks)
+    train.main([*args, "--batch_size=8", f"--out_dir={one}"])
+    ddp_loss = {r["step"]: r["loss"] for r in log_rows(out) if "loss" in r}
+    one_loss = {r["step"]: r["loss"] for r in log_rows(one) if "loss" in r}
+    assert sorted(ddp_loss) == sorted(one_loss) == [1, 10, 20, 30], (ddp_loss, one_loss)
+    assert all(ddp_loss[step] == pytest.approx(one_loss[step], rel=1e-4) for step in ddp_loss), (ddp_loss, one_loss)
+
+
 def test_mfu_peaks_by_exact_gpu_name_and_dtype(simulated_gpu):
     """MFU's peak on a (simulated) GPU of each name: a listed GPU's own entry by its exact name (an H100 PCIe is not
     an SXM, an L40 not an L4); for a bf16 GPU its fp16 peak equals its bf16 one and its TF32 peak, for a float32 run,

@@ -270,6 +270,8 @@ def main(args):
                          eval_seconds, ckpt_path, log_path, wandb_run)
             if stopped:
                 break
+            if log_now:  # on every process: each one's sum was just reduced into the line
+                window = LogWindow(loss_sum=window.loss_sum.zero_(), start=time.time())
         if stopped:  # by a signal, after the step it came in or in the eval it abandoned: a checkpoint to resume from
             if not all_finite(raw_model):
                 raise FloatingPointError(diverged("a weight not finite", progress.iter_num, ckpt_path,
@@ -424,8 +426,7 @@ def saved_progress(progress, t_start, scaler):
 
 def log_line(c, progress, window, grad_norm, opt, scaler, tokens_per_iter, flops_per_iter, peak, eval_seconds,
              ckpt_path, log_path, wandb_run):
-    """The training loss line of step iter_num (the mean over the window), in the terminal and log.jsonl; a new
-    window opens."""
+    """The training loss line of step iter_num (the mean over the window), in the terminal and log.jsonl."""
     loss_total, norm = torch.stack([window.loss_sum, grad_norm.float()]).tolist()  # the loop's only host sync
     mean_loss = loss_total / window.steps
     if not math.isfinite(mean_loss):
@@ -446,9 +447,6 @@ def log_line(c, progress, window, grad_norm, opt, scaler, tokens_per_iter, flops
                                "mfu": mfu, "grad_norm": norm,
                                **({"loss_scale": scaler.get_scale(), "skipped_steps": window.skipped}
                                   if scaler.is_enabled() else {})}, wandb_run)
-    window.start, window.tokens, window.paused, window.skipped = now, 0, 0.0, 0
-    window.loss_sum.zero_()
-    window.steps = 0
 
 
 def all_finite(model):
