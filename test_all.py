@@ -6076,6 +6076,31 @@ def test_ddp_logged_loss_is_the_mean_over_every_ranks_micro_steps_of_each_interv
     assert all(ddp_loss[step] == pytest.approx(one_loss[step], rel=1e-4) for step in ddp_loss), (ddp_loss, one_loss)
 
 
+def test_resuming_a_one_process_run_under_torchrun_gives_each_rank_its_own_batches(tmp_path):
+    """A one-process run (4 steps) resumed by torchrun --nproc_per_node=2 (gloo): rank 0 continues the checkpoint's
+    batch stream, rank 1 draws its own fresh one (seed 1337 + 1), and a line says so. The logged loss of the first
+    resumed step is the mean of the checkpoint's model on those two batches, computed here (they differ)."""
+    out = str(tmp_path / "run")
+    train.main([*TINY, "--max_iters=4", "--eval_interval=4", "--seed=1337", f"--out_dir={out}"])
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           os.path.join(ROOT, "train.py"), "--init_from=resume", "--max_iters=5", "--lr_decay_iters=4",
+                           f"--out_dir={out}"], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_tokens, _, meta = data.load_dataset("shakespeare_char")
+    gpt = GPT(GPTConfig(vocab_size=meta["vocab_size"], **{k: ckpt["config"][k] for k in train.model_defaults()}))
+    gpt.load_state_dict(ckpt["model"])
+    continued = data.BatchSampler(train_tokens, 4, 32, seed=1337)
+    continued.load_state_dict(ckpt["sampler"][0])
+    with torch.no_grad():
+        losses = [gpt(*stream.next_batch())[1].item()
+                  for stream in (continued, data.BatchSampler(train_tokens, 4, 32, seed=1338))]
+    resumed = next(r["loss"] for r in log_rows(out) if r["step"] == 5 and "loss" in r)
+    assert resumed == pytest.approx(sum(losses) / 2, rel=1e-5) and abs(losses[0] - losses[1]) > 1e-3, (resumed, losses)
+    assert "note: the checkpoint holds the batch streams of 1 process, this run has 2" in proc.stdout, proc.stdout
+
+
 def test_mfu_peaks_by_exact_gpu_name_and_dtype(simulated_gpu):
     """MFU's peak on a (simulated) GPU of each name: a listed GPU's own entry by its exact name (an H100 PCIe is not
     an SXM, an L40 not an L4); for a bf16 GPU its fp16 peak equals its bf16 one and its TF32 peak, for a float32 run,

@@ -307,7 +307,14 @@ def resume_from(ckpt, raw_model, opt, sampler, scaler, rank, dev, out_dir):
     Progress."""
     runs.load_weights(raw_model, ckpt, os.path.join(out_dir, "ckpt.pt"))
     opt.load_state_dict(ckpt["optimizer"])
-    sampler.load_state_dict(ckpt["sampler"][rank] if rank < len(ckpt["sampler"]) else ckpt["sampler"][0])
+    streams, world = ckpt["sampler"], int(os.environ.get("WORLD_SIZE", 1))
+    if rank < len(streams):  # a process the checkpoint has no stream of keeps its own fresh one (seed + rank)
+        sampler.load_state_dict(streams[rank])
+    if rank == 0 and len(streams) != world:
+        print(f"note: the checkpoint holds the batch streams of {len(streams)} process{'es' * (len(streams) != 1)}, "
+              f"this run has {world}: " + (f"the processes of rank {len(streams)} and up draw fresh ones (seed + "
+                                           f"rank)" if world > len(streams) else
+                                           f"the streams of rank {world} and up end here"))
     torch.set_rng_state(ckpt["rng"]["torch"])
     if dev.type == "cuda" and ckpt["rng"].get("cuda") is not None:
         torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
