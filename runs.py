@@ -593,7 +593,22 @@ def append_log(path, row, wandb_run=None, sync=False):
 # checkpoints: {"model", "optimizer", "config", "meta", "iter_num", ...}, written by train.py
 
 def save_checkpoint(path, state):
-    data.atomic_write(path, lambda f: torch.save(state, f))  # a crash or a full disk keeps the previous one
+    """Writes state to path atomically: a crash, a full disk or a second Ctrl-C keeps the previous checkpoint. The
+    second Ctrl-C (stop_signals' KeyboardInterrupt) comes out as a KeyboardInterrupt naming what was kept, even where
+    torch's zip writer, cut off in the middle of its writes, turned it into its own RuntimeError."""
+    kept = f"{path} still holds the previous one" if os.path.exists(path) else "no checkpoint was written"
+
+    def write(f):
+        try:
+            torch.save(state, f)
+        except BaseException as e:
+            cause = e
+            while cause is not None and not isinstance(cause, KeyboardInterrupt):
+                cause = cause.__context__
+            if cause is None:
+                raise
+            raise KeyboardInterrupt(f"the checkpoint it was writing is dropped; {kept}") from None
+    data.atomic_write(path, write)
 
 
 def load_checkpoint(path, flag="--out_dir"):

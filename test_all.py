@@ -6546,6 +6546,42 @@ def test_overwrite_then_ctrl_c_in_the_first_eval_a_divergence_or_a_kill_after_it
     old_run_is_back()
 
 
+def test_a_second_ctrl_c_in_a_checkpoint_write_stops_at_once_quietly_keeping_the_previous_one(tmp_path):
+    """Ctrl-C at step 2 (SIGINT sent from the optimizer's step), then a second one in the middle of the stop's
+    checkpoint write (SIGINT sent from the third write into torch.save's file): exit status 130, one line on stderr
+    (no traceback) naming ckpt.pt, which still holds the iter-0 checkpoint, whole; no temporary left."""
+    out = str(tmp_path / "run")
+    code = f"""import os, runpy, signal, sys, torch, optim
+real_save, real_step, steps = torch.save, optim.CombinedOptimizer.step, []
+def step(self):
+    steps.append(1)
+    if len(steps) == 2:
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_step(self)
+class Interrupted:
+    def __init__(self, f):
+        self.f, self.writes = f, 0
+    def write(self, b):
+        self.writes += 1
+        if self.writes == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.f.write(b)
+    def flush(self):
+        self.f.flush()
+torch.save = lambda obj, f, *a, **k: real_save(obj, Interrupted(f) if len(steps) >= 2 else f, *a, **k)
+optim.CombinedOptimizer.step = step
+sys.argv = ['train.py', *{TINY!r}, '--max_iters=10', '--eval_interval=100', '--optimizer=muon', '--out_dir={out}']
+runpy.run_path({os.path.join(ROOT, 'train.py')!r}, run_name='__main__')
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 130 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("interrupted: stopped at once") and "ckpt.pt still holds the previous one" in lines[0]
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 0
+    assert not [name for name in os.listdir(out) if ".tmp" in name], os.listdir(out)
+
+
 def test_wandb_credentials_are_found_as_wandb_finds_them_without_a_network(tmp_path):
     """runs.import_wandb in fresh processes whose HOME and wandb folders are in tmp_path: with no key anywhere it is
     one line; a key in WANDB_API_KEY or ~/.netrc (api.wandb.ai), WANDB_MODE=offline or disabled, or mode = offline

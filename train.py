@@ -747,6 +747,7 @@ if __name__ == "__main__":
     except (ValueError, FileNotFoundError, FloatingPointError, data.DiskFullError) as e:  # one line: what to fix
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:  # Ctrl-C before the loop, or a second one in it
-        print("interrupted: stopped at once; the last checkpoint written, if any, is kept", file=sys.stderr)
+    except KeyboardInterrupt as e:  # Ctrl-C before the loop, or a second one in it (in a checkpoint's write: named)
+        print(f"interrupted: stopped at once; {e if e.args else 'the last checkpoint written, if any, is kept'}",
+              file=sys.stderr)
         sys.exit(130)
