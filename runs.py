@@ -526,6 +526,8 @@ def read_jsonl(path):
     rows, dropped = [], collections.Counter()
     if not os.path.exists(path):
         return rows, dropped
+    if os.path.isdir(path):
+        raise ConfigError(f"{path} is a folder, not a run's log: move it out of the way, then run again")
     with open(path) as f:
         for line in f:
             if not line.strip():

@@ -6582,6 +6582,50 @@ runpy.run_path({os.path.join(ROOT, 'train.py')!r}, run_name='__main__')
     assert not [name for name in os.listdir(out) if ".tmp" in name], os.listdir(out)
 
 
+def test_a_stripped_or_hand_edited_checkpoint_resumes_its_weights_or_is_one_line(tmp_path, capsys):
+    """A checkpoint of weights only (no optimizer, sampler, RNG or best loss: how weights are shared) resumes them
+    with a fresh optimizer after a line saying so, from those weights (its first step's loss is theirs); a meta
+    without its tokenizer, a config value of the wrong type, no iter_num, or a log.jsonl that is a folder are one
+    line each."""
+    run = tmp_path / "run"
+    train.main([*TINY, "--max_iters=4", "--eval_interval=4", f"--out_dir={run}"])
+    ckpt = torch.load(run / "ckpt.pt", weights_only=True)
+    resume = ["--init_from=resume", "--max_iters=6", "--lr_decay_iters=4", "--eval_interval=2"]
+
+    def edited(name, **changes):
+        folder = tmp_path / name
+        shutil.copytree(run, folder)
+        state = {k: v for k, v in {**ckpt, **changes}.items() if v is not None}
+        torch.save(state, folder / "ckpt.pt")
+        return folder
+    weights = edited("weights", optimizer=None, sampler=None, rng=None, best_val_loss=None, scaler=None)
+    capsys.readouterr()
+    assert train.main([*resume, f"--out_dir={weights}"]) == 0
+    stdout = capsys.readouterr().out
+    assert f"note: {weights / 'ckpt.pt'} holds no optimizer state or random generator state (weights only?): " \
+           f"resuming its weights with a fresh optimizer and a fresh random generator" in stdout, stdout
+    assert torch.load(weights / "ckpt.pt", weights_only=True)["iter_num"] == 6
+    train_tokens, _, meta = data.load_dataset("shakespeare_char")
+    gpt = GPT(GPTConfig(vocab_size=meta["vocab_size"], **{k: ckpt["config"][k] for k in train.model_defaults()}))
+    gpt.load_state_dict(ckpt["model"])
+    with torch.no_grad():  # the first resumed step: its weights, on a fresh batch stream (seed 1337)
+        first = gpt(*data.BatchSampler(train_tokens, 4, 32, seed=1337).next_batch())[1].item()
+    assert next(r["loss"] for r in log_rows(weights) if r["step"] == 5) == pytest.approx(first, rel=1e-5)
+    broken = [(edited("no_tokenizer", meta={k: v for k, v in ckpt["meta"].items() if k != "tokenizer"}),
+               "meta names no tokenizer"),
+              (edited("wrong_type", config={**ckpt["config"], "max_iters": "many"}),
+               "holds max_iters='many' in its config"),
+              (edited("no_step", iter_num=None), "has no iter_num (int) to resume from")]
+    log_folder = edited("log_folder")
+    os.remove(log_folder / "log.jsonl")
+    os.mkdir(log_folder / "log.jsonl")
+    broken.append((log_folder, "log.jsonl is a folder, not a run's log"))
+    for folder, message in broken:
+        with pytest.raises(ValueError, match=re.escape(message)) as error:
+            train.main([*resume, f"--out_dir={folder}"])
+        assert "\n" not in str(error.value), error.value
+
+
 def test_wandb_credentials_are_found_as_wandb_finds_them_without_a_network(tmp_path):
     """runs.import_wandb in fresh processes whose HOME and wandb folders are in tmp_path: with no key anywhere it is
     one line; a key in WANDB_API_KEY or ~/.netrc (api.wandb.ai), WANDB_MODE=offline or disabled, or mode = offline

@@ -303,11 +303,18 @@ def mixed_precision(dtype, dev):
 
 
 def resume_from(ckpt, raw_model, opt, sampler, scaler, rank, dev, out_dir):
-    """The weights, optimizer, sampler, RNG and loss scale of a resumed run, loaded from its checkpoint; returns its
-    Progress."""
-    runs.load_weights(raw_model, ckpt, os.path.join(out_dir, "ckpt.pt"))
-    opt.load_state_dict(ckpt["optimizer"])
-    streams, world = ckpt["sampler"], int(os.environ.get("WORLD_SIZE", 1))
+    """The weights, optimizer, sampler, RNG and loss scale of a resumed run, loaded from its checkpoint (those a
+    stripped checkpoint lacks start fresh, with a line saying so); returns its Progress."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    runs.load_weights(raw_model, ckpt, path)
+    fresh = [what for part, what in (("optimizer", "optimizer"), ("rng", "random generator"))
+             if not isinstance(ckpt.get(part), dict)]
+    if rank == 0 and fresh:  # a checkpoint shared as weights: they resume, the rest starts afresh
+        print(f"note: {path} holds no {' or '.join(what + ' state' for what in fresh)} (weights only?): resuming "
+              f"its weights with a fresh {' and a fresh '.join(fresh)}")
+    if "optimizer" not in fresh:
+        opt.load_state_dict(ckpt["optimizer"])
+    streams, world = ckpt.get("sampler") or [], int(os.environ.get("WORLD_SIZE", 1))
     if rank < len(streams):  # a process the checkpoint has no stream of keeps its own fresh one (seed + rank)
         sampler.load_state_dict(streams[rank])
     if rank == 0 and len(streams) != world:
@@ -315,12 +322,13 @@ def resume_from(ckpt, raw_model, opt, sampler, scaler, rank, dev, out_dir):
               f"this run has {world}: " + (f"the processes of rank {len(streams)} and up draw fresh ones (seed + "
                                            f"rank)" if world > len(streams) else
                                            f"the streams of rank {world} and up end here"))
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    if dev.type == "cuda" and ckpt["rng"].get("cuda") is not None:
-        torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+    if "random generator" not in fresh:
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if dev.type == "cuda" and ckpt["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
     if ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
-    iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
+    iter_num, best_val = ckpt["iter_num"], ckpt.get("best_val_loss", math.inf)
     return Progress(iter_num=iter_num, best_val=best_val, val_loss=ckpt.get("val_loss", best_val),
                     last_eval=ckpt.get("val_iter", iter_num),  # a checkpoint written at a stop may predate its eval
                     saved_iter=iter_num, elapsed=ckpt.get("elapsed", 0.0))
@@ -515,7 +523,8 @@ def read_settings(args):
         if note:
             print(note)
     if settings["init_from"] == "resume" and not settings["sample_only"]:
-        ckpt = runs.load_checkpoint(os.path.join(settings["out_dir"], "ckpt.pt"))
+        ckpt_path = os.path.join(settings["out_dir"], "ckpt.pt")
+        ckpt = check_resumable(runs.load_checkpoint(ckpt_path), ckpt_path, defaults)
         settings, changes = resumed_settings(ckpt["config"], given)
     check_settings(settings)
     optim.check_chosen_settings(settings["optimizer"], given)
@@ -523,6 +532,28 @@ def read_settings(args):
     if ckpt is not None:
         check_schedule_length(ckpt["config"], settings, given)
     return settings, given, ckpt, changes
+
+
+def check_resumable(ckpt, path, defaults):
+    """A checkpoint to resume (a hand-edited or stripped one too): one line for what it lacks or holds of the wrong
+    type; its config's values are checked as --key=value is. Its optimizer, sampler and RNG states may be missing
+    (shared weights): resume_from starts those fresh and says so. Returns ckpt with its config checked."""
+    for part, kind in (("config", dict), ("meta", dict), ("iter_num", int)):
+        if not isinstance(ckpt.get(part), kind) or isinstance(ckpt.get(part), bool):
+            raise runs.ConfigError(f"{path} has no {part} ({kind.__name__}) to resume from: point --out_dir at a run "
+                                   f"that train.py wrote, or start a new run")
+    meta = ckpt["meta"]
+    if meta.get("tokenizer") not in data.TOKENIZERS or not isinstance(meta.get("vocab_size"), int):
+        raise runs.ConfigError(f"{path}'s meta names no tokenizer of data.TOKENIZERS and vocab_size: resume a run "
+                               f"that train.py wrote, or start a new run")
+    config = dict(ckpt["config"])
+    for key in config.keys() & defaults.keys():
+        try:
+            config[key] = runs.check_type(key, config[key], defaults[key])
+        except runs.ConfigError as e:
+            raise runs.ConfigError(f"{path} holds {key}={config[key]!r} in its config, not a value train.py takes "
+                                   f"({e}): fix the checkpoint's config, or start a new run") from None
+    return {**ckpt, "config": config}
 
 
 def model_defaults():
