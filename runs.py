@@ -122,8 +122,14 @@ def read_config_file(path):
         what = f"it calls sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
         raise ConfigError(f"config file {path}, line {line}: {what}: a config file holds Python assignments such "
                           f"as max_iters = 500") from None
-    return {k: v for k, v in values.items()
+    keys = {k: v for k, v in values.items()
             if not k.startswith("_") and not isinstance(v, types.ModuleType) and not callable(v)}
+    if not keys:  # e.g. JSON: {"max_iters": 5} is a valid Python expression that assigns nothing
+        hint = ' (JSON is not read: write max_iters = 5, not {"max_iters": 5})' if source.lstrip().startswith("{") \
+            else ""
+        raise ConfigError(f"config file {path} assigns no key{hint}: a config file holds Python assignments such as "
+                          f"max_iters = 500")
+    return keys
 
 
 def similar_keys(key, keys):

@@ -5793,6 +5793,23 @@ def test_parse_config_types_and_files(tmp_path):
     assert parse(str(imports)) == {"n": 9, "lr": math.pi / 4, "name": "b"}
 
 
+def test_a_config_file_that_assigns_no_key_is_one_line(tmp_path):
+    """A JSON config file ({"max_iters": 5} is a valid Python expression that assigns nothing), an empty one and one
+    of bare expressions are refused in one line (the JSON one saying how to write it), end to end: no run starts."""
+    cases = [('{"max_iters": 5}\n', 'assigns no key (JSON is not read: write max_iters = 5, not {"max_iters": 5})'),
+             ("", "assigns no key: a config file holds Python assignments"),
+             ("1 + 1\n", "assigns no key: a config file holds Python assignments")]
+    for i, (text, message) in enumerate(cases):
+        path = tmp_path / f"config{i}.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            runs.parse_config([str(path)], {"max_iters": 640}, "", {})
+    proc = run_train(str(tmp_path / "config0.json"), f"--out_dir={tmp_path / 'out'}", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "assigns no key" in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_analyze_cli_shares_train_parser(tmp_path):
     """analyze.py parses booleans (and every other type) as train.py does, and a corrupt or refused
     checkpoint is a one-line error (end to end for the corrupt one)."""
