@@ -272,8 +272,8 @@ def lock_holder(path):
     """Who holds the lock file at path, as text ("pid 123 on host h"), or None when there is no lock or its
     process is dead. A lock from another host counts as held: its process cannot be looked up from here."""
     try:
-        with open(path) as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            text = f.read().decode(errors="replace")  # garbage bytes read as an unreadable lock
     except FileNotFoundError:
         return None
     pid, _, host = text.strip().partition(" ")
@@ -523,23 +523,27 @@ def append_line(path, line, sync=False):
 
 
 TORN, NOT_A_STEP = "cut short by a crash or a full disk", "that are not a step's row (a JSON object with a \"step\")"
+NOT_TEXT = "that are not UTF-8 text"
 
 
 def read_jsonl(path):
     """(rows, dropped): the rows of the step log at path, each a JSON object with an integer "step" (none if there is
     no file), and {why: count} of the lines skipped: TORN (not JSON: a last line cut short by a crash or a full
-    disk) or NOT_A_STEP (JSON, but no step's row: a line written or edited by hand)."""
+    disk), NOT_A_STEP (JSON, but no step's row: a line written or edited by hand) or NOT_TEXT (garbage bytes)."""
     rows, dropped = [], collections.Counter()
     if not os.path.exists(path):
         return rows, dropped
     if os.path.isdir(path):
         raise ConfigError(f"{path} is a folder, not a run's log: move it out of the way, then run again")
-    with open(path) as f:
+    with open(path, "rb") as f:
         for line in f:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.decode())
+            except UnicodeDecodeError:
+                dropped[NOT_TEXT] += 1
+                continue
             except json.JSONDecodeError:
                 dropped[TORN] += 1
                 continue

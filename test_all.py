@@ -6643,6 +6643,41 @@ def test_a_stripped_or_hand_edited_checkpoint_resumes_its_weights_or_is_one_line
         assert "\n" not in str(error.value), error.value
 
 
+def test_one_line_errors_say_what_to_change(tmp_path, capsys):
+    """Resuming with --spectral_lr=True (other param groups) names --spectral_lr; garbage bytes at the end of
+    log.jsonl are dropped with a note naming the file; garbage in .lock is a lock named by its path; a run that
+    diverges with lr x wd >= 1 (lr 0.02, wd 1e10) names --weight_decay; a 30-token *_val_* shard is described as a
+    shard, not as "the last 10% of a text"."""
+    run = tmp_path / "run"
+    train.main([*TINY, "--max_iters=2", "--eval_interval=2", "--optimizer=muon", f"--out_dir={run}"])
+    resume = ["--init_from=resume", "--max_iters=3", "--lr_decay_iters=2", f"--out_dir={run}"]
+    with pytest.raises(ValueError, match=re.escape("--spectral_lr=True differs from")) as error:
+        train.main([*resume, "--spectral_lr=True"])
+    assert "drop --spectral_lr" in str(error.value)
+    (run / ".lock").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ValueError, match=re.escape(f"is in use by another run (an unreadable lock)")) as error:
+        train.main(resume)
+    assert f"delete {run / '.lock'}" in str(error.value), error.value
+    os.remove(run / ".lock")
+    with open(run / "log.jsonl", "ab") as f:
+        f.write(b"\xff\xfe garbage\n")
+    capsys.readouterr()
+    assert train.main(resume) == 0
+    assert f"note: dropped 1 line of {run / 'log.jsonl'} that are not UTF-8 text" in capsys.readouterr().out
+    with pytest.raises(FloatingPointError, match=re.escape("--weight_decay=1e+10 times the learning rate is 2e+08")) \
+            as error:
+        train.main([*TINY, "--optimizer=muon", "--learning_rate=0.02", "--weight_decay=1e10", "--max_iters=10",
+                    "--log_interval=1", "--eval_interval=10", f"--out_dir={tmp_path / 'decay'}"])
+    assert "use a --weight_decay below 50" in str(error.value) and "\n" not in str(error.value), error.value
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    data.write_shard(str(shards / "x_train_000.bin"), np.arange(1000) % 50257)
+    data.write_shard(str(shards / "x_val_000.bin"), np.arange(30))
+    with pytest.raises(ValueError, match=re.escape("has only 30 tokens (its *_train_* or *_val_* shards)")) as error:
+        train.main([*TINY, f"--dataset={shards / 'x_train_*.bin'}", f"--out_dir={tmp_path / 'shard_run'}"])
+    assert "10%" not in str(error.value), error.value
+
+
 def test_wandb_credentials_are_found_as_wandb_finds_them_without_a_network(tmp_path):
     """runs.import_wandb in fresh processes whose HOME and wandb folders are in tmp_path: with no key anywhere it is
     one line; a key in WANDB_API_KEY or ~/.netrc (api.wandb.ai), WANDB_MODE=offline or disabled, or mode = offline

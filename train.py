@@ -275,7 +275,7 @@ def main(args):
         if stopped:  # by a signal, after the step it came in or in the eval it abandoned: a checkpoint to resume from
             if not all_finite(raw_model):
                 raise FloatingPointError(diverged("a weight not finite", progress.iter_num, ckpt_path,
-                                                  progress.saved_iter, c.learning_rate, c.grad_clip))
+                                                  progress.saved_iter, c.learning_rate, c.grad_clip, c.weight_decay))
             runs.save_run(ckpt_path, raw_model, opt, sampler, master, settings, meta,
                           **saved_progress(progress, t_start, scaler))
         # 7. the end: the loss curve, and samples (or, after a signal, how to continue)
@@ -424,7 +424,7 @@ def record_eval(c, progress, val, raw_model, t_start, ckpt_path, log_path, wandb
     progress.val_loss, progress.last_eval = val, progress.iter_num
     if not math.isfinite(val) or not all_finite(raw_model):
         raise FloatingPointError(diverged(f"val loss {val} (or a weight not finite)", progress.iter_num, ckpt_path,
-                                          progress.saved_iter, c.learning_rate, c.grad_clip))
+                                          progress.saved_iter, c.learning_rate, c.grad_clip, c.weight_decay))
     progress.best_val = min(progress.best_val, val)
     if master:
         print(f"iter {progress.iter_num}: val loss {val:.4f} (best {progress.best_val:.4f}), "
@@ -446,7 +446,7 @@ def log_line(c, progress, window, grad_norm, opt, scaler, tokens_per_iter, flops
     mean_loss = loss_total / window.steps
     if not math.isfinite(mean_loss):
         raise FloatingPointError(diverged(f"training loss {mean_loss}", progress.iter_num, ckpt_path,
-                                          progress.saved_iter, c.learning_rate, c.grad_clip))
+                                          progress.saved_iter, c.learning_rate, c.grad_clip, c.weight_decay))
     now = time.time()
     tok_s = window.tokens / max(now - window.start - window.paused, 1e-9) if window.tokens else None
     mfu = flops_per_iter * tok_s / tokens_per_iter / peak if tok_s and peak else None
@@ -469,9 +469,15 @@ def all_finite(model):
     return bool(torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all())
 
 
-def diverged(what, iter_num, ckpt_path, saved_iter, learning_rate, grad_clip):
+def diverged(what, iter_num, ckpt_path, saved_iter, learning_rate, grad_clip, weight_decay):
+    """The line of a run stopped by a loss or weight not finite: what it keeps, and what to change. At lr x wd >= 1
+    the decoupled decay p <- p (1 - lr wd) alone zeroes or flips the weights at each step: --weight_decay is named."""
     kept = f"{ckpt_path} still holds iter {saved_iter}" if saved_iter is not None else "no checkpoint was written"
     hint = f"try a lower --learning_rate (now {learning_rate:g})" + (" or --grad_clip=1.0" if grad_clip == 0 else "")
+    if learning_rate * weight_decay >= 1:
+        hint = (f"--weight_decay={weight_decay:g} times the learning rate is {learning_rate * weight_decay:g}, at "
+                f"least 1: each step's decay p <- p (1 - lr wd) zeroes or flips the weights; use a --weight_decay "
+                f"below {1 / learning_rate:g}, or {hint[4:]}")
     return f"{what} at iter {iter_num}: stopped, {kept}; {hint}"
 
 
@@ -526,6 +532,7 @@ def read_settings(args):
         ckpt_path = os.path.join(settings["out_dir"], "ckpt.pt")
         ckpt = check_resumable(runs.load_checkpoint(ckpt_path), ckpt_path, defaults)
         settings, changes = resumed_settings(ckpt["config"], given)
+        check_optimizer_kept(ckpt, given, ckpt_path)
     check_settings(settings)
     optim.check_chosen_settings(settings["optimizer"], given)
     settings["learning_rate"] = peak_lr(settings)
@@ -554,6 +561,17 @@ def check_resumable(ckpt, path, defaults):
             raise runs.ConfigError(f"{path} holds {key}={config[key]!r} in its config, not a value train.py takes "
                                    f"({e}): fix the checkpoint's config, or start a new run") from None
     return {**ckpt, "config": config}
+
+
+def check_optimizer_kept(ckpt, given, path):
+    """The optimizer state of a checkpoint fits only the optimizer it came from: --optimizer and --spectral_lr (which
+    splits the param groups) must stay the checkpoint's."""
+    for key in ("optimizer", "spectral_lr"):
+        saved = ckpt["config"].get(key, RUN_DEFAULTS[key])
+        if "optimizer" in ckpt and key in given and given[key] != saved:
+            raise runs.ConfigError(f"--{key}={given[key]!r} differs from {path}'s {key}={saved!r}, whose optimizer "
+                                   f"state does not fit another optimizer's param groups: drop --{key}, or start a "
+                                   f"new run in another --out_dir")
 
 
 def model_defaults():
@@ -699,9 +717,12 @@ def check_run(c, settings, ckpt, dev, master):
     config = model_config(settings, meta["vocab_size"])
     for split, tokens in (("training", train_tokens), ("validation", val_tokens)):
         if len(tokens) < config.block_size + 2:
-            raise runs.ConfigError(f"the {split} split of {c.dataset} has only {len(tokens)} tokens (the validation "
-                                   f"split is the last 10% of a text), fewer than block_size + 2 = "
-                                   f"{config.block_size + 2}: use more text or a smaller --block_size")
+            made = "its *_train_* or *_val_* shards" if data.is_shard_pattern(c.dataset) else \
+                "the validation split is the last 10% of a text"
+            raise runs.ConfigError(f"the {split} split of {c.dataset} has only {len(tokens)} tokens ({made}), fewer "
+                                   f"than block_size + 2 = {config.block_size + 2}: use more "
+                                   f"{'tokens' if data.is_shard_pattern(c.dataset) else 'text'} or a smaller "
+                                   f"--block_size")
     if c.num_samples > 0 and c.max_new_tokens > 0:
         check_prompt(c.start, data.tokenizer_from_meta(meta), c.dataset)
     analyze.check_fit(analyze.run_costs(c, config, act=2).memory, dev)
