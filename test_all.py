@@ -6678,6 +6678,27 @@ def test_one_line_errors_say_what_to_change(tmp_path, capsys):
     assert "10%" not in str(error.value), error.value
 
 
+def test_first_impressions_busy_cpu_home_folder_and_the_readme(tmp_path, monkeypatch, capsys):
+    """On a CPU whose start-up matmul ran at 1 GFLOP/s (a very busy machine: train.matmul_rate stubbed), the plain
+    run's baby model is not called "sized for a GPU", while the GPU preset (7e15 FLOPs, over LONG_CPU_RUN_SECONDS at
+    any CPU rate below 1e13 FLOP/s) is; --out_dir=~/runs/x is under the home folder; the docstring's time of the
+    plain run agrees with the README's measured one (both about a minute)."""
+    monkeypatch.setattr(train, "matmul_rate", lambda: 1e9)
+    _, _, meta = data.load_dataset("shakespeare_char")
+    for args, sized_for_a_gpu in (([], False), ([train.GPU_PRESET], True)):
+        settings = train.read_settings([*args, f"--out_dir={tmp_path / 'never'}"])[0]
+        config = train.model_config(settings, meta["vocab_size"])
+        capsys.readouterr()
+        train.step_size(types.SimpleNamespace(**settings), config, GPT(config), torch.device("cpu"), "float32", 1,
+                        True)
+        assert ("this run is sized for a GPU" in capsys.readouterr().out) == sized_for_a_gpu, args
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert train.read_settings(["--out_dir=~/runs/x"])[0]["out_dir"] == str(tmp_path / "runs" / "x")
+    low, high = map(int, re.search(r"after (\d+)-(\d+) s of training", open(os.path.join(ROOT, "README.md")).read())
+                    .groups())
+    assert "shakespeare_char, about a minute on a CPU" in train.__doc__ and 30 <= low <= high <= 90, (low, high)
+
+
 def test_wandb_credentials_are_found_as_wandb_finds_them_without_a_network(tmp_path):
     """runs.import_wandb in fresh processes whose HOME and wandb folders are in tmp_path: with no key anywhere it is
     one line; a key in WANDB_API_KEY or ~/.netrc (api.wandb.ai), WANDB_MODE=offline or disabled, or mode = offline

@@ -1,7 +1,7 @@
 """
 Train a specgpt model.
 
-    python train.py                                  # baby GPT on shakespeare_char, ~2 minutes on a CPU
+    python train.py                                  # baby GPT on shakespeare_char, about a minute on a CPU
     python train.py --mixer=GGGA --optimizer=muon    # flip any config key with --key=value
     python train.py my_config.py --max_iters=500     # a config file (plain Python assignments), then overrides
     python train.py config/gpt2_small_fineweb.py --dry_run=True   # a preset's size, memory and GPU time; no run
@@ -115,6 +115,9 @@ GPU_PRESET = "config/shakespeare_char_gpu.py"
 MAX_STEP_SECONDS = 3600
 # a long phase (an eval) prints a progress line after this many seconds, and again after each such interval
 PROGRESS_SECONDS = 5
+# a CPU run is "sized for a GPU" only if it is long even at this float32 rate (a fast desktop CPU's), not only at the
+# rate measured at start-up: a busy machine's slow matmul would give the baby model that note
+CPU_FLOPS_FLOOR = 100e9
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -345,7 +348,8 @@ def step_size(c, config, raw_model, dev, precision, world, master):
     if master and dev.type == "cpu":
         flops = analyze.run_flops(raw_model.flops_per_token(config.block_size), train_tokens_run,
                                   eval_tokens_run) / world
-        note = analyze.sized_for_a_gpu(c, flops_per_iter, flops, rate)
+        note = analyze.sized_for_a_gpu(c, flops_per_iter, flops, rate) \
+            if flops / CPU_FLOPS_FLOOR >= analyze.LONG_CPU_RUN_SECONDS else None
         if note:
             print(note, flush=True)
     return tokens_per_iter, flops_per_iter, peak
@@ -523,6 +527,9 @@ def read_settings(args):
     run that a killed one set aside comes back first."""
     defaults = {**RUN_DEFAULTS, **model_defaults()}
     given = runs.parse_config(args, defaults, __doc__, config_help(), allowed=allowed_help())
+    for key in ("out_dir", "dataset"):  # --out_dir=~/runs/x: the shell leaves a ~ after = as it is
+        if key in given:
+            given[key] = os.path.expanduser(given[key])
     settings, ckpt, changes = {**defaults, **given}, None, []
     if not settings["dry_run"] and int(os.environ.get("RANK", 0)) == 0:
         note = runs.recover_run(settings["out_dir"], runs.RUN_FILES)
