@@ -477,11 +477,12 @@ def diverged(what, iter_num, ckpt_path, saved_iter, learning_rate, grad_clip, we
     """The line of a run stopped by a loss or weight not finite: what it keeps, and what to change. At lr x wd >= 1
     the decoupled decay p <- p (1 - lr wd) alone zeroes or flips the weights at each step: --weight_decay is named."""
     kept = f"{ckpt_path} still holds iter {saved_iter}" if saved_iter is not None else "no checkpoint was written"
-    hint = f"try a lower --learning_rate (now {learning_rate:g})" + (" or --grad_clip=1.0" if grad_clip == 0 else "")
+    lower = f"a lower --learning_rate (now {learning_rate:g})" + (" or --grad_clip=1.0" if grad_clip == 0 else "")
+    hint = f"try {lower}"
     if learning_rate * weight_decay >= 1:
         hint = (f"--weight_decay={weight_decay:g} times the learning rate is {learning_rate * weight_decay:g}, at "
                 f"least 1: each step's decay p <- p (1 - lr wd) zeroes or flips the weights; use a --weight_decay "
-                f"below {1 / learning_rate:g}, or {hint[4:]}")
+                f"below {1 / learning_rate:g}, or {lower}")
     return f"{what} at iter {iter_num}: stopped, {kept}; {hint}"
 
 
