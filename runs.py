@@ -122,8 +122,14 @@ def read_config_file(path):
         what = f"it calls sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
         raise ConfigError(f"config file {path}, line {line}: {what}: a config file holds Python assignments such "
                           f"as max_iters = 500") from None
-    return {k: v for k, v in values.items()
+    keys = {k: v for k, v in values.items()
             if not k.startswith("_") and not isinstance(v, types.ModuleType) and not callable(v)}
+    if not keys:  # e.g. JSON: {"max_iters": 5} is a valid Python expression that assigns nothing
+        hint = ' (JSON is not read: write max_iters = 5, not {"max_iters": 5})' if source.lstrip().startswith("{") \
+            else ""
+        raise ConfigError(f"config file {path} assigns no key{hint}: a config file holds Python assignments such as "
+                          f"max_iters = 500")
+    return keys
 
 
 def similar_keys(key, keys):
@@ -266,8 +272,8 @@ def lock_holder(path):
     """Who holds the lock file at path, as text ("pid 123 on host h"), or None when there is no lock or its
     process is dead. A lock from another host counts as held: its process cannot be looked up from here."""
     try:
-        with open(path) as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            text = f.read().decode(errors="replace")  # garbage bytes read as an unreadable lock
     except FileNotFoundError:
         return None
     pid, _, host = text.strip().partition(" ")
@@ -324,8 +330,10 @@ def release_lock(path):
 # A new run in a folder that holds another run's files moves them into folder/.replaced (set_aside_run) and deletes
 # them once it has written its own first checkpoint (drop_replaced_run); until then the old run is whole in there.
 # If the new run fails before that, it puts the old one back (restore_run); if it was killed, the next train.py in
-# that folder does (recover_run). names: the run's files, its checkpoint first; a folder holding both a checkpoint and
-# .replaced is one whose new run had checkpointed.
+# that folder does (recover_run). Its first checkpoint is the first of a trained step (iter_num >= 1): the one of
+# its eval at iter 0, or of a Ctrl-C in it, holds an untrained model and replaces nothing. names: the run's files,
+# its checkpoint first; a folder holding both .replaced and a trained checkpoint is one whose new run had
+# checkpointed (and was killed before it deleted .replaced).
 REPLACED = ".replaced"
 
 
@@ -368,21 +376,30 @@ def drop_replaced_run(folder):
     shutil.rmtree(os.path.join(folder, REPLACED), ignore_errors=True)
 
 
+def trained_checkpoint(path):
+    """Whether path is a readable checkpoint of at least one finished training step (iter_num >= 1)."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # missing, unreadable: not a checkpoint that may replace a run
+        return False
+    return isinstance(ckpt, dict) and isinstance(ckpt.get("iter_num"), int) and ckpt["iter_num"] >= 1
+
+
 def recover_run(folder, names):
-    """The run set aside in folder/.replaced by a new run that was killed before its first checkpoint is put back
-    (returns a note saying so); one whose new run had checkpointed is deleted. Nothing is done while a live process
-    holds folder/.lock (a new run that is still starting)."""
+    """The run set aside in folder/.replaced by a new run that was killed before its first checkpoint of a
+    trained step is put back (returns a note saying so); one whose new run had written one is deleted. Nothing is
+    done while a live process holds folder/.lock (a new run that is still starting)."""
     aside = os.path.join(folder, REPLACED)
     if not os.path.isdir(aside) or lock_holder(os.path.join(folder, ".lock")) is not None:
         return None
     lock = take_lock(folder)
     try:
-        if os.path.exists(os.path.join(folder, names[0])):  # the new run checkpointed
+        if trained_checkpoint(os.path.join(folder, names[0])):  # the new run checkpointed a trained step
             drop_replaced_run(folder)
             return None
         if restore_run(folder, names):
             return (f"note: put back the run in {folder} that a new run (--overwrite=True) had set aside in {aside} "
-                    f"and was killed before its first checkpoint")
+                    f"and was killed before its first checkpoint of a trained step")
         return None
     finally:
         release_lock(lock)
@@ -418,9 +435,10 @@ def prepare_run_folder(out_dir, resume_iter):
 
 
 def put_back_replaced_run(out_dir):
-    """The run a new run set aside comes back when the new one ends before its first checkpoint."""
+    """The run a new run set aside comes back when the new one ends before its first checkpoint of a trained step."""
     if restore_run(out_dir, RUN_FILES):
-        print(f"note: {out_dir} holds the run it held before again: this run stopped before its first checkpoint")
+        print(f"note: {out_dir} holds the run it held before again: this run stopped before its first checkpoint "
+              f"of a trained step")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -505,21 +523,27 @@ def append_line(path, line, sync=False):
 
 
 TORN, NOT_A_STEP = "cut short by a crash or a full disk", "that are not a step's row (a JSON object with a \"step\")"
+NOT_TEXT = "that are not UTF-8 text"
 
 
 def read_jsonl(path):
     """(rows, dropped): the rows of the step log at path, each a JSON object with an integer "step" (none if there is
     no file), and {why: count} of the lines skipped: TORN (not JSON: a last line cut short by a crash or a full
-    disk) or NOT_A_STEP (JSON, but no step's row: a line written or edited by hand)."""
+    disk), NOT_A_STEP (JSON, but no step's row: a line written or edited by hand) or NOT_TEXT (garbage bytes)."""
     rows, dropped = [], collections.Counter()
     if not os.path.exists(path):
         return rows, dropped
-    with open(path) as f:
+    if os.path.isdir(path):
+        raise ConfigError(f"{path} is a folder, not a run's log: move it out of the way, then run again")
+    with open(path, "rb") as f:
         for line in f:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.decode())
+            except UnicodeDecodeError:
+                dropped[NOT_TEXT] += 1
+                continue
             except json.JSONDecodeError:
                 dropped[TORN] += 1
                 continue
@@ -581,7 +605,22 @@ def append_log(path, row, wandb_run=None, sync=False):
 # checkpoints: {"model", "optimizer", "config", "meta", "iter_num", ...}, written by train.py
 
 def save_checkpoint(path, state):
-    data.atomic_write(path, lambda f: torch.save(state, f))  # a crash or a full disk keeps the previous one
+    """Writes state to path atomically: a crash, a full disk or a second Ctrl-C keeps the previous checkpoint. The
+    second Ctrl-C (stop_signals' KeyboardInterrupt) comes out as a KeyboardInterrupt naming what was kept, even where
+    torch's zip writer, cut off in the middle of its writes, turned it into its own RuntimeError."""
+    kept = f"{path} still holds the previous one" if os.path.exists(path) else "no checkpoint was written"
+
+    def write(f):
+        try:
+            torch.save(state, f)
+        except BaseException as e:
+            cause = e
+            while cause is not None and not isinstance(cause, KeyboardInterrupt):
+                cause = cause.__context__
+            if cause is None:
+                raise
+            raise KeyboardInterrupt(f"the checkpoint it was writing is dropped; {kept}") from None
+    data.atomic_write(path, write)
 
 
 def load_checkpoint(path, flag="--out_dir"):
@@ -632,7 +671,8 @@ def save_run(path, raw_model, opt, sampler, master, settings, meta, **progress):
             "model": raw_model.state_dict(), "optimizer": opt.state_dict(), "config": settings, "meta": meta,
             "sampler": samplers, "rng": {"torch": torch.get_rng_state(),
                                          "cuda": torch.cuda.get_rng_state() if cuda else None}, **progress})
-        drop_replaced_run(os.path.dirname(path))  # the first checkpoint of a new run: the one it replaces goes
+        if progress["iter_num"] >= 1:  # a new run's first trained checkpoint: the run it replaces goes
+            drop_replaced_run(os.path.dirname(path))
 
 
 if __name__ == "__main__":

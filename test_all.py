@@ -5816,6 +5816,23 @@ def test_parse_config_types_and_files(tmp_path):
     assert parse(str(imports)) == {"n": 9, "lr": math.pi / 4, "name": "b"}
 
 
+def test_a_config_file_that_assigns_no_key_is_one_line(tmp_path):
+    """A JSON config file ({"max_iters": 5} is a valid Python expression that assigns nothing), an empty one and one
+    of bare expressions are refused in one line (the JSON one saying how to write it), end to end: no run starts."""
+    cases = [('{"max_iters": 5}\n', 'assigns no key (JSON is not read: write max_iters = 5, not {"max_iters": 5})'),
+             ("", "assigns no key: a config file holds Python assignments"),
+             ("1 + 1\n", "assigns no key: a config file holds Python assignments")]
+    for i, (text, message) in enumerate(cases):
+        path = tmp_path / f"config{i}.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            runs.parse_config([str(path)], {"max_iters": 640}, "", {})
+    proc = run_train(str(tmp_path / "config0.json"), f"--out_dir={tmp_path / 'out'}", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "assigns no key" in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_analyze_cli_shares_train_parser(tmp_path):
     """analyze.py parses booleans (and every other type) as train.py does, and a corrupt or refused
     checkpoint is a one-line error (end to end for the corrupt one)."""
@@ -6068,6 +6085,60 @@ def test_ddp_two_processes_on_cpu(tmp_path):
                   for rank in range(2)]
     first = next(r["loss"] for r in log_rows(out) if r["step"] == 1)
     assert first == pytest.approx(sum(losses) / 2, rel=1e-5) and abs(losses[0] - losses[1]) > 1e-3, (first, losses)
+
+
+def test_ddp_logged_loss_is_the_mean_over_every_ranks_micro_steps_of_each_interval(tmp_path, monkeypatch):
+    """torchrun --nproc_per_node=2 (gloo) with --gradient_accumulation_steps=2 and --log_interval=10 logs at steps 1,
+    10, 20 and 30 the same training losses as one process whose every micro-batch is rank 0's and rank 1's
+    concatenated (streams of seeds 1337 and 1338, batch 2 x 4): the same gradients, so the same run up to float32
+    rounding, and each line the mean over both ranks' micro-steps of its interval (no rank's sum carried over)."""
+    out, one = str(tmp_path / "ddp"), tmp_path / "one"
+    args = [*TINY, "--max_iters=30", "--eval_interval=30", "--log_interval=10", "--gradient_accumulation_steps=2",
+            "--seed=1337"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           os.path.join(ROOT, "train.py"), *args, f"--out_dir={out}"],
+                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sampler = data.BatchSampler
+
+    def both_ranks(tokens, batch_size, block_size, seed, device="cpu"):
+        if seed != 1337:  # the eval's batches
+            return sampler(tokens, batch_size, block_size, seed, device)
+        streams = [sampler(tokens, batch_size // 2, block_size, seed + rank, device) for rank in range(2)]
+        return types.SimpleNamespace(state_dict=streams[0].state_dict, next_batch=lambda: tuple(
+            torch.cat(parts) for parts in zip(*(stream.next_batch() for stream in streams))))
+    monkeypatch.setattr(data, "BatchSampler", both_ranks)
+    train.main([*args, "--batch_size=8", f"--out_dir={one}"])
+    ddp_loss = {r["step"]: r["loss"] for r in log_rows(out) if "loss" in r}
+    one_loss = {r["step"]: r["loss"] for r in log_rows(one) if "loss" in r}
+    assert sorted(ddp_loss) == sorted(one_loss) == [1, 10, 20, 30], (ddp_loss, one_loss)
+    assert all(ddp_loss[step] == pytest.approx(one_loss[step], rel=1e-4) for step in ddp_loss), (ddp_loss, one_loss)
+
+
+def test_resuming_a_one_process_run_under_torchrun_gives_each_rank_its_own_batches(tmp_path):
+    """A one-process run (4 steps) resumed by torchrun --nproc_per_node=2 (gloo): rank 0 continues the checkpoint's
+    batch stream, rank 1 draws its own fresh one (seed 1337 + 1), and a line says so. The logged loss of the first
+    resumed step is the mean of the checkpoint's model on those two batches, computed here (they differ)."""
+    out = str(tmp_path / "run")
+    train.main([*TINY, "--max_iters=4", "--eval_interval=4", "--seed=1337", f"--out_dir={out}"])
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           os.path.join(ROOT, "train.py"), "--init_from=resume", "--max_iters=5", "--lr_decay_iters=4",
+                           f"--out_dir={out}"], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_tokens, _, meta = data.load_dataset("shakespeare_char")
+    gpt = GPT(GPTConfig(vocab_size=meta["vocab_size"], **{k: ckpt["config"][k] for k in train.model_defaults()}))
+    gpt.load_state_dict(ckpt["model"])
+    continued = data.BatchSampler(train_tokens, 4, 32, seed=1337)
+    continued.load_state_dict(ckpt["sampler"][0])
+    with torch.no_grad():
+        losses = [gpt(*stream.next_batch())[1].item()
+                  for stream in (continued, data.BatchSampler(train_tokens, 4, 32, seed=1338))]
+    resumed = next(r["loss"] for r in log_rows(out) if r["step"] == 5 and "loss" in r)
+    assert resumed == pytest.approx(sum(losses) / 2, rel=1e-5) and abs(losses[0] - losses[1]) > 1e-3, (resumed, losses)
+    assert "note: the checkpoint holds the batch streams of 1 process, this run has 2" in proc.stdout, proc.stdout
 
 
 def test_mfu_peaks_by_exact_gpu_name_and_dtype(simulated_gpu):
@@ -6470,10 +6541,185 @@ def test_overwrite_deletes_the_old_run_at_the_new_first_checkpoint_and_a_kill_be
                         lambda path, state: (seen.append(file_digests(aside) if os.path.isdir(aside) else None),
                                              save(path, state)))
     assert train.main([*TINY, "--max_iters=3", "--eval_interval=3", "--overwrite=True", f"--out_dir={out}"]) == 0
-    assert {k: v for k, v in seen[0].items() if k != "files.json"} == before and seen[1:] == [None], seen
+    assert len(seen) == 2 and all({k: v for k, v in whole.items() if k != "files.json"} == before for whole in seen), \
+        seen  # at iter 0 and at iter 3, the first trained checkpoint
     assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl", "loss.png"]
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 3
     assert [r["step"] for r in log_rows(out)] == [0, 1, 3, 3]
+
+
+def test_overwrite_then_ctrl_c_in_the_first_eval_a_divergence_or_a_kill_after_it_puts_the_old_run_back(tmp_path):
+    """--overwrite=True over a finished run, then: Ctrl-C in the new run's first eval (at iter 0), a new run that
+    diverges (--learning_rate=1e30) after its iter-0 checkpoint, and a new run killed (SIGKILL) after its iter-0
+    checkpoint, before any trained one (--eval_interval=100000), followed by another train.py there. Each time the
+    old run's files are back, byte for byte, and nothing is set aside: an untrained checkpoint replaces nothing."""
+    out = str(tmp_path / "run")
+    train.main([*TINY, "--max_iters=20", "--eval_interval=10", f"--out_dir={out}"])
+    before = file_digests(out)
+
+    def old_run_is_back():
+        assert sorted(os.listdir(out)) == sorted(before) and file_digests(out) == before
+    proc = start_train(*TINY, "--eval_iters=10000000", "--overwrite=True", f"--out_dir={out}")
+    for line in proc.stdout:
+        if line.startswith("eval: "):  # its progress line: the first eval is under way
+            break
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    assert f"note: {out} holds the run it held before again" in stdout, stdout
+    old_run_is_back()
+    proc = run_train(*TINY, "--learning_rate=1e30", "--overwrite=True", f"--out_dir={out}", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "stopped" in lines[0], proc.stderr
+    assert "iter 0: val loss" in proc.stdout, proc.stdout  # its iter-0 checkpoint was written
+    old_run_is_back()
+    proc = start_train(*TINY, "--eval_interval=100000", "--max_iters=200000", "--log_interval=1", "--overwrite=True",
+                       f"--out_dir={out}")
+    for line in proc.stdout:
+        if line.startswith("iter 2: loss"):  # after the iter-0 eval and its checkpoint
+            break
+    assert os.path.exists(os.path.join(out, "ckpt.pt")) and os.path.isdir(os.path.join(out, ".replaced"))
+    proc.kill()
+    proc.communicate(timeout=60)
+    again = run_train(*TINY, f"--out_dir={out}", check=False)
+    assert f"note: put back the run in {out}" in again.stdout and "holds a run (ckpt.pt)" in again.stderr, again
+    old_run_is_back()
+
+
+def test_a_second_ctrl_c_in_a_checkpoint_write_stops_at_once_quietly_keeping_the_previous_one(tmp_path):
+    """Ctrl-C at step 2 (SIGINT sent from the optimizer's step), then a second one in the middle of the stop's
+    checkpoint write (SIGINT sent from the third write into torch.save's file): exit status 130, one line on stderr
+    (no traceback) naming ckpt.pt, which still holds the iter-0 checkpoint, whole; no temporary left."""
+    out = str(tmp_path / "run")
+    code = f"""import os, runpy, signal, sys, torch, optim
+real_save, real_step, steps = torch.save, optim.CombinedOptimizer.step, []
+def step(self):
+    steps.append(1)
+    if len(steps) == 2:
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_step(self)
+class Interrupted:
+    def __init__(self, f):
+        self.f, self.writes = f, 0
+    def write(self, b):
+        self.writes += 1
+        if self.writes == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.f.write(b)
+    def flush(self):
+        self.f.flush()
+torch.save = lambda obj, f, *a, **k: real_save(obj, Interrupted(f) if len(steps) >= 2 else f, *a, **k)
+optim.CombinedOptimizer.step = step
+sys.argv = ['train.py', *{TINY!r}, '--max_iters=10', '--eval_interval=100', '--optimizer=muon', '--out_dir={out}']
+runpy.run_path({os.path.join(ROOT, 'train.py')!r}, run_name='__main__')
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 130 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("interrupted: stopped at once") and "ckpt.pt still holds the previous one" in lines[0]
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 0
+    assert not [name for name in os.listdir(out) if ".tmp" in name], os.listdir(out)
+
+
+def test_a_stripped_or_hand_edited_checkpoint_resumes_its_weights_or_is_one_line(tmp_path, capsys):
+    """A checkpoint of weights only (no optimizer, sampler, RNG or best loss: how weights are shared) resumes them
+    with a fresh optimizer after a line saying so, from those weights (its first step's loss is theirs); a meta
+    without its tokenizer, a config value of the wrong type, no iter_num, or a log.jsonl that is a folder are one
+    line each."""
+    run = tmp_path / "run"
+    train.main([*TINY, "--max_iters=4", "--eval_interval=4", f"--out_dir={run}"])
+    ckpt = torch.load(run / "ckpt.pt", weights_only=True)
+    resume = ["--init_from=resume", "--max_iters=6", "--lr_decay_iters=4", "--eval_interval=2"]
+
+    def edited(name, **changes):
+        folder = tmp_path / name
+        shutil.copytree(run, folder)
+        state = {k: v for k, v in {**ckpt, **changes}.items() if v is not None}
+        torch.save(state, folder / "ckpt.pt")
+        return folder
+    weights = edited("weights", optimizer=None, sampler=None, rng=None, best_val_loss=None, scaler=None)
+    capsys.readouterr()
+    assert train.main([*resume, f"--out_dir={weights}"]) == 0
+    stdout = capsys.readouterr().out
+    assert f"note: {weights / 'ckpt.pt'} holds no optimizer state or random generator state (weights only?): " \
+           f"resuming its weights with a fresh optimizer and a fresh random generator" in stdout, stdout
+    assert torch.load(weights / "ckpt.pt", weights_only=True)["iter_num"] == 6
+    train_tokens, _, meta = data.load_dataset("shakespeare_char")
+    gpt = GPT(GPTConfig(vocab_size=meta["vocab_size"], **{k: ckpt["config"][k] for k in train.model_defaults()}))
+    gpt.load_state_dict(ckpt["model"])
+    with torch.no_grad():  # the first resumed step: its weights, on a fresh batch stream (seed 1337)
+        first = gpt(*data.BatchSampler(train_tokens, 4, 32, seed=1337).next_batch())[1].item()
+    assert next(r["loss"] for r in log_rows(weights) if r["step"] == 5) == pytest.approx(first, rel=1e-5)
+    broken = [(edited("no_tokenizer", meta={k: v for k, v in ckpt["meta"].items() if k != "tokenizer"}),
+               "meta names no tokenizer"),
+              (edited("wrong_type", config={**ckpt["config"], "max_iters": "many"}),
+               "holds max_iters='many' in its config"),
+              (edited("no_step", iter_num=None), "has no iter_num (int) to resume from")]
+    log_folder = edited("log_folder")
+    os.remove(log_folder / "log.jsonl")
+    os.mkdir(log_folder / "log.jsonl")
+    broken.append((log_folder, "log.jsonl is a folder, not a run's log"))
+    for folder, message in broken:
+        with pytest.raises(ValueError, match=re.escape(message)) as error:
+            train.main([*resume, f"--out_dir={folder}"])
+        assert "\n" not in str(error.value), error.value
+
+
+def test_one_line_errors_say_what_to_change(tmp_path, capsys):
+    """Resuming with --spectral_lr=True (other param groups) names --spectral_lr; garbage bytes at the end of
+    log.jsonl are dropped with a note naming the file; garbage in .lock is a lock named by its path; a run that
+    diverges with lr x wd >= 1 (lr 0.02, wd 1e10) names --weight_decay; a 30-token *_val_* shard is described as a
+    shard, not as "the last 10% of a text"."""
+    run = tmp_path / "run"
+    train.main([*TINY, "--max_iters=2", "--eval_interval=2", "--optimizer=muon", f"--out_dir={run}"])
+    resume = ["--init_from=resume", "--max_iters=3", "--lr_decay_iters=2", f"--out_dir={run}"]
+    with pytest.raises(ValueError, match=re.escape("--spectral_lr=True differs from")) as error:
+        train.main([*resume, "--spectral_lr=True"])
+    assert "drop --spectral_lr" in str(error.value)
+    (run / ".lock").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ValueError, match=re.escape(f"is in use by another run (an unreadable lock)")) as error:
+        train.main(resume)
+    assert f"delete {run / '.lock'}" in str(error.value), error.value
+    os.remove(run / ".lock")
+    with open(run / "log.jsonl", "ab") as f:
+        f.write(b"\xff\xfe garbage\n")
+    capsys.readouterr()
+    assert train.main(resume) == 0
+    assert f"note: dropped 1 line of {run / 'log.jsonl'} that are not UTF-8 text" in capsys.readouterr().out
+    with pytest.raises(FloatingPointError, match=re.escape("--weight_decay=1e+10 times the learning rate is 2e+08")) \
+            as error:
+        train.main([*TINY, "--optimizer=muon", "--learning_rate=0.02", "--weight_decay=1e10", "--max_iters=10",
+                    "--log_interval=1", "--eval_interval=10", f"--out_dir={tmp_path / 'decay'}"])
+    assert "use a --weight_decay below 50" in str(error.value) and "\n" not in str(error.value), error.value
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    data.write_shard(str(shards / "x_train_000.bin"), np.arange(1000) % 50257)
+    data.write_shard(str(shards / "x_val_000.bin"), np.arange(30))
+    with pytest.raises(ValueError, match=re.escape("has only 30 tokens (its *_train_* or *_val_* shards)")) as error:
+        train.main([*TINY, f"--dataset={shards / 'x_train_*.bin'}", f"--out_dir={tmp_path / 'shard_run'}"])
+    assert "10%" not in str(error.value), error.value
+
+
+def test_first_impressions_busy_cpu_home_folder_and_the_readme(tmp_path, monkeypatch, capsys):
+    """On a CPU whose start-up matmul ran at 1 GFLOP/s (a very busy machine: train.matmul_rate stubbed), the plain
+    run's baby model is not called "sized for a GPU", while the GPU preset (7e15 FLOPs, over LONG_CPU_RUN_SECONDS at
+    any CPU rate below 1e13 FLOP/s) is; --out_dir=~/runs/x is under the home folder; the docstring's time of the
+    plain run agrees with the README's measured one (both about a minute)."""
+    monkeypatch.setattr(train, "matmul_rate", lambda: 1e9)
+    _, _, meta = data.load_dataset("shakespeare_char")
+    for args, sized_for_a_gpu in (([], False), ([train.GPU_PRESET], True)):
+        settings = train.read_settings([*args, f"--out_dir={tmp_path / 'never'}"])[0]
+        config = train.model_config(settings, meta["vocab_size"])
+        capsys.readouterr()
+        train.step_size(types.SimpleNamespace(**settings), config, GPT(config), torch.device("cpu"), "float32", 1,
+                        True)
+        assert ("this run is sized for a GPU" in capsys.readouterr().out) == sized_for_a_gpu, args
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert train.read_settings(["--out_dir=~/runs/x"])[0]["out_dir"] == str(tmp_path / "runs" / "x")
+    low, high = map(int, re.search(r"after (\d+)-(\d+) s of training", open(os.path.join(ROOT, "README.md")).read())
+                    .groups())
+    assert "shakespeare_char, about a minute on a CPU" in train.__doc__ and 30 <= low <= high <= 90, (low, high)
 
 
 def test_wandb_credentials_are_found_as_wandb_finds_them_without_a_network(tmp_path):

@@ -1,7 +1,7 @@
 """
 Train a specgpt model.
 
-    python train.py                                  # baby GPT on shakespeare_char, ~2 minutes on a CPU
+    python train.py                                  # baby GPT on shakespeare_char, about a minute on a CPU
     python train.py --mixer=GGGA --optimizer=muon    # flip any config key with --key=value
     python train.py my_config.py --max_iters=500     # a config file (plain Python assignments), then overrides
     python train.py config/gpt2_small_fineweb.py --dry_run=True   # a preset's size, memory and GPU time; no run
@@ -16,7 +16,8 @@ wrong key, type or value stops with a one-line error. The checkpoint out_dir/ckp
 atomically at every eval, only while the loss and weights are finite) holds the model, the optimizer,
 the config, the RNG and sampler states, so a resumed CPU run continues bit for bit; a resumed run takes its
 settings from the checkpoint, except those given again. A new run never replaces the run in out_dir unasked,
-and with --overwrite=True deletes it only after its own first checkpoint (out_dir/.replaced holds it until then);
+and with --overwrite=True deletes it only after its own first checkpoint of a trained step (out_dir/.replaced holds
+it until then, and it comes back if the new run stops or fails before);
 out_dir/.lock keeps a second process out while one trains there. Ctrl-C (or SIGTERM) stops the run after the
 step it is in (or abandons the eval it is in), with a checkpoint to resume from.
 """
@@ -46,7 +47,7 @@ from model import GPT, GPTConfig
 # the comment beside each is its --help text)
 out_dir = "out"                # folder for ckpt.pt, log.jsonl, loss.png
 init_from = "scratch"          # where the run starts: from scratch, or resume out_dir/ckpt.pt
-overwrite = False              # a new run may replace the run in out_dir (deleted at the new one's first checkpoint)
+overwrite = False              # a new run may replace the run in out_dir (deleted at its first trained checkpoint)
 sample_only = False            # load out_dir/ckpt.pt, print samples, exit
 eval_interval = 250            # steps between evals (each eval writes the checkpoint)
 eval_iters = 20                # validation batches per eval (a fixed set, the same at every eval)
@@ -114,6 +115,9 @@ GPU_PRESET = "config/shakespeare_char_gpu.py"
 MAX_STEP_SECONDS = 3600
 # a long phase (an eval) prints a progress line after this many seconds, and again after each such interval
 PROGRESS_SECONDS = 5
+# a CPU run is "sized for a GPU" only if it is long even at this float32 rate (a fast desktop CPU's), not only at the
+# rate measured at start-up: a busy machine's slow matmul would give the baby model that note
+CPU_FLOPS_FLOOR = 100e9
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -269,10 +273,12 @@ def main(args):
                          eval_seconds, ckpt_path, log_path, wandb_run)
             if stopped:
                 break
+            if log_now:  # on every process: each one's sum was just reduced into the line
+                window = LogWindow(loss_sum=window.loss_sum.zero_(), start=time.time())
         if stopped:  # by a signal, after the step it came in or in the eval it abandoned: a checkpoint to resume from
             if not all_finite(raw_model):
                 raise FloatingPointError(diverged("a weight not finite", progress.iter_num, ckpt_path,
-                                                  progress.saved_iter, c.learning_rate, c.grad_clip))
+                                                  progress.saved_iter, c.learning_rate, c.grad_clip, c.weight_decay))
             runs.save_run(ckpt_path, raw_model, opt, sampler, master, settings, meta,
                           **saved_progress(progress, t_start, scaler))
         # 7. the end: the loss curve, and samples (or, after a signal, how to continue)
@@ -300,17 +306,32 @@ def mixed_precision(dtype, dev):
 
 
 def resume_from(ckpt, raw_model, opt, sampler, scaler, rank, dev, out_dir):
-    """The weights, optimizer, sampler, RNG and loss scale of a resumed run, loaded from its checkpoint; returns its
-    Progress."""
-    runs.load_weights(raw_model, ckpt, os.path.join(out_dir, "ckpt.pt"))
-    opt.load_state_dict(ckpt["optimizer"])
-    sampler.load_state_dict(ckpt["sampler"][rank] if rank < len(ckpt["sampler"]) else ckpt["sampler"][0])
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    if dev.type == "cuda" and ckpt["rng"].get("cuda") is not None:
-        torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+    """The weights, optimizer, sampler, RNG and loss scale of a resumed run, loaded from its checkpoint (those a
+    stripped checkpoint lacks start fresh, with a line saying so); returns its Progress."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    runs.load_weights(raw_model, ckpt, path)
+    fresh = [what for part, what in (("optimizer", "optimizer"), ("rng", "random generator"))
+             if not isinstance(ckpt.get(part), dict)]
+    if rank == 0 and fresh:  # a checkpoint shared as weights: they resume, the rest starts afresh
+        print(f"note: {path} holds no {' or '.join(what + ' state' for what in fresh)} (weights only?): resuming "
+              f"its weights with a fresh {' and a fresh '.join(fresh)}")
+    if "optimizer" not in fresh:
+        opt.load_state_dict(ckpt["optimizer"])
+    streams, world = ckpt.get("sampler") or [], int(os.environ.get("WORLD_SIZE", 1))
+    if rank < len(streams):  # a process the checkpoint has no stream of keeps its own fresh one (seed + rank)
+        sampler.load_state_dict(streams[rank])
+    if rank == 0 and len(streams) != world:
+        print(f"note: the checkpoint holds the batch streams of {len(streams)} process{'es' * (len(streams) != 1)}, "
+              f"this run has {world}: " + (f"the processes of rank {len(streams)} and up draw fresh ones (seed + "
+                                           f"rank)" if world > len(streams) else
+                                           f"the streams of rank {world} and up end here"))
+    if "random generator" not in fresh:
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if dev.type == "cuda" and ckpt["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
     if ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
-    iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
+    iter_num, best_val = ckpt["iter_num"], ckpt.get("best_val_loss", math.inf)
     return Progress(iter_num=iter_num, best_val=best_val, val_loss=ckpt.get("val_loss", best_val),
                     last_eval=ckpt.get("val_iter", iter_num),  # a checkpoint written at a stop may predate its eval
                     saved_iter=iter_num, elapsed=ckpt.get("elapsed", 0.0))
@@ -327,7 +348,8 @@ def step_size(c, config, raw_model, dev, precision, world, master):
     if master and dev.type == "cpu":
         flops = analyze.run_flops(raw_model.flops_per_token(config.block_size), train_tokens_run,
                                   eval_tokens_run) / world
-        note = analyze.sized_for_a_gpu(c, flops_per_iter, flops, rate)
+        note = analyze.sized_for_a_gpu(c, flops_per_iter, flops, rate) \
+            if flops / CPU_FLOPS_FLOOR >= analyze.LONG_CPU_RUN_SECONDS else None
         if note:
             print(note, flush=True)
     return tokens_per_iter, flops_per_iter, peak
@@ -406,7 +428,7 @@ def record_eval(c, progress, val, raw_model, t_start, ckpt_path, log_path, wandb
     progress.val_loss, progress.last_eval = val, progress.iter_num
     if not math.isfinite(val) or not all_finite(raw_model):
         raise FloatingPointError(diverged(f"val loss {val} (or a weight not finite)", progress.iter_num, ckpt_path,
-                                          progress.saved_iter, c.learning_rate, c.grad_clip))
+                                          progress.saved_iter, c.learning_rate, c.grad_clip, c.weight_decay))
     progress.best_val = min(progress.best_val, val)
     if master:
         print(f"iter {progress.iter_num}: val loss {val:.4f} (best {progress.best_val:.4f}), "
@@ -423,13 +445,12 @@ def saved_progress(progress, t_start, scaler):
 
 def log_line(c, progress, window, grad_norm, opt, scaler, tokens_per_iter, flops_per_iter, peak, eval_seconds,
              ckpt_path, log_path, wandb_run):
-    """The training loss line of step iter_num (the mean over the window), in the terminal and log.jsonl; a new
-    window opens."""
+    """The training loss line of step iter_num (the mean over the window), in the terminal and log.jsonl."""
     loss_total, norm = torch.stack([window.loss_sum, grad_norm.float()]).tolist()  # the loop's only host sync
     mean_loss = loss_total / window.steps
     if not math.isfinite(mean_loss):
         raise FloatingPointError(diverged(f"training loss {mean_loss}", progress.iter_num, ckpt_path,
-                                          progress.saved_iter, c.learning_rate, c.grad_clip))
+                                          progress.saved_iter, c.learning_rate, c.grad_clip, c.weight_decay))
     now = time.time()
     tok_s = window.tokens / max(now - window.start - window.paused, 1e-9) if window.tokens else None
     mfu = flops_per_iter * tok_s / tokens_per_iter / peak if tok_s and peak else None
@@ -445,9 +466,6 @@ def log_line(c, progress, window, grad_norm, opt, scaler, tokens_per_iter, flops
                                "mfu": mfu, "grad_norm": norm,
                                **({"loss_scale": scaler.get_scale(), "skipped_steps": window.skipped}
                                   if scaler.is_enabled() else {})}, wandb_run)
-    window.start, window.tokens, window.paused, window.skipped = now, 0, 0.0, 0
-    window.loss_sum.zero_()
-    window.steps = 0
 
 
 def all_finite(model):
@@ -455,9 +473,16 @@ def all_finite(model):
     return bool(torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all())
 
 
-def diverged(what, iter_num, ckpt_path, saved_iter, learning_rate, grad_clip):
+def diverged(what, iter_num, ckpt_path, saved_iter, learning_rate, grad_clip, weight_decay):
+    """The line of a run stopped by a loss or weight not finite: what it keeps, and what to change. At lr x wd >= 1
+    the decoupled decay p <- p (1 - lr wd) alone zeroes or flips the weights at each step: --weight_decay is named."""
     kept = f"{ckpt_path} still holds iter {saved_iter}" if saved_iter is not None else "no checkpoint was written"
-    hint = f"try a lower --learning_rate (now {learning_rate:g})" + (" or --grad_clip=1.0" if grad_clip == 0 else "")
+    lower = f"a lower --learning_rate (now {learning_rate:g})" + (" or --grad_clip=1.0" if grad_clip == 0 else "")
+    hint = f"try {lower}"
+    if learning_rate * weight_decay >= 1:
+        hint = (f"--weight_decay={weight_decay:g} times the learning rate is {learning_rate * weight_decay:g}, at "
+                f"least 1: each step's decay p <- p (1 - lr wd) zeroes or flips the weights; use a --weight_decay "
+                f"below {1 / learning_rate:g}, or {lower}")
     return f"{what} at iter {iter_num}: stopped, {kept}; {hint}"
 
 
@@ -473,7 +498,10 @@ def finish(c, progress, t_start, stopped, ckpt_path, log_path, wandb_run):
     if c.analyze_every:
         analyze.plot_training_analysis(os.path.join(c.out_dir, "analysis.jsonl"),
                                        os.path.join(c.out_dir, "analysis.png"))
-    if stopped:
+    if stopped and os.path.isdir(os.path.join(c.out_dir, runs.REPLACED)):  # the run it replaces comes back
+        print(f"interrupted at iter {progress.iter_num}, before this run's first checkpoint of a trained step: "
+              f"nothing of it is kept")
+    elif stopped:
         out = "" if c.out_dir == RUN_DEFAULTS["out_dir"] else f" --out_dir={c.out_dir}"
         print(f"interrupted at iter {progress.iter_num}: saved {ckpt_path}; continue with python train.py "
               f"--init_from=resume{out}")
@@ -500,20 +528,58 @@ def read_settings(args):
     run that a killed one set aside comes back first."""
     defaults = {**RUN_DEFAULTS, **model_defaults()}
     given = runs.parse_config(args, defaults, __doc__, config_help(), allowed=allowed_help())
+    for key in ("out_dir", "dataset"):  # --out_dir=~/runs/x: the shell leaves a ~ after = as it is
+        if key in given:
+            given[key] = os.path.expanduser(given[key])
     settings, ckpt, changes = {**defaults, **given}, None, []
     if not settings["dry_run"] and int(os.environ.get("RANK", 0)) == 0:
         note = runs.recover_run(settings["out_dir"], runs.RUN_FILES)
         if note:
             print(note)
     if settings["init_from"] == "resume" and not settings["sample_only"]:
-        ckpt = runs.load_checkpoint(os.path.join(settings["out_dir"], "ckpt.pt"))
+        ckpt_path = os.path.join(settings["out_dir"], "ckpt.pt")
+        ckpt = check_resumable(runs.load_checkpoint(ckpt_path), ckpt_path, defaults)
         settings, changes = resumed_settings(ckpt["config"], given)
+        check_optimizer_kept(ckpt, given, ckpt_path)
     check_settings(settings)
     optim.check_chosen_settings(settings["optimizer"], given)
     settings["learning_rate"] = peak_lr(settings)
     if ckpt is not None:
         check_schedule_length(ckpt["config"], settings, given)
     return settings, given, ckpt, changes
+
+
+def check_resumable(ckpt, path, defaults):
+    """A checkpoint to resume (a hand-edited or stripped one too): one line for what it lacks or holds of the wrong
+    type; its config's values are checked as --key=value is. Its optimizer, sampler and RNG states may be missing
+    (shared weights): resume_from starts those fresh and says so. Returns ckpt with its config checked."""
+    for part, kind in (("config", dict), ("meta", dict), ("iter_num", int)):
+        if not isinstance(ckpt.get(part), kind) or isinstance(ckpt.get(part), bool):
+            raise runs.ConfigError(f"{path} has no {part} ({kind.__name__}) to resume from: point --out_dir at a run "
+                                   f"that train.py wrote, or start a new run")
+    meta = ckpt["meta"]
+    if meta.get("tokenizer") not in data.TOKENIZERS or not isinstance(meta.get("vocab_size"), int):
+        raise runs.ConfigError(f"{path}'s meta names no tokenizer of data.TOKENIZERS and vocab_size: resume a run "
+                               f"that train.py wrote, or start a new run")
+    config = dict(ckpt["config"])
+    for key in config.keys() & defaults.keys():
+        try:
+            config[key] = runs.check_type(key, config[key], defaults[key])
+        except runs.ConfigError as e:
+            raise runs.ConfigError(f"{path} holds {key}={config[key]!r} in its config, not a value train.py takes "
+                                   f"({e}): fix the checkpoint's config, or start a new run") from None
+    return {**ckpt, "config": config}
+
+
+def check_optimizer_kept(ckpt, given, path):
+    """The optimizer state of a checkpoint fits only the optimizer it came from: --optimizer and --spectral_lr (which
+    splits the param groups) must stay the checkpoint's."""
+    for key in ("optimizer", "spectral_lr"):
+        saved = ckpt["config"].get(key, RUN_DEFAULTS[key])
+        if "optimizer" in ckpt and key in given and given[key] != saved:
+            raise runs.ConfigError(f"--{key}={given[key]!r} differs from {path}'s {key}={saved!r}, whose optimizer "
+                                   f"state does not fit another optimizer's param groups: drop --{key}, or start a "
+                                   f"new run in another --out_dir")
 
 
 def model_defaults():
@@ -659,9 +725,12 @@ def check_run(c, settings, ckpt, dev, master):
     config = model_config(settings, meta["vocab_size"])
     for split, tokens in (("training", train_tokens), ("validation", val_tokens)):
         if len(tokens) < config.block_size + 2:
-            raise runs.ConfigError(f"the {split} split of {c.dataset} has only {len(tokens)} tokens (the validation "
-                                   f"split is the last 10% of a text), fewer than block_size + 2 = "
-                                   f"{config.block_size + 2}: use more text or a smaller --block_size")
+            made = "its *_train_* or *_val_* shards" if data.is_shard_pattern(c.dataset) else \
+                "the validation split is the last 10% of a text"
+            raise runs.ConfigError(f"the {split} split of {c.dataset} has only {len(tokens)} tokens ({made}), fewer "
+                                   f"than block_size + 2 = {config.block_size + 2}: use more "
+                                   f"{'tokens' if data.is_shard_pattern(c.dataset) else 'text'} or a smaller "
+                                   f"--block_size")
     if c.num_samples > 0 and c.max_new_tokens > 0:
         check_prompt(c.start, data.tokenizer_from_meta(meta), c.dataset)
     analyze.check_fit(analyze.run_costs(c, config, act=2).memory, dev)
@@ -738,6 +807,7 @@ if __name__ == "__main__":
     except (ValueError, FileNotFoundError, FloatingPointError, data.DiskFullError) as e:  # one line: what to fix
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:  # Ctrl-C before the loop, or a second one in it
-        print("interrupted: stopped at once; the last checkpoint written, if any, is kept", file=sys.stderr)
+    except KeyboardInterrupt as e:  # Ctrl-C before the loop, or a second one in it (in a checkpoint's write: named)
+        print(f"interrupted: stopped at once; {e if e.args else 'the last checkpoint written, if any, is kept'}",
+              file=sys.stderr)
         sys.exit(130)
