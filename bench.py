@@ -840,13 +840,11 @@ def triton_report(device):
                  ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()) for name, a, b in pairs]
 
     small = device == "cpu"
+    cases = [(name, op, *op.compare(randn)) for name, op in kernels.OPS.items() if op.triton is not None]
     print(f"\n== Triton vs <op>_ref on {device}{' (interpreter)' if small else ''}, fp32: "
           "max abs / relative RMS error ==")
     print("at each OPS row's compare inputs; out* are outputs, d<name> the gradient of that input")
-    for name, op in kernels.OPS.items():
-        if op.triton is None:
-            continue
-        call, inputs = op.compare(randn)
+    for name, op, call, inputs in cases:
         errs = errors(functools.partial(call, op.triton), functools.partial(call, op.ref), inputs)
         print(f"  {name:16s} " + "  ".join(f"{n} {m:.1e}/{r:.1e}" for n, m, r in errs))
     if device != "cuda":
