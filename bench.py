@@ -806,9 +806,6 @@ def triton_report(device):
     def randn(*shape):
         return torch.randn(*shape, device=device, generator=gen)
 
-    def rand(*shape):
-        return torch.rand(*shape, device=device, generator=gen)
-
     # 1. the teaching kernel
     R, N = 5, 37
     x = randn(R, N) * 3
@@ -843,61 +840,36 @@ def triton_report(device):
                  ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()) for name, a, b in pairs]
 
     small = device == "cpu"
-    cases = [(name, *op.compare(randn)) for name, op in kernels.OPS.items() if op.triton is not None]
+    cases = [(name, op, *op.compare(randn)) for name, op in kernels.OPS.items() if op.triton is not None]
     print(f"\n== Triton vs <op>_ref on {device}{' (interpreter)' if small else ''}, fp32: "
           "max abs / relative RMS error ==")
     print("at each OPS row's compare inputs; out* are outputs, d<name> the gradient of that input")
-    for name, fn_tri, fn_ref, inputs in cases:
-        errs = errors(fn_tri, fn_ref, inputs)
+    for name, op, call, inputs in cases:
+        errs = errors(functools.partial(call, op.triton), functools.partial(call, op.ref), inputs)
         print(f"  {name:16s} " + "  ".join(f"{n} {m:.1e}/{r:.1e}" for n, m, r in errs))
     if device != "cuda":
         return
 
-    # 3. GPU benchmark: forward+backward at T = 2048, 8 heads of 64, every op against its torch path
+    # 3. GPU timings: each OPS row's example (its inputs as the model feeds them under bf16 autocast: activations and
+    # gates in bf16, decays, dt and angles in fp32) forward and backward through each path, made on the GPU
     from triton.testing import do_bench
-    B, T, H, D = 4, 2048, 8, 64
-    print(f"\n== forward+backward, B={B} T={T} H={H} head dim {D} (ms, median of do_bench; (n x) = time / Triton's) ==")
-    # as the model feeds them under bf16 autocast: activations and gates in bf16, decays, dt and angles in fp32
-    bf16 = torch.bfloat16
-    x4 = randn(B, T, H, D).to(bf16)
-    cos, sin = randn(T, D // 2).cos(), randn(T, D // 2).sin()
-    gdn2_args = [F.normalize(randn(B, T, H, D), dim=-1).to(bf16), F.normalize(randn(B, T, H, D), dim=-1).to(bf16),
-                 randn(B, T, H, D).to(bf16), -rand(B, T, H, D), rand(B, T, H, D).to(bf16), rand(B, T, H, D).to(bf16)]
-    ssd_args = [randn(B, T, H, D).to(bf16), F.softplus(randn(B, T, H) - 3), -rand(H) - 0.5, randn(B, T, 1, D).to(bf16),
-                randn(B, T, 1, D).to(bf16), randn(H)]
-    bench = [
-        ("rms_norm", lambda x, w: kernels.rms_norm_triton(x, w, 1e-6), lambda x, w: kernels.rms_norm_torch(x, w, 1e-6),
-         [x4.reshape(B * T, H * D), torch.ones(H * D, device=device)]),
-        ("rope", lambda x: kernels.rope_triton(x, cos, sin), lambda x: kernels.rope_ref(x, cos, sin), [x4]),
-        ("softmax", kernels.softmax_triton, kernels.softmax_torch, [x4.reshape(-1, D)]),
-        ("sparsemax", lambda z: kernels.sparsemax_triton(z, True), lambda z: kernels.sparsemax_torch(z, True),
-         [randn(B, H, T, T).to(bf16)]),
-        ("sinkhorn", kernels.sinkhorn_triton, kernels.sinkhorn_torch, [randn(B, T, 4, 4)]),
-        ("gdn2_decay_clip", kernels.gdn2_decay_clip_triton, kernels.gdn2_decay_clip_torch,
-         gdn2_args[3:4] + gdn2_args[1:2] + gdn2_args[4:5]),
-        ("gdn2_gates", kernels.gdn2_gates_triton, kernels.gdn2_gates_torch,
-         [randn(B, T, H, D) - 1, randn(B, T, H, D).to(bf16), gdn2_args[1], 2.7 * rand(H), randn(H * D) - 3]),
-        ("gdn2", kernels.gdn2_triton, kernels.gdn2_torch, gdn2_args),
-        ("ssd", kernels.ssd_triton, kernels.ssd_torch, ssd_args),
-    ]
-
-    def fwd_bwd(fn, args):
-        leaves = [a.detach().requires_grad_(True) for a in args]
-
-        def step():
-            outs = fn(*leaves)
-            sum(o.float().sum() for o in (outs if isinstance(outs, tuple) else (outs,))).backward()
-        return step
-
-    for name, tri, torch_fn, args in bench:
-        t_tri = do_bench(fwd_bwd(tri, args))
-        t_torch = do_bench(fwd_bwd(torch_fn, args))
-        try:
-            t_compiled = do_bench(fwd_bwd(torch.compile(torch_fn), args))
-            compiled = f"torch.compile {t_compiled:7.3f} ms ({t_compiled / t_tri:5.1f}x)"
-        except Exception as e:  # a compiler failure should not hide the other numbers
-            compiled = f"torch.compile failed: {type(e).__name__}"
-        print(f"  {name:16s} triton {t_tri:7.3f} ms | torch {t_torch:7.3f} ms ({t_torch / t_tri:5.1f}x) | {compiled}")
+    dims = kernels.ExampleDims(B=4, T=2048, H=8, K=64, V=64, heads_ssd=8, p=64, n=64, chunk=64)
+    print(f"\n== forward+backward of each OPS row's example in bf16 at B={dims.B} T={dims.T} H={dims.H} head dim "
+          f"{dims.K}, ssd's {dims.heads_ssd} heads of {dims.p}, state {dims.n}, chunk {dims.chunk} (ms, median of "
+          "do_bench, each run making its inputs; (n x) = time / Triton's) ==")
+    with torch.device(device):
+        for name, op in kernels.OPS.items():
+            if op.triton is None:
+                continue
+            t_tri = do_bench(op.example(torch.bfloat16, dims, op.triton))
+            t_torch = do_bench(op.example(torch.bfloat16, dims, op.torch))
+            try:
+                t_compiled = do_bench(op.example(torch.bfloat16, dims, torch.compile(op.torch)))
+                compiled = f"torch.compile {t_compiled:7.3f} ms ({t_compiled / t_tri:5.1f}x)"
+            except Exception as e:  # a compiler failure should not hide the other numbers
+                compiled = f"torch.compile failed: {type(e).__name__}"
+            print(f"  {name:16s} triton {t_tri:7.3f} ms | torch {t_torch:7.3f} ms ({t_torch / t_tri:5.1f}x) | "
+                  f"{compiled}")
 
     rows, C = 16384, 4096
     x = randn(rows, C).to(torch.bfloat16)
@@ -937,39 +909,27 @@ def errors_and_speed(device):
             best = min(best, time.perf_counter() - start)
         return best
 
-    B, T, H, K, V = 2, 512, 4, 64, 64
-    x4 = rand(B, T, H, K)
-    theta = torch.arange(T, device=device)[:, None] * 10000.0 ** (-torch.arange(K // 2, device=device) / (K // 2))
-    gates = (rand(B, T, H, K), F.normalize(rand(B, T, H, K), dim=-1), rand(B, T, H, V),
-             rand(B, T, H, K, lo=-1.0, hi=-0.01), rand(B, T, H, K, lo=0.0, hi=1.0), rand(B, T, H, V, lo=0.0, hi=1.0))
-    gate_logits = (rand(B, T, H, K) - 1, 2 * rand(B, T, H, K), gates[1], rand(H, lo=0.0, hi=2.7), rand(H * K) - 3)
-    ssd_in = (rand(B, T, H, V), F.softplus(rand(B, T, H) - 2), -rand(H, lo=1.0, hi=4.0), rand(B, T, 1, 32),
-              rand(B, T, 1, 32), rand(H))
-    ops = {
-        "rms_norm": lambda path: kernels.rms_norm(x4, x4[0, 0, 0], 1e-6, kernels=path),
-        "rope": lambda path: kernels.rope(x4, theta.cos(), theta.sin(), kernels=path),
-        "softmax": lambda path: kernels.softmax(x4.reshape(-1, K) * 4, kernels=path),
-        "sparsemax": lambda path: kernels.sparsemax(x4[:, :K].transpose(1, 2) * 4, causal=True, kernels=path),
-        "sinkhorn": lambda path: kernels.sinkhorn(x4.reshape(-1, 4, 4) * 5, kernels=path),
-        "gdn2_decay_clip": lambda path: kernels.gdn2_decay_clip(gates[3], gates[1], gates[4], kernels=path),
-        "gdn2_gates": lambda path: kernels.gdn2_gates(*gate_logits, kernels=path),
-        "gdn2": lambda path: kernels.gdn2(*gates, kernels=path),
-        "ssd": lambda path: kernels.ssd(*ssd_in, kernels=path),
-    }
-    print(f"device {device}; shapes B={B} T={T} H={H} K={K} V={V}; errors against <op>_ref")
-    for name, run in ops.items():
-        want = run("ref")
+    print(f"device {device}; errors against <op>_ref at each OPS row's compare inputs")
+    for name, op in kernels.OPS.items():
+        if op.triton is None:   # a row without a Triton path has no compare inputs (kernels.Op)
+            continue
+        call, inputs = op.compare(lambda *shape: torch.randn(*shape, device=device))
+        want = call(op.ref, **inputs)
         want = want if isinstance(want, tuple) else (want,)
         for path in paths:
-            if path == "triton" and kernels.OPS[name].triton is None:
-                continue
-            got = run(path)
+            got = call(getattr(op, path), **inputs)
             got = got if isinstance(got, tuple) else (got,)
             for part, (a, b) in enumerate(zip(got, want)):
                 err = (a.float() - b.float())
                 print(f"  {name:16s} {path:6s} out{part}: max abs {err.abs().max().item():.2e}  "
                       f"rel RMS {(err.norm() / b.float().norm()).item():.2e}")
 
+    # the chunked paths of the two recurrent mixers, gdn2 and ssd, against their token loops
+    B, T, H, K, V = 2, 512, 4, 64, 64
+    gates = (rand(B, T, H, K), F.normalize(rand(B, T, H, K), dim=-1), rand(B, T, H, V),
+             rand(B, T, H, K, lo=-1.0, hi=-0.01), rand(B, T, H, K, lo=0.0, hi=1.0), rand(B, T, H, V, lo=0.0, hi=1.0))
+    ssd_in = (rand(B, T, H, V), F.softplus(rand(B, T, H) - 2), -rand(H, lo=1.0, hi=4.0), rand(B, T, 1, 32),
+              rand(B, T, 1, 32), rand(H))
     print(f"speed at T={T} (best of 3; ratio = token loop time / chunked time)")
     b1, h1, d1 = 1, 2, 32                                         # a small shape next to the main one
     small_gates = (rand(b1, T, h1, d1), F.normalize(rand(b1, T, h1, d1), dim=-1), rand(b1, T, h1, d1),
@@ -977,13 +937,13 @@ def errors_and_speed(device):
                    rand(b1, T, h1, d1, lo=0.0, hi=1.0))
     small_ssd = (rand(b1, T, h1, d1), F.softplus(rand(b1, T, h1) - 2), -rand(h1, lo=1.0, hi=4.0),
                  rand(b1, T, 1, 32), rand(b1, T, 1, 32), rand(h1))
-    for name, ref_fn, fast_fn, inputs, shape in (
-            ("gdn2", kernels.gdn2_ref, kernels.gdn2_torch, small_gates, f"B={b1} H={h1} K=V={d1}"),
-            ("gdn2", kernels.gdn2_ref, kernels.gdn2_torch, gates, f"B={B} H={H} K=V={K}"),
-            ("ssd", kernels.ssd_ref, kernels.ssd_torch, small_ssd, f"b={b1} h={h1} p={d1} n=32"),
-            ("ssd", kernels.ssd_ref, kernels.ssd_torch, ssd_in, f"b={B} h={H} p={V} n=32")):
+    for name, inputs, shape in (("gdn2", small_gates, f"B={b1} H={h1} K=V={d1}"),
+                                ("gdn2", gates, f"B={B} H={H} K=V={K}"),
+                                ("ssd", small_ssd, f"b={b1} h={h1} p={d1} n=32"),
+                                ("ssd", ssd_in, f"b={B} h={H} p={V} n=32")):
+        ref_fn = kernels.OPS[name].ref
         for path in paths:
-            fn = fast_fn if path == "torch" else {"gdn2": kernels.gdn2_triton, "ssd": kernels.ssd_triton}[name]
+            fn = getattr(kernels.OPS[name], path)
             with torch.no_grad():
                 t_ref, t_fast = best_time(lambda: ref_fn(*inputs), 1), best_time(lambda: fn(*inputs))
             print(f"  {name:5s} {path:6s} {shape:19s} forward:          {t_ref * 1e3:8.1f} ms vs "

@@ -89,10 +89,12 @@ class Op(NamedTuple):
     """One row of OPS, the registry of ops: the dispatcher and every check of an op read it. An op's section ends
     with its row. ref, torch, triton: <op>_ref (the spec), <op>_torch (the CPU path), <op>_triton (None where the op
     has no Triton path). Every Triton path has, as functions its section defines:
-      example(dtype, dims): a thunk that runs its Triton forward and backward at ExampleDims dims on CPU tensors it
-        makes when called (what the launch recorder and the ahead-of-time compile see);
+      example(dtype, dims, fn=None): a thunk that runs fn (the triton or torch path; None: its Triton kernels, what
+        the launch recorder and the ahead-of-time compile see) forward and backward at ExampleDims dims on tensors it
+        makes when called, on the default device (the GPU timings of bench.py run it under torch.device("cuda"));
       opcheck(randn): [(case, custom op, args, whether to run the whole opcheck)], covering each of its custom ops;
-      compare(randn): (Triton call, reference call, inputs by name), the interpreter test against <op>_ref in fp32;
+      compare(randn): (call, inputs by name), where call(fn, **inputs) runs any of the paths ref, torch, triton with
+        the op's other arguments bound: the interpreter test of triton against ref in fp32, and bench's errors;
     fp16: (the inputs given in fp16, the results allowed 2u) for the fp16 test, None where the op has no fp16 case
     there (sinkhorn computes in fp32 under any autocast; gdn2's and ssd's own tests hold their fp16 error budgets);
     in_model: False for the teaching kernels the model never calls (the ahead-of-time test launches those itself).
@@ -418,9 +420,9 @@ def rms_norm(x, weight, eps=1e-6, gate=None, out_dtype=None, kernels="auto"):
     return rms_norm_torch(x, weight, eps, gate, out_dtype)
 
 
-def _rms_norm_example(dtype, d):
-    C = d.H * d.K
-    return lambda: [_backward(rms_norm_triton(_leaf(d.B, d.T, C, dtype=dtype), _leaf(C), 1e-6, gate))
+def _rms_norm_example(dtype, d, fn=None):
+    C, fn = d.H * d.K, fn or rms_norm_triton
+    return lambda: [_backward(fn(_leaf(d.B, d.T, C, dtype=dtype), _leaf(C), 1e-6, gate))
                     for gate in (None, _leaf(d.B, d.T, C, dtype=dtype))]
 
 
@@ -435,8 +437,7 @@ def _rms_norm_opcheck(randn):
 
 
 def _rms_norm_compare(randn):
-    return (lambda x, w, gate: rms_norm_triton(x, w, 1e-6, gate), lambda x, w, gate: rms_norm_ref(x, w, 1e-6, gate),
-            dict(x=randn(3, 5, 37), w=randn(37), gate=2 * randn(3, 5, 37)))
+    return lambda fn, x, w, gate: fn(x, w, 1e-6, gate), dict(x=randn(3, 5, 37), w=randn(37), gate=2 * randn(3, 5, 37))
 
 
 OPS["rms_norm"] = Op(rms_norm_ref, rms_norm_torch, rms_norm_triton, _rms_norm_example, _rms_norm_opcheck,
@@ -539,9 +540,10 @@ def rope(x, cos, sin, kernels="auto"):
     return rope_torch(x, cos, sin)
 
 
-def _rope_example(dtype, d):
-    return lambda: _backward(rope_triton(_leaf(d.B, d.T, d.H, d.K, dtype=dtype), torch.ones(d.T, d.K // 2),
-                                         torch.zeros(d.T, d.K // 2)))
+def _rope_example(dtype, d, fn=None):
+    fn = fn or rope_triton
+    return lambda: _backward(fn(_leaf(d.B, d.T, d.H, d.K, dtype=dtype), torch.ones(d.T, d.K // 2),
+                                torch.zeros(d.T, d.K // 2)))
 
 
 def _rope_opcheck(randn):
@@ -550,9 +552,12 @@ def _rope_opcheck(randn):
 
 
 def _rope_compare(randn):
-    angle = 3 * randn(7, 5)   # the reference takes cos and sin in x's dtype (fp64 in the fp16 test)
-    return (lambda x: rope_triton(x, angle.cos().to(x.device), angle.sin().to(x.device)),
-            lambda x: rope_ref(x, angle.cos().to(x), angle.sin().to(x)), dict(x=randn(2, 7, 3, 10)))
+    angle = 3 * randn(7, 5)   # cos and sin in fp32, or in x's dtype where wider (the fp16 test's fp64 reference)
+
+    def call(fn, x):
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        return fn(x, angle.cos().to(x.device, dtype), angle.sin().to(x.device, dtype))
+    return call, dict(x=randn(2, 7, 3, 10))
 
 
 OPS["rope"] = Op(rope_ref, rope_torch, rope_triton, _rope_example, _rope_opcheck, _rope_compare, fp16=({"x"}, ()))
@@ -654,8 +659,8 @@ def softmax(x, kernels="auto"):
     return softmax_torch(x)
 
 
-def _softmax_example(dtype, d):
-    return lambda: _backward(softmax_triton(_leaf(d.B * d.H * d.T, d.T, dtype=dtype)))
+def _softmax_example(dtype, d, fn=None):
+    return lambda: _backward((fn or softmax_triton)(_leaf(d.B * d.H * d.T, d.T, dtype=dtype)))
 
 
 def _softmax_opcheck(randn):
@@ -664,7 +669,7 @@ def _softmax_opcheck(randn):
 
 
 def _softmax_compare(randn):
-    return softmax_triton, softmax_ref, dict(x=3 * randn(6, 33))
+    return lambda fn, x: fn(x), dict(x=3 * randn(6, 33))
 
 
 OPS["softmax"] = Op(softmax_ref, softmax_torch, softmax_triton, _softmax_example, _softmax_opcheck, _softmax_compare,
@@ -832,8 +837,8 @@ def sparsemax(z, causal=False, kernels="auto"):
     return sparsemax_torch(z, causal)
 
 
-def _sparsemax_example(dtype, d):   # the causal attention weights of every head, [B, H, T, T]
-    return lambda: _backward(sparsemax_triton(_leaf(d.B, d.H, d.T, d.T, dtype=dtype), True))
+def _sparsemax_example(dtype, d, fn=None):   # the causal attention weights of every head, [B, H, T, T]
+    return lambda: _backward((fn or sparsemax_triton)(_leaf(d.B, d.H, d.T, d.T, dtype=dtype), True))
 
 
 def _sparsemax_opcheck(randn):
@@ -843,7 +848,7 @@ def _sparsemax_opcheck(randn):
 
 
 def _sparsemax_compare(randn):
-    return lambda z: sparsemax_triton(z, True), lambda z: sparsemax_ref(z, True), dict(z=2 * randn(2, 9, 9))
+    return lambda fn, z: fn(z, True), dict(z=2 * randn(2, 9, 9))
 
 
 OPS["sparsemax"] = Op(sparsemax_ref, sparsemax_torch, sparsemax_triton, _sparsemax_example, _sparsemax_opcheck,
@@ -1067,8 +1072,8 @@ def sinkhorn(logits, iters=20, kernels="auto"):
     return sinkhorn_torch(logits, iters)
 
 
-def _sinkhorn_example(dtype, d):   # mHC's 4 × 4 mixing matrices, in fp32 under any autocast
-    return lambda: _backward(sinkhorn_triton(_leaf(d.B, d.T, 4, 4)))
+def _sinkhorn_example(dtype, d, fn=None):   # mHC's 4 × 4 mixing matrices, in fp32 under any autocast
+    return lambda: _backward((fn or sinkhorn_triton)(_leaf(d.B, d.T, 4, 4)))
 
 
 def _sinkhorn_opcheck(randn):
@@ -1077,7 +1082,7 @@ def _sinkhorn_opcheck(randn):
 
 
 def _sinkhorn_compare(randn):
-    return sinkhorn_triton, sinkhorn_ref, dict(logits=2 * randn(2, 13, 4, 4))
+    return lambda fn, logits: fn(logits), dict(logits=2 * randn(2, 13, 4, 4))
 
 
 OPS["sinkhorn"] = Op(sinkhorn_ref, sinkhorn_torch, sinkhorn_triton, _sinkhorn_example, _sinkhorn_opcheck,
@@ -1294,10 +1299,9 @@ def gdn2_decay_clip(g, k, b, kernels="auto"):
     return gdn2_decay_clip_torch(g, k, b)
 
 
-def _gdn2_decay_clip_example(dtype, d):
-    shape = (d.B, d.T, d.H, d.K)
-    return lambda: _backward(gdn2_decay_clip_triton(_leaf(*shape), _leaf(*shape, dtype=dtype),
-                                                    _leaf(*shape, dtype=dtype)))
+def _gdn2_decay_clip_example(dtype, d, fn=None):
+    shape, fn = (d.B, d.T, d.H, d.K), fn or gdn2_decay_clip_triton
+    return lambda: _backward(fn(_leaf(*shape), _leaf(*shape, dtype=dtype), _leaf(*shape, dtype=dtype)))
 
 
 def _gdn2_decay_clip_opcheck(randn):
@@ -1310,7 +1314,7 @@ def _gdn2_decay_clip_opcheck(randn):
 def _gdn2_decay_clip_compare(randn):   # b up to 2: a mix of clipped and kept decays
     shape = (2, 9, 2, 16)
     inputs = dict(g=-randn(*shape).abs(), k=F.normalize(randn(*shape), dim=-1), b=2 * randn(*shape).sigmoid())
-    return gdn2_decay_clip_triton, gdn2_decay_clip_ref, inputs
+    return lambda fn, **kw: fn(**kw), inputs
 
 
 OPS["gdn2_decay_clip"] = Op(gdn2_decay_clip_ref, gdn2_decay_clip_torch, gdn2_decay_clip_triton,
@@ -1516,10 +1520,10 @@ def gdn2_gates(decay_logits, erase_logits, k, A_log, dt_bias, clip=True, kernels
     return gdn2_gates_torch(decay_logits, erase_logits, k, A_log, dt_bias, clip)
 
 
-def _gdn2_gates_example(dtype, d):
-    shape = (d.B, d.T, d.H, d.K)
-    return lambda: [_backward(gdn2_gates_triton(_leaf(*shape, dtype=dtype), _leaf(*shape, dtype=dtype),
-                                                _leaf(*shape, dtype=dtype), _leaf(d.H), _leaf(d.H * d.K), clip))
+def _gdn2_gates_example(dtype, d, fn=None):
+    shape, fn = (d.B, d.T, d.H, d.K), fn or gdn2_gates_triton
+    return lambda: [_backward(fn(_leaf(*shape, dtype=dtype), _leaf(*shape, dtype=dtype), _leaf(*shape, dtype=dtype),
+                                 _leaf(d.H), _leaf(d.H * d.K), clip))
                     for clip in (True, False)]
 
 
@@ -1534,7 +1538,7 @@ def _gdn2_gates_compare(randn):
     B, T, H, K = 2, 9, 2, 16
     gates = dict(decay_logits=randn(B, T, H, K) - 1, erase_logits=2 * randn(B, T, H, K),
                  k=F.normalize(randn(B, T, H, K), dim=-1), A_log=2.7 * randn(H).sigmoid(), dt_bias=randn(H * K) - 3)
-    return (lambda **kw: gdn2_gates_triton(**kw, clip=True), lambda **kw: gdn2_gates_ref(**kw, clip=True), gates)
+    return lambda fn, **kw: fn(**kw, clip=True), gates
 
 
 # in fp16 the erase logits' and keys' gradients go through the rounded gate b
@@ -2621,12 +2625,12 @@ def gdn2(q, k, v, g, b, w, scale=None, initial_state=None, chunk_size=16, kernel
     return gdn2_torch(q, k, v, g, b, w, scale, initial_state, chunk_size)
 
 
-def _gdn2_example(dtype, d):   # the recurrent kernels and the chunked ones (in chunks of 16)
+def _gdn2_example(dtype, d, fn=None):   # fn None: the recurrent kernels and the chunked ones (in chunks of 16)
     B, T, H, K, V = d.B, d.T, d.H, d.K, d.V
     return lambda: [_backward(fn(_leaf(B, T, H, K, dtype=dtype), _leaf(B, T, H, K, dtype=dtype),
                                  _leaf(B, T, H, V, dtype=dtype), _leaf(B, T, H, K), _leaf(B, T, H, K, dtype=dtype),
                                  _leaf(B, T, H, V, dtype=dtype), None, _leaf(B, H, K, V)))
-                    for fn in (gdn2_recurrent_triton, gdn2_chunked_triton)]
+                    for fn in ((gdn2_recurrent_triton, gdn2_chunked_triton) if fn is None else (fn,))]
 
 
 def _gdn2_opcheck(randn):
@@ -2653,9 +2657,9 @@ def _gdn2_opcheck(randn):
 def _gdn2_compare(randn):   # 37 tokens: the recurrent kernels (the chunked ones have tests of their own)
     B, T, H, K, V = 2, 37, 3, 20, 12
     q, k = F.normalize(randn(B, T, H, K), dim=-1), F.normalize(randn(B, T, H, K), dim=-1)
-    return gdn2_triton, gdn2_ref, dict(q=q, k=k, v=randn(B, T, H, V), g=-randn(B, T, H, K).abs() / 2,
-                                       b=randn(B, T, H, K).sigmoid(), w=randn(B, T, H, V).sigmoid(),
-                                       initial_state=randn(B, H, K, V))
+    return lambda fn, **kw: fn(**kw), dict(q=q, k=k, v=randn(B, T, H, V), g=-randn(B, T, H, K).abs() / 2,
+                                           b=randn(B, T, H, K).sigmoid(), w=randn(B, T, H, V).sigmoid(),
+                                           initial_state=randn(B, H, K, V))
 
 
 OPS["gdn2"] = Op(gdn2_ref, gdn2_torch, gdn2_triton, _gdn2_example, _gdn2_opcheck, _gdn2_compare)
@@ -3581,11 +3585,11 @@ def ssd(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None, kernels="auto
     return ssd_torch(x, dt, A, B, C, D, chunk_size, initial_state)
 
 
-def _ssd_example(dtype, d):
-    B, T, h, p, n = d.B, d.T, d.heads_ssd, d.p, d.n
-    return lambda: _backward(ssd_triton(_leaf(B, T, h, p, dtype=dtype), _leaf(B, T, h), _leaf(h),
-                                        _leaf(B, T, 1, n, dtype=dtype), _leaf(B, T, 1, n, dtype=dtype), _leaf(h),
-                                        d.chunk, _leaf(B, h, p, n)))
+def _ssd_example(dtype, d, fn=None):
+    B, T, h, p, n, fn = d.B, d.T, d.heads_ssd, d.p, d.n, fn or ssd_triton
+    return lambda: _backward(fn(_leaf(B, T, h, p, dtype=dtype), _leaf(B, T, h), _leaf(h),
+                                _leaf(B, T, 1, n, dtype=dtype), _leaf(B, T, 1, n, dtype=dtype), _leaf(h), d.chunk,
+                                _leaf(B, h, p, n)))
 
 
 def _ssd_opcheck(randn):
@@ -3603,7 +3607,7 @@ def _ssd_opcheck(randn):
 
 def _ssd_compare(randn):   # 37 tokens in chunks of 16, the last ragged
     b, l, h, p, n = 2, 37, 3, 8, 16
-    return (lambda **kw: ssd_triton(**kw, chunk_size=16), ssd_ref,
+    return (lambda fn, **kw: fn(**kw) if fn is ssd_ref else fn(**kw, chunk_size=16),   # ssd_ref has no chunks
             dict(x=randn(b, l, h, p), dt=F.softplus(randn(b, l, h) - 1), A=-randn(h).abs() - 0.5, B=randn(b, l, 1, n),
                  C=randn(b, l, 1, n), D=randn(h), initial_state=randn(b, h, p, n)))
 

@@ -1682,8 +1682,9 @@ OPS_WITH_TRITON = [op for op, row in kernels.OPS.items() if row.triton is not No
 def check_triton_matches_its_reference(op, device):
     """OPS[op].compare: the Triton path against <op>_ref in fp32, every output and every floating input's gradient
     within TRITON_TOL."""
-    fn, reference, inputs = kernels.OPS[op].compare(seeded_randn())
-    errs = triton_compare(fn, reference, inputs, device)
+    row = kernels.OPS[op]
+    call, inputs = row.compare(seeded_randn())
+    errs = triton_compare(functools.partial(call, row.triton), functools.partial(call, row.ref), inputs, device)
     assert {"out0"} | {"d" + name for name, t in inputs.items() if t.is_floating_point()} <= set(errs), errs
     triton_assert_close(errs)
 
@@ -2726,15 +2727,16 @@ def check_op_takes_fp16(op, device):
     dtype: against the fp64 reference on the same fp16 values, each fp16 result is within one rounding, u = 2^-11
     (measured 0.16-0.79u), the results the row names (the gates' erase logit and key gradients, which go through the
     rounded gate b) within 2u (measured 0.81u, 0.93u), and fp32 results within u/10 (measured up to 0.02u)."""
-    fn, reference, inputs = kernels.OPS[op].compare(seeded_randn())
-    halves, within_2u = kernels.OPS[op].fp16
+    row = kernels.OPS[op]
+    call, inputs = row.compare(seeded_randn())
+    halves, within_2u = row.fp16
     u = 2.0 ** -11
     inputs = {name: t.half() if name in halves else t for name, t in inputs.items()}
     runs = {}
-    for path, f, dtype in (("triton", fn, None), ("ref", reference, torch.float64)):
+    for path, f, dtype in (("triton", row.triton, None), ("ref", row.ref, torch.float64)):
         leaves = {n: t.detach().to(device=device if dtype is None else "cpu", dtype=dtype or t.dtype)
                   .requires_grad_() for n, t in inputs.items()}
-        outs = f(**leaves)
+        outs = call(f, **leaves)
         runs[path] = (outs if isinstance(outs, tuple) else (outs,)), leaves
     gen = torch.Generator().manual_seed(1)
     cotangents = [torch.randn(o.shape, generator=gen).to(o.dtype).double() for o in runs["triton"][0]]
@@ -2796,9 +2798,10 @@ def scaled_copy_triton(x):
 
 SCALED_COPY_ROW = kernels.Op(
     scaled_copy_ref, scaled_copy_torch, scaled_copy_triton,
-    example=lambda dtype, d: lambda: kernels._backward(scaled_copy_triton(kernels._leaf(d.B, d.T, d.K, dtype=dtype))),
+    example=lambda dtype, d, fn=None: lambda: kernels._backward((fn or scaled_copy_triton)(
+        kernels._leaf(d.B, d.T, d.K, dtype=dtype))),
     opcheck=lambda randn: [("scaled_copy", _scaled_copy, (randn(3, 37).requires_grad_(),), True)],
-    compare=lambda randn: (scaled_copy_triton, scaled_copy_ref, dict(x=randn(3, 37))), fp16=({"x"}, ()),
+    compare=lambda randn: (lambda fn, x: fn(x), dict(x=randn(3, 37))), fp16=({"x"}, ()),
     in_model=False)
 
 
