@@ -7867,6 +7867,14 @@ def test_analyze_length_extrapolation_against_direct_losses(mixer):
         assert got == {("none", 1), ("none", 2), ("none", 4)}
 
 
+def test_results_md_short_and_its_images_exist():
+    """RESULTS.md holds current results in at most 600 lines, and every assets/*.png it shows is in the repository."""
+    text = open(os.path.join(ROOT, "RESULTS.md")).read()
+    assert len(text.splitlines()) <= 600, f"RESULTS.md has {len(text.splitlines())} lines: condense it to 600"
+    images = re.findall(r"\]\((assets/[^)]+\.png)\)", text)
+    assert images and not [p for p in images if not os.path.exists(os.path.join(ROOT, p))], images
+
+
 # ==================================================================================================
 # One pytest marker per component: `python -m pytest -m kernels test_all.py` runs kernels.py's tests.
 # Each test takes the mark of the component banner above it.
