@@ -686,6 +686,49 @@ def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
     assert open(path).read() == "old" and os.listdir(tmp_path) == ["x.png"]
 
 
+@pytest.mark.parametrize("kind", ["a file", "under a file", "under /proc", "read-only"])
+def test_an_unwritable_data_folder_is_one_line_naming_it(tmp_path, kind):
+    """A data folder that cannot be written, as SPECGPT_DATA_DIR (nothing prepared there yet) or as data.py
+    fineweb10B's --dir, is one line on stderr naming the variable or the flag and the folder, from train.py and data.py
+    alike, before anything is prepared, fetched or written: a file, a folder to be made under a file or under /proc
+    (where nothing can be made, even by root), and a folder without write permission (skipped where the tests run as
+    root, whom permissions do not stop: the other three cases hold for root too)."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    folder, reason = {"a file": (a_file, f"{a_file} is a file, not a folder"),
+                      "under a file": (a_file / "data", f"{a_file} is a file, not a folder"),
+                      "under /proc": ("/proc/specgpt_data/x", "the folder /proc is not writable"),
+                      "read-only": (read_only, f"the folder {read_only} is not writable")}[kind]
+    if kind == "read-only":
+        read_only.chmod(0o555)
+        try:
+            (read_only / "probe").mkdir()
+            (read_only / "probe").rmdir()
+            pytest.skip("root writes into a folder without write permission")
+        except PermissionError:
+            pass
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
+    runs = [("train.py", [f"--out_dir={out}", "--max_iters=1"], {"SPECGPT_DATA_DIR": str(folder)}, "SPECGPT_DATA_DIR"),
+            ("data.py", ["shakespeare_char"], {"SPECGPT_DATA_DIR": str(folder)}, "SPECGPT_DATA_DIR"),
+            ("data.py", ["fineweb10B", "--shards=1"], {"SPECGPT_DATA_DIR": str(folder)}, "SPECGPT_DATA_DIR"),
+            ("data.py", ["fineweb10B", "--shards=1", f"--dir={folder}"], {}, "--dir")]
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, script), *args], cwd=tmp_path, env=env | extra,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for script, args, extra, _ in runs]
+    try:
+        for (script, args, _, name), proc in zip(runs, procs):
+            stdout, stderr = proc.communicate(timeout=600)
+            lines = stderr.strip().splitlines()
+            assert proc.returncode == 1 and len(lines) == 1 and f"{name}='{folder}'" in lines[0] and \
+                reason in lines[0] and "preparing" not in stdout and "fetching" not in stdout, (script, args, stderr)
+    finally:
+        read_only.chmod(0o755)
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "read_only"] and not os.listdir(read_only)
+
+
 # ==================================================================================================
 # kernels.py  (pytest -m kernels)
 # --------------------------------------------------------------------------------------------------
