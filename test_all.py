@@ -7636,6 +7636,75 @@ def test_analyze_length_extrapolation_against_direct_losses(mixer):
         assert got == {("none", 1), ("none", 2), ("none", 4)}
 
 
+
+ANALYZE_TINY = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=16", "--residual=res", "--mlp=gelu"]
+
+
+def test_analyze_refuses_what_it_cannot_do_in_one_line_before_any_work(tmp_path):
+    """analyze.py's inputs that would start work it cannot do or that does nothing are each a ValueError of one line
+    before anything is written (issue 44): a batch whose memory by formula exceeds this machine's (10^7 sequences of
+    16 tokens: ~10 GiB of tokens alone, and the graphs' far more, past any RAM under 50 TiB), a Hessian block of
+    top_k + max(2, top_k) vectors not smaller than the parameter count, --mpl_predict without --mpl_fit, two of the
+    modes that run instead of the analysis, --sections empty, and a section named in --sections whose part the model
+    lacks. A weights-only run draws no batch, so it takes any valid --batch_size."""
+    out = tmp_path / "never"
+    tiny = [*ANALYZE_TINY, "--mixer=A", f"--out_dir={out}"]
+    n = sum(p.numel() for p in GPT(GPTConfig(**{**{f.name: f.default for f in dataclasses.fields(GPTConfig)},
+                                                 "vocab_size": data.load_dataset("shakespeare_char")[2]["vocab_size"],
+                                                 "n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 16,
+                                                 "residual": "res", "mlp": "gelu", "mixer": "A"})).parameters())
+    for args, message in [
+            (["--batch_size=10000000", "--sections=gradients"], "this analysis needs at least "),
+            (["--batch_size=10000000", "--sections=gradients"], "use a smaller --batch_size"),
+            ([f"--top_k={n // 2}", "--sections=hessian"], f"--top_k={n // 2} Hessian eigenvalues need a block of "
+                                                          f"{2 * (n // 2):,} vectors"),
+            (["--mpl_predict=out/cosine"], "--mpl_predict='out/cosine' needs --mpl_fit"),
+            (["--lengths=1,2", "--scan_batch_sizes=4,8"], "--scan_batch_sizes and --lengths each run instead of the "
+                                                          "analysis, and only one can"),
+            (["--sections="], "--sections='' names no section"),
+            (["--sections=weights,gates"], "--sections=gates analyses the G layers (Gated DeltaNet mixers, G in "
+                                           "--mixer), and this model (mixer 'A', residual 'res') has none"),
+            (["--sections=hc"], "--sections=hc analyses the hyper-connection residuals"),
+            (["--sections=sparsity", "--mixer=G"], "--sections=sparsity analyses the attention layers")]:
+        with pytest.raises(ValueError) as error:
+            analyze.main([*tiny, *args])
+        assert message in str(error.value) and "\n" not in str(error.value), (args, error.value)
+        assert not out.exists()
+    analyze.main([*tiny, f"--top_k={(n - 1) // 2}", "--sections=weights", "--batch_size=10000000"])
+    assert list(json.load(open(out / "summary.json"))) == ["weights"]
+
+
+def test_analyze_prices_the_passes_its_sections_make(tmp_path, monkeypatch, capsys):
+    """Each section's price (Section.passes: forward-backward passes of one micro-batch, a Hessian-vector product's
+    double backward over one micro-batch counted as HVP_PASSES) equals the passes counted while it runs: the model's
+    forwards plus HVP_PASSES for each micro-batch of each Hessian-vector product (power iterations that cannot converge
+    in 2 steps: the price is at most). The default analysis prints its price before any section, and each section's
+    time as it ends."""
+    model = analyze.analysis_model(analyze_tiny_gpt(vocab_size=16, block_size=16, mixer="A", attention="sdpa"))
+    batches = [(torch.randint(0, 16, (2, 16)), torch.randint(0, 16, (2, 16))) for _ in range(3)]
+    forwards, double_backwards = [], []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    make_hvp = analyze.hessian_vector_product
+
+    def counted_hvp(model, batches):
+        hvp, n, loss = make_hvp(model, batches)
+        return (lambda v: double_backwards.append(len(batches)) or hvp(v)), n, loss
+
+    monkeypatch.setattr(analyze, "hessian_vector_product", counted_hvp)
+    opts = {**analyze.OPTIONS, "micro_batches": 3, "hessian_batches": 2, "top_k": 2, "power_iters": 2, "n_probes": 3,
+            "lanczos_iters": 4, "n_slq": 2}
+    inputs = {"batches": batches, "idx": batches[0][0], "opts": opts}
+    for name in ("hessian", "gradients", "noise"):
+        forwards.clear(), double_backwards.clear()
+        analyze.run_section(name, analyze.SECTIONS[name].run, model, inputs)
+        counted = len(forwards) + analyze.HVP_PASSES * sum(double_backwards)
+        assert analyze.SECTIONS[name].passes(opts) == counted, (name, len(forwards), double_backwards)
+    analyze.main([*ANALYZE_TINY, "--mixer=A", "--batch_size=2", "--micro_batches=2", "--power_iters=2",
+                  "--n_probes=2", "--lanczos_iters=4", f"--out_dir={tmp_path}"])
+    printed = capsys.readouterr()
+    assert printed.out.splitlines()[1].startswith("price: about ") and " s a pass, one timed now on cpu" in printed.out
+    assert all(f"[{name}] done in " in printed.err for name in analyze.DEFAULT_SECTIONS), printed.err
+
 # ==================================================================================================
 # One pytest marker per component: `python -m pytest -m kernels test_all.py` runs kernels.py's tests.
 # Each test takes the mark of the component banner above it.
