@@ -6806,8 +6806,9 @@ def test_every_rule_of_train_py_refuses_its_bad_values_in_one_line(tmp_path):
 
 def test_analyze_bad_values_are_one_line_errors_before_anything_is_written(tmp_path):
     """analyze.py's bad values of issue 26, each a one-line error before any output; its lists, as documented."""
-    opts, _ = analyze.parse_args(["--lengths=1,2,4,8", "--scan_batch_sizes=4,8"])
+    opts, _ = analyze.parse_args(["--lengths=1,2,4,8"])
     assert analyze.parse_list(opts, "lengths", float) == [1, 2, 4, 8]  # text, not a tuple's repr
+    opts, _ = analyze.parse_args(["--scan_batch_sizes=4,8"])
     assert analyze.parse_list(opts, "scan_batch_sizes", int) == [4, 8]
     folder = tmp_path / "run"
     folder.mkdir()
