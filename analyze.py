@@ -1126,6 +1126,27 @@ def gates_during_training(model, x, y, step, settings):
     return {} if gates is None else {"gates": [{k: layer[k] for k in keys} for layer in gates["layers"]]}
 
 
+# The price of a section, in forward-backward passes of one micro-batch: a Hessian-vector product is a second
+# backward through the first one's graph, about two passes; a forward alone is about a third of one.
+HVP_PASSES, FORWARD_PASSES = 2, 1 / 3
+
+
+def hessian_passes(opts):
+    """hessian_spectrum's passes at most: the graph of each of its micro-batches, then every Hessian-vector product
+    (power_iters iterations on a block of top_k + max(2, top_k) vectors, unless they converge first; n_probes;
+    n_slq × lanczos_iters) over all of them."""
+    k = opts["top_k"]
+    hvps = opts["power_iters"] * (k + max(2, k)) + opts["n_probes"] + opts["n_slq"] * opts["lanczos_iters"]
+    return opts["hessian_batches"] * (1 + HVP_PASSES * hvps)
+
+
+def noise_passes(opts):
+    """curvature_noise_scale's passes: a gradient of each micro-batch, their graph for the Hessian, and k + 1
+    Hessian-vector products over all k of them."""
+    k = opts["micro_batches"]
+    return 2 * k + HVP_PASSES * (k + 1) * k
+
+
 @dataclasses.dataclass
 class Section:
     """run(model, inputs) -> (summary, arrays), summary None where the model lacks the part; inputs holds
@@ -1143,6 +1164,10 @@ class Section:
     during_training: object = None
     two_batch_sizes: bool = False  # it compares the micro-batches' gradients with their mean's: --micro_batches >= 2
     needs_grad: bool = False       # it differentiates: run with gradients on (every other section under no_grad)
+    batches: object = None         # batches(opts): the micro-batches it reads (None: none, it uses no batch)
+    passes: object = None          # passes(opts): its work in forward-backward passes of one micro-batch, at most
+                                   # (None: nothing priced, its own models' training is not priced either)
+    part: tuple = ()               # (module class, what it is): a model without one gives it nothing to analyse
 
 
 SECTIONS = {  # in run order: a section's needs come before it
@@ -1152,18 +1177,24 @@ SECTIONS = {  # in run order: a section's needs come before it
         model, inputs["batches"][:inputs["opts"]["hessian_batches"]], inputs["opts"]["top_k"],
         inputs["opts"]["power_iters"], n_probes=inputs["opts"]["n_probes"],
         lanczos_iters=inputs["opts"]["lanczos_iters"], n_slq=inputs["opts"]["n_slq"], seed=inputs["opts"]["seed"],
-        verbose=True), plot_hessian, show_hessian, during_training=hessian_during_training, needs_grad=True),
+        verbose=True), plot_hessian, show_hessian, during_training=hessian_during_training, needs_grad=True,
+        batches=lambda opts: opts["hessian_batches"], passes=hessian_passes),
     "gradients": Section(lambda model, inputs: gradient_stats(model, inputs["batches"]), plot_gradients,
                          show_gradients, during_training=gradients_during_training, two_batch_sizes=True,
-                         needs_grad=True),
+                         needs_grad=True, batches=lambda opts: opts["micro_batches"],
+                         passes=lambda opts: opts["micro_batches"]),
     "noise": Section(lambda model, inputs: (curvature_noise_scale(model, inputs["batches"]), {}), None, show_noise,
-                     during_training=noise_during_training, two_batch_sizes=True, needs_grad=True),
+                     during_training=noise_during_training, two_batch_sizes=True, needs_grad=True,
+                     batches=lambda opts: opts["micro_batches"], passes=noise_passes),
     "ns": Section(ns_section, plot_ns, show_ns, needs=("gradients",)),
     "hc": Section(lambda model, inputs: hc_spectra(model, inputs["idx"]), plot_hc, show_hc,
-                  during_training=hc_during_training),
+                  during_training=hc_during_training, batches=lambda opts: 1, passes=lambda opts: FORWARD_PASSES,
+                  part=(HyperConnection, "hyper-connection residuals (a --residual other than res)")),
     "gates": Section(lambda model, inputs: gdn2_gates(model, inputs["idx"]), plot_gates, show_gates,
-                     during_training=gates_during_training),
-    "isotropy": Section(lambda model, inputs: isotropy(model, inputs["idx"]), plot_isotropy, show_isotropy),
+                     during_training=gates_during_training, batches=lambda opts: 1, passes=lambda opts: FORWARD_PASSES,
+                     part=(GatedDelta, "G layers (Gated DeltaNet mixers, G in --mixer)")),
+    "isotropy": Section(lambda model, inputs: isotropy(model, inputs["idx"]), plot_isotropy, show_isotropy,
+                        batches=lambda opts: 1, passes=lambda opts: FORWARD_PASSES),
     "coord": Section(lambda model, inputs: coordinate_transfer(parse_list(inputs["opts"], "coord_widths", int)),
                      plot_coordinate_transfer, show_coordinate_transfer, default=False, needs_grad=True),
     "lr_transfer": Section(lambda model, inputs: lr_transfer(
@@ -1171,7 +1202,8 @@ SECTIONS = {  # in run order: a section's needs come before it
         steps=inputs["opts"]["lr_transfer_steps"]), plot_lr_transfer, show_lr_transfer, default=False,
         needs_grad=True),
     "sparsity": Section(lambda model, inputs: attention_sparsity(model, inputs["batches"][0]), plot_sparsity,
-                        show_sparsity),
+                        show_sparsity, batches=lambda opts: 1, passes=lambda opts: FORWARD_PASSES,
+                        part=(Attention, "attention layers (A in --mixer)")),
 }
 DEFAULT_SECTIONS = [name for name, s in SECTIONS.items() if s.default]
 
@@ -1201,13 +1233,16 @@ def run_analysis(model, batches, out_dir, sections=DEFAULT_SECTIONS, opts=None, 
     if unknown:
         raise ValueError(f"unknown sections {unknown}: choose from {','.join(SECTIONS)}")
     os.makedirs(out_dir, exist_ok=True)
-    inputs = {"batches": batches, "idx": batches[0][0], "opts": {**OPTIONS, **(opts or {})}}
+    inputs = {"batches": batches, "idx": batches[0][0] if batches else None, "opts": {**OPTIONS, **(opts or {})}}
     summary = {}
     for name in [s for s in SECTIONS if s in sections]:
         section = SECTIONS[name]
         if verbose:
-            print(f"[{name}]", file=sys.stderr)
+            print(f"[{name}]", file=sys.stderr, flush=True)
+        started = time.perf_counter()
         section_summary, arrays = run_section(name, section.run, model, inputs)
+        if verbose:
+            print(f"[{name}] done in {duration(time.perf_counter() - started)}", file=sys.stderr, flush=True)
         summary[name] = section_summary
         if section_summary is None:
             continue
@@ -1628,20 +1663,27 @@ def check_fit(memory, device):
     need) must fit in the device's: a GPU's total memory, else this machine's physical RAM, which the processes on it
     share. Refused in one line, with the figures, before anything is built."""
     need = {k: v for k, v in memory.items() if v and k != "their bf16 copies"}
-    if device.type == "cuda":
-        have, where, processes = torch.cuda.get_device_properties(device).total_memory, str(device), 1
-    else:
-        try:
-            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (AttributeError, ValueError, OSError):  # no sysconf (Windows): nothing to check against
-            return
-        where, processes = "this machine's RAM", int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    have, where = device_memory(device)
+    if have is None:
+        return
+    processes = 1 if device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     total = processes * sum(need.values())
     if total > have:
         each = f"{processes} processes x " if processes > 1 else ""
         raise runs.ConfigError(f"this run needs at least {size(total)} by formula ({each}" + ", ".join(
             f"{k} {size(v)}" for k, v in need.items()) + f"), more than the {size(have)} of {where}: use a smaller "
             f"--n_layer or --n_embd (the weights and optimizer state), --batch_size or --block_size (the activations)")
+
+
+def device_memory(device):
+    """(bytes, what they are) of the device's memory: a GPU's total memory, else this machine's physical RAM, which
+    the processes on it share; (None, None) where it cannot be read (no sysconf: Windows)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, str(device)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+    except (AttributeError, ValueError, OSError):
+        return None, None
 
 
 def sized_for_a_gpu(c, flops_per_iter, flops, rate):
@@ -1713,13 +1755,13 @@ OPTIONS = {  # analysis options; every GPTConfig key is also accepted (fresh ini
     "tokenizer": "auto",               # as train.py's --tokenizer
     "split": "val",                    # train | val: the split the batches come from
     "batch_size": 8,                   # sequences per micro-batch
-    "micro_batches": 8,                # micro-batches (at least 2 for the noise scale)
+    "micro_batches": 4,                # micro-batches (at least 2 for the noise scale)
     "hessian_batches": 1,              # micro-batches in the Hessian's loss
     "top_k": 3,                        # top Hessian eigenvalues
-    "power_iters": 100,                # block power iterations for them
-    "n_probes": 100,                   # Hutchinson probes for the Hessian trace
-    "lanczos_iters": 60,               # Lanczos steps per SLQ run
-    "n_slq": 2,                        # SLQ runs (random start vectors)
+    "power_iters": 20,                 # block power iterations for them (at most: they stop once converged)
+    "n_probes": 20,                    # Hutchinson probes for the Hessian trace
+    "lanczos_iters": 30,               # Lanczos steps per SLQ run
+    "n_slq": 1,                        # SLQ runs (random start vectors)
     "scan_batch_sizes": "",            # a batch-size scan instead of an analysis: comma-separated batch sizes
     "scan_target": 2.2,                # the scan's target val loss
     "scan_max_iters": 4000,            # the scan's step limit per run
@@ -1776,13 +1818,31 @@ def parse_args(argv):
     overrides = {k: v for k, v in given.items() if k not in OPTIONS}
     runs.check_values({**model_keys, **given}, RANGES, choices())
     GPTConfig(**{**model_keys, **overrides})  # the model's own rules, with a stand-in vocabulary
+    check_modes(opts)
     check_sections(opts)
     return opts, overrides
+
+
+INSTEAD_MODES = ("scan_batch_sizes", "mpl_fit", "lengths")  # the options that run something else than the sections
+
+
+def check_modes(opts):
+    """At most one of INSTEAD_MODES, and --mpl_predict only with the --mpl_fit it predicts from."""
+    given = [key for key in INSTEAD_MODES if opts[key]]
+    if len(given) > 1:
+        raise ValueError(f"--{given[0]} and --{given[1]} each run instead of the analysis, and only one can: give one "
+                         f"of {', '.join('--' + key for key in INSTEAD_MODES)} at a time")
+    if opts["mpl_predict"] and not opts["mpl_fit"]:
+        raise ValueError(f"--mpl_predict={opts['mpl_predict']!r} needs --mpl_fit, the runs whose loss curves fit the "
+                         f"law that predicts it: e.g. --mpl_fit=out/constant,out/wsd50 --mpl_predict=out/cosine")
 
 
 def check_sections(opts):
     """--sections names sections of SECTIONS, --micro_batches is enough for them, and the widths are lists."""
     sections = [s for s in opts["sections"].split(",") if s]
+    if not sections and not any(opts[key] for key in INSTEAD_MODES):
+        raise ValueError(f"--sections={opts['sections']!r} names no section: choose from {','.join(SECTIONS)} (the "
+                         f"default: --sections={OPTIONS['sections']})")
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown sections {sorted(unknown)}: choose from {','.join(SECTIONS)}")
@@ -1806,6 +1866,90 @@ def parse_list(opts, key, kind):
         raise ValueError(f"--{key}={opts[key]!r} is not valid: give numbers above 0 separated by commas, e.g. "
                          f"--{key}={example}")
     return values
+
+
+def check_model_inputs(model, opts, sections, device):
+    """Once the model is built and before a batch is drawn: each section named in --sections finds its part in the
+    model; the Hessian's block of top_k + max(2, top_k) vectors is smaller than the parameter count (else it spans them
+    all); the analysis's memory by formula (analysis_memory) fits the device's."""
+    if opts["sections"] != OPTIONS["sections"]:
+        for name in sections:
+            part = SECTIONS[name].part
+            if part and not any(isinstance(m, part[0]) for m in model.modules()):
+                raise ValueError(f"--sections={name} analyses the {part[1]}, and this model (mixer "
+                                 f"{model.config.mixer!r}, residual {model.config.residual!r}) has none: drop {name} "
+                                 f"from --sections")
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    k = opts["top_k"]
+    if "hessian" in sections and k + max(2, k) >= n:
+        raise ValueError(f"--top_k={k} Hessian eigenvalues need a block of {k + max(2, k):,} vectors in the power "
+                         f"iteration, as many as the model's {n:,} parameters or more: use --top_k={(n - 1) // 2:,} or "
+                         f"fewer (the top few are what it resolves; {OPTIONS['top_k']} by default)")
+    memory = analysis_memory(model.config, n, opts, sections)
+    have, where = device_memory(device)
+    if have is not None and sum(memory.values()) > have:
+        raise ValueError(f"this analysis needs at least {size(sum(memory.values()))} by formula (" +
+                         ", ".join(f"{key} {size(v)}" for key, v in memory.items() if v) + f"), more than the "
+                         f"{size(have)} of {where}: use a smaller --batch_size, --micro_batches or --hessian_batches, "
+                         f"or --top_k")
+
+
+def batches_read(opts, sections):
+    """The micro-batches the sections read: as many as the one that reads the most (0: none reads a batch)."""
+    return max([SECTIONS[name].batches(opts) for name in sections if SECTIONS[name].batches] or [0])
+
+
+def analysis_memory(config, n_params, opts, sections):
+    """The least memory the sections need, by formula, in bytes by what holds it: the fp32 weights and a gradient;
+    the graphs kept for a second backward (the Hessian's micro-batches, or all of them for the noise section), each
+    a first backward's activations (model.activation_formula in fp32) and as much again for the gradient's own
+    graph; the batches' tokens and targets; the Hessian's block of vectors (the block, its products, their
+    rotation)."""
+    b, T = opts["batch_size"], config.block_size
+    graphs = max([opts["hessian_batches"]] * ("hessian" in sections) + [opts["micro_batches"]] * ("noise" in sections)
+                 + [min(1, batches_read(opts, sections))])
+    activations = model_module.activation_formula(config, b, 4) or 0
+    k = opts["top_k"]
+    return {"weights": 4 * n_params, "a gradient": 4 * n_params,
+            f"graphs of {graphs} micro-batches of {b} x {T}": 2 * graphs * activations,
+            "the batches": 16 * batches_read(opts, sections) * b * T,
+            "the Hessian's block": 3 * 4 * n_params * (k + max(2, k)) if "hessian" in sections else 0}
+
+
+def seconds_a_pass(model, batch, device):
+    """One forward-backward pass of model on batch (x, y), timed now: the second of two (the first warms up)."""
+    for _ in range(2):
+        started = time.perf_counter()
+        with torch.enable_grad():
+            model(*batch)[1].backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - started
+    model.zero_grad(set_to_none=True)
+    return seconds
+
+
+def price(opts, sections, seconds, block_size, device):
+    """The analysis's price line: each section's forward-backward passes (Section.passes) at seconds a pass."""
+    passes = {name: SECTIONS[name].passes(opts) for name in sections if SECTIONS[name].passes}
+    total = sum(passes.values())
+    unpriced = [name for name in sections if SECTIONS[name].needs_grad and not SECTIONS[name].passes]
+    return (f"price: about {duration(total * seconds)}, an estimate: {total:,.0f} forward-backward passes of a "
+            f"{opts['batch_size']}x{block_size} micro-batch at most (" +
+            ", ".join(f"{name} {p:,.0f}" if p >= 1 else f"{name} {p:.2f}" for name, p in passes.items()) +
+            f"; a Hessian-vector product counted as {HVP_PASSES} passes, a forward as 1/3) at {seconds:.3f} s a pass, "
+            f"one timed now on {device}" + (f"; {', '.join(unpriced)} train their own models, not priced" if unpriced
+                                             else "") + loaded_cpu_hint(device))
+
+
+def loaded_cpu_hint(device):
+    """On a CPU busier than its cores, torch's threads wait on each other (a pass can take ten times longer than on
+    one thread): the hint that says so, else ""."""
+    load, cores = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0, os.cpu_count() or 1
+    if device.type != "cpu" or torch.get_num_threads() == 1 or load <= cores:
+        return ""
+    return (f"\nnote: this CPU is busy (load {load:.1f} on {cores} cores) and torch runs {torch.get_num_threads()} "
+            f"threads, which then wait on each other: OMP_NUM_THREADS=1 python analyze.py ... may be much faster")
 
 
 def load_model(opts, model_overrides):
@@ -1888,6 +2032,8 @@ def main(argv):
     data.check_writable_folder(out_dir, "out_dir")
     model, dataset, tokenizer = load_model(opts, model_overrides)
     model = analysis_model(model.to(device))
+    if not factors:
+        check_model_inputs(model, opts, sections, device)
     train_tokens, val_tokens, _ = data.load_dataset(dataset, tokenizer)
     if factors:
         rows = length_extrapolation(model, val_tokens if opts["split"] == "val" else train_tokens, factors,
@@ -1898,13 +2044,18 @@ def main(argv):
         for r in rows:
             print(f"{r['scaling']:8s} {r['factor']:6g} {r['length']:6d} {r['val_loss']:8.4f}")
         return
-    sampler = data.BatchSampler(val_tokens if opts["split"] == "val" else train_tokens, opts["batch_size"],
-                                model.config.block_size, opts["seed"], device=device)
-    batches = [sampler.next_batch() for _ in range(max(opts["micro_batches"], opts["hessian_batches"]))]
+    batches = []
+    if batches_read(opts, sections):
+        sampler = data.BatchSampler(val_tokens if opts["split"] == "val" else train_tokens, opts["batch_size"],
+                                    model.config.block_size, opts["seed"], device=device)
+        batches = [sampler.next_batch() for _ in range(batches_read(opts, sections))]
     print(f"analysing {'checkpoint ' + opts['ckpt'] if opts['ckpt'] else 'a fresh init'}: "
           f"{model.num_params():,} parameters, {len(batches)} batches of "
           f"{opts['batch_size']}x{model.config.block_size} {opts['split']} tokens from {dataset}, "
-          f"sections {','.join(sections)} -> {out_dir}")
+          f"sections {','.join(sections)} -> {out_dir}", flush=True)
+    if batches:
+        print(price(opts, sections, seconds_a_pass(model, batches[0], device), model.config.block_size, device),
+              flush=True)
     summary = run_analysis(model, batches, out_dir, sections, opts)
     print_table(summary)
 

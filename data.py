@@ -60,6 +60,8 @@ def download_sdist(name, version, folder=None):
     found = glob.glob(os.path.join(cache, stem)) + glob.glob(os.path.join(cache, f"{name}-{version}.tar.gz"))
     if found:
         return found[0]
+    if folder is None:
+        check_data_dir()
     folder = folder or cache
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".partial{os.getpid()}")
@@ -103,6 +105,7 @@ def gpt2_encoding():
         pass
     path = os.path.join(DATA_DIR, "_downloads", "gpt2.tiktoken")
     if not os.path.exists(path):
+        check_data_dir()
         with tarfile.open(download_sdist("openai-whisper", "20250625")) as tar:
             member = next(m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken"))
             atomic_write_bytes(path, tar.extractfile(member).read())
@@ -274,7 +277,10 @@ def fetch_fineweb(n_train, folder=FINEWEB_DIR):
     then renamed into folder, so folder never holds a partial shard."""
     if n_train < 1:
         raise DataError(f"--shards={n_train}: fetch at least one training shard (each holds ~100M tokens)")
-    check_writable_folder(folder, "dir")
+    if folder == FINEWEB_DIR:  # no --dir: the data folder's fineweb10B
+        check_data_dir()
+    else:
+        check_writable_folder(folder, "dir")
     try:
         from huggingface_hub import constants, hf_hub_download
         from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
@@ -418,6 +424,7 @@ def load_dataset(dataset, tokenizer="auto"):
     out_dir = os.path.join(DATA_DIR, name)
     meta_path = os.path.join(out_dir, "meta.json")
     if not os.path.exists(meta_path):
+        check_data_dir()
         print(f"preparing {name} in {out_dir} ...", flush=True)
         prepare_text(get_text(), tokenizer, out_dir, source)
     with open(meta_path) as f:
@@ -584,17 +591,38 @@ def process_alive(pid):
     return True
 
 
-def check_writable_folder(path, flag):
-    """path (given as --flag) must be a folder that exists or can be made, and be writable."""
-    path = os.path.abspath(path)
-    existing = path
+def unwritable(path):
+    """Why path cannot be a folder that files are written into, or None: the nearest folder on it that exists
+    must be a folder in which a folder can be made (and is, then removed at once). os.access would not do: root
+    passes it for a chmod-ed folder and for /proc, where making anything fails."""
+    existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise DataError(f"--{flag}={path!r}: {existing} is a file, not a folder: point --{flag} elsewhere")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise DataError(f"--{flag}={path!r}: the folder {existing} is not writable: point --{flag} elsewhere")
+        return f"{existing} is a file, not a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".writable", dir=existing))
+    except OSError:
+        return f"the folder {existing} is not writable"
+    return None
 
+
+def check_writable_folder(path, flag):
+    """path (given as --flag) must be a folder that exists or can be made, and be writable."""
+    reason = unwritable(path)
+    if reason:
+        raise DataError(f"--{flag}={os.path.abspath(path)!r}: {reason}: point --{flag} elsewhere")
+
+
+def check_data_dir():
+    """DATA_DIR, where the data is downloaded and prepared, must be a writable folder: checked before the first
+    write there, naming SPECGPT_DATA_DIR (a folder that holds prepared data need not be writable)."""
+    reason = unwritable(DATA_DIR)
+    if reason:
+        given = "SPECGPT_DATA_DIR" in os.environ and os.environ["SPECGPT_DATA_DIR"]
+        where = f"SPECGPT_DATA_DIR={DATA_DIR!r}" if given else f"the data folder {DATA_DIR}"
+        raise DataError(f"{where}, where the data is downloaded and prepared: {reason}: point SPECGPT_DATA_DIR at "
+                        f"a writable folder")
 
 if __name__ == "__main__":
     # python data.py [dataset [tokenizer]]: prepare (or load) a dataset and show what it holds

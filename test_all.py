@@ -687,6 +687,49 @@ def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
     assert open(path).read() == "old" and os.listdir(tmp_path) == ["x.png"]
 
 
+@pytest.mark.parametrize("kind", ["a file", "under a file", "under /proc", "read-only"])
+def test_an_unwritable_data_folder_is_one_line_naming_it(tmp_path, kind):
+    """A data folder that cannot be written, as SPECGPT_DATA_DIR (nothing prepared there yet) or as data.py
+    fineweb10B's --dir, is one line on stderr naming the variable or the flag and the folder, from train.py and data.py
+    alike, before anything is prepared, fetched or written: a file, a folder to be made under a file or under /proc
+    (where nothing can be made, even by root), and a folder without write permission (skipped where the tests run as
+    root, whom permissions do not stop: the other three cases hold for root too)."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    folder, reason = {"a file": (a_file, f"{a_file} is a file, not a folder"),
+                      "under a file": (a_file / "data", f"{a_file} is a file, not a folder"),
+                      "under /proc": ("/proc/specgpt_data/x", "the folder /proc is not writable"),
+                      "read-only": (read_only, f"the folder {read_only} is not writable")}[kind]
+    if kind == "read-only":
+        read_only.chmod(0o555)
+        try:
+            (read_only / "probe").mkdir()
+            (read_only / "probe").rmdir()
+            pytest.skip("root writes into a folder without write permission")
+        except PermissionError:
+            pass
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
+    runs = [("train.py", [f"--out_dir={out}", "--max_iters=1"], {"SPECGPT_DATA_DIR": str(folder)}, "SPECGPT_DATA_DIR"),
+            ("data.py", ["shakespeare_char"], {"SPECGPT_DATA_DIR": str(folder)}, "SPECGPT_DATA_DIR"),
+            ("data.py", ["fineweb10B", "--shards=1"], {"SPECGPT_DATA_DIR": str(folder)}, "SPECGPT_DATA_DIR"),
+            ("data.py", ["fineweb10B", "--shards=1", f"--dir={folder}"], {}, "--dir")]
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, script), *args], cwd=tmp_path, env=env | extra,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for script, args, extra, _ in runs]
+    try:
+        for (script, args, _, name), proc in zip(runs, procs):
+            stdout, stderr = proc.communicate(timeout=600)
+            lines = stderr.strip().splitlines()
+            assert proc.returncode == 1 and len(lines) == 1 and f"{name}='{folder}'" in lines[0] and \
+                reason in lines[0] and "preparing" not in stdout and "fetching" not in stdout, (script, args, stderr)
+    finally:
+        read_only.chmod(0o755)
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "read_only"] and not os.listdir(read_only)
+
+
 # ==================================================================================================
 # kernels.py  (pytest -m kernels)
 # --------------------------------------------------------------------------------------------------
@@ -7037,8 +7080,9 @@ def test_every_rule_of_train_py_refuses_its_bad_values_in_one_line(tmp_path):
 
 def test_analyze_bad_values_are_one_line_errors_before_anything_is_written(tmp_path):
     """analyze.py's bad values of issue 26, each a one-line error before any output; its lists, as documented."""
-    opts, _ = analyze.parse_args(["--lengths=1,2,4,8", "--scan_batch_sizes=4,8"])
+    opts, _ = analyze.parse_args(["--lengths=1,2,4,8"])
     assert analyze.parse_list(opts, "lengths", float) == [1, 2, 4, 8]  # text, not a tuple's repr
+    opts, _ = analyze.parse_args(["--scan_batch_sizes=4,8"])
     assert analyze.parse_list(opts, "scan_batch_sizes", int) == [4, 8]
     folder = tmp_path / "run"
     folder.mkdir()
@@ -7867,14 +7911,82 @@ def test_analyze_length_extrapolation_against_direct_losses(mixer):
         assert got == {("none", 1), ("none", 2), ("none", 4)}
 
 
+ANALYZE_TINY = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=16", "--residual=res", "--mlp=gelu"]
+
+
+def test_analyze_refuses_what_it_cannot_do_in_one_line_before_any_work(tmp_path):
+    """analyze.py's inputs that would start work it cannot do or that does nothing are each a ValueError of one line
+    before anything is written (issue 44): a batch whose memory by formula exceeds this machine's (10^7 sequences of
+    16 tokens: ~10 GiB of tokens alone, and the graphs' far more, past any RAM under 50 TiB), a Hessian block of
+    top_k + max(2, top_k) vectors not smaller than the parameter count, --mpl_predict without --mpl_fit, two of the
+    modes that run instead of the analysis, --sections empty, and a section named in --sections whose part the model
+    lacks. A weights-only run draws no batch, so it takes any valid --batch_size."""
+    out = tmp_path / "never"
+    tiny = [*ANALYZE_TINY, "--mixer=A", f"--out_dir={out}"]
+    n = sum(p.numel() for p in GPT(GPTConfig(**{**{f.name: f.default for f in dataclasses.fields(GPTConfig)},
+                                                 "vocab_size": data.load_dataset("shakespeare_char")[2]["vocab_size"],
+                                                 "n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 16,
+                                                 "residual": "res", "mlp": "gelu", "mixer": "A"})).parameters())
+    for args, message in [
+            (["--batch_size=10000000", "--sections=gradients"], "this analysis needs at least "),
+            (["--batch_size=10000000", "--sections=gradients"], "use a smaller --batch_size"),
+            ([f"--top_k={n // 2}", "--sections=hessian"], f"--top_k={n // 2} Hessian eigenvalues need a block of "
+                                                          f"{2 * (n // 2):,} vectors"),
+            (["--mpl_predict=out/cosine"], "--mpl_predict='out/cosine' needs --mpl_fit"),
+            (["--lengths=1,2", "--scan_batch_sizes=4,8"], "--scan_batch_sizes and --lengths each run instead of the "
+                                                          "analysis, and only one can"),
+            (["--sections="], "--sections='' names no section"),
+            (["--sections=weights,gates"], "--sections=gates analyses the G layers (Gated DeltaNet mixers, G in "
+                                           "--mixer), and this model (mixer 'A', residual 'res') has none"),
+            (["--sections=hc"], "--sections=hc analyses the hyper-connection residuals"),
+            (["--sections=sparsity", "--mixer=G"], "--sections=sparsity analyses the attention layers")]:
+        with pytest.raises(ValueError) as error:
+            analyze.main([*tiny, *args])
+        assert message in str(error.value) and "\n" not in str(error.value), (args, error.value)
+        assert not out.exists()
+    analyze.main([*tiny, f"--top_k={(n - 1) // 2}", "--sections=weights", "--batch_size=10000000"])
+    assert list(json.load(open(out / "summary.json"))) == ["weights"]
+
+
+def test_analyze_prices_the_passes_its_sections_make(tmp_path, monkeypatch, capsys):
+    """Each section's price (Section.passes: forward-backward passes of one micro-batch, a Hessian-vector product's
+    double backward over one micro-batch counted as HVP_PASSES) equals the passes counted while it runs: the model's
+    forwards plus HVP_PASSES for each micro-batch of each Hessian-vector product (power iterations that cannot converge
+    in 2 steps: the price is at most). The default analysis prints its price before any section, and each section's
+    time as it ends."""
+    model = analyze.analysis_model(analyze_tiny_gpt(vocab_size=16, block_size=16, mixer="A", attention="sdpa"))
+    batches = [(torch.randint(0, 16, (2, 16)), torch.randint(0, 16, (2, 16))) for _ in range(3)]
+    forwards, double_backwards = [], []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    make_hvp = analyze.hessian_vector_product
+
+    def counted_hvp(model, batches):
+        hvp, n, loss = make_hvp(model, batches)
+        return (lambda v: double_backwards.append(len(batches)) or hvp(v)), n, loss
+
+    monkeypatch.setattr(analyze, "hessian_vector_product", counted_hvp)
+    opts = {**analyze.OPTIONS, "micro_batches": 3, "hessian_batches": 2, "top_k": 2, "power_iters": 2, "n_probes": 3,
+            "lanczos_iters": 4, "n_slq": 2}
+    inputs = {"batches": batches, "idx": batches[0][0], "opts": opts}
+    for name in ("hessian", "gradients", "noise"):
+        forwards.clear(), double_backwards.clear()
+        analyze.run_section(name, analyze.SECTIONS[name].run, model, inputs)
+        counted = len(forwards) + analyze.HVP_PASSES * sum(double_backwards)
+        assert analyze.SECTIONS[name].passes(opts) == counted, (name, len(forwards), double_backwards)
+    analyze.main([*ANALYZE_TINY, "--mixer=A", "--batch_size=2", "--micro_batches=2", "--power_iters=2",
+                  "--n_probes=2", "--lanczos_iters=4", f"--out_dir={tmp_path}"])
+    printed = capsys.readouterr()
+    assert printed.out.splitlines()[1].startswith("price: about ") and " s a pass, one timed now on cpu" in printed.out
+    assert all(f"[{name}] done in " in printed.err for name in analyze.DEFAULT_SECTIONS), printed.err
+
+
+
 def test_results_md_short_and_its_images_exist():
     """RESULTS.md holds current results in at most 600 lines, and every assets/*.png it shows is in the repository."""
     text = open(os.path.join(ROOT, "RESULTS.md")).read()
     assert len(text.splitlines()) <= 600, f"RESULTS.md has {len(text.splitlines())} lines: condense it to 600"
     images = re.findall(r"\]\((assets/[^)]+\.png)\)", text)
     assert images and not [p for p in images if not os.path.exists(os.path.join(ROOT, p))], images
-
-
 # ==================================================================================================
 # One pytest marker per component: `python -m pytest -m kernels test_all.py` runs kernels.py's tests.
 # Each test takes the mark of the component banner above it.
