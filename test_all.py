@@ -7987,6 +7987,8 @@ def test_results_md_short_and_its_images_exist():
     assert len(text.splitlines()) <= 600, f"RESULTS.md has {len(text.splitlines())} lines: condense it to 600"
     images = re.findall(r"\]\((assets/[^)]+\.png)\)", text)
     assert images and not [p for p in images if not os.path.exists(os.path.join(ROOT, p))], images
+
+
 # ==================================================================================================
 # One pytest marker per component: `python -m pytest -m kernels test_all.py` runs kernels.py's tests.
 # Each test takes the mark of the component banner above it.
