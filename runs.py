@@ -228,7 +228,15 @@ def mps_available():
 
 
 def check_device(name):
-    """name must be auto or a device of this machine: cpu, cuda (cuda:N) or mps."""
+    """name must be auto or a device of this machine: cpu, cuda (cuda:N) or mps; under torchrun, with one process a
+    GPU (a process whose LOCAL_RANK has no GPU would fail at its first CUDA call: refused here, before any)."""
+    gpus = torch.cuda.device_count()
+    local_rank = os.environ.get("LOCAL_RANK")
+    on_cuda = gpus > 0 if name == "auto" else name.startswith("cuda")
+    if local_rank is not None and on_cuda and 0 < gpus <= int(local_rank):
+        processes = os.environ.get("LOCAL_WORLD_SIZE", int(local_rank) + 1)
+        raise ConfigError(f"torchrun started {processes} processes on this machine, which has {gpus} CUDA "
+                          f"GPU{'s' * (gpus > 1)}: one process a GPU, torchrun --nproc_per_node={gpus}")
     if name == "auto":
         return
     try:
@@ -237,7 +245,6 @@ def check_device(name):
         device = None
     if device is None or device.type not in ("cpu", "cuda", "mps"):
         raise ConfigError(f"--device={name!r} is not a device: use auto, cpu, cuda, cuda:1 or mps")
-    gpus = torch.cuda.device_count()
     if device.type == "cuda" and (device.index or 0) >= gpus:
         have = f"{gpus} CUDA GPU{'s' * (gpus > 1)} (cuda:0 .. cuda:{gpus - 1})" if gpus else "no CUDA GPU"
         raise ConfigError(f"--device={name!r}: this machine has {have}: use --device=auto or cpu")

@@ -5359,6 +5359,24 @@ def test_a_gpu_that_is_not_there_or_not_this_process_is_one_line(simulated_gpu, 
         runs.use_device("cuda:1")
 
 
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_more_torchrun_processes_than_gpus_is_one_line_before_any_cuda_call(simulated_gpu, monkeypatch, tmp_path,
+                                                                            device):
+    """torchrun --nproc_per_node=2 on a one-GPU machine, as its environment reaches the second process (LOCAL_RANK 1,
+    LOCAL_WORLD_SIZE 2, WORLD_SIZE 2): refused in one line naming the count that fits, before the device is made
+    current (no set_device on the simulated machine); the first process (LOCAL_RANK 0) passes the check."""
+    machine = simulated_gpu(count=1)
+    for key, value in dict(LOCAL_RANK="1", RANK="1", LOCAL_WORLD_SIZE="2", WORLD_SIZE="2").items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(runs.ConfigError) as refused:
+        train.main([f"--device={device}", "--dry_run=True", f"--out_dir={tmp_path}"])
+    assert str(refused.value) == ("torchrun started 2 processes on this machine, which has 1 CUDA GPU: one process a "
+                                  "GPU, torchrun --nproc_per_node=1")
+    assert not [call for call in machine.calls if call[0] != "init"], machine.calls
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    runs.check_device(device)
+
+
 def test_tests_fake_a_gpu_only_where_a_cpu_build_lacks_one():
     """No test sets, deletes or patches an attribute of torch.cuda, torch.backends or torch._C, or assigns one, outside
     the simulated machine (the simulated_gpu fixture, which sets torch._C's CUDA entry points, and SimulatedGPU.init,
