@@ -5580,6 +5580,38 @@ def test_an_eval_reads_the_gpu_once(simulated_gpu):
     assert len(traffic.copies) == 2 * 6 and all(c["pinned"] and c["non_blocking"] for c in traffic.copies)
 
 
+@pytest.mark.parametrize("gpu,dtype,reads", [("Tesla T4", torch.float16, 1),
+                                             ("NVIDIA H100 80GB HBM3", torch.bfloat16, 0)])
+def test_a_float16_step_reads_the_host_once_and_bfloat16_never(simulated_gpu, gpu, dtype, reads):
+    """train.optimizer_step after a backward on the simulated GPU (fake CUDA tensors): on a T4 (float16, the loss
+    scaler) the host reads one GPU value, the scaler's found-inf flag, and the skipped-step count stays on the device
+    (read at log lines only); on an H100 (bfloat16, no scaler) it reads none. The skipped count is the scaler's rule:
+    a step whose gradients are not finite."""
+    simulated_gpu(name=gpu, capability=(7, 5) if dtype == torch.float16 else (9, 0))
+    with FakeTensorMode() as fake:
+        gpt = to_fake_gpu(GPT(tiny_config()))
+        opt = optim.build_optimizer(gpt, "adamw", lr=1e-3, weight_decay=0.1)
+        scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+        idx = torch.randint(0, 50, (2, 32), device="cuda")
+        window = train.LogWindow(loss_sum=torch.zeros((), device="cuda"),
+                                 skipped=torch.zeros((), dtype=torch.long, device="cuda"), start=0.0)
+        with HostAndFakeGPU(fake) as traffic:
+            for _ in range(2):
+                with torch.autocast("cuda", dtype=dtype):
+                    _, loss = gpt(idx, idx)
+                scaler.scale(loss).backward()
+                grad_norm = train.optimizer_step(gpt, opt, scaler, 1.0, window)
+    assert traffic.reads == 2 * reads and window.skipped.device.type == "cuda" and grad_norm.device.type == "cuda"
+    on_cpu = train.LogWindow(loss_sum=torch.zeros(()), skipped=torch.zeros((), dtype=torch.long), start=0.0)
+    layer = torch.nn.Linear(3, 1, bias=False)
+    torch.nn.init.ones_(layer.weight)
+    cpu_scaler, cpu_opt = torch.amp.GradScaler("cpu"), torch.optim.SGD(layer.parameters(), lr=0.1)
+    for grad in ([1.0, 2.0, 3.0], [1.0, float("inf"), 3.0]):   # a finite step, then one the scaler skips
+        layer.weight.grad = cpu_scaler.scale(torch.tensor([grad]))
+        train.optimizer_step(layer, cpu_opt, cpu_scaler, 0.0, on_cpu)
+    assert on_cpu.skipped.item() == 1 and torch.equal(layer.weight.detach(), torch.tensor([[0.9, 0.8, 0.7]]))
+
+
 FP16_RUN = [*TINY, "--dtype=float16", "--block_size=1", "--batch_size=1", "--eval_interval=6", "--log_interval=1"]
 
 

@@ -141,11 +141,11 @@ class LogWindow:
     """The steps since the last training-loss line, which the next one reports. Its tokens/s times training steps
     only: evals are paused out, and the first window opens after the first step (compile, warm-up)."""
     loss_sum: torch.Tensor     # the sum of their mean losses, on the device until the line (the loop's only host sync)
+    skipped: torch.Tensor      # float16: the steps the scaler skipped (gradients not finite), on the device too
     start: float               # time.time() when it opened
     steps: int = 0
     tokens: int = 0            # the tokens its tokens/s counts
     paused: float = 0.0        # seconds of evals inside it
-    skipped: int = 0           # float16: steps the scaler skipped (their gradients overflowed)
 
 
 def main(args):
@@ -209,7 +209,8 @@ def main(args):
         received = cleanup.enter_context(runs.stop_signals(again_stops=world == 1))
         ckpt_path, log_path, ddp = os.path.join(c.out_dir, "ckpt.pt"), os.path.join(c.out_dir, "log.jsonl"), world > 1
         t_start, first_step, eval_seconds = time.time() - progress.elapsed, progress.iter_num + 1, 0.0
-        window = LogWindow(loss_sum=torch.zeros((), device=dev), start=time.time())
+        window = LogWindow(loss_sum=torch.zeros((), device=dev),
+                           skipped=torch.zeros((), dtype=torch.long, device=dev), start=time.time())
         stopped = False
         gpt.train()
         while True:
@@ -245,16 +246,7 @@ def main(args):
                     _, loss = gpt(x, y)
                     scaler.scale(loss / c.gradient_accumulation_steps).backward()
                 window.loss_sum += loss.detach().float() / c.gradient_accumulation_steps
-            scaler.unscale_(opt)
-            grad_norm = torch.nn.utils.clip_grad_norm_(gpt.parameters(), c.grad_clip if c.grad_clip > 0 else math.inf)
-            if scaler.is_enabled():  # the scaler reads its overflow flag on the host anyway: float16 syncs every step
-                scale = scaler.get_scale()
-                scaler.step(opt)
-                scaler.update()
-                window.skipped += scaler.get_scale() < scale
-            else:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
+            grad_norm = optimizer_step(gpt, opt, scaler, c.grad_clip, window)
             progress.iter_num += 1
             window.steps += 1
             # the log line
@@ -274,7 +266,8 @@ def main(args):
             if stopped:
                 break
             if log_now:  # on every process: each one's sum was just reduced into the line
-                window = LogWindow(loss_sum=window.loss_sum.zero_(), start=time.time())
+                window = LogWindow(loss_sum=window.loss_sum.zero_(), skipped=window.skipped.zero_(),
+                                   start=time.time())
         if stopped:  # by a signal, after the step it came in or in the eval it abandoned: a checkpoint to resume from
             if not all_finite(raw_model):
                 raise FloatingPointError(diverged("a weight not finite", progress.iter_num, ckpt_path,
@@ -303,6 +296,23 @@ def mixed_precision(dtype, dev):
     autocast = torch.autocast(dev.type, dtype=half) if half else nullcontext()
     precision = {None: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[half]
     return autocast, precision, torch.amp.GradScaler(dev.type, enabled=half == torch.float16)
+
+
+def optimizer_step(gpt, opt, scaler, grad_clip, window):
+    """The step after the backward: the gradients' global norm clipped to grad_clip (0: scaled by exactly 1), then the
+    optimizer's step; the norm returned, on the device. float16: the scaler unscales first and skips a step whose
+    gradients are not finite, which is when their norm is not: the window counts those steps on the device, so the
+    step's one host read is the scaler's own (its found-inf flag, which decides whether to step)."""
+    scaler.unscale_(opt)
+    grad_norm = torch.nn.utils.clip_grad_norm_(gpt.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    if scaler.is_enabled():
+        window.skipped += ~torch.isfinite(grad_norm)
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return grad_norm
 
 
 def resume_from(ckpt, raw_model, opt, sampler, scaler, rank, dev, out_dir):
@@ -446,7 +456,8 @@ def saved_progress(progress, t_start, scaler):
 def log_line(c, progress, window, grad_norm, opt, scaler, tokens_per_iter, flops_per_iter, peak, eval_seconds,
              ckpt_path, log_path, wandb_run):
     """The training loss line of step iter_num (the mean over the window), in the terminal and log.jsonl."""
-    loss_total, norm = torch.stack([window.loss_sum, grad_norm.float()]).tolist()  # the loop's only host sync
+    loss_total, norm, skipped = torch.stack([window.loss_sum, grad_norm.float(), window.skipped.float()]).tolist()
+    skipped = int(skipped)
     mean_loss = loss_total / window.steps
     if not math.isfinite(mean_loss):
         raise FloatingPointError(diverged(f"training loss {mean_loss}", progress.iter_num, ckpt_path,
@@ -460,11 +471,12 @@ def log_line(c, progress, window, grad_norm, opt, scaler, tokens_per_iter, flops
         eta = ((c.max_iters - progress.iter_num) * tokens_per_iter / tok_s
                + evals_left(progress.iter_num, c.max_iters, c.eval_interval) * eval_seconds)
         speed = f"{tok_s:,.0f} tokens/s" + (f", mfu {100 * mfu:.1f}%" if mfu else "") + f", eta {eta:.0f}s"
-    scaling = f", loss scale {scaler.get_scale():g} ({window.skipped} steps skipped)" if scaler.is_enabled() else ""
+    scale = scaler.get_scale() if scaler.is_enabled() else None
+    scaling = f", loss scale {scale:g} ({skipped} steps skipped)" if scaler.is_enabled() else ""
     print(f"iter {progress.iter_num}: loss {mean_loss:.4f}, lr {lr:.2e}, grad norm {norm:.3f}{scaling}, {speed}")
     runs.append_log(log_path, {"step": progress.iter_num, "loss": mean_loss, "lr": lr, "tokens_per_s": tok_s,
                                "mfu": mfu, "grad_norm": norm,
-                               **({"loss_scale": scaler.get_scale(), "skipped_steps": window.skipped}
+                               **({"loss_scale": scale, "skipped_steps": skipped}
                                   if scaler.is_enabled() else {})}, wandb_run)
 
 
