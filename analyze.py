@@ -42,6 +42,7 @@ here (plot_losses), and prices a run here before it builds anything: dry_run_rep
 and the GPUs' peaks that MFU is measured against (GPU_PEAKS, peak_flops).
 """
 import ast
+import collections
 import dataclasses
 import glob
 import inspect
@@ -1600,8 +1601,67 @@ def peak_flops(device, dtype, stated_tflops):
     return None if peaks is None else peaks[PEAK_DTYPES.index(dtype)]
 
 
-ESTIMATE_MFU = 0.4   # the model FLOPs utilisation the time estimates assume
-ESTIMATE_GPUS = {"A100": "NVIDIA A100-SXM4-80GB", "H100": "NVIDIA H100 80GB HBM3", "H200": "NVIDIA H200"}
+# The launch model: what a kernel launch costs on a GPU, an estimate (bench.py costs prices each Triton launch of a
+# mixer with it, the dry run a preset's step). A launch runs `programs` on a grid, blocks_per_sm of them resident on
+# each SM, so in waves = ⌈programs / (blocks_per_sm · SMs)⌉, and takes LAUNCH_OVERHEAD plus the longest of
+#   bytes / (bandwidth · f)   f = min(STREAM_FRACTION, in flight / (bandwidth · DRAM_LATENCY)): by Little's law the
+#                             bandwidth is busy only with bandwidth · latency bytes in flight; a wave keeps each
+#                             resident program's loads of one step in flight (num_stages − 1 steps when its loop is
+#                             pipelined; all of its bytes when it has no loop)
+#   FLOPs / (peak · DOT_FRACTION[arch][instruction])   by the dot instruction its compiled PTX uses: wgmma (sm_90's
+#                             warpgroup MMA), mma.sync (the tensor cores' instruction before sm_90, and sm_90's
+#                             older path) or fma (no tensor-core instruction: CUDA cores at the fp32 peak)
+#   waves · (steps · step + PROLOGUE)   the dependent chain: a program's steps each wait for the one before, step =
+#                             STEP_LATENCY with its loads prefetched (num_stages ≥ 2), plus DRAM_LATENCY where not
+# The constants are assumptions, not measurements (no GPU has run this version): their orders are those of a loaded
+# DRAM round trip, a step's dot + exps + reduction (about 400 cycles at 1.7 GHz) and a kernel's launch gap.
+DRAM_LATENCY = 0.6e-6       # s
+STEP_LATENCY = 0.25e-6      # s, a dependent step whose loads were prefetched
+PROLOGUE = DRAM_LATENCY + STEP_LATENCY   # s, a program's first loads and first step
+LAUNCH_OVERHEAD = 4e-6      # s a launch
+STREAM_FRACTION = 0.9       # the most of the datasheet bandwidth a streaming kernel reaches
+DOT_FRACTION = {90: dict(wgmma=0.7, mma=0.45, fma=0.5), 80: dict(mma=0.7, fma=0.5), 75: dict(mma=0.6, fma=0.5)}
+# the GPUs the dry run prices (datasheets: HBM bandwidth in B/s, SMs, dense fp32 FLOP/s on CUDA cores; the tensor
+# peak is GPU_PEAKS' for the run's dtype); a T4 has no bf16, so it is priced in float16, and the dry run fits the
+# run in its memory as torch reports it (14.6 GiB of its 16 GB)
+COST_GPUS = {
+    "A100": dict(name="NVIDIA A100-SXM4-80GB", arch=80, sms=108, bandwidth=2.039e12, fma_flops=19.5e12),
+    "H100": dict(name="NVIDIA H100 80GB HBM3", arch=90, sms=132, bandwidth=3.35e12, fma_flops=67e12),
+    "H200": dict(name="NVIDIA H200", arch=90, sms=132, bandwidth=4.8e12, fma_flops=67e12),
+    "T4": dict(name="Tesla T4", arch=75, sms=40, bandwidth=320e9, fma_flops=8.1e12, memory=14.6 * 2**30),
+}
+ESTIMATE_GPUS = ("A100", "H100", "H200")   # the dry run's time line
+TRITON_COMPILE_SECONDS = 2.0   # one Triton kernel compiled for sm_90 (triton.compile, ptxas included): the mean of G's
+#                                and M's 21 launches measured on a shared 2-core CPU (median 1.1 s, 0.6-6.3 s)
+
+
+def dot_rate(gpu, instruction, dtype="bfloat16"):
+    """FLOP/s of dots issued as `instruction` (wgmma, mma or fma) on a COST_GPUS entry, in dtype (a PEAK_DTYPES
+    name): the tensor peak (or, for fma, the fp32 CUDA-core peak) times DOT_FRACTION of its arch; an instruction the
+    arch lacks (wgmma before sm_90) is a one-line error."""
+    fractions = DOT_FRACTION[gpu["arch"]]
+    if instruction not in fractions:
+        raise ValueError(f"sm_{gpu['arch']} has no {instruction}: one of {', '.join(fractions)}")
+    peak = gpu["fma_flops"] if instruction == "fma" else GPU_PEAKS[gpu["name"]][PEAK_DTYPES.index(dtype)]
+    return fractions[instruction] * peak
+
+
+def launch_time(gpu, nbytes, flops, instruction, programs, blocks_per_sm, steps, num_stages, dtype="bfloat16"):
+    """The launch model (above) for one launch on a COST_GPUS entry: dict(waves, bandwidth_fraction, t_bytes, t_flops,
+    t_latency, bound (the largest of the three: bytes, flops or latency), time (it plus LAUNCH_OVERHEAD)). steps:
+    the iterations of a program's longest dependent loop (1 without a loop)."""
+    resident = min(programs, blocks_per_sm * gpu["sms"])
+    waves = -(-programs // (blocks_per_sm * gpu["sms"]))
+    per_step = nbytes / (programs * steps)
+    in_flight = resident * (per_step * max(1, num_stages - 1) if steps > 1 else nbytes / programs)
+    fraction = min(STREAM_FRACTION, in_flight / (gpu["bandwidth"] * DRAM_LATENCY))
+    step = STEP_LATENCY + (DRAM_LATENCY if num_stages < 2 else 0.0)
+    terms = dict(bytes=nbytes / (gpu["bandwidth"] * fraction) if nbytes else 0.0,
+                 flops=flops / dot_rate(gpu, instruction, dtype) if flops else 0.0,
+                 latency=waves * (steps * step + PROLOGUE))
+    bound = max(terms, key=terms.get)
+    return dict(waves=waves, bandwidth_fraction=fraction, t_bytes=terms["bytes"], t_flops=terms["flops"],
+                t_latency=terms["latency"], bound=bound, time=terms[bound] + LAUNCH_OVERHEAD)
 
 
 def size(nbytes):
@@ -1645,6 +1705,104 @@ def run_costs(c, config, act):
               "the loss's peak": (act + 4) * c.batch_size * config.block_size * config.padded_vocab_size}
     return types.SimpleNamespace(n_params=n_params, parts=model_module.param_formula(config), memory=memory,
                                  flops_token=6 * matmul_weights + extra)
+
+
+class _OpCounts(torch.utils._python_dispatch.TorchDispatchMode):
+    """What the aten ops run under it would launch on a GPU, eagerly: launches (every op but views), the bytes of
+    their tensor inputs and outputs, the FLOPs of their matmuls (2·M·N·K a product), and the distinct signatures
+    (op, input shapes and dtypes) of the ops that are neither point-wise, views, matmuls nor allocations: each such
+    one is a kernel inductor generates (it fuses the point-wise ops into them)."""
+    MATMULS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}   # op: its two factors' positions
+    NOT_KERNELS = {"detach", "t", "_unsafe_view", "promote_types", "scalar_tensor", "empty", "empty_like", "zeros",
+                   "ones", "new_empty_strided", "new_zeros", "clone", "copy_"}
+
+    def __init__(self):
+        super().__init__()
+        self.launches, self.bytes, self.flops, self.kernels = 0, 0, 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.is_view or name in ("detach", "t", "_unsafe_view"):
+            return out
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        self.launches += 1
+        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        if name in self.MATMULS:
+            a, b = (args[i] for i in self.MATMULS[name])
+            self.flops += 2 * a.numel() * b.shape[-1]
+        elif torch.Tag.pointwise not in func.tags and name not in self.NOT_KERNELS:
+            self.kernels.add((name, tuple((tuple(a.shape), a.dtype) for a in torch.utils._pytree.tree_leaves(args)
+                                          if isinstance(a, torch.Tensor))))
+        return out
+
+
+def gemm_time(gpu, M, N, K, instruction, act, dtype="bfloat16"):
+    """launch_time of one cuBLAS GEMM [M, K] @ [K, N] in act-byte elements, as the launch model sees it: a program a
+    128 x 128 output tile (one resident an SM), walking K in pipelined steps of 64 (4 stages)."""
+    return launch_time(gpu, act * (M * K + K * N + M * N), 2 * M * N * K, instruction,
+                       -(-M // 128) * -(-N // 128), 1, -(-K // 64), 4, dtype)
+
+
+def step_costs(c, config, act):
+    """What the dry run needs to price one optimizer step, counted on the meta device: the GEMMs of a micro-step
+    ((M, N, K) of every nn.Linear's forward, input-gradient and weight-gradient products), each mixer layer's
+    (sequence FLOPs, heads), the bytes a micro-step's activations move (model.activation_formula and the loss's
+    logits, each written in the forward, read in the backward and its gradient written: 3 times), the optimizer
+    step's launches, bytes and matmul FLOPs (counted in _OpCounts on one period of layers, its bytes and FLOPs scaled
+    to the model by its parameters), and the distinct kernels the first step compiles (_OpCounts' kernels over one
+    period's forward + backward at the run's batch, the torch path)."""
+    period = min(config.n_layer, len(config.mixer))
+    with torch.device("meta"):
+        gpt = GPT(dataclasses.replace(config, n_layer=period, kernels="torch"))
+    layers = [len(range(i, config.n_layer, period)) for i in range(period)]
+    tokens = c.batch_size * config.block_size
+    in_blocks = {id(m): n for b, n in zip(gpt.blocks, layers) for m in b.modules()}   # a module's layers
+    gemms, mixers, blocks = collections.Counter(), collections.Counter(), -(-config.block_size // 64)
+    for m in gpt.modules():
+        if isinstance(m, nn.Linear):
+            for shape in ((tokens, m.out_features, m.in_features), (tokens, m.in_features, m.out_features),
+                          (m.in_features, m.out_features, tokens)):
+                gemms[shape] += in_blocks.get(id(m), 1)
+    for b, n in zip(gpt.blocks, layers):
+        flops = getattr(b.mixer, "extra_flops_per_token", lambda T: 0)(config.block_size) * tokens
+        mixers[flops, c.batch_size * getattr(b.mixer, "n_head", config.n_head) * blocks, blocks] += n
+    kept = model_module.activation_formula(config, c.batch_size, act)
+    traffic = None if kept is None else 3 * (kept + (act + 4) * tokens * config.padded_vocab_size)
+    forward_backward = _OpCounts()
+    with torch.device("meta"), forward_backward:
+        idx = torch.zeros(c.batch_size, config.block_size, dtype=torch.long)
+        gpt(idx, idx)[1].backward()
+    opt = optim.build_optimizer(gpt, c.optimizer, lr=c.learning_rate, weight_decay=c.weight_decay, aux_lr=c.aux_lr,
+                                aux_betas=(c.beta1, c.beta2), spectral_lr=c.spectral_lr,
+                                **optim.optimizer_options(c.optimizer, vars(c)))
+    opt.step()   # the state's tensors made first: the step counted is a later one
+    with _OpCounts() as step:
+        opt.step()
+    scale = run_costs(c, config, act).n_params / sum(p.numel() for p in gpt.parameters())
+    return types.SimpleNamespace(gemms=gemms, mixers=mixers, traffic=traffic,
+                                 optimizer=dict(launches=step.launches, bytes=step.bytes * scale,
+                                                flops=step.flops * scale),
+                                 kernels=len(forward_backward.kernels))
+
+
+def step_time(costs, micro, gpu):
+    """One optimizer step of one process (`micro` micro-steps) on a COST_GPUS entry by the launch model, from
+    step_costs: {part: seconds} of the micro-steps' GEMMs (gemm_time; wgmma on sm_90, else mma.sync), mixers (a
+    layer's sequence FLOPs as a forward launch of a third and a backward one of two thirds, each a program a head and
+    64-token block of the batch walking up to T/64 blocks: the grids of FlashAttention and of the chunked kernels; at
+    the mma.sync rate) and activations (their bytes streamed at STREAM_FRACTION of the bandwidth), then the optimizer
+    (its launches' overheads, its bytes streamed and its FLOPs at the GEMM rate, one after another)."""
+    dtype = "bfloat16" if GPU_PEAKS[gpu["name"]][0] else "float16"
+    instruction = "wgmma" if gpu["arch"] >= 90 else "mma"
+    gemms = sum(n * gemm_time(gpu, *shape, instruction, 2, dtype)["time"] for shape, n in costs.gemms.items())
+    mixers = sum(n * launch_time(gpu, 0, share * flops, "mma", programs, 1, steps, 2, dtype)["time"]
+                 for (flops, programs, steps), n in costs.mixers.items() if flops for share in (1 / 3, 2 / 3))
+    traffic = costs.traffic / (STREAM_FRACTION * gpu["bandwidth"])
+    opt = costs.optimizer
+    optimizer = opt["launches"] * LAUNCH_OVERHEAD + opt["bytes"] / (STREAM_FRACTION * gpu["bandwidth"]) + \
+        opt["flops"] / dot_rate(gpu, instruction, dtype)
+    return {"GEMMs": micro * gemms, "mixers": micro * mixers, "activations": micro * traffic, "optimizer": optimizer}
 
 
 def run_tokens(c, block_size, world):
@@ -1696,6 +1854,57 @@ def sized_for_a_gpu(c, flops_per_iter, flops, rate):
             f"float32 matmul measured now; an optimistic estimate); --dry_run=True prices it on GPUs")
 
 
+def run_time(c, config, world, act, gpu):
+    """(seconds of the run, seconds a step, {part: seconds a step}, kernels to compile) on a COST_GPUS entry by the
+    launch model (step_time): max_iters steps, each eval's eval_iters batches at a third of a micro-step's GEMMs,
+    mixers and activations (the forward), and the first step's compile (TRITON_COMPILE_SECONDS a kernel, serially)."""
+    costs = step_costs(c, config, act)
+    parts = step_time(costs, c.gradient_accumulation_steps, COST_GPUS[gpu])
+    step = sum(parts.values())
+    evals = (c.max_iters // c.eval_interval + 1) * c.eval_iters * (step - parts["optimizer"]) / (
+        3 * c.gradient_accumulation_steps)
+    return c.max_iters * step + evals + costs.kernels * TRITON_COMPILE_SECONDS, step, parts, costs.kernels
+
+
+def time_lines(c, config, world, act, flops, flops_per_iter):
+    """The dry run's time and compile lines: run_time on each of ESTIMATE_GPUS (each process's step; DDP's
+    all-reduce not priced), the H100's step by part and its MFU against the dense bf16 peak."""
+    if model_module.activation_formula(config, c.batch_size, act) is None:
+        return ["time        no estimate: the launch model prices the activations' bytes (see memory)"]
+    runs = {gpu: run_time(c, config, world, act, gpu) for gpu in ESTIMATE_GPUS}
+    _, step, parts, kernels = runs["H100"]
+    mfu = flops_per_iter / world / step / GPU_PEAKS[COST_GPUS["H100"]["name"]][0]
+    return [f"time        estimates by the launch model (analyze.launch_time), not measurements: "
+            + ", ".join(f"{gpu} {duration(t[0])}" for gpu, t in runs.items()) + (f", {world} GPUs" if world > 1 else "")
+            + f"\n            H100: {step * 1e3:.1f} ms a step = " + " + ".join(f"{k} {v * 1e3:.1f}" for k, v in
+                                                                             parts.items()) + f" ms, {mfu:.0%} MFU",
+            f"compile     the first step waits for the compiled graphs and about {kernels} Triton kernels: "
+            f"{duration(kernels * TRITON_COMPILE_SECONDS)} at {TRITON_COMPILE_SECONDS:.0f} s a kernel (in the times)"]
+
+
+def fit_line(memory, c, gpu):
+    """Whether the run's memory by formula (check_fit's figures) fits a COST_GPUS entry's memory; where it does not,
+    the figure that refused it (the largest) and the batch that fits: --batch_size halved, its accumulation doubled
+    (the same tokens a step), until the activations and the loss's peak fit."""
+    name = COST_GPUS[gpu]["name"]
+    need = {k: v for k, v in memory.items() if v and k != "their bf16 copies"}
+    if None in need.values():
+        return f"fit         {gpu}: not priced (no closed form for the activations)"
+    have, total = COST_GPUS[gpu]["memory"], sum(need.values())
+    if total <= have:
+        return f"fit         {gpu} ({name}, {size(have)}): {size(total)} fits"
+    largest = max(need, key=need.get)
+    per_batch = sum(v for k, v in need.items() if k.startswith("activations") or k == "the loss's peak")
+    batch, accumulation = c.batch_size, c.gradient_accumulation_steps
+    while batch > 1 and total - per_batch * (1 - batch / c.batch_size) > have:
+        batch, accumulation = batch // 2, accumulation * 2
+    fits = total - per_batch * (1 - batch / c.batch_size)
+    way = (f"--batch_size={batch} --gradient_accumulation_steps={accumulation} needs {size(fits)}" if fits <= have
+           else "no batch fits: a smaller model does")
+    return (f"fit         {gpu} ({name}, {size(have)}): {size(total)} refused, the largest figure {largest} "
+            f"{size(need[largest])}; {way}")
+
+
 def dry_run_report(settings, config, world):
     """The dry run's lines for train.py's settings and the model config they make: the model and its parameters
     against the closed form, the tokens, the FLOPs, the memory of one process (weights, gradients, optimizer state,
@@ -1713,7 +1922,6 @@ def dry_run_report(settings, config, world):
             f"but the closed form gives {sum(parts.values()):,} = {terms} (a layer changed: update its n_params)"
     tokens_per_iter, train_tokens, eval_tokens = run_tokens(c, config.block_size, world)
     flops = run_flops(costs.flops_token, train_tokens, eval_tokens)
-    seconds = {gpu: flops / (ESTIMATE_MFU * GPU_PEAKS[name][0] * world) for gpu, name in ESTIMATE_GPUS.items()}
     memory = costs.memory
     if None in memory.values():
         missing = ", ".join(model_module.kinds_without(config, "kept_per_token"))
@@ -1733,8 +1941,8 @@ def dry_run_report(settings, config, world):
              f"FLOPs       {costs.flops_token:.3g} a token (6N = {6 * n_params:.3g}), {flops:.3g} for the run, its "
              f"{eval_tokens:.3g} eval tokens included",
              f"memory      {memory_line}",
-             f"time        estimates at {ESTIMATE_MFU:.0%} MFU, not measurements: " +
-             ", ".join(f"{gpu} {duration(t)}" for gpu, t in seconds.items()) + (f", {world} GPUs" if world > 1 else "")]
+             *time_lines(c, config, world, act, flops, tokens_per_iter * costs.flops_token),
+             fit_line(memory, c, "T4")]
     if data.is_shard_pattern(c.dataset):
         found = len(glob.glob(c.dataset))
         lines.append(f"data        {found} files match {c.dataset}" if found else f"data        no files match "

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import analyze
 import kernels
 import model
 from model import GPT, GPTConfig, MIXERS, RESIDUALS
@@ -260,12 +261,12 @@ def triton_resource_table(archs=(80, 89, 90), dtypes=(torch.float32, torch.bfloa
 # H). The launches at the real shape (grids, warps, stages) are recorded on fake tensors, their registers and
 # shared memory compiled for sm_90 (triton_resources), and the eager aten ops inside each custom op's body
 # counted there too (torch.compile cannot fuse into a custom op), each op as the body calls it (a composite op
-# such as einsum by its inputs and outputs). What is estimated, not counted: the time, a roofline at the H100
-# SXM's datasheet peaks with a latency floor per sequential step (kernel_costs). kernel_cost_report (below) runs
-# it on the mixers. Unique bytes are what a launch needs from memory at the least (a GPU's caches may not keep
-# every re-read); a dot's FLOPs are 2·M·N·K whatever its operand kind (3xTF32 runs three).
+# such as einsum by its inputs and outputs). What is estimated, not counted: the time, by analyze.launch_time's
+# launch model on an H100 SXM, with the dot instruction each launch's sm_90 PTX uses (kernel_costs, dot_instruction).
+# kernel_cost_report (below) runs it on the mixers. Unique bytes are what a launch needs from memory at the least
+# (a GPU's caches may not keep every re-read); a dot's FLOPs are 2·M·N·K whatever its operand kind (3xTF32 runs three).
 
-H100_SXM = dict(bandwidth=3.35e12, dot_flops=989e12, sms=132, step_latency=1e-6)  # B/s, dense bf16 FLOP/s, SMs, s
+H100_SXM = analyze.COST_GPUS["H100"]   # the GPU the report prices each launch on, by analyze.launch_time's model
 SM90_LIMITS = dict(registers=65536, shared=233472, threads=2048, blocks=32)        # per SM (CUDA programming guide)
 
 
@@ -621,6 +622,28 @@ def sm90_resources(step):
     return [{k: found[key][k] for k in ("regs", "shared", "stack")} for key in keys]
 
 
+def dot_instruction(ptx):
+    """The instruction a launch's dots run as, from its PTX: mma (mma.sync, where any dot takes it: the slower path
+    sets the rate), else wgmma, else fma (no tensor-core instruction: Triton lowered the dots to CUDA-core FMAs)."""
+    return "mma" if "mma.sync" in ptx else "wgmma" if "wgmma.mma_async" in ptx else "fma"
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_dot_instruction(kernel, signature, constexprs, options, arch):
+    """dot_instruction of one launch compiled for sm_<arch> (as triton_resources compiles it, without attrs)."""
+    from triton.backends.compiler import GPUTarget
+    src = triton.compiler.ASTSource(kernel, dict(signature), dict(constexprs))
+    return dot_instruction(triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options)).asm["ptx"])
+
+
+def sm90_dot_instructions(step):
+    """[dot_instruction] per Triton launch of step() (recorded on fake tensors), compiled for sm_90 (Triton's disk
+    cache holds the compiles of sm90_resources); in a process that imported triton without the interpreter."""
+    launches, _ = real_launches(step, signatures=True)
+    jobs = [(l["fn"], *(tuple(l[k].items()) for k in ("signature", "constexprs", "options"))) for l in launches]
+    return forked_map(lambda job: _compiled_dot_instruction(*job, 90), jobs)
+
+
 def in_compiling_python(program):
     """The JSON value that a Python program prints last, run in a fresh Python without Triton's interpreter, so that
     kernels compile (the interpreter's cannot); the program imports what it needs, triton before this file."""
@@ -641,10 +664,9 @@ def kernel_costs(step_at, lo, hi, at, resources=None, gpu=H100_SXM):
     whose constexprs or grid do not scale with H, replayed at the real H and the four small (B, T) and scaled in
     those (a count that still does not scale is None: rms_norm's persistent backward's steps, whose grid is 4
     programs on a CPU, 4 per SM on a GPU; steps that grow with the batch are those of a loop over such a grid, not a
-    serial chain, and are None too). With resources (sm90_resources of the same step) also regs, shared, stack and
-    the estimate: blocks_per_sm, waves = ⌈programs / (blocks_per_sm · SMs)⌉, t_bytes = bytes / bandwidth, t_flops =
-    dot FLOPs / peak, t_floor = waves · steps · step_latency where a launch does not pipeline its loop (num_stages =
-    1; with num_stages ≥ 2, Triton's default 3, one step a wave), and time = the largest of the three. eager:
+    serial chain, and are None too). With resources (sm90_resources of the same step, each with its
+    dot_instruction as "instruction") also regs, shared, stack, instruction and the estimate: blocks_per_sm and
+    analyze.launch_time's waves, bandwidth_fraction, t_bytes, t_flops, t_latency, bound and time on `gpu`. eager:
     {custom op: bytes its body's aten ops move}, counted on fake tensors at `at`."""
     B, T, heads = at
     recorded = functools.lru_cache(maxsize=None)(lambda shape: real_launches(step_at(*shape))[0])
@@ -670,26 +692,23 @@ def kernel_costs(step_at, lo, hi, at, resources=None, gpu=H100_SXM):
                          num_stages=launch["options"].get("num_stages", 3)))
     for row, found in zip(rows, resources or []):
         row.update(found, blocks_per_sm=blocks_per_sm(found["regs"], row["num_warps"], found["shared"]))
-        row["waves"] = -(-row["programs"] // (max(1, row["blocks_per_sm"]) * gpu["sms"]))
-        row["t_bytes"] = (row["read"] + row["written"]) / gpu["bandwidth"]
-        row["t_flops"] = row["dot_flops"] / gpu["dot_flops"]
-        steps = row["steps"] if row["num_stages"] == 1 else 1
-        if steps is None:
-            raise ValueError(f"{row['kernel']} does not pipeline its loop and its steps are not counted")
-        row["t_floor"] = row["waves"] * steps * gpu["step_latency"]
-        row["time"] = max(row["t_bytes"], row["t_flops"], row["t_floor"])
+        # a persistent grid's loop (steps None) walks independent rows: no dependent chain, one step
+        row.update(analyze.launch_time(gpu, row["read"] + row["written"], row["dot_flops"] or 0, row["instruction"],
+                                       row["programs"], max(1, row["blocks_per_sm"]), max(1, row["steps"] or 1),
+                                       row["num_stages"]))
     return rows, eager
 
 
 def cost_totals(rows, eager, gpu=H100_SXM):
     """One step's totals from kernel_costs: launches, Triton bytes (read + written), eager bytes, dot FLOPs and exps
     (of the launches that have them counted), the most steps of a launch, and (with resources) the estimated time:
-    the launches' plus the eager bytes at the bandwidth (their own launch latencies left out)."""
+    the launches' (each with its launch overhead) plus the eager bytes at analyze.STREAM_FRACTION of the bandwidth
+    (their own launches left out)."""
     known = lambda key: [r[key] for r in rows if r[key] is not None]
     totals = dict(launches=len(rows), triton=sum(r["read"] + r["written"] for r in rows), eager=sum(eager.values()),
                   dot_flops=sum(known("dot_flops")), exps=sum(known("exps")), steps=max(known("steps"), default=1))
     if all("time" in r for r in rows):
-        totals["time"] = sum(r["time"] for r in rows) + totals["eager"] / gpu["bandwidth"]
+        totals["time"] = sum(r["time"] for r in rows) + totals["eager"] / (analyze.STREAM_FRACTION * gpu["bandwidth"])
     return totals
 
 
@@ -702,21 +721,22 @@ def print_kernel_costs(reports, shape):
     """Print kernel_costs' rows and eager bytes of each {name: (title, rows, eager)} (per launch: counted; its time on
     an H100 SXM: estimated, where the rows have it), then their totals; `shape` says what was run."""
     resources = all("time" in r for _, rows, _ in reports.values() for r in rows)
-    bound = lambda r: max(("bytes", r["t_bytes"]), ("flops", r["t_flops"]), ("latency", r["t_floor"]),
-                          key=lambda x: x[1])
     for title, rows, eager in reports.values():
-        print(f"\n== {title}: {shape}, per Triton launch (counted)" + (" and its time on an H100 SXM (estimated)"
+        print(f"\n== {title}: {shape}, per Triton launch (counted)" + (" and its time on an H100 SXM (estimated by "
+                                                                       "analyze.launch_time's model)"
                                                                        if resources else "") + " ==")
         print(f"{'kernel':30s} {'grid':>12s} {'read MB':>9s} {'write MB':>9s} {'GFLOP':>7s} {'Mexp':>7s} {'steps':>5s} "
               f"{'warps':>5s} {'stages':>6s}" + (f" {'regs':>4s} {'smem KB':>7s} {'blk/SM':>6s} {'waves':>5s} "
-                                                 f"{'est us':>7s} bound" if resources else ""))
+                                                 f"{'dots':>5s} {'BW %':>4s} {'est us':>7s} bound"
+                                                 if resources else ""))
         for r in rows:
             line = (f"{r['kernel']:30s} {'x'.join(map(str, r['grid'])):>12s} {r['read'] / 1e6:9.1f} "
                     f"{r['written'] / 1e6:9.1f} {_shown(r['dot_flops'], 1e9, 7, 2)} {_shown(r['exps'], 1e6, 7, 1)} "
                     f"{_shown(r['steps'], 1, 5, 0)} {r['num_warps']:5d} {r['num_stages']:6d}")
             if resources:
                 line += (f" {r['regs']:4d} {r['shared'] / 1024:7.1f} {r['blocks_per_sm']:6d} {r['waves']:5d} "
-                         f"{r['time'] * 1e6:7.1f} {bound(r)[0]}")
+                         f"{r['instruction']:>5s} {100 * r['bandwidth_fraction']:4.0f} {r['time'] * 1e6:7.1f} "
+                         f"{r['bound']}")
             print(line)
         print("– not counted (kernel_costs says why); eager aten ops inside the custom ops: " + (", ".join(
             f"{op} {n / 1e6:.1f} MB" for op, n in sorted(eager.items(), key=lambda kv: -kv[1]) if n) or "none"))
@@ -769,6 +789,10 @@ def kernel_cost_rows(mixer, B=16, T=1024, dtype=torch.bfloat16, resources=True):
         found = in_compiling_python(
             "import json, torch, triton, bench; print(json.dumps(bench.sm90_resources("
             f"bench.mixer_cost_step({mixer!r}, {B}, {T}, {heads}, {dtype}))))")
+        instructions = in_compiling_python(
+            "import json, torch, triton, bench; print(json.dumps(bench.sm90_dot_instructions("
+            f"bench.mixer_cost_step({mixer!r}, {B}, {T}, {heads}, {dtype}))))")
+        found = [dict(f, instruction=i) for f, i in zip(found, instructions)]
     return kernel_costs(lambda b, t, h: mixer_cost_step(mixer, b, t, h, dtype), (1, short, fewest),
                         (2, short + chunk, 2 * fewest), (B, T, heads), found)
 
