@@ -1628,7 +1628,7 @@ COST_GPUS = {
     "A100": dict(name="NVIDIA A100-SXM4-80GB", arch=80, sms=108, bandwidth=2.039e12, fma_flops=19.5e12),
     "H100": dict(name="NVIDIA H100 80GB HBM3", arch=90, sms=132, bandwidth=3.35e12, fma_flops=67e12),
     "H200": dict(name="NVIDIA H200", arch=90, sms=132, bandwidth=4.8e12, fma_flops=67e12),
-    "T4": dict(name="Tesla T4", arch=75, sms=40, bandwidth=320e9, fma_flops=8.1e12, memory=14.6 * 2**30),
+    "T4": dict(name="Tesla T4", arch=75, sms=40, bandwidth=320e9, fma_flops=8.1e12, memory=int(14.6 * 2**30)),
 }
 ESTIMATE_GPUS = ("A100", "H100", "H200")   # the dry run's time line
 TRITON_COMPILE_SECONDS = 2.0   # one Triton kernel compiled for sm_90 (triton.compile, ptxas included): the mean of G's
@@ -1828,9 +1828,11 @@ def check_fit(memory, device):
     total = processes * sum(need.values())
     if total > have:
         each = f"{processes} processes x " if processes > 1 else ""
+        largest = max(need, key=need.get)
         raise runs.ConfigError(f"this run needs at least {size(total)} by formula ({each}" + ", ".join(
-            f"{k} {size(v)}" for k, v in need.items()) + f"), more than the {size(have)} of {where}: use a smaller "
-            f"--n_layer or --n_embd (the weights and optimizer state), --batch_size or --block_size (the activations)")
+            f"{k} {size(v)}" for k, v in need.items()) + f"), more than the {size(have)} of {where}, the largest "
+            f"figure {largest}: use a smaller --n_layer or --n_embd (the weights and optimizer state), --batch_size "
+            f"or --block_size (the activations; python train.py ... --dry_run=True names a batch that fits a T4)")
 
 
 def device_memory(device):

@@ -6097,6 +6097,29 @@ def test_dry_run_prices_every_preset_and_writes_nothing(name, tmp_path):
         assert got == pytest.approx(want, rel=0.02), (label, got, want)
 
 
+def test_the_dry_run_names_the_batch_that_fits_a_t4(simulated_gpu):
+    """The fineweb presets on a T4 (14.6 GiB as torch reports it): refused by check_fit in one line naming the largest
+    figure (the activations), and the dry run's fit line says so and names --batch_size and accumulation (the same
+    tokens a step) whose memory by formula fits, at the largest such power-of-two batch (twice it is refused)."""
+    t4 = simulated_gpu(name="Tesla T4", capability=(7, 5), memory=int(14.6 * 2**30))
+    assert t4.properties.total_memory == analyze.COST_GPUS["T4"]["memory"]
+    for name in ("gpt2_small_fineweb.py", "gpt2_small_fineweb_hybrid.py"):
+        settings, cfg = preset_config(name)
+        c = types.SimpleNamespace(**settings)
+        costs = lambda batch, accumulation: analyze.run_costs(types.SimpleNamespace(
+            **{**settings, "batch_size": batch, "gradient_accumulation_steps": accumulation}), cfg, act=2).memory
+        line = analyze.fit_line(costs(c.batch_size, c.gradient_accumulation_steps), c, "T4")
+        assert "refused, the largest figure activations (16 x 1024)" in line, line
+        batch, accumulation = (int(x) for x in re.search(r"--batch_size=(\d+) --gradient_accumulation_steps=(\d+)",
+                                                         line).groups())
+        assert batch * accumulation == c.batch_size * c.gradient_accumulation_steps and batch < c.batch_size
+        with pytest.raises(runs.ConfigError, match=r"of cuda:0, the largest figure activations \(16 x 1024\)"):
+            analyze.check_fit(costs(c.batch_size, c.gradient_accumulation_steps), torch.device("cuda", 0))
+        analyze.check_fit(costs(batch, accumulation), torch.device("cuda", 0))
+        with pytest.raises(runs.ConfigError):
+            analyze.check_fit(costs(2 * batch, accumulation // 2), torch.device("cuda", 0))
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_models_take_a_real_step_on_the_cpu(name):
     """Each preset's model at its full width and depth, on a batch of 1 x 64 tokens (not its batch and context:
