@@ -264,7 +264,8 @@ def triton_resource_table(archs=(80, 89, 90), dtypes=(torch.float32, torch.bfloa
 # such as einsum by its inputs and outputs). What is estimated, not counted: the time, by analyze.launch_time's
 # launch model on an H100 SXM, with the dot instruction each launch's sm_90 PTX uses (kernel_costs, dot_instruction).
 # kernel_cost_report (below) runs it on the mixers. Unique bytes are what a launch needs from memory at the least
-# (a GPU's caches may not keep every re-read); a dot's FLOPs are 2·M·N·K whatever its operand kind (3xTF32 runs three).
+# (a GPU's caches may not keep every re-read); a dot's FLOPs are 2·M·N·K whatever its operand kind (3xTF32 runs
+# three).
 
 H100_SXM = analyze.COST_GPUS["H100"]   # the GPU the report prices each launch on, by analyze.launch_time's model
 SM90_LIMITS = dict(registers=65536, shared=233472, threads=2048, blocks=32)        # per SM (CUDA programming guide)
@@ -797,15 +798,75 @@ def kernel_cost_rows(mixer, B=16, T=1024, dtype=torch.bfloat16, resources=True):
                         (2, short + chunk, 2 * fewest), (B, T, heads), found)
 
 
-def kernel_cost_report(mixers="GMA", B=16, T=1024, dtype=torch.bfloat16, resources=True):
+def kernel_cost_report(mixers="GMA", B=16, T=1024, dtype=torch.bfloat16, resources=True, save=None):
     """Print kernel_cost_rows for each mixer (its launches, the eager bytes inside its custom ops) and their totals;
-    returns {mixer: (rows, eager)}."""
+    returns {mixer: (rows, eager)}. With save (a path), also writes {mixer: [[kernel, estimated s, bound], ...]} there
+    as JSON, for measured_beside_estimated."""
+    import json
     reports = {}
     for m in mixers:
         keys, heads = COST_MIXERS[m][0](COST_MIXERS[m][1]), COST_MIXERS[m][1]
         reports[m] = (f"{m} ({keys['n_embd']} wide, {heads} heads)", *kernel_cost_rows(m, B, T, dtype, resources))
     print_kernel_costs(reports, f"one layer forward + backward, B={B} T={T} {str(dtype).split('.')[-1]}")
+    if save:
+        with open(save, "w") as f:
+            json.dump({m: [[r["kernel"], r["time"], r["bound"]] for r in rows] for m, (_, rows, _) in reports.items()},
+                      f)
     return {m: report[1:] for m, report in reports.items()}
+
+
+def measured_kernel_times(mixer, B=16, T=1024, dtype=torch.bfloat16, repeats=5):
+    """[(kernel, seconds)] per Triton launch, in order, of one `mixer` layer (COST_MIXERS' heads) forward + backward at
+    [B, T] on this GPU under autocast to dtype: torch.profiler's CUDA kernel times, each launch's median over
+    `repeats` steps after a warm-up one (which compiles)."""
+    from torch.profiler import ProfilerActivity, profile
+    heads = COST_MIXERS[mixer][1]
+    cfg = GPTConfig(block_size=T, mixer=mixer, kernels="triton", **COST_MIXERS[mixer][0](heads))
+    layer = MIXERS[mixer](cfg).cuda()
+    x = torch.randn(B, T, cfg.n_embd, device="cuda", requires_grad=True)
+    rope = tuple(t.cuda() for t in model.rope_cache(T, cfg.n_embd // cfg.n_head, cfg.rope_base))
+    names = {name for name, fn in vars(kernels).items() if isinstance(fn, triton.runtime.jit.JITFunction)}
+
+    def step():
+        with torch.autocast("cuda", dtype=dtype):
+            y = layer(x, rope)
+        y.backward(torch.ones_like(y))
+    step()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(repeats):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        runs.append([(e.name, e.time_range.elapsed_us() * 1e-6) for e in prof.events()
+                     if e.device_type.name == "CUDA" and e.name in names])
+    return [(launch[0][0], statistics.median(seconds for _, seconds in launch)) for launch in zip(*runs)]
+
+
+def print_measured_beside_estimated(estimated, measured):
+    """Print, per Triton launch in order, the launch model's estimate (estimated: [[kernel, seconds, bound]]) beside
+    the time measured (measured: [(kernel, seconds)], measured_kernel_times) and their ratio; then the sums. A launch
+    list that differs by kernel is a one-line error (the two runs must be of the same code)."""
+    if [e[0] for e in estimated] != [m[0] for m in measured]:
+        raise ValueError(f"the measured launches {[m[0] for m in measured]} are not the estimated ones "
+                         f"{[e[0] for e in estimated]}: measure and estimate the same version")
+    print(f"{'kernel':34s} {'est us':>8s} {'bound':>7s} {'measured us':>11s} {'measured/est':>12s}")
+    for (kernel, estimate, bound), (_, seconds) in zip(estimated, measured):
+        print(f"{kernel:34s} {estimate * 1e6:8.1f} {bound:>7s} {seconds * 1e6:11.1f} {seconds / estimate:12.2f}")
+    total_est, total = sum(e[1] for e in estimated), sum(m[1] for m in measured)
+    print(f"{'all launches':34s} {total_est * 1e6:8.1f} {'':>7s} {total * 1e6:11.1f} {total / total_est:12.2f}")
+
+
+def measured_beside_estimated(path, B=16, T=1024):
+    """On a GPU: for each mixer that kernel_cost_report saved to path, print_measured_beside_estimated of its launches
+    measured here (the estimate is an H100 SXM's: on another GPU the ratio is that GPU's against it)."""
+    import json
+    with open(path) as f:
+        estimated = json.load(f)
+    for mixer, rows in estimated.items():
+        print(f"\n== {mixer}: one layer forward + backward, B={B} T={T} bf16, on {torch.cuda.get_device_name()}: "
+              "each Triton launch measured (torch.profiler) beside the H100 SXM estimate ==")
+        print_measured_beside_estimated(rows, measured_kernel_times(mixer, B, T))
 
 
 # -----------------------------------------------------------------------------
@@ -1166,8 +1227,14 @@ def main(argv=None):
     elif args.command == "costs":
         print("== what autograd keeps for one mixer's backward (on fake tensors), then the kernel cost report ==")
         in_fresh_python("import triton, bench; bench.kept_activation_table()", interpret=False)
-        # in Triton's interpreter (it counts; the sm_90 compile runs in a process of its own), a few minutes
-        in_fresh_python("import bench; bench.kernel_cost_report()", interpret=True)
+        # in Triton's interpreter (it counts; the sm_90 compile runs in a process of its own), a few minutes; on a GPU
+        # each launch is then measured beside its estimate
+        import tempfile
+        with tempfile.TemporaryDirectory() as folder:
+            saved = os.path.join(folder, "estimates.json")
+            in_fresh_python(f"import bench; bench.kernel_cost_report(save={saved!r})", interpret=True)
+            if torch.cuda.is_available():
+                in_fresh_python(f"import triton, bench; bench.measured_beside_estimated({saved!r})", interpret=False)
     elif args.command == "aot":
         print("== Triton kernels compiled ahead of time: shared memory / registers / stack bytes (spills) per thread, "
               "head dim 64, Mamba p 64, n 128, ssd chunk 64; '!' marks shared memory over the limit ==")
