@@ -1856,7 +1856,7 @@ def sized_for_a_gpu(c, flops_per_iter, flops, rate):
             f"float32 matmul measured now; an optimistic estimate); --dry_run=True prices it on GPUs")
 
 
-def run_time(c, config, world, act, gpu):
+def run_time(c, config, act, gpu):
     """(seconds of the run, seconds a step, {part: seconds a step}, kernels to compile) on a COST_GPUS entry by the
     launch model (step_time): max_iters steps, each eval's eval_iters batches at a third of a micro-step's GEMMs,
     mixers and activations (the forward), and the first step's compile (TRITON_COMPILE_SECONDS a kernel, serially)."""
@@ -1873,11 +1873,11 @@ def time_lines(c, config, world, act, flops, flops_per_iter):
     all-reduce not priced), the H100's step by part and its MFU against the dense bf16 peak."""
     if model_module.activation_formula(config, c.batch_size, act) is None:
         return ["time        no estimate: the launch model prices the activations' bytes (see memory)"]
-    runs = {gpu: run_time(c, config, world, act, gpu) for gpu in ESTIMATE_GPUS}
-    _, step, parts, kernels = runs["H100"]
+    priced = {gpu: run_time(c, config, act, gpu) for gpu in ESTIMATE_GPUS}
+    _, step, parts, kernels = priced["H100"]
     mfu = flops_per_iter / world / step / GPU_PEAKS[COST_GPUS["H100"]["name"]][0]
-    return [f"time        estimates by the launch model (analyze.launch_time), not measurements: "
-            + ", ".join(f"{gpu} {duration(t[0])}" for gpu, t in runs.items()) + (f", {world} GPUs" if world > 1 else "")
+    return ["time        estimates by the launch model (analyze.launch_time), not measurements: "
+            + ", ".join(f"{gpu} {duration(t[0])}" for gpu, t in priced.items()) + (f", {world} GPUs" if world > 1 else "")
             + f"\n            H100: {step * 1e3:.1f} ms a step = " + " + ".join(f"{k} {v * 1e3:.1f}" for k, v in
                                                                              parts.items()) + f" ms, {mfu:.0%} MFU",
             f"compile     the first step waits for the compiled graphs and about {kernels} Triton kernels: "
