@@ -1713,8 +1713,9 @@ class _OpCounts(torch.utils._python_dispatch.TorchDispatchMode):
     (op, input shapes and dtypes) of the ops that are neither point-wise, views, matmuls nor allocations: each such
     one is a kernel inductor generates (it fuses the point-wise ops into them)."""
     MATMULS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}   # op: its two factors' positions
-    NOT_KERNELS = {"detach", "t", "_unsafe_view", "promote_types", "scalar_tensor", "empty", "empty_like", "zeros",
-                   "ones", "new_empty_strided", "new_zeros", "clone", "copy_"}
+    VIEWS = {"detach", "t", "_unsafe_view"}   # views that func.is_view does not flag
+    NOT_KERNELS = {"promote_types", "scalar_tensor", "empty", "empty_like", "zeros", "ones", "new_empty_strided",
+                   "new_zeros", "clone", "copy_"}   # allocations and copies, which inductor plans away or fuses
 
     def __init__(self):
         super().__init__()
@@ -1723,7 +1724,7 @@ class _OpCounts(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if func.is_view or name in ("detach", "t", "_unsafe_view"):
+        if func.is_view or name in self.VIEWS:
             return out
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         self.launches += 1
@@ -1779,7 +1780,9 @@ def step_costs(c, config, act):
     opt.step()   # the state's tensors made first: the step counted is a later one
     with _OpCounts() as step:
         opt.step()
-    scale = run_costs(c, config, act).n_params / sum(p.numel() for p in gpt.parameters())
+    period_params = sum(p.numel() for p in gpt.parameters())
+    scale = (period_params + sum((n - 1) * sum(p.numel() for p in b.parameters())
+                                 for b, n in zip(gpt.blocks, layers))) / period_params
     return types.SimpleNamespace(gemms=gemms, mixers=mixers, traffic=traffic,
                                  optimizer=dict(launches=step.launches, bytes=step.bytes * scale,
                                                 flops=step.flops * scale),

@@ -6110,6 +6110,42 @@ def test_dry_run_prices_every_preset_and_writes_nothing(name, tmp_path):
         assert got == pytest.approx(want, rel=0.02), (label, got, want)
 
 
+def test_the_dry_runs_step_parts_by_hand():
+    """analyze._OpCounts on meta tensors: two fills, a [4, 8] @ [8, 16] fp32 product (one launch of 2·4·8·16 FLOPs
+    moving (32 + 128 + 64)·4 bytes), a view (no launch), a sum (a kernel) and a point-wise op (fused: no kernel). analyze.step_costs of a 3-layer
+    attention model (make_config: mixer A, relu2 MLP, plain residual, tied head; 128 wide, 4 heads, T 256, vocab 84)
+    at batch 2: per micro-step each Linear's three GEMMs (q, k, v, out 128 x 128 and the MLP's two, 3 layers each;
+    the head 128 x 84 once), attention's 12·T·d FLOPs a token a layer on a grid of a program a head and 64-token block
+    (4 steps), the activations' formula and the logits 3 times; analyze.step_time prices the GEMMs by gemm_time and
+    the micro-steps add up."""
+    with torch.device("meta"), analyze._OpCounts() as counts:
+        a, b = torch.ones(4, 8), torch.ones(8, 16)
+        (a @ b).view(64).sum()
+        torch.relu(a)
+    assert (counts.flops, len(counts.kernels)) == (2 * 4 * 8 * 16, 1) and counts.launches == 5   # 2 fills
+    assert counts.bytes == (32 + 128) * 4 + (32 + 128 + 64) * 4 + (64 + 1) * 4 + 2 * 32 * 4
+    cfg = make_config(n_layer=3)
+    c = types.SimpleNamespace(**{**train.RUN_DEFAULTS, "batch_size": 2, "gradient_accumulation_steps": 3})
+    costs = analyze.step_costs(c, cfg, act=2)
+    tokens, d, hidden = 2 * 256, 128, model_module.MLP.hidden_size(cfg)
+    gemms = collections.Counter()
+    for (n_in, n_out), n in (((d, d), 4 * 3), ((d, hidden), 3), ((hidden, d), 3), ((d, 84), 1)):
+        for shape in ((tokens, n_out, n_in), (tokens, n_in, n_out), (n_in, n_out, tokens)):
+            gemms[shape] += n
+    assert costs.gemms == gemms
+    assert costs.mixers == {(12 * 256 * d * tokens, 2 * 4 * 4, 4): 3}
+    assert costs.traffic == 3 * (model_module.activation_formula(cfg, 2, 2) + 6 * tokens * 84)
+    assert costs.optimizer["launches"] > 0 and costs.optimizer["bytes"] > 0
+    h100 = analyze.COST_GPUS["H100"]
+    parts = analyze.step_time(costs, 3, h100)
+    assert parts["GEMMs"] == pytest.approx(3 * sum(n * analyze.gemm_time(h100, *shape, "wgmma", 2)["time"]
+                                                   for shape, n in gemms.items()))
+    assert parts["activations"] == pytest.approx(3 * costs.traffic / (0.9 * 3.35e12))
+    assert parts["mixers"] == pytest.approx(3 * 3 * sum(analyze.launch_time(h100, 0, share * 12 * 256 * d * tokens,
+                                                                            "mma", 32, 1, 4, 2)["time"]
+                                                        for share in (1 / 3, 2 / 3)))
+
+
 def test_the_dry_run_names_the_batch_that_fits_a_t4(simulated_gpu):
     """The fineweb presets on a T4 (14.6 GiB as torch reports it): refused by check_fit in one line naming the largest
     figure (the activations), and the dry run's fit line says so and names --batch_size and accumulation (the same
