@@ -1708,14 +1708,14 @@ def run_costs(c, config, act):
 
 
 class _OpCounts(torch.utils._python_dispatch.TorchDispatchMode):
-    """What the aten ops run under it would launch on a GPU, eagerly: launches (every op but views), the bytes of
-    their tensor inputs and outputs, the FLOPs of their matmuls (2·M·N·K a product), and the distinct signatures
+    """What the aten ops run under it would launch on a GPU, eagerly: launches (every op but views and bare
+    allocations), the bytes of their tensor inputs and outputs, the FLOPs of their matmuls (2·M·N·K a product), and the distinct signatures
     (op, input shapes and dtypes) of the ops that are neither point-wise, views, matmuls nor allocations: each such
     one is a kernel inductor generates (it fuses the point-wise ops into them)."""
     MATMULS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}   # op: its two factors' positions
-    VIEWS = {"detach", "t", "_unsafe_view"}   # views that func.is_view does not flag
-    NOT_KERNELS = {"promote_types", "scalar_tensor", "empty", "empty_like", "zeros", "ones", "new_empty_strided",
-                   "new_zeros", "clone", "copy_"}   # allocations and copies, which inductor plans away or fuses
+    NOT_LAUNCHED = {"detach", "t", "_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty_strided",
+                    "promote_types", "scalar_tensor"}   # views func.is_view does not flag, allocations without a fill
+    NOT_KERNELS = {"zeros", "ones", "new_zeros", "clone", "copy_"}   # fills and copies, which inductor fuses
 
     def __init__(self):
         super().__init__()
@@ -1724,7 +1724,7 @@ class _OpCounts(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if func.is_view or name in self.VIEWS:
+        if func.is_view or name in self.NOT_LAUNCHED:
             return out
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         self.launches += 1
@@ -1747,8 +1747,9 @@ def gemm_time(gpu, M, N, K, instruction, act, dtype="bfloat16"):
 
 def step_costs(c, config, act):
     """What the dry run needs to price one optimizer step, counted on the meta device: the GEMMs of a micro-step
-    ((M, N, K) of every nn.Linear's forward, input-gradient and weight-gradient products), each mixer layer's
-    (sequence FLOPs, heads), the bytes a micro-step's activations move (model.activation_formula and the loss's
+    (Counter of the (M, N, K) of every nn.Linear's forward, input-gradient and weight-gradient products), the mixer
+    layers (Counter of their (sequence FLOPs, programs: a head and 64-token block of the batch, steps: T/64)), the
+    bytes a micro-step's activations move (model.activation_formula and the loss's
     logits, each written in the forward, read in the backward and its gradient written: 3 times), the optimizer
     step's launches, bytes and matmul FLOPs (counted in _OpCounts on one period of layers, its bytes and FLOPs scaled
     to the model by its parameters), and the distinct kernels the first step compiles (_OpCounts' kernels over one

@@ -9,7 +9,8 @@ its model's speed. One command with subcommands; the library files never import 
                                      torch.compile
     python bench.py costs            what autograd keeps per mixer, and the kernel cost report: per Triton launch of a
                                      mixer's forward + backward the bytes, FLOPs, exps and steps counted in Triton's
-                                     interpreter, its sm_90 occupancy and an estimated H100 time
+                                     interpreter, its sm_90 occupancy and dot instruction, and an H100 time estimated
+                                     by analyze.launch_time; on a GPU each launch measured beside its estimate
     python bench.py aot              every Triton kernel compiled ahead of time for sm_80/89/90 in fp32 and bf16:
                                      shared memory, registers, spilled bytes
     python bench.py recipe           nanoGPT's CPU recipe on a GPT-2-style yardstick, to time python train.py by
@@ -1208,7 +1209,8 @@ def main(argv=None):
                         "Triton walk-through (TRITON_INTERPRET=1 on a CPU); on a GPU the timings against the torch "
                         "path and torch.compile")
     commands.add_parser("costs", help="what autograd keeps per mixer, and the kernel cost report (bytes, FLOPs, exps "
-                        "and steps per Triton launch, counted in Triton's interpreter; an H100 estimate)")
+                        "and steps per Triton launch, counted in Triton's interpreter; an H100 estimate; on a GPU "
+                        "each launch measured beside it)")
     commands.add_parser("aot", help="every Triton kernel compiled ahead of time for sm_80/89/90 in fp32 and bf16: "
                         "shared memory, registers, spills")
     commands.add_parser("recipe", help="nanoGPT's CPU recipe on the GPT-2-style yardstick, to time python train.py by")
