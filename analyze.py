@@ -1709,9 +1709,9 @@ def run_costs(c, config, act):
 
 class _OpCounts(torch.utils._python_dispatch.TorchDispatchMode):
     """What the aten ops run under it would launch on a GPU, eagerly: launches (every op but views and bare
-    allocations), the bytes of their tensor inputs and outputs, the FLOPs of their matmuls (2·M·N·K a product), and the distinct signatures
-    (op, input shapes and dtypes) of the ops that are neither point-wise, views, matmuls nor allocations: each such
-    one is a kernel inductor generates (it fuses the point-wise ops into them)."""
+    allocations), the bytes of their tensor inputs and outputs, the FLOPs of their matmuls (2·M·N·K a product), and
+    the distinct signatures (op, input shapes and dtypes) of the ops that are neither point-wise, views, matmuls nor
+    fills: each such one is a kernel inductor generates (it fuses the point-wise ops into them)."""
     MATMULS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}   # op: its two factors' positions
     NOT_LAUNCHED = {"detach", "t", "_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty_strided",
                     "promote_types", "scalar_tensor"}   # views func.is_view does not flag, allocations without a fill
@@ -1880,10 +1880,11 @@ def time_lines(c, config, world, act, flops, flops_per_iter):
     priced = {gpu: run_time(c, config, act, gpu) for gpu in ESTIMATE_GPUS}
     _, step, parts, kernels = priced["H100"]
     mfu = flops_per_iter / world / step / GPU_PEAKS[COST_GPUS["H100"]["name"]][0]
+    gpus = f", {world} GPUs" if world > 1 else ""
+    shares = " + ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items())
     return ["time        estimates by the launch model (analyze.launch_time), not measurements: "
-            + ", ".join(f"{gpu} {duration(t[0])}" for gpu, t in priced.items()) + (f", {world} GPUs" if world > 1 else "")
-            + f"\n            H100: {step * 1e3:.1f} ms a step = " + " + ".join(f"{k} {v * 1e3:.1f}" for k, v in
-                                                                             parts.items()) + f" ms, {mfu:.0%} MFU",
+            + ", ".join(f"{gpu} {duration(t[0])}" for gpu, t in priced.items()) + gpus
+            + f"\n            H100: {step * 1e3:.1f} ms a step = {shares} ms, {mfu:.0%} MFU",
             f"compile     the first step waits for the compiled graphs and about {kernels} Triton kernels: "
             f"{duration(kernels * TRITON_COMPILE_SECONDS)} at {TRITON_COMPILE_SECONDS:.0f} s a kernel (in the times)"]
 

@@ -6112,8 +6112,8 @@ def test_dry_run_prices_every_preset_and_writes_nothing(name, tmp_path):
 
 def test_the_dry_runs_step_parts_by_hand():
     """analyze._OpCounts on meta tensors: two fills, a [4, 8] @ [8, 16] fp32 product (one launch of 2·4·8·16 FLOPs
-    moving (32 + 128 + 64)·4 bytes), a view (no launch), a sum (a kernel) and a point-wise op (fused: no kernel). analyze.step_costs of a 3-layer
-    attention model (make_config: mixer A, relu2 MLP, plain residual, tied head; 128 wide, 4 heads, T 256, vocab 84)
+    moving (32 + 128 + 64)·4 bytes), a view (no launch), a sum (a kernel) and a point-wise op (fused: no kernel).
+    analyze.step_costs of a 3-layer attention model (make_config: mixer A, relu2 MLP, plain residual, tied head; 128 wide, 4 heads, T 256, vocab 84)
     at batch 2: per micro-step each Linear's three GEMMs (q, k, v, out 128 x 128 and the MLP's two, 3 layers each;
     the head 128 x 84 once), attention's 12·T·d FLOPs a token a layer on a grid of a program a head and 64-token block
     (4 steps), the activations' formula and the logits 3 times; analyze.step_time prices the GEMMs by gemm_time and
