@@ -824,7 +824,7 @@ def measured_kernel_times(mixer, B=16, T=1024, dtype=torch.bfloat16, repeats=5):
     heads = COST_MIXERS[mixer][1]
     cfg = GPTConfig(block_size=T, mixer=mixer, kernels="triton", **COST_MIXERS[mixer][0](heads))
     layer = MIXERS[mixer](cfg).cuda()
-    x = torch.randn(B, T, cfg.n_embd, device="cuda", requires_grad=True)
+    x = torch.randn(B, T, cfg.n_embd, device="cuda").to(dtype).requires_grad_()   # as mixer_cost_step's
     rope = tuple(t.cuda() for t in model.rope_cache(T, cfg.n_embd // cfg.n_head, cfg.rope_base))
     names = {name for name, fn in vars(kernels).items() if isinstance(fn, triton.runtime.jit.JITFunction)}
 
