@@ -1011,15 +1011,16 @@ def train_step(net, B, T, V):
     return step
 
 
-def nanogpt_recipe():
-    """nanoGPT's shakespeare_char CPU recipe, lr-tuned, on the yardstick: nanoGPT's init (std 0.02, residual
+def nanogpt_recipe(seed=1337):
+    """nanoGPT's shakespeare_char CPU recipe, lr-tuned, on the yardstick (seed: its init and training batches, as
+    train.py's --seed): nanoGPT's init (std 0.02, residual
     projections 0.02/sqrt(2·n_layer)), batch 12 x 64, 2000 iterations, AdamW (lr 3e-3, betas (0.9, 0.99),
     weight decay 0.1 on matrices), 100 warmup steps then a cosine to 3e-4, gradient clip 1, an eval of 20
     train and 20 val batches every 250 iterations. Prints its wall time and, untimed, the val loss on
     train.py's fixed validation batches (20 of 24 x 64, seed 0), so the two runs' losses compare."""
     import data
     train_tokens, val_tokens, _ = data.load_dataset("shakespeare_char")
-    torch.manual_seed(1337)
+    torch.manual_seed(seed)
     net = GPT2(84, 64, 4, 4, 128)
     for name, p in net.named_parameters():
         if p.dim() == 2:
@@ -1029,7 +1030,7 @@ def nanogpt_recipe():
     no_decay = [p for p in net.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=3e-3, betas=(0.9, 0.99))
-    samplers = {"train": data.BatchSampler(train_tokens, 12, 64, seed=1337),
+    samplers = {"train": data.BatchSampler(train_tokens, 12, 64, seed=seed),
                 "val": data.BatchSampler(val_tokens, 12, 64, seed=1)}
 
     @torch.no_grad()
@@ -1126,7 +1127,9 @@ def main(argv=None):
                         "and steps per Triton launch, counted in Triton's interpreter; an H100 estimate)")
     commands.add_parser("aot", help="every Triton kernel compiled ahead of time for sm_80/89/90 in fp32 and bf16: "
                         "shared memory, registers, spills")
-    commands.add_parser("recipe", help="nanoGPT's CPU recipe on the GPT-2-style yardstick, to time python train.py by")
+    recipe = commands.add_parser("recipe", help="nanoGPT's CPU recipe on the GPT-2-style yardstick, to time python "
+                                 "train.py by")
+    recipe.add_argument("--seed", type=int, default=1337, help="its init and training batches (default 1337)")
     mixers = commands.add_parser("mixers", help="each mixer string's training step against the GPT-2-style "
                                  "yardstick")
     mixers.add_argument("mixers", nargs="*", default=["A"], help="mixer strings, letters of "
@@ -1151,7 +1154,7 @@ def main(argv=None):
                         "p=64, n=128, chunk=64)", interpret=False)
     elif args.command == "recipe":
         print("== nanoGPT's shakespeare_char CPU recipe on the GPT-2-style yardstick: wall time and val loss ==")
-        nanogpt_recipe()
+        nanogpt_recipe(args.seed)
     elif args.command == "mixers":
         wrong = [m for m in args.mixers if not m or set(m) - set(MIXERS)]
         if wrong:
