@@ -394,7 +394,9 @@ def print_banner(c, config, meta, n_train_tokens, raw_model, compiled, dev, prec
     print(f"{c.dataset}: {n_train_tokens:,} train tokens, vocab {meta['vocab_size']} | model "
           f"{raw_model.num_params() / 1e6:.2f}M params, mixer {config.mixer}, residual {config.residual} | "
           f"{c.optimizer}, lr {c.learning_rate:g} {c.schedule} to {c.min_lr:g} over {c.lr_decay_iters or c.max_iters} "
-          f"iters (warmup {c.warmup_iters}) | {dev}, {precision}, "
+          f"iters (warmup {c.warmup_iters})"
+          + (f", on time: {c.time_budget:g}s of steps as {c.max_iters} iters" if math.isfinite(c.time_budget) else "")
+          + f" | {dev}, {precision}, "
           f"{'eager' if compiled is raw_model else 'compiled'}, {threads} thread{'s' * (threads > 1)} | "
           f"{tokens_per_iter:,} tokens/iter ({world} x {c.gradient_accumulation_steps} x {c.batch_size} x "
           f"{config.block_size}) | "
@@ -499,7 +501,7 @@ def log_line(c, progress, window, grad_norm, opt, scaler, tokens_per_iter, flops
         eta = ((c.max_iters - progress.iter_num) * tokens_per_iter / tok_s
                + evals_left(progress.iter_num, c.max_iters, c.eval_interval) * eval_seconds)
         if math.isfinite(c.time_budget):
-            eta = c.time_budget - progress.trained
+            eta = max(0.0, c.time_budget - progress.trained)
         speed = f"{tok_s:,.0f} tokens/s" + (f", mfu {100 * mfu:.1f}%" if mfu else "") + f", eta {eta:.0f}s"
     scaling = f", loss scale {scaler.get_scale():g} ({window.skipped} steps skipped)" if scaler.is_enabled() else ""
     print(f"iter {progress.iter_num}: loss {mean_loss:.4f}, lr {lr:.2e}, grad norm {norm:.3f}{scaling}, {speed}")
