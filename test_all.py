@@ -7114,7 +7114,7 @@ def generated_bad_values(defaults, ranges, choices):
     """Bad values derived from a script's own rules, as (sort, key, value text): for every key whose default is not a
     string, a value of another type (a string default takes any text); for every rule of ranges, a value just outside
     each bound and the bound itself where the rule excludes it; for every key of choices, a near miss of an allowed
-    value; for every float key, 1e999, -1e999 (infinities, as Python reads them) and nan."""
+    value; for every float key, 1e999, -1e999 (infinities, as Python reads them) and nan, but its default."""
     other_type = {bool: "maybe", int: "2.5", float: "fast", type(None): "3"}
     cases = [("type", key, other_type[type(default)]) for key, default in defaults.items()
              if not isinstance(default, str)]
@@ -7136,7 +7136,7 @@ def generated_bad_values(defaults, ranges, choices):
         near = next(miss for miss in (allowed[0][:-1], allowed[0] + "s", allowed[0].upper()) if miss not in allowed)
         cases.append(("choice", key, near))
     cases += [("infinite", key, text) for key, default in defaults.items() if isinstance(default, float)
-              for text in ("1e999", "-1e999", "nan")]
+              for text in ("1e999", "-1e999", "nan") if float(text) != default]  # an inf default is no bad value
     return cases
 
 
