@@ -1363,8 +1363,8 @@ def main(argv=None):
     commands.add_parser("residuals", help="each residual kind's training step against res")
     seeds = commands.add_parser("seeds", help="each setting (the train.py arguments after each --) trained with n "
                                 "seeds: mean ± sd of the final val loss and bpb, Welch's t-test of each pair",
-                                description="python bench.py seeds --n=3 -- --mixer=A -- --mixer=G: each setting after a "
-                                "-- is train.py's arguments (none: the defaults), trained with --n seeds")
+                                description="python bench.py seeds --n=3 -- --mixer=A -- --mixer=G: each setting "
+                                "after a -- is train.py's arguments (none: the defaults), trained with --n seeds")
     seeds.add_argument("--n", type=int, default=3, help="seeds a setting (at least 2: a p-value needs them)")
     seeds.add_argument("--seed", type=int, default=1337, help="the first seed; the others follow it")
     seeds.add_argument("--metric", default="val", help="the eval's key the t-tests compare (log.jsonl): val (the "
