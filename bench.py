@@ -16,6 +16,11 @@ its model's speed. One command with subcommands; the library files never import 
     python bench.py recipe           nanoGPT's CPU recipe on a GPT-2-style yardstick, to time python train.py by
     python bench.py mixers [A G ...] each mixer string's training step against the GPT-2-style yardstick
     python bench.py residuals        each residual kind's training step against res
+    python bench.py seeds --n=3 -- <train.py args of setting A> -- <of setting B> ...
+                                     each setting trained with n seeds: mean ± sd of the final val loss and bpb, and
+                                     Welch's t-test between each pair
+    python bench.py clip OUT_DIR ... Gated DeltaNet-2's spectral clip on each checkpoint's gdn2 layers: how often
+                                     ρ > 1, and the state's growth over long text with the clip and without
 """
 import argparse
 import ast
@@ -1097,15 +1102,16 @@ def train_step(net, B, T, V):
     return step
 
 
-def nanogpt_recipe():
-    """nanoGPT's shakespeare_char CPU recipe, lr-tuned, on the yardstick: nanoGPT's init (std 0.02, residual
+def nanogpt_recipe(seed=1337):
+    """nanoGPT's shakespeare_char CPU recipe, lr-tuned, on the yardstick (seed: its init and training batches, as
+    train.py's --seed): nanoGPT's init (std 0.02, residual
     projections 0.02/sqrt(2·n_layer)), batch 12 x 64, 2000 iterations, AdamW (lr 3e-3, betas (0.9, 0.99),
     weight decay 0.1 on matrices), 100 warmup steps then a cosine to 3e-4, gradient clip 1, an eval of 20
     train and 20 val batches every 250 iterations. Prints its wall time and, untimed, the val loss on
     train.py's fixed validation batches (20 of 24 x 64, seed 0), so the two runs' losses compare."""
     import data
     train_tokens, val_tokens, _ = data.load_dataset("shakespeare_char")
-    torch.manual_seed(1337)
+    torch.manual_seed(seed)
     net = GPT2(84, 64, 4, 4, 128)
     for name, p in net.named_parameters():
         if p.dim() == 2:
@@ -1115,7 +1121,7 @@ def nanogpt_recipe():
     no_decay = [p for p in net.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=3e-3, betas=(0.9, 0.99))
-    samplers = {"train": data.BatchSampler(train_tokens, 12, 64, seed=1337),
+    samplers = {"train": data.BatchSampler(train_tokens, 12, 64, seed=seed),
                 "val": data.BatchSampler(val_tokens, 12, 64, seed=1)}
 
     @torch.no_grad()
@@ -1144,6 +1150,227 @@ def nanogpt_recipe():
     val = mean_loss(data.BatchSampler(val_tokens, 24, 64, seed=0), 20)
     print(f"nanoGPT recipe: {seconds:.1f}s wall for 2000 iterations and evals, "
           f"val loss {val:.4f} on train.py's validation batches")
+
+
+# -----------------------------------------------------------------------------
+# Repeated runs and their spread: each setting (train.py arguments) trained with n seeds, then mean ± sd of the final
+# val loss and bpb, and Welch's t-test between each pair of settings. The p-value is computed here (no scipy): the
+# Student t tail through the regularized incomplete beta function, as a continued fraction.
+
+def incomplete_beta(x, a, b):
+    """I_x(a, b), the regularized incomplete beta function, by its continued fraction (Abramowitz & Stegun 26.5.8),
+    evaluated with the modified Lentz method; on the side x > (a + 1)/(a + b + 2) through I_x(a, b) =
+    1 − I_{1−x}(b, a), where the fraction converges fast."""
+    if x <= 0.0 or x >= 1.0:
+        return min(max(x, 0.0), 1.0)
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - incomplete_beta(1.0 - x, b, a)
+    front = math.exp(a * math.log(x) + b * math.log1p(-x) + math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)) / a
+    # modified Lentz on 1 / (1 + d1 / (1 + d2 / (1 + ...))): numerators 1, d1, d2, ..., every denominator 1
+    tiny = 1e-300
+    f, c, d = tiny, tiny, 0.0
+    for j in range(1, 500):
+        m = (j - 1) // 2
+        if j == 1:
+            numerator = 1.0
+        elif j % 2 == 0:  # d_{2m+1}
+            numerator = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        else:  # d_{2m}
+            numerator = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        d = 1.0 + numerator * d
+        c = 1.0 + numerator / c
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = c if abs(c) > tiny else tiny
+        f *= c * d
+        if j > 1 and abs(c * d - 1.0) < 1e-15:
+            break
+    return front * f
+
+
+def student_t_two_sided(t, df):
+    """P(|T| ≥ |t|) for Student's t with df degrees of freedom: I_{df/(df+t²)}(df/2, 1/2)."""
+    return incomplete_beta(df / (df + t * t), df / 2, 0.5)
+
+
+def welch_test(a, b):
+    """Welch's t-test of two samples (each at least 2 values): (t, the Welch–Satterthwaite degrees of freedom,
+    the two-sided p-value). Two samples without spread: p is 1 where their means are equal, else 0."""
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"a p-value needs at least 2 runs a setting, got {len(a)} and {len(b)}: use --n=2 or more")
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    diff = statistics.mean(a) - statistics.mean(b)
+    if va + vb == 0:
+        return math.copysign(math.inf, diff) if diff else 0.0, len(a) + len(b) - 2, 0.0 if diff else 1.0
+    t = diff / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    return t, df, student_t_two_sided(t, df)
+
+
+def split_settings(argv):
+    """`[options] -- <setting A's train.py args> -- <setting B's> ...` -> (options, [settings])."""
+    groups, current = [], []
+    for arg in argv:
+        if arg == "--":
+            groups.append(current)
+            current = []
+        else:
+            current.append(arg)
+    groups.append(current)
+    return groups[0], groups[1:]
+
+
+def final_eval(out_dir):
+    """The last eval row of out_dir/log.jsonl (val, val_bpb, and whatever else the eval logged)."""
+    import runs
+    rows = [row for row in runs.read_jsonl(os.path.join(out_dir, "log.jsonl"))[0] if "val" in row]
+    if not rows:
+        raise ValueError(f"{out_dir}/log.jsonl holds no eval: the run failed before its first one (see {out_dir}.txt)")
+    return rows[-1]
+
+
+def seed_runs(settings, n, first_seed, out_dir, threads, jobs):
+    """Trains each setting (a list of train.py arguments) with seeds first_seed .. first_seed + n − 1, jobs processes
+    at a time of threads threads each, into out_dir/<setting>-s<seed> (replacing what is there; each process's output
+    in <that folder>.txt); returns [[final eval row of each seed] for each setting]."""
+    import concurrent.futures
+    os.makedirs(out_dir, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+
+    def run(i, seed):
+        folder = os.path.join(out_dir, f"{i}-s{seed}")
+        with open(folder + ".txt", "w") as log:
+            rc = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *settings[i], f"--seed={seed}",
+                                 f"--out_dir={folder}", "--overwrite=True", "--num_samples=0"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            raise ValueError(f"setting {i} (seed {seed}) failed with exit status {rc}: see {folder}.txt")
+        return final_eval(folder)
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        futures = [[pool.submit(run, i, first_seed + s) for s in range(n)] for i in range(len(settings))]
+        return [[f.result() for f in row] for row in futures]
+
+
+def spread_table(names, results, metric="val"):
+    """The lines of the comparison: per setting n, mean ± sd of the val loss and bpb (and of metric, if another);
+    then per pair the difference of metric's means, Welch's t, its degrees of freedom and p."""
+    shown = ["val", "val_bpb"] + ([metric] if metric not in ("val", "val_bpb") else [])
+    labels = {"val": "val loss", "val_bpb": "val bpb"}
+    lines = ["| setting | n | " + " | ".join(f"{labels.get(m, m)} mean ± sd" for m in shown) + " |",
+             "|---|---|" + "---|" * len(shown)]
+    for name, rows in zip(names, results):
+        cells = []
+        for m in shown:
+            xs = [row[m] for row in rows]
+            cells.append(f"{statistics.mean(xs):.4f} ± {statistics.stdev(xs):.4f}")
+        lines.append(f"| {name} | {len(rows)} | " + " | ".join(cells) + " |")
+    lines += ["", f"Welch's t-test of {metric}, each pair (two-sided):", "| pair | difference of means | t | df | p |",
+              "|---|---|---|---|---|"]
+    for (i, a), (j, b) in itertools.combinations(enumerate(results), 2):
+        xs, ys = [row[metric] for row in a], [row[metric] for row in b]
+        t, df, p = welch_test(xs, ys)
+        lines.append(f"| {names[i]} − {names[j]} | {statistics.mean(xs) - statistics.mean(ys):+.4f} | {t:.2f} | "
+                     f"{df:.1f} | {p:.2g} |")
+    return lines
+
+
+# -----------------------------------------------------------------------------
+# Gated DeltaNet-2's spectral clip, shown on trained layers. With erase key k and write key j = b⊙k/‖b⊙k‖ (unit), η =
+# ‖b⊙k‖, the transition I − η k jᵀ has ‖·‖₂ = ρ = (η + √(η² − 4η k·j + 4))/2, which exceeds 1 whenever k and j are
+# not collinear (k·j < 1); the clip g ← min(g, −log ρ) keeps each ‖(I − η k jᵀ) Diag(exp g)‖₂ ≤ 1. Whether the
+# unclipped state then grows over a long sequence is the top Lyapunov exponent of the transitions' product:
+# λ = lim (1/T) log ‖A_T ⋯ A_1‖₂, measured on the layer's own gates over validation text longer than training.
+
+def transition_norm(eta, kj):
+    """ρ = ‖I − η k jᵀ‖₂ for unit k, j with k·j = kj: (η + √(η² − 4η k·j + 4)) / 2."""
+    return (eta + torch.sqrt(eta * eta - 4 * eta * kj + 4)) / 2
+
+
+@torch.no_grad()
+def state_growth(k, g, b, w, v, probes=4):
+    """Per head, over the T tokens of one sequence (k, g, b: [T, H, dk]; w, v: [T, H, dv]), in float64:
+    λ, the growth rate of the transitions' product A_T ⋯ A_1, A_t = (I − k_t (b_t⊙k_t)ᵀ) Diag(exp g_t), from
+    `probes` random directions renormalised every token (λ > 0: the unforced state grows like exp(λ t)), and the
+    norm ‖S_t‖_F of the layer's own state S_t = A_t S_{t−1} + k_t (w_t⊙v_t)ᵀ at t = T. Returns (λ [H], ‖S_T‖ [H])."""
+    k, g, b, w, v = (t.double() for t in (k, g, b, w, v))
+    T, H, dk = k.shape
+    probe = torch.randn(H, dk, probes, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    probe = probe / probe.norm(dim=1, keepdim=True)
+    log_growth = torch.zeros(H, dtype=torch.float64)
+    S = torch.zeros(H, dk, v.size(-1), dtype=torch.float64)
+    for t in range(T):
+        c = b[t] * k[t]
+        decayed = g[t].exp().unsqueeze(-1) * probe  # Diag(exp g) P, then (I − k cᵀ) of it
+        probe = decayed - k[t].unsqueeze(-1) * (c.unsqueeze(-1) * decayed).sum(1, keepdim=True)
+        size = probe.norm(dim=1).amax(-1).clamp(min=1e-300)  # all probes scaled alike: the largest one's growth
+        log_growth += size.log()
+        probe = probe / size[:, None, None]
+        S_decayed = g[t].exp().unsqueeze(-1) * S
+        S = (S_decayed - k[t].unsqueeze(-1) * (c.unsqueeze(-1) * S_decayed).sum(1, keepdim=True)
+             + k[t].unsqueeze(-1) * (w[t] * v[t]).unsqueeze(1))
+    return log_growth / T, S.flatten(1).norm(dim=1)
+
+
+@torch.no_grad()
+def clip_report(out_dir, length=2048, sequences=2):
+    """For each gdn2 layer of the checkpoint in out_dir, on `sequences` stretches of `length` validation tokens:
+    the fraction of (token, head) pairs with ρ > 1 (k and j not collinear), ρ's largest value, the fraction of decay
+    entries the clip lowers, the largest unclipped ‖A_t‖₂ (analyze.gdn2_gates, at the training length), and over the
+    long stretches λ and ‖S_T‖_F with the clip and without (the same inputs x; the larger over heads and stretches).
+    Returns one dict a layer."""
+    import analyze
+    import data
+    import runs
+    path = os.path.join(out_dir, "ckpt.pt")
+    ckpt = runs.load_checkpoint(path)
+    config = {**ckpt["config"], "kernels": "torch"}
+    gpt = GPT(GPTConfig.from_dict(config))
+    runs.load_weights(gpt, ckpt, path)
+    gpt.eval()
+    _, val, _ = data.load_dataset(config["dataset"], config["tokenizer"])
+    if len(val) < length * sequences:
+        raise ValueError(f"the validation split holds {len(val)} tokens, fewer than {sequences} x {length}: use a "
+                         f"smaller --length")
+    idx = torch.from_numpy(val[:length * sequences].astype("int64")).view(sequences, length)
+    summary, arrays = analyze.gdn2_gates(gpt, idx[:, :gpt.config.block_size])
+    if summary is None or not any(layer["variant"] == "gdn2" for layer in summary["layers"]):
+        raise ValueError(f"{path} has no gdn2 layer (mixer {config.get('mixer')}, gdn_variant "
+                         f"{config.get('gdn_variant')}): give the out_dir of a G run with --gdn_variant=gdn2")
+    captured = analyze._capture_inputs(gpt, model.GatedDelta, idx)
+    rows = []
+    for (name, mixer, x), gates, rho in zip(captured, summary["layers"], arrays["rho"]):
+        row = {"layer": name, "trained_with_clip": mixer.clip, "frac_rho_above_1": float((rho > 1 + 1e-6).mean()),
+               "rho_max": gates["rho_max"], "frac_clipped": gates["frac_clipped"],
+               "max_transition_norm": gates["max_transition_norm"]}
+        trained_clip = mixer.clip
+        for clip in (False, True):
+            mixer.clip = clip
+            q, k, v, g, b, w = mixer.recurrence_inputs(x)
+            grown = [state_growth(k[i], g[i], b[i], w[i], v[i]) for i in range(sequences)]
+            row[f"lyapunov_{'clip' if clip else 'noclip'}"] = max(lam.max().item() for lam, _ in grown)
+            row[f"state_norm_{'clip' if clip else 'noclip'}"] = max(s.max().item() for _, s in grown)
+        mixer.clip = trained_clip
+        rows.append(row)
+    return rows
+
+
+def clip_table(out_dirs, length=2048, sequences=2):
+    """The lines of clip_report for each checkpoint, then per layer the mean ± sd over the checkpoints (seeds)."""
+    keys = ("frac_rho_above_1", "rho_max", "frac_clipped", "max_transition_norm", "lyapunov_noclip",
+            "lyapunov_clip", "state_norm_noclip", "state_norm_clip")
+    reports = {out_dir: clip_report(out_dir, length, sequences) for out_dir in out_dirs}
+    lines = ["| run | layer | trained with clip | " + " | ".join(keys) + " |", "|---|---|---|" + "---|" * len(keys)]
+    for out_dir, rows in reports.items():
+        for row in rows:
+            lines.append(f"| {out_dir} | {row['layer']} | {row['trained_with_clip']} | "
+                         + " | ".join(f"{row[key]:.4g}" for key in keys) + " |")
+    if len(reports) > 1:
+        lines += ["", f"mean ± sd over the {len(reports)} runs:", "| layer | " + " | ".join(keys) + " |",
+                  "|---|" + "---|" * len(keys)]
+        for i, row in enumerate(next(iter(reports.values()))):
+            cells = [[rows[i][key] for rows in reports.values()] for key in keys]
+            spread = [f"{statistics.mean(c):.4g} ± {statistics.stdev(c):.2g}" for c in cells]
+            lines.append(f"| {row['layer']} | " + " | ".join(spread) + " |")
+    return lines
 
 
 def interleaved_seconds(runs, rounds, steps):
@@ -1204,7 +1431,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python bench.py", description="specgpt's measurements, one per "
                                      "subcommand; each prints first what it measures.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{kernels,costs,aot,recipe,mixers,"
-                                     "residuals}")
+                                     "residuals,seeds,clip}")
     commands.add_parser("kernels", help="each op's error against its reference and the chunked paths' speed; the "
                         "Triton walk-through (TRITON_INTERPRET=1 on a CPU); on a GPU the timings against the torch "
                         "path and torch.compile")
@@ -1213,14 +1440,36 @@ def main(argv=None):
                         "each launch measured beside it)")
     commands.add_parser("aot", help="every Triton kernel compiled ahead of time for sm_80/89/90 in fp32 and bf16: "
                         "shared memory, registers, spills")
-    commands.add_parser("recipe", help="nanoGPT's CPU recipe on the GPT-2-style yardstick, to time python train.py by")
+    recipe = commands.add_parser("recipe", help="nanoGPT's CPU recipe on the GPT-2-style yardstick, to time python "
+                                 "train.py by")
+    recipe.add_argument("--seed", type=int, default=1337, help="its init and training batches (default 1337)")
     mixers = commands.add_parser("mixers", help="each mixer string's training step against the GPT-2-style "
                                  "yardstick")
     mixers.add_argument("mixers", nargs="*", default=["A"], help="mixer strings, letters of "
                         f"{''.join(MIXERS)} (default A)")
     commands.add_parser("residuals", help="each residual kind's training step against res")
+    seeds = commands.add_parser("seeds", help="each setting (the train.py arguments after each --) trained with n "
+                                "seeds: mean ± sd of the final val loss and bpb, Welch's t-test of each pair",
+                                description="python bench.py seeds --n=3 -- --mixer=A -- --mixer=G: each setting "
+                                "after a -- is train.py's arguments (none: the defaults), trained with --n seeds")
+    seeds.add_argument("--n", type=int, default=3, help="seeds a setting (at least 2: a p-value needs them)")
+    seeds.add_argument("--seed", type=int, default=1337, help="the first seed; the others follow it")
+    seeds.add_argument("--metric", default="val", help="the eval's key the t-tests compare (log.jsonl): val (the "
+                       "loss), val_bpb, or another the eval logs")
+    seeds.add_argument("--out_dir", default="out-seeds", help="the runs' folders, <setting>-s<seed>, and results.tsv")
+    seeds.add_argument("--threads", type=int, default=1, help="threads a run (OMP_NUM_THREADS)")
+    seeds.add_argument("--jobs", type=int, default=0, help="runs at a time; 0: the cores / threads")
+    clip = commands.add_parser("clip", help="Gated DeltaNet-2's spectral clip on trained gdn2 layers: ρ > 1 where k, "
+                               "j are not collinear; the state's growth rate over long text with the clip and without")
+    clip.add_argument("out_dirs", nargs="+", help="run folders (train.py's out_dir) of G models with gdn_variant "
+                      "gdn2, e.g. one setting's seeds")
+    clip.add_argument("--length", type=int, default=2048, help="tokens of each validation stretch (default 2048)")
+    clip.add_argument("--sequences", type=int, default=2, help="validation stretches (default 2)")
     parser.error = lambda message: sys.exit(f"bench.py: {message}: python bench.py --help")   # one line, exit 1
+    argv, settings = split_settings(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    if settings and args.command != "seeds":
+        parser.error(f"only seeds takes settings after --, not {args.command}")
     if args.command == "kernels":
         device = "cuda" if torch.cuda.is_available() else "cpu"
         print(f"== every op's paths against its reference on {device}; the chunked paths against the token loops ==")
@@ -1244,13 +1493,48 @@ def main(argv=None):
                         "p=64, n=128, chunk=64)", interpret=False)
     elif args.command == "recipe":
         print("== nanoGPT's shakespeare_char CPU recipe on the GPT-2-style yardstick: wall time and val loss ==")
-        nanogpt_recipe()
+        nanogpt_recipe(args.seed)
     elif args.command == "mixers":
         wrong = [m for m in args.mixers if not m or set(m) - set(MIXERS)]
         if wrong:
             parser.error(f"{wrong[0]!r} is not a mixer string (letters of {', '.join(MIXERS)})")
         print(f"== training step of each mixer string ({' '.join(args.mixers)}) against the GPT-2-style yardstick ==")
         mixers_throughput(args.mixers)
+    elif args.command == "seeds":
+        if args.n < 2:
+            parser.error(f"--n={args.n}: a p-value needs at least 2 seeds a setting")
+        if not settings or args.threads < 1 or args.jobs < 0:
+            parser.error("give at least one setting after -- (--n=3 -- --mixer=A -- --mixer=G), --threads ≥ 1 and "
+                         "--jobs ≥ 0")
+        names = [chr(ord("A") + i) if i < 26 else f"S{i}" for i in range(len(settings))]
+        for name, setting in zip(names, settings):  # a setting train.py refuses stops here, before any run
+            check = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *setting, "--dry_run=True"],
+                                   capture_output=True, text=True)
+            if check.returncode != 0:
+                parser.error(f"setting {name} ({' '.join(setting)}): {check.stderr.strip().splitlines()[-1]}")
+        jobs = args.jobs or max(1, (os.cpu_count() or 1) // args.threads)
+        print(f"== {len(settings)} settings x {args.n} seeds (from {args.seed}), {jobs} at a time of {args.threads} "
+              f"thread{'s' * (args.threads > 1)}, in {args.out_dir}: final val loss and bpb, Welch's t-test of "
+              f"{args.metric} ==")
+        for name, setting in zip(names, settings):
+            print(f"setting {name}: python train.py {' '.join(setting) or '(the defaults)'}")
+        results = seed_runs(settings, args.n, args.seed, args.out_dir, args.threads, jobs)
+        missing = [name for name, rows in zip(names, results) if any(args.metric not in row for row in rows)]
+        if missing:
+            parser.error(f"the eval of setting {missing[0]} logs no {args.metric!r}: use --metric=val or val_bpb")
+        print("\n".join(spread_table(names, results, args.metric)))
+    elif args.command == "clip":
+        missing = [d for d in args.out_dirs if not os.path.isfile(os.path.join(d, "ckpt.pt"))]
+        if missing or args.length < 1 or args.sequences < 1:
+            parser.error(f"{missing[0]} holds no ckpt.pt: give train.py run folders" if missing else
+                         "--length and --sequences must be at least 1")
+        print(f"== the gdn2 clip on {len(args.out_dirs)} checkpoint(s): ρ at the training length; over "
+              f"{args.sequences} x {args.length} validation tokens λ (growth rate a token of the transitions' "
+              f"product) and ‖S_T‖_F, unclipped and clipped ==")
+        try:
+            print("\n".join(clip_table(args.out_dirs, args.length, args.sequences)))
+        except ValueError as e:
+            parser.error(str(e))
     else:
         print("== training step of each residual kind against res ==")
         residual_kinds()

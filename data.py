@@ -156,6 +156,9 @@ class CharTokenizer:
     def decode(self, ids):
         return "".join(self.chars[i] for i in ids)
 
+    def token_bytes(self):
+        return [len(c.encode()) for c in self.chars]
+
 
 class GPT2Tokenizer:
     """GPT-2's byte-pair encoding (tiktoken's r50k_base): 50,257 tokens, whatever the text."""
@@ -179,12 +182,20 @@ class GPT2Tokenizer:
     def decode(self, ids):
         return gpt2_encoding().decode(list(ids))
 
+    def token_bytes(self):
+        """Each token's bytes; <|endoftext|> is 0: it separates the documents of token shards, and is not text."""
+        encoding = gpt2_encoding()
+        return [len(encoding.decode_single_token_bytes(i)) if i != encoding.eot_token else 0
+                for i in range(encoding.n_vocab)]
+
 
 # The tokenizer kinds (train.py's --tokenizer). A tokenizer is a class with
 #   from_text(text)  a tokenizer for this text (one that learns a vocabulary learns it here)
 #   from_meta(meta)  the same tokenizer again, from what meta() returned (it is saved in meta.json and checkpoints)
 #   meta()           a JSON-able dict with at least vocab_size (ids are 0 .. vocab_size − 1, at most 65,536)
 #   encode(text) -> list of ids,  decode(ids) -> text
+#   token_bytes()    each id's length in UTF-8 bytes of the text it encodes, so that a text's bytes are the sum over
+#                    its ids (bits per byte: text_bytes)
 #   lossless         True where decode(encode(text)) == text for every text encode accepts; False for one that maps
 #                    what it does not know to a shared id (a word tokenizer's <unk>): then at least
 #                    encode(decode(ids)) == ids. The tests check whichever it declares; it must declare one.
@@ -207,6 +218,15 @@ def tokenizer_class(name):
 def tokenizer_from_meta(meta):
     """The tokenizer a prepared dataset or a checkpoint was made with."""
     return tokenizer_class(meta["tokenizer"]).from_meta(meta)
+
+
+def text_bytes(tokens, tokenizer):
+    """The UTF-8 bytes of the text that tokens encode: the sum of each id's bytes (a byte-level BPE token may hold part
+    of a character, so decoding a split's ids one by one would miscount). Bits per byte, comparable across tokenizers:
+    bpb = loss (nats a token) × tokens / (ln 2 × bytes)."""
+    lengths = np.asarray(tokenizer.token_bytes(), dtype=np.int64)
+    counts = np.bincount(np.asarray(tokens[0:len(tokens)]), minlength=len(lengths))
+    return int(counts @ lengths)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -432,6 +452,21 @@ def load_dataset(dataset, tokenizer="auto"):
     train = np.memmap(os.path.join(out_dir, "train.bin"), dtype=np.uint16, mode="r")
     val = np.memmap(os.path.join(out_dir, "val.bin"), dtype=np.uint16, mode="r")
     return train, val, meta
+
+
+def prepared_val_tokens(dataset, tokenizer="auto"):
+    """(validation tokens, meta) of data already prepared (token shards: those found), else None; nothing written."""
+    tokenizer = dataset_tokenizer(dataset, tokenizer)
+    if is_shard_pattern(dataset):
+        try:
+            return load_shards(dataset)[1:]
+        except DataError:  # no shards yet: the dry run's data line says how to fetch them
+            return None
+    name, _, _ = text_source(dataset, tokenizer)
+    if not os.path.exists(os.path.join(DATA_DIR, name, "meta.json")):
+        return None
+    _, val, meta = load_dataset(dataset, tokenizer)
+    return val, meta
 
 
 def dataset_vocab_size(dataset, tokenizer="auto"):

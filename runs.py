@@ -209,7 +209,7 @@ def check_type(key, value, default):
     elif isinstance(default, float):
         ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
         value = float(value) if ok else value
-        if ok and not math.isfinite(value):  # 1e999 reads as inf
+        if ok and not math.isfinite(value) and value != default:  # 1e999 reads as inf (a default of inf: none)
             raise ConfigError(f"--{key}={value!r} is not a finite number: give a finite value (default {default!r})")
     elif isinstance(default, int):
         ok, expected = isinstance(value, int) and not isinstance(value, bool), "an integer"

@@ -416,6 +416,22 @@ def test_shakespeare_corpus_is_the_documented_one():
 SHAKESPEARE_SHA256 = "a74b54d1ef1dc44be145d3c93068267ab7beba0c7045a7b6a844b83ed5d7054f"
 
 
+def test_text_bytes_counts_the_utf8_bytes_the_tokens_encode(tmp_path):
+    """data.text_bytes against len(text.encode()) counted by hand: a char-level split with 1-, 2-, 3- and 4-byte
+    characters, and GPT-2 tokens of a text whose characters BPE splits across tokens ('鼹' is a token a byte),
+    which per-token decoding would miscount; <|endoftext|> between shard documents is no text (0 bytes)."""
+    text = "héllo wörld €5 鼹🦫\n" * 20
+    meta = data.prepare_text(text, "char", str(tmp_path), "test")
+    val = np.fromfile(tmp_path / "val.bin", dtype=np.uint16)
+    val_text = text[meta["train_tokens"]:]  # one token a character
+    assert data.text_bytes(val, data.tokenizer_from_meta(meta)) == len(val_text.encode("utf-8"))
+    gpt2 = data.GPT2Tokenizer()
+    ids = gpt2.encode(text)
+    assert any("\ufffd" in gpt2.decode([i]) for i in ids)  # tokens holding part of '鼹' or '🦫'
+    assert data.text_bytes(ids, gpt2) == len(text.encode("utf-8"))
+    assert data.text_bytes(ids + [50256] + ids, gpt2) == 2 * len(text.encode("utf-8"))
+
+
 def test_gpt2_bpe_matches_r50k_ids():
     """Known GPT-2 (r50k_base) token ids, and the vocabulary file's published sha256."""
     enc = data.gpt2_encoding()
@@ -5719,6 +5735,87 @@ def test_lr_multiplier_schedules_closed_forms():
     assert {optim.lr_multiplier(it, total, warmup, floor, "wsd", 0.0) for it in range(warmup, total + 1)} == {1.0}
 
 
+def test_eval_reports_bits_per_byte_of_the_validation_text_and_each_run_appends_a_results_row(tmp_path, capsys):
+    """val bpb = val loss × tokens / (ln 2 × bytes) of the validation split, by hand on a small text of multi-byte
+    characters (char-level: a token a character, the split its last 10%), in log.jsonl, on the eval line and in the
+    results.tsv row (beside out_dir) with the settings that differ from the defaults."""
+    text = "".join(np.random.default_rng(0).choice(["a", "b", "é", "€", " ", "\n"], size=3000))
+    path = tmp_path / "small.txt"
+    path.write_text(text, encoding="utf-8")
+    out = tmp_path / "run"
+    assert train.main([f"--dataset={path}", *TINY, "--max_iters=0", f"--out_dir={out}"]) == 0
+    val_text = text[int(len(text) * 0.9):]
+    row = [r for r in log_rows(out) if "val" in r][-1]
+    bits = row["val"] / math.log(2)  # the loss in bits a token (a character)
+    assert row["val_bpb"] == pytest.approx(bits * len(val_text) / len(val_text.encode("utf-8")), rel=1e-12)
+    assert f"val bpb {row['val_bpb']:.4f}" in capsys.readouterr().out
+    header, result = (tmp_path / "results.tsv").read_text().splitlines()
+    result = dict(zip(header.split("\t"), result.split("\t")))
+    assert result["val_bpb"] == f"{row['val_bpb']:.4f}" and result["steps"] == "0"
+    assert result["threads"] == str(torch.get_num_threads())
+    assert f"--dataset={path}" in result["settings"] and "--n_layer=1" in result["settings"]
+    assert "--seed" not in result["settings"] and result["out_dir"] == str(out)
+
+
+def test_time_budget_stops_at_the_budget_with_the_schedule_at_min_lr_and_resume_keeps_its_clock(tmp_path):
+    """--time_budget with a clock the test passes (each reading 0.25 s later): a budget of 1 s is exactly 4 steps,
+    the last at min_lr (the schedule's step of the time at its end is max_iters: its floor), then an eval; resumed
+    with --time_budget=2 it trains from the 1 s in its checkpoint to 2 s (4 steps more), not from 0. A budget of 0 or
+    below is one line."""
+    ticks = lambda: itertools.count(0.0, 0.25).__next__
+    args = [*TINY, "--mixer=A", "--optimizer=adamw", "--learning_rate=1e-2", "--min_lr=1e-3", "--max_iters=100",
+            "--warmup_iters=0", "--schedule=cosine", "--eval_interval=1000", "--log_interval=1",
+            f"--out_dir={tmp_path}/b"]
+    assert train.main([*args, "--time_budget=1"], clock=ticks()) == 0
+    rows = log_rows(tmp_path / "b")
+    steps = [r for r in rows if "lr" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and [r["step"] for r in rows if "val" in r] == [0, 4]
+    assert steps[-1]["lr"] == pytest.approx(1e-3, rel=1e-12) and steps[0]["lr"] > 9e-3  # the cosine's ends
+    assert train.main([*args, "--time_budget=2", "--init_from=resume"], clock=ticks()) == 0
+    ckpt = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)
+    assert ckpt["iter_num"] == 8 and ckpt["trained"] == 2.0
+    assert [r["step"] for r in log_rows(tmp_path / "b") if "lr" in r][4:] == [5, 6, 7, 8]
+    assert len((tmp_path / "results.tsv").read_text().splitlines()) == 3  # the header, then a row a finished run
+    for budget in ("0", "-1"):
+        with pytest.raises(ValueError, match=f"--time_budget={float(budget)} is not valid: use a value above 0"):
+            train.main([*TINY, f"--time_budget={budget}", f"--out_dir={tmp_path}/c"])
+
+
+def t_tail_by_integration(t, df):
+    """P(|T| ≥ |t|) by Simpson's rule on the Student t density, x = |t| + u/(1 − u) mapping [0, 1) onto the tail."""
+    density = lambda x: math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi) \
+        * (1 + x * x / df) ** (-(df + 1) / 2)
+    n = 20000
+    u = np.linspace(0.0, 1.0, n + 1)[:-1]
+    f = np.array([density(abs(t) + s / (1 - s)) / (1 - s) ** 2 for s in u] + [0.0])  # the integrand → 0 at u = 1
+    h = 1.0 / n
+    return 2 * h / 3 * (f[0] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum() + f[-1])
+
+
+def test_welch_p_value_matches_closed_forms_and_the_integrated_t_density():
+    """bench.student_t_two_sided (the regularized incomplete beta's continued fraction) against Student t's closed
+    forms at 1 and 2 degrees of freedom (1 − 2·atan(t)/π; 1 − t/√(2 + t²)) and Simpson's rule on the density at
+    non-integer df; bench.welch_test on a case done by hand: a = 1, 2, 3 and b = 2, 4, 6, 8 have variances of the
+    means 1/3 and 5/3, so t = −3/√2 and df = 2² / ((1/3)²/2 + (5/3)²/3) = 216/53. Fewer than 2 runs: a clear error."""
+    for t in (0.1, 1.0, 2.5, 12.0):
+        assert bench.student_t_two_sided(t, 1) == pytest.approx(1 - 2 * math.atan(t) / math.pi, rel=1e-12)
+        assert bench.student_t_two_sided(-t, 2) == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=1e-12)
+    for t, df in ((2.0, 5), (0.7, 3.3), (3.1, 4.0755), (1.9, 17.5)):
+        assert bench.student_t_two_sided(t, df) == pytest.approx(t_tail_by_integration(t, df), rel=1e-8)
+    t, df, p = bench.welch_test([1.0, 2.0, 3.0], [2.0, 4.0, 6.0, 8.0])
+    assert t == pytest.approx(-3 / math.sqrt(2), rel=1e-12) and df == pytest.approx(216 / 53, rel=1e-12)
+    assert p == pytest.approx(t_tail_by_integration(t, 216 / 53), rel=1e-8)
+    with pytest.raises(ValueError, match="at least 2 runs"):
+        bench.welch_test([1.0], [1.0, 2.0])
+    with pytest.raises(SystemExit, match="--n=1: a p-value needs at least 2 seeds"):
+        bench.main(["seeds", "--n=1", "--", "--mixer=A"])
+    names = ["A", "B"]
+    results = [[{"val": x, "val_bpb": 1.5 * x} for x in (1.0, 2.0, 3.0)],
+               [{"val": x, "val_bpb": x} for x in (2.0, 4.0, 6.0, 8.0)]]
+    table = "\n".join(bench.spread_table(names, results))
+    assert "| A | 3 | 2.0000 ± 1.0000 |" in table and f"| A − B | -3.0000 | {t:.2f} | {df:.1f} | {p:.2g} |" in table
+
+
 def test_train_smoke_then_sample(tmp_path):
     out = str(tmp_path / "run")
     proc = run_train(*TINY, "--max_iters=40", "--eval_interval=20", "--log_interval=10", "--num_samples=1",
@@ -7207,7 +7304,7 @@ def generated_bad_values(defaults, ranges, choices):
     """Bad values derived from a script's own rules, as (sort, key, value text): for every key whose default is not a
     string, a value of another type (a string default takes any text); for every rule of ranges, a value just outside
     each bound and the bound itself where the rule excludes it; for every key of choices, a near miss of an allowed
-    value; for every float key, 1e999, -1e999 (infinities, as Python reads them) and nan."""
+    value; for every float key, 1e999, -1e999 (infinities, as Python reads them) and nan, but its default."""
     other_type = {bool: "maybe", int: "2.5", float: "fast", type(None): "3"}
     cases = [("type", key, other_type[type(default)]) for key, default in defaults.items()
              if not isinstance(default, str)]
@@ -7229,7 +7326,7 @@ def generated_bad_values(defaults, ranges, choices):
         near = next(miss for miss in (allowed[0][:-1], allowed[0] + "s", allowed[0].upper()) if miss not in allowed)
         cases.append(("choice", key, near))
     cases += [("infinite", key, text) for key, default in defaults.items() if isinstance(default, float)
-              for text in ("1e999", "-1e999", "nan")]
+              for text in ("1e999", "-1e999", "nan") if float(text) != default]  # an inf default is no bad value
     return cases
 
 
@@ -7893,6 +7990,39 @@ def test_hc_spectra_mhc_product_bounded_hc_drifts():
     norms = [layer["prod_norm_max"] for layer in analyze.hc_spectra(model, idx)[0]["layers"]]
     assert norms[-1] > 1.5 and norms[-1] > norms[0]
     assert analyze.hc_spectra(analyze_tiny_gpt(), torch.zeros(1, 4, dtype=torch.long)) == (None, {})
+
+
+def test_gdn2_transition_norm_closed_form_and_state_growth():
+    """ρ = ‖I − η k jᵀ‖₂ = (η + √(η² − 4η k·j + 4))/2 against torch.linalg.matrix_norm(ord=2) on random unit k, j
+    (above 1 where they are not collinear, 1 where j = k and η ≤ 2); bench.state_growth against a dense token loop
+    of the state S_t = A_t S_{t−1} + k_t (w_t⊙v_t)ᵀ, A_t = (I − k_t (b_t⊙k_t)ᵀ) Diag(exp g_t), and its growth rate
+    λ on a case with a known answer: with b = 2, I − 2 k kᵀ is a reflection (it keeps every norm), so with a per-head
+    decay c in every channel each A_t scales every vector by exactly e^c, and λ = c."""
+    gen = torch.Generator().manual_seed(0)
+    k = F.normalize(torch.randn(200, 8, dtype=torch.float64, generator=gen), dim=-1)
+    j = F.normalize(torch.randn(200, 8, dtype=torch.float64, generator=gen), dim=-1)
+    eta = 3 * torch.rand(200, dtype=torch.float64, generator=gen)
+    matrix = torch.eye(8, dtype=torch.float64) - eta[:, None, None] * k[:, :, None] * j[:, None, :]
+    rho = bench.transition_norm(eta, (k * j).sum(-1))
+    assert torch.allclose(rho, torch.linalg.matrix_norm(matrix, ord=2), rtol=1e-12, atol=0)
+    assert (rho > 1).all()
+    assert torch.allclose(bench.transition_norm(eta.clamp(max=2), torch.ones(200, dtype=torch.float64)),
+                          torch.ones(200, dtype=torch.float64), rtol=1e-12)
+    T, H, dk, dv = 30, 2, 4, 3
+    keys = F.normalize(torch.randn(T, H, dk, generator=gen), dim=-1)
+    g, b = -torch.rand(T, H, dk, generator=gen), torch.rand(T, H, dk, generator=gen)
+    w, v = torch.rand(T, H, dv, generator=gen), torch.randn(T, H, dv, generator=gen)
+    S = torch.zeros(H, dk, dv, dtype=torch.float64)
+    for t in range(T):
+        k_t, b_t, g_t, w_t, v_t = (x[t].double() for x in (keys, b, g, w, v))
+        A = (torch.eye(dk, dtype=torch.float64) - k_t[:, :, None] * (b_t * k_t)[:, None, :]) * g_t.exp()[:, None, :]
+        S = A @ S + k_t[:, :, None] * (w_t * v_t)[:, None, :]
+    _, state_norm = bench.state_growth(keys, g, b, w, v)
+    assert torch.allclose(state_norm, S.flatten(1).norm(dim=1), rtol=1e-12)
+    c = torch.tensor([-0.3, 0.05], dtype=torch.float64)
+    lam, _ = bench.state_growth(F.normalize(keys.double(), dim=-1), c[None, :, None].expand(T, H, dk),
+                                torch.full((T, H, dk), 2.0), w, v)
+    assert torch.allclose(lam, c, rtol=0, atol=1e-12)
 
 
 def test_gdn2_gates_rho_and_clip():

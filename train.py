@@ -25,6 +25,7 @@ import inspect
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from contextlib import ExitStack, nullcontext
@@ -48,6 +49,7 @@ from model import GPT, GPTConfig
 out_dir = "out"                # folder for ckpt.pt, log.jsonl, loss.png
 init_from = "scratch"          # where the run starts: from scratch, or resume out_dir/ckpt.pt
 overwrite = False              # a new run may replace the run in out_dir (deleted at its first trained checkpoint)
+results_tsv = "results.tsv"    # a finished run appends its row here, tab-separated (relative: beside out_dir)
 sample_only = False            # load out_dir/ckpt.pt, print samples, exit
 eval_interval = 250            # steps between evals (each eval writes the checkpoint)
 eval_iters = 20                # validation batches per eval (a fixed set, the same at every eval)
@@ -77,6 +79,9 @@ lr_decay_iters = 0             # length of the schedule; 0 means max_iters
 warmup_iters = 30              # linear warmup steps
 schedule = "cosine"            # after the warmup: a cosine, or wsd (constant, then linear over wsd_decay_frac)
 wsd_decay_frac = 0.2           # wsd: fraction of the steps spent decaying (0: a constant lr after warmup)
+time_budget = math.inf         # seconds of training steps (evals and checkpoints excluded), then a final eval;
+                               # the budget replaces max_iters as the end, and the schedule runs on time: a step's lr
+                               # is the step-schedule's at max_iters x (seconds trained by the step's end) / budget
 # system
 device = "auto"                # auto (cuda > mps > cpu) | cpu | cuda | cuda:1 | mps
 dtype = "auto"                 # auto: 16-bit autocast on CUDA (bfloat16, or float16 with a loss scaler where the
@@ -105,7 +110,7 @@ RANGES = {"eval_interval": ">= 1", "eval_iters": ">= 1", "log_interval": ">= 1",
           "batch_size": ">= 1", "gradient_accumulation_steps": ">= 1", "learning_rate": ">= 0", "min_lr": ">= 0",
           "weight_decay": ">= 0", "aux_lr": ">= 0", "grad_clip": ">= 0", "max_iters": ">= 0", "lr_decay_iters": ">= 0",
           "warmup_iters": ">= 0", "wsd_decay_frac": "in [0, 1]", "num_samples": ">= 0", "max_new_tokens": ">= 0",
-          "temperature": ">= 0", "top_k": ">= 1", "peak_tflops": ">= 0", **model.CONFIG_RANGES,
+          "time_budget": "> 0", "temperature": ">= 0", "top_k": ">= 1", "peak_tflops": ">= 0", **model.CONFIG_RANGES,
           **{key: s.allowed for key, (s, _) in optim.SETTINGS.items() if isinstance(s.allowed, str)}}
 # --dtype: the autocast dtype of each choice (float32: no autocast); float16 scales the loss (torch.amp.GradScaler)
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -134,6 +139,7 @@ class Progress:
     last_eval: int = -1              # the step of the last eval (a checkpoint written at a stop may predate its eval)
     saved_iter: int | None = None    # the step of the last checkpoint written (None: none yet)
     elapsed: float = 0.0             # seconds trained before this process started (a resumed run's)
+    trained: float = 0.0             # seconds of training steps, evals excluded: the time budget's clock
 
 
 @dataclass
@@ -148,9 +154,9 @@ class LogWindow:
     paused: float = 0.0        # seconds of evals inside it
 
 
-def main(args):
+def main(args, clock=time.monotonic):
     """Trains (or samples, with sample_only). Returns the exit status: 0, or 128 + the number of the signal
-    that stopped the run (130 for Ctrl-C)."""
+    that stopped the run (130 for Ctrl-C). clock: the time budget's clock in seconds (a test passes its own)."""
     with ExitStack() as cleanup:  # the out_dir lock, the signal handlers, DDP: released however it ends
         # 1. settings: defaults (a resumed run: its checkpoint's), then config files, then --key=value; all checked
         settings, given, ckpt, changes = read_settings(args)
@@ -165,6 +171,7 @@ def main(args):
             if master:
                 vocab_size = data.dataset_vocab_size(c.dataset, c.tokenizer)
                 print(analyze.dry_run_report(settings, model_config(settings, vocab_size), world))
+                print(units_line(c.dataset, c.tokenizer))
             return 0
         if dev.type == "cuda":  # float32 matmuls on TF32 tensor cores, as nanoGPT does
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -177,6 +184,7 @@ def main(args):
         # 3. the data, wandb, the checkpoint's fit, the run's size: everything that can fail on bad input fails
         # here, before a write and before the model is built
         train_tokens, val_tokens, meta, config, wandb = check_run(c, settings, ckpt, dev, master)
+        bytes_per_token = data.text_bytes(val_tokens, data.tokenizer_from_meta(meta)) / len(val_tokens)
         # 4. the model, its optimizer, the batches, the precision; a resumed run where its checkpoint left it
         torch.manual_seed(c.seed)
         raw_model = GPT(config).to(dev)
@@ -211,10 +219,11 @@ def main(args):
         t_start, first_step, eval_seconds = time.time() - progress.elapsed, progress.iter_num + 1, 0.0
         window = LogWindow(loss_sum=torch.zeros((), device=dev),
                            skipped=torch.zeros((), dtype=torch.long, device=dev), start=time.time())
-        stopped = False
+        stopped, tick, step_seconds = False, clock(), 0.0  # the budget's clock reads once a step, and after an eval
         gpt.train()
         while True:
-            at_eval = progress.iter_num % c.eval_interval == 0 or progress.iter_num >= c.max_iters
+            done = finished(c, progress)
+            at_eval = progress.iter_num % c.eval_interval == 0 or done
             if at_eval and progress.iter_num != progress.last_eval:
                 t_eval = time.time()
                 val = evaluate(compiled, val_tokens, c.batch_size, config.block_size, c.eval_iters, dev, autocast,
@@ -222,21 +231,24 @@ def main(args):
                 stopped = runs.stop_requested(received, ddp, dev)  # a signal abandoned the eval (val None)
                 if stopped:
                     break
-                record_eval(c, progress, val, raw_model, t_start, ckpt_path, log_path, wandb_run, master)
+                record_eval(c, progress, val, bytes_per_token, raw_model, t_start, ckpt_path, log_path, wandb_run,
+                            master)
                 runs.save_run(ckpt_path, raw_model, opt, sampler, master, settings, meta,
                               **saved_progress(progress, t_start, scaler))
                 progress.saved_iter = progress.iter_num
                 eval_seconds = time.time() - t_eval
                 window.paused += eval_seconds
-            if progress.iter_num >= c.max_iters:
+                tick = clock()
+            if done:
                 break
             if c.analyze_every and progress.iter_num % c.analyze_every == 0 and master:
                 analyze.analyze_during_training(raw_model, analysis_batch, progress.iter_num, c.out_dir)
+                tick = clock()
             # the step: the schedule's lr; forward and backward over gradient_accumulation_steps micro-batches (DDP
             # averages the gradients at the last one); the gradient's global norm clipped to grad_clip (0: scaled by
             # exactly 1); the optimizer's step (float16: the scaler's, which skips a step whose gradients overflowed)
-            lr_mult = optim.lr_multiplier(progress.iter_num, c.lr_decay_iters or c.max_iters, c.warmup_iters,
-                                          c.min_lr / c.learning_rate, c.schedule, c.wsd_decay_frac)
+            lr_mult = optim.lr_multiplier(schedule_step(c, progress, step_seconds), c.lr_decay_iters or c.max_iters,
+                                          c.warmup_iters, c.min_lr / c.learning_rate, c.schedule, c.wsd_decay_frac)
             for group in opt.param_groups:
                 group["lr"] = group["base_lr"] * lr_mult
             for micro in range(c.gradient_accumulation_steps):
@@ -249,13 +261,17 @@ def main(args):
             grad_norm = optimizer_step(gpt, opt, scaler, c.grad_clip, window)
             progress.iter_num += 1
             window.steps += 1
+            now = clock()
+            step_seconds, tick = now - tick, now
+            progress.trained += step_seconds
             # the log line
             if progress.iter_num == first_step:  # the first step compiles and warms up: the window opens after it
                 synchronize(dev)
                 window.start, window.tokens, window.paused = time.time(), 0, 0.0
             else:
                 window.tokens += tokens_per_iter
-            log_now = progress.iter_num % c.log_interval == 0 or progress.iter_num in (first_step, c.max_iters)
+            log_now = (progress.iter_num % c.log_interval == 0 or progress.iter_num == first_step
+                       or finished(c, progress))
             stopped = (log_now or not ddp) and runs.stop_requested(received, ddp, dev)
             if ddp and log_now:  # every process logs at the same steps: the logged loss is the mean over them
                 torch.distributed.all_reduce(window.loss_sum)
@@ -277,6 +293,8 @@ def main(args):
         # 7. the end: the loss curve, and samples (or, after a signal, how to continue)
         if master:
             finish(c, progress, t_start, stopped, ckpt_path, log_path, wandb_run)
+        if master and not stopped:
+            append_result(c, settings, progress, dev, tokens_per_iter, bytes_per_token, t_start)
         if stopped:
             return 128 + (received[0] if received else signal.SIGTERM)
         if master and c.num_samples > 0 and c.max_new_tokens > 0:
@@ -344,7 +362,7 @@ def resume_from(ckpt, raw_model, opt, sampler, scaler, rank, dev, out_dir):
     iter_num, best_val = ckpt["iter_num"], ckpt.get("best_val_loss", math.inf)
     return Progress(iter_num=iter_num, best_val=best_val, val_loss=ckpt.get("val_loss", best_val),
                     last_eval=ckpt.get("val_iter", iter_num),  # a checkpoint written at a stop may predate its eval
-                    saved_iter=iter_num, elapsed=ckpt.get("elapsed", 0.0))
+                    saved_iter=iter_num, elapsed=ckpt.get("elapsed", 0.0), trained=ckpt.get("trained", 0.0))
 
 
 def step_size(c, config, raw_model, dev, precision, world, master):
@@ -386,7 +404,9 @@ def print_banner(c, config, meta, n_train_tokens, raw_model, compiled, dev, prec
     print(f"{c.dataset}: {n_train_tokens:,} train tokens, vocab {meta['vocab_size']} | model "
           f"{raw_model.num_params() / 1e6:.2f}M params, mixer {config.mixer}, residual {config.residual} | "
           f"{c.optimizer}, lr {c.learning_rate:g} {c.schedule} to {c.min_lr:g} over {c.lr_decay_iters or c.max_iters} "
-          f"iters (warmup {c.warmup_iters}) | {dev}, {precision}, "
+          f"iters (warmup {c.warmup_iters})"
+          + (f", on time: {c.time_budget:g}s of steps as {c.max_iters} iters" if math.isfinite(c.time_budget) else "")
+          + f" | {dev}, {precision}, "
           f"{'eager' if compiled is raw_model else 'compiled'}, {threads} thread{'s' * (threads > 1)} | "
           f"{tokens_per_iter:,} tokens/iter ({world} x {c.gradient_accumulation_steps} x {c.batch_size} x "
           f"{config.block_size}) | "
@@ -432,25 +452,46 @@ def with_progress_lines(items, label, unit):
             last = now
 
 
-def record_eval(c, progress, val, raw_model, t_start, ckpt_path, log_path, wandb_run, master):
+def finished(c, progress):
+    """Whether the run has trained to its end: max_iters steps, or with a time budget its seconds."""
+    return progress.trained >= c.time_budget if math.isfinite(c.time_budget) else progress.iter_num >= c.max_iters
+
+
+def schedule_step(c, progress, step_seconds):
+    """The step of the lr schedule that the next step trains at: iter_num; with a time budget, max_iters x the fraction
+    of the budget trained by the next step's end (reckoned as long as the last step), so the last step is at min_lr."""
+    if not math.isfinite(c.time_budget):
+        return progress.iter_num
+    return c.max_iters * (progress.trained + step_seconds) / c.time_budget
+
+
+def bits_per_byte(loss, bytes_per_token):
+    """A loss in nats a token as bits a byte of the text: loss x tokens / (ln 2 x bytes)."""
+    return loss / (math.log(2) * bytes_per_token)
+
+
+def record_eval(c, progress, val, bytes_per_token, raw_model, t_start, ckpt_path, log_path, wandb_run, master):
     """The eval of step progress.iter_num: its val loss into progress (a loss or weight not finite stops the run),
-    its line in the terminal and log.jsonl."""
+    its line in the terminal and log.jsonl, with the loss in bits per byte of the validation text (bytes_per_token:
+    its bytes over its tokens; the same text, so char-level and BPE runs compare)."""
     progress.val_loss, progress.last_eval = val, progress.iter_num
     if not math.isfinite(val) or not all_finite(raw_model):
         raise FloatingPointError(diverged(f"val loss {val} (or a weight not finite)", progress.iter_num, ckpt_path,
                                           progress.saved_iter, c.learning_rate, c.grad_clip, c.weight_decay))
     progress.best_val = min(progress.best_val, val)
     if master:
-        print(f"iter {progress.iter_num}: val loss {val:.4f} (best {progress.best_val:.4f}), "
+        bpb = bits_per_byte(val, bytes_per_token)
+        print(f"iter {progress.iter_num}: val loss {val:.4f} (best {progress.best_val:.4f}), val bpb {bpb:.4f}, "
               f"{time.time() - t_start:.1f}s elapsed")
-        runs.append_log(log_path, {"step": progress.iter_num, "val": val, "time": time.time() - t_start}, wandb_run,
-                        sync=True)  # on the disk before the checkpoint after it
+        runs.append_log(log_path, {"step": progress.iter_num, "val": val, "val_bpb": bpb,  # on the disk before the
+                                   "time": time.time() - t_start}, wandb_run, sync=True)  # checkpoint after it
 
 
 def saved_progress(progress, t_start, scaler):
     """What the checkpoint holds besides the weights, optimizer, settings, RNG and samplers (runs.save_run)."""
     return dict(iter_num=progress.iter_num, best_val_loss=progress.best_val, val_loss=progress.val_loss,
-                val_iter=progress.last_eval, elapsed=time.time() - t_start, scaler=scaler.state_dict())
+                val_iter=progress.last_eval, elapsed=time.time() - t_start, trained=progress.trained,
+                scaler=scaler.state_dict())
 
 
 def log_line(c, progress, window, grad_norm, opt, scaler, tokens_per_iter, flops_per_iter, peak, eval_seconds,
@@ -470,6 +511,8 @@ def log_line(c, progress, window, grad_norm, opt, scaler, tokens_per_iter, flops
     if tok_s:
         eta = ((c.max_iters - progress.iter_num) * tokens_per_iter / tok_s
                + evals_left(progress.iter_num, c.max_iters, c.eval_interval) * eval_seconds)
+        if math.isfinite(c.time_budget):
+            eta = max(0.0, c.time_budget - progress.trained)
         speed = f"{tok_s:,.0f} tokens/s" + (f", mfu {100 * mfu:.1f}%" if mfu else "") + f", eta {eta:.0f}s"
     scale = scaler.get_scale() if scaler.is_enabled() else None
     scaling = f", loss scale {scale:g} ({skipped} steps skipped)" if scaler.is_enabled() else ""
@@ -522,6 +565,58 @@ def finish(c, progress, t_start, stopped, ckpt_path, log_path, wandb_run):
               f"{time.time() - t_start:.1f}s; checkpoint {ckpt_path}")
     if wandb_run:
         wandb_run.finish()
+
+
+def append_result(c, settings, progress, dev, tokens_per_iter, bytes_per_token, t_start):
+    """The finished run's row of results_tsv (one write of one line; the header first where the file is new): the
+    settings that differ from the defaults, the commit, device, threads, steps, tokens, val loss and bpb, the seconds
+    of training steps and of the whole run."""
+    path = results_path(c.results_tsv, c.out_dir)
+    defaults = {**RUN_DEFAULTS, **model_defaults()}
+    changed = " ".join(f"--{k}={v}" for k, v in settings.items()
+                       if k in defaults and k not in (*COMMAND_KEYS, "results_tsv") and v != defaults[k])
+    device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+    row = {"out_dir": c.out_dir, "settings": changed or "(defaults)", "commit": source_commit(), "device": device,
+           "threads": torch.get_num_threads(), "steps": progress.iter_num,
+           "tokens": progress.iter_num * tokens_per_iter, "val_loss": f"{progress.val_loss:.4f}",
+           "val_bpb": f"{bits_per_byte(progress.val_loss, bytes_per_token):.4f}",
+           "train_s": f"{progress.trained:.1f}", "wall_s": f"{time.time() - t_start:.1f}"}
+    try:  # the header, by the process that makes the file
+        with open(path, "x") as f:
+            f.write("\t".join(row) + "\n")
+    except FileExistsError:
+        pass
+    runs.append_line(path, "\t".join(str(v).replace("\t", " ") for v in row.values()))
+
+
+def source_commit():
+    """The git commit of this file's checkout (with -dirty where tracked files changed), or unknown outside git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True)
+    except OSError:  # no git
+        return "unknown"
+    return head.stdout.strip() + "-dirty" * bool(dirty.stdout.strip()) if head.returncode == 0 else "unknown"
+
+
+def results_path(results_tsv, out_dir):
+    """results_tsv; a relative path is taken from out_dir's parent folder, so runs in runs/a, runs/b share one file."""
+    return os.path.join(os.path.dirname(os.path.abspath(out_dir)), results_tsv)
+
+
+def units_line(dataset, tokenizer):
+    """The dry run's line of units: val loss in nats a token, val bpb in bits a byte, with the prepared validation
+    split's bytes a token (nothing is read or written for data not yet prepared)."""
+    line = ("units       val loss in nats a token; val bpb = val loss x tokens / (ln 2 x bytes) of the validation "
+            "text,\n            in bits a byte")
+    prepared = data.prepared_val_tokens(dataset, tokenizer)
+    if prepared is None:
+        return line + " (its bytes a token known once the data is prepared)"
+    tokens, meta = prepared
+    per_token = data.text_bytes(tokens, data.tokenizer_from_meta(meta)) / len(tokens)
+    return line + f": {len(tokens):,} tokens, {per_token:.4f} bytes a token"
 
 
 def print_samples(model, tokenizer, prompt, device, n, length, temperature, top_k):
