@@ -568,7 +568,7 @@ class RecallTask:
         if name == "passkey":
             train, val, meta = load_dataset("shakespeare_char")
             self.text, self.test_text, self.tokenizer = train, val, tokenizer_from_meta(meta)
-            self.vocab_size = meta["vocab_size"]
+            self.vocab_size, self.meta = meta["vocab_size"], {**meta, "recall": name}
             self.train_values, self.test_values = (None,), PASSKEY_DEPTHS
             shortest = passkey_min_length(self.tokenizer.encode)
             for length in (block_size, *self.test_lengths):
@@ -576,7 +576,7 @@ class RecallTask:
                     raise DataError(f"passkey length {length} cannot hold the needle and the question ({shortest} "
                                     f"tokens): use a --block_size and test lengths of at least {shortest}")
             return
-        self.vocab_size = vocab
+        self.vocab_size, self.meta = vocab, {"tokenizer": None, "vocab_size": vocab, "recall": name}
         self.train_values = parse_ints(pairs, "recall_pairs")
         self.test_values = parse_ints(test_pairs, "recall_test_pairs")
         for length in (block_size, *self.test_lengths):

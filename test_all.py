@@ -730,6 +730,89 @@ def test_an_unwritable_data_folder_is_one_line_naming_it(tmp_path, kind):
     assert sorted(os.listdir(tmp_path)) == ["a_file", "read_only"] and not os.listdir(read_only)
 
 
+def test_mqar_batches_follow_zoologys_definition():
+    """Zoology's MQAR, checked against its definition: keys from 1 .. V/2 − 1 and values from V/2 .. V − 1, each key
+    once in the context with its value right after it; each key queried once, at an even offset past the context;
+    the only targets are the answers (the queried key's value), every other target IGNORE_INDEX."""
+    V, L, P, B = 64, 48, 6, 400
+    x, y = data.mqar_batch(torch.Generator().manual_seed(0), B, L, P, V)
+    assert x.shape == y.shape == (B, L) and x.dtype == y.dtype == torch.int64
+    assert int(x.min()) >= 0 and int(x.max()) < V
+    for row, target in zip(x.tolist(), y.tolist()):
+        keys, values = row[0:2 * P:2], row[1:2 * P:2]
+        assert all(1 <= k < V // 2 for k in keys) and all(V // 2 <= v < V for v in values)
+        assert len(set(keys)) == P and len(set(values)) == P
+        value_of = dict(zip(keys, values))
+        answers = [t for t in range(L) if target[t] != data.IGNORE_INDEX]
+        assert len(answers) == P and all(t >= 2 * P and (t - 2 * P) % 2 == 0 for t in answers)
+        assert sorted(row[t] for t in answers) == sorted(keys)      # each key queried exactly once
+        assert all(target[t] == value_of[row[t]] for t in answers)  # its answer is its value
+
+
+def test_mqar_query_gaps_follow_zoologys_power_law():
+    """With one pair the query's slot g (gap in steps of two tokens) is one draw of p(g) ∝ a·g^(a−1), a = 0.01, over
+    (L − 2)/2 slots: the empirical counts of 20,000 examples fit it (chi-squared below the 0.999 quantile of 15
+    degrees of freedom, 37.70), and do not fit a uniform draw (the test can fail)."""
+    V, L, N, a = 64, 34, 20_000, data.MQAR_POWER_A
+    slots = (L - 2) // 2
+    x, y = data.mqar_batch(torch.Generator().manual_seed(1), N, L, 1, V)
+    position = (y != data.IGNORE_INDEX).int().argmax(1)
+    counts = torch.bincount((position - 2) // 2, minlength=slots).double()
+    law = torch.tensor([a * g ** (a - 1) for g in range(1, slots + 1)], dtype=torch.float64)
+
+    def chi2(p):
+        expected = N * p / p.sum()
+        return float(((counts - expected) ** 2 / expected).sum())
+    assert chi2(law) < 37.70, chi2(law)
+    assert chi2(torch.ones(slots, dtype=torch.float64)) > 37.70 * 10
+    assert counts[0] > counts[-1] * 1.5  # near the context is likelier
+
+
+def test_passkey_hides_the_number_at_its_depth_and_asks_for_it_at_the_end():
+    """The needle sits at round(depth·filler) of the filler, the question ends the sequence, and the targets are the
+    five digits of the same number at the positions that predict them (nothing else is a target)."""
+    text = "abcdefghij klmnopqrstuvwxyz.\n" * 40
+    tokenizer = data.CharTokenizer.from_text(text + data.PASSKEY_NEEDLE + data.PASSKEY_QUESTION + "0123456789")
+    tokens = np.array(tokenizer.encode(text), dtype=np.uint16)
+    L = 160
+    for depth in (0.0, 0.5, 1.0):
+        x, y = data.passkey_batch(torch.Generator().manual_seed(2), 3, L, tokens, tokenizer.encode, depth)
+        assert x.shape == y.shape == (3, L)
+        for row, target in zip(x.tolist(), y.tolist()):
+            sequence = tokenizer.decode(row)
+            key = sequence[sequence.index("The pass key is ") + 16:][:5]
+            assert key.isdigit() and len(key) == 5 and sequence.count(key) == 2  # in the needle; x lacks its last digit
+            needle = data.PASSKEY_NEEDLE.format(key=key)
+            question = data.PASSKEY_QUESTION.format(key=key)
+            filler = L + 1 - len(needle) - len(question)
+            assert sequence.index(needle) == round(depth * filler)
+            assert sequence.endswith(question[:-1])
+            assert [t for t in target if t != data.IGNORE_INDEX] == tokenizer.encode(key)
+            assert all(t == data.IGNORE_INDEX for t in target[:-5])
+
+
+def test_answer_accuracy_by_hand():
+    """Two sequences of four positions, three answers: the argmax is right at two of them; the ignored positions do
+    not count, even where their argmax would match."""
+    logits = torch.full((2, 4, 5), -1.0)
+    for b, t, v in ((0, 1, 3), (0, 2, 4), (1, 0, 2), (1, 3, 1)):
+        logits[b, t, v] = 1.0
+    y = torch.tensor([[-100, 3, 0, -100], [2, -100, -100, -100]])
+    assert data.answer_accuracy(logits, y) == (2, 3)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(name="mqar", block_size=32, pairs="9"), "9 pairs do not fit 32 tokens"),
+    (dict(name="mqar", block_size=32, pairs="4", test_pairs="20", test_lengths="64"), "20 pairs do not fit 64"),
+    (dict(name="mqar", block_size=64, pairs="4", vocab=8), "--recall_vocab=8"),
+    (dict(name="mqar", block_size=32, pairs="4", test_lengths="128", max_length=64), "block_size·rope_factor = 64"),
+    (dict(name="mqar", block_size=32, pairs="4,x"), "--recall_pairs='4,x'"),
+])
+def test_recall_settings_that_cannot_work_are_one_line(settings, message):
+    with pytest.raises(data.DataError, match=re.escape(message)) as error:
+        data.RecallTask(**settings)
+    assert "\n" not in str(error.value)
+
 # ==================================================================================================
 # kernels.py  (pytest -m kernels)
 # --------------------------------------------------------------------------------------------------
