@@ -15,6 +15,9 @@ its model's speed. One command with subcommands; the library files never import 
     python bench.py recipe           nanoGPT's CPU recipe on a GPT-2-style yardstick, to time python train.py by
     python bench.py mixers [A G ...] each mixer string's training step against the GPT-2-style yardstick
     python bench.py residuals        each residual kind's training step against res
+    python bench.py recall [A G:kda ...] [--grid=gpu]   each mixer on MQAR (Zoology's recall task) at 2 layers, its
+                                     best lr of a small grid, several seeds: accuracy per test slice against the
+                                     bytes a layer keeps to generate (recurrent state, or KV cache), a table and plot
 """
 import argparse
 import ast
@@ -1108,13 +1111,14 @@ def mixers_throughput(mixers):
 # slice against the bytes a layer keeps to generate (Zoology's figure: recall against the state's size)
 
 # the grids: "cpu" finishes in under 30 minutes on 2 cores; "gpu" is Zoology's scale (vocabulary 8192, train at
-# 256 tokens with 4 to 64 pairs, test to 1024 tokens and 256 pairs, widths 64 to 512, lrs 1e-3 to 10^-1.5)
+# 256 tokens with 4 to 64 pairs, test to 1024 tokens, widths 64 to 512, lrs 1e-3 to 10^-1.5)
 RECALL_GRIDS = {
-    "cpu": dict(widths=(64,), vocab=8192, train_length=64, train_pairs="4,8,16", test_lengths="64,128,256",
-                test_pairs="4,8,16", lrs=(1e-3, 3e-3, 1e-2), seeds=3, steps=300, batch=64, test_batches=4),
+    "cpu": dict(widths=(64,), vocab=256, train_length=64, train_pairs="4,8", test_lengths="64,128,256",
+                test_pairs="4,8,16", optimizer="muon", aux_lr=3e-3, lrs=(0.01, 0.02), seeds=3, steps=1000, batch=32,
+                test_batches=4),
     "gpu": dict(widths=(64, 128, 256, 512), vocab=8192, train_length=256, train_pairs="4,8,16,32,64",
-                test_lengths="256,512,1024", test_pairs="4,16,64,256", lrs=(1e-3, 10 ** -2.5, 1e-2, 10 ** -1.5),
-                seeds=3, steps=4000, batch=256, test_batches=4),
+                test_lengths="256,512,1024", test_pairs="4,16,64", optimizer="adamw", aux_lr=3e-3,
+                lrs=(1e-3, 10 ** -2.5, 1e-2, 10 ** -1.5), seeds=3, steps=4000, batch=256, test_batches=4),
 }
 # the mixers it compares: a mixer string (cycled over the 2 layers) and the G variant; GGGA's 3:1 needs 4 layers, so
 # at 2 layers the hybrids are GA and MA
@@ -1291,7 +1295,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python bench.py", description="specgpt's measurements, one per "
                                      "subcommand; each prints first what it measures.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{kernels,costs,aot,recipe,mixers,"
-                                     "residuals}")
+                                     "residuals,recall}")
     commands.add_parser("kernels", help="each op's error against its reference and the chunked paths' speed; the "
                         "Triton walk-through (TRITON_INTERPRET=1 on a CPU); on a GPU the timings against the torch "
                         "path and torch.compile")
@@ -1305,6 +1309,17 @@ def main(argv=None):
     mixers.add_argument("mixers", nargs="*", default=["A"], help="mixer strings, letters of "
                         f"{''.join(MIXERS)} (default A)")
     commands.add_parser("residuals", help="each residual kind's training step against res")
+    recall = commands.add_parser("recall", help="each mixer trained on MQAR at 2 layers over an lr grid and seeds: "
+                                 "accuracy per test slice against the cache bytes per layer, a table and a plot")
+    recall.add_argument("mixers", nargs="*", default=list(RECALL_MIXERS), help="mixer strings of at most 2 letters, "
+                        "G:variant for a G variant (default: " + " ".join(RECALL_MIXERS) + ")")
+    recall.add_argument("--grid", choices=tuple(RECALL_GRIDS), default="cpu", help="cpu: width 64, lengths to 256, "
+                        "under 30 minutes on 2 cores; gpu: Zoology's scale")
+    recall.add_argument("--seeds", type=int, help="seeds per (mixer, lr) (default: the grid's)")
+    recall.add_argument("--steps", type=int, help="training steps per run (default: the grid's)")
+    recall.add_argument("--lrs", help="comma-separated learning rates (default: the grid's)")
+    recall.add_argument("--workers", type=int, help="processes on a CPU (default: one per core)")
+    recall.add_argument("--plot", default="recall.png", help="the plot's path ('' for none)")
     parser.error = lambda message: sys.exit(f"bench.py: {message}: python bench.py --help")   # one line, exit 1
     args = parser.parse_args(argv)
     if args.command == "kernels":
@@ -1331,6 +1346,26 @@ def main(argv=None):
             parser.error(f"{wrong[0]!r} is not a mixer string (letters of {', '.join(MIXERS)})")
         print(f"== training step of each mixer string ({' '.join(args.mixers)}) against the GPT-2-style yardstick ==")
         mixers_throughput(args.mixers)
+    elif args.command == "recall":
+        changes = {key: value for key, value in (("seeds", args.seeds), ("steps", args.steps)) if value is not None}
+        if args.lrs:
+            try:
+                changes["lrs"] = tuple(float(lr) for lr in args.lrs.split(","))
+            except ValueError:
+                parser.error(f"--lrs={args.lrs!r} is not a comma-separated list of numbers")
+        if min(changes.get("seeds", 1), changes.get("steps", 1)) < 1:
+            parser.error("--seeds and --steps take at least 1")
+        wrong = [m for m in args.mixers if not m.partition(":")[0] or set(m.partition(":")[0]) - set(MIXERS)
+                 or m.partition(":")[2] not in ("", *model.GDN_VARIANTS)]
+        if wrong:
+            parser.error(f"{wrong[0]!r} is not a mixer string (letters of {', '.join(MIXERS)}, G:variant with a "
+                         f"variant of {', '.join(model.GDN_VARIANTS)})")
+        print(f"== MQAR recall of each mixer at {RECALL_LAYERS} layers ({args.grid} grid): accuracy per slice against "
+              f"the cache bytes per layer ==")
+        try:
+            recall_bench(args.mixers, args.grid, args.workers, args.plot, **changes)
+        except ValueError as e:  # a setting that cannot work: one line
+            sys.exit(f"bench.py: {e}")
     else:
         print("== training step of each residual kind against res ==")
         residual_kinds()

@@ -3195,6 +3195,20 @@ def tiny_gpt(seed=0, **overrides):
     return GPT(tiny_config(**overrides))
 
 
+def test_the_loss_skips_ignored_targets():
+    """A target of -100 (the recall tasks' non-answers) adds nothing to the loss: GPT's loss equals the mean
+    cross-entropy over the other positions alone, computed from the logits by hand."""
+    net = tiny_gpt(seed=0, vocab_size=50, block_size=32, mixer="A")
+    idx = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    targets = torch.full((2, 12), -100)
+    targets[0, 3], targets[1, 7], targets[1, 11] = 5, 9, 49
+    logits, loss = net(idx, targets)
+    picked = [(0, 3), (1, 7), (1, 11)]
+    by_hand = sum(torch.logsumexp(logits[b, t].double(), 0) - logits[b, t, targets[b, t]].double()
+                  for b, t in picked) / len(picked)
+    assert abs(loss.item() - by_hand.item()) < 1e-5
+
+
 @pytest.mark.parametrize("mlp", list(MLPS))
 def test_attention_model_is_causal(mlp):
     torch.manual_seed(0)
@@ -7500,6 +7514,32 @@ def test_gpu_the_default_run(tmp_path):
     print(f"the default run on {torch.cuda.get_device_name()}: val {rows[-1]['val']:.4f} in {rows[-1]['time']:.1f} s")
     assert rows[-1]["val"] < 1.70
 
+
+def test_train_on_mqar_logs_accuracy_per_slice_and_a_tiny_attention_learns(tmp_path):
+    """--dataset=mqar: every eval's line and log row carry the accuracy on the answers of each test slice (length x
+    pairs), and two attention layers trained 80 steps on 2 pairs answer well above chance (1/8: the values are 8 of
+    the 16 tokens, so a model that does not read the context scores 1/8)."""
+    out = tmp_path / "run"
+    proc = run_train(*TINY, "--n_layer=2", "--n_embd=32", "--n_head=2", "--mixer=A", "--block_size=8",
+                     "--batch_size=32", "--optimizer=muon", "--learning_rate=0.02", "--dataset=mqar",
+                     "--recall_vocab=16", "--recall_pairs=2", "--recall_test_pairs=2", "--recall_test_lengths=8,16",
+                     "--rope_factor=2", "--max_iters=80", "--eval_interval=40", "--eval_iters=4", f"--out_dir={out}")
+    evals = [row for row in log_rows(out) if "val" in row]
+    assert [row["step"] for row in evals] == [0, 40, 80]
+    assert all(set(row["accuracy"]) == {"8x2", "16x2"} for row in evals)
+    assert re.search(r"iter 80: val loss [\d.]+ \(best [\d.]+\), accuracy 8x2 [\d.]+, 16x2 [\d.]+", proc.stdout)
+    assert evals[-1]["accuracy"]["8x2"] > 0.5, evals[-1]
+
+
+def test_a_recall_test_length_past_attentions_reach_is_one_line_before_any_work(tmp_path):
+    """Attention takes block_size·rope_factor tokens: testing mqar at 128 with block_size 32 stops before anything is
+    written, naming --rope_factor."""
+    out = tmp_path / "run"
+    proc = run_train(*TINY, "--mixer=A", "--dataset=mqar", "--block_size=32", "--recall_pairs=4",
+                     "--recall_test_lengths=32,128", f"--out_dir={out}", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "--rope_factor to 4" in lines[0], proc.stderr
+    assert not out.exists()
 
 # ==================================================================================================
 # analyze.py  (pytest -m analyze)
