@@ -24,6 +24,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -7540,6 +7541,35 @@ def test_a_recall_test_length_past_attentions_reach_is_one_line_before_any_work(
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and "--rope_factor to 4" in lines[0], proc.stderr
     assert not out.exists()
+
+def test_recall_bench_reports_mean_and_sd_over_seeds_and_the_cache_bytes(tmp_path, capsys):
+    """python bench.py recall on a tiny grid: one row per mixer at one of its lrs, each slice's mean ± sd over the 2
+    seeds in the table, attention's cache bytes per layer its keys and values at each test length (2·T·n_embd fp32
+    values), the plot written."""
+    grid = dict(widths=(32,), vocab=16, train_length=8, train_pairs="2", test_lengths="8,16", test_pairs="2",
+                optimizer="adamw", aux_lr=3e-3, lrs=(1e-6, 1e-2), seeds=2, steps=6, batch=8, test_batches=1)
+    plot = tmp_path / "recall.png"
+    rows = bench.recall_bench(["A"], "cpu", 1, str(plot), **grid)
+    out = capsys.readouterr().out
+    assert len(rows) == 1 and rows[0]["lr"] in (1e-6, 1e-2) and rows[0]["bytes"] == {8: 2 * 8 * 32 * 4, 16: 2 * 16 * 32 * 4}
+    assert set(rows[0]["accs"]) == {(8, 2), (16, 2)} and all(len(v) == 2 for v in rows[0]["accs"].values())
+    row = next(line for line in out.splitlines() if line.startswith("| A | 32 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    for cell, key in zip(cells[4:], ((8, 2), (16, 2))):
+        values = rows[0]["accs"][key]
+        assert cell == f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+    assert plot.stat().st_size > 0
+
+
+def test_recall_bench_bad_input_is_one_line():
+    """Each stops before any training with one line (sys.exit's message: printed to stderr, exit status 1)."""
+    for argv, message in ((["recall", "GGGA"], "more letters than the bench's 2 layers"),
+                          (["recall", "G:nope"], "'G:nope' is not a mixer string"),
+                          (["recall", "--lrs=1e-3,x"], "--lrs='1e-3,x'"),
+                          (["recall", "A", "--steps=0"], "--seeds and --steps take at least 1")):
+        with pytest.raises(SystemExit) as stop:
+            bench.main(argv)
+        assert isinstance(stop.value.code, str) and "\n" not in stop.value.code and message in stop.value.code, argv
 
 # ==================================================================================================
 # analyze.py  (pytest -m analyze)

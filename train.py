@@ -59,7 +59,7 @@ wandb_log = False              # also log to Weights & Biases (pip install wandb
 wandb_project = "specgpt"      # wandb's project
 wandb_run_name = ""            # wandb's run name ("": wandb picks one)
 # data
-dataset = "shakespeare_char"   # shakespeare_char | shakespeare | path/to/file.txt | 'dir/*_train_*.bin' | mqar | passkey
+dataset = "shakespeare_char"   # shakespeare_char | shakespeare | file.txt | 'dir/*_train_*.bin' | mqar | passkey
 tokenizer = "auto"             # data.TOKENIZERS; auto: the dataset's own (gpt2: shakespeare, shards; else char)
 batch_size = 24                # sequences per micro-step (per process)
 gradient_accumulation_steps = 1  # micro-steps per optimizer step (per process)
@@ -68,7 +68,7 @@ gradient_accumulation_steps = 1  # micro-steps per optimizer step (per process)
 recall_vocab = 8192            # mqar: vocabulary (keys from its lower half, values from its upper half)
 recall_pairs = "4"             # mqar: key-value pairs of a training sequence, a comma list (one drawn per batch)
 recall_test_pairs = "4"        # mqar: the pair counts tested at each test length, a comma list
-recall_test_lengths = ""       # the lengths tested, a comma list ("": block_size); attention takes block_size·rope_factor
+recall_test_lengths = ""       # the lengths tested, a comma list ("": block_size); attention: ≤ block_size·rope_factor
 # optimizer (see optim.py; each optimizer's own settings, momentum, beta1, ..., are declared in its row of
 # optim.OPTIMIZERS and become config keys here: optim.SETTINGS)
 optimizer = "muon"             # the optimizer of the blocks' matrices (optim.OPTIMIZERS)
@@ -108,7 +108,8 @@ COMMAND_KEYS = ("out_dir", "init_from", "overwrite", "sample_only")
 # keys' are model.CONFIG_RANGES (analyze.py checks them too)
 RANGES = {"eval_interval": ">= 1", "eval_iters": ">= 1", "log_interval": ">= 1", "analyze_every": ">= 0",
           "seed": "in [0, 2**63)",
-          "batch_size": ">= 1", "gradient_accumulation_steps": ">= 1", "recall_vocab": ">= 4", "learning_rate": ">= 0", "min_lr": ">= 0",
+          "batch_size": ">= 1", "gradient_accumulation_steps": ">= 1", "recall_vocab": ">= 4",
+          "learning_rate": ">= 0", "min_lr": ">= 0",
           "weight_decay": ">= 0", "aux_lr": ">= 0", "grad_clip": ">= 0", "max_iters": ">= 0", "lr_decay_iters": ">= 0",
           "warmup_iters": ">= 0", "wsd_decay_frac": "in [0, 1]", "num_samples": ">= 0", "max_new_tokens": ">= 0",
           "temperature": ">= 0", "top_k": ">= 1", "peak_tflops": ">= 0", **model.CONFIG_RANGES,
@@ -210,8 +211,8 @@ def main(args):
         wandb_run = open_run_folder(c, settings, progress.iter_num if ckpt is not None else None, master, wandb,
                                     cleanup)
         if master:
-            print_banner(c, config, meta, len(train_tokens) if not task else 0, raw_model, compiled, dev, precision, tokens_per_iter,
-                         peak, world)
+            print_banner(c, config, meta, len(train_tokens) if not task else 0, raw_model, compiled, dev, precision,
+                         tokens_per_iter, peak, world)
             if ckpt is not None:
                 print(f"resuming at iter {progress.iter_num}" + (f"; changed: {', '.join(changes)}" if changes else ""))
         # 6. the loop: an eval (and checkpoint) every eval_interval steps and at the end, a log line every
