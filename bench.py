@@ -1110,12 +1110,13 @@ def mixers_throughput(mixers):
 # the recall bench: each mixer on MQAR (data.mqar_batch) at 2 layers, its best learning rate, accuracy per test
 # slice against the bytes a layer keeps to generate (Zoology's figure: recall against the state's size)
 
-# the grids: "cpu" is sized for 30 minutes on 2 cores (it prints the CPU time it took); "gpu" is Zoology's scale
-# (vocabulary 8192, train at 256 tokens with 4 to 64 pairs, test to 1024 tokens, widths 64 to 512, lrs 1e-3 to
-# 10^-1.5)
+# the grids: "cpu" is sized for about 30 minutes on 2 cores (it prints the CPU time it took): a vocabulary of 64 and
+# 600 steps, in which attention learns 64 tokens x 4 pairs (at 256 tokens of vocabulary it had not after 1000 steps
+# of 32); "gpu" is Zoology's scale (vocabulary 8192, train at 256 tokens with 4 to 64 pairs, test to 1024 tokens,
+# widths 64 to 512, lrs 1e-3 to 10^-1.5)
 RECALL_GRIDS = {
-    "cpu": dict(widths=(64,), vocab=256, train_length=64, train_pairs="4,8", test_lengths="64,128,256",
-                test_pairs="4,8,16", optimizer="muon", aux_lr=3e-3, lrs=(0.01, 0.02), seeds=3, steps=1000, batch=32,
+    "cpu": dict(widths=(64,), vocab=64, train_length=64, train_pairs="4", test_lengths="64,128,256",
+                test_pairs="4,8,16", optimizer="muon", aux_lr=0.01, lrs=(0.01, 0.02), seeds=3, steps=600, batch=64,
                 test_batches=4),
     "gpu": dict(widths=(64, 128, 256, 512), vocab=8192, train_length=256, train_pairs="4,8,16,32,64",
                 test_lengths="256,512,1024", test_pairs="4,16,64", optimizer="adamw", aux_lr=3e-3,
@@ -1185,9 +1186,10 @@ def recall_run(mixer, width, lr, seed, grid, device="cpu"):
 
 
 def recall_bench(mixers=RECALL_MIXERS, grid_name="cpu", workers=None, plot_path="recall.png", **changes):
-    """`python bench.py recall`: every (mixer, width, lr, seed) of the grid trained and tested (in forked processes,
-    one thread each); per mixer and width the lr of the best mean accuracy over slices and seeds is kept, and its
-    accuracies (mean ± sd over seeds) are printed per slice beside the cache bytes per layer, and plotted."""
+    """`python bench.py recall`: each (mixer, width) trained and tested at every lr of the grid with seed 0, then at
+    the lr of the best mean accuracy over the slices with the other seeds (in forked processes, one thread each; the
+    sweep's seed-0 run counts as a seed); its accuracies (mean ± sd over seeds) are printed per slice beside the cache
+    bytes per layer, and plotted."""
     grid = {**RECALL_GRIDS[grid_name], **changes}
     import data
     lengths = data.parse_ints(grid["test_lengths"], "test_lengths")
@@ -1195,13 +1197,13 @@ def recall_bench(mixers=RECALL_MIXERS, grid_name="cpu", workers=None, plot_path=
                     test_pairs=grid["test_pairs"], test_lengths=grid["test_lengths"])  # bad settings: one line now
     for mixer in mixers:
         recall_config(mixer, grid["widths"][0], grid["vocab"], grid["train_length"], max(lengths))
-    runs = [(m, w, lr, s) for m in mixers for w in grid["widths"] for lr in grid["lrs"] for s in range(grid["seeds"])]
+    sweep = [(m, w, lr, 0) for m in mixers for w in grid["widths"] for lr in grid["lrs"]]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"{len(runs)} runs: mixers {' '.join(mixers)}, widths {grid['widths']}, {grid['optimizer']} lrs "
-          f"{grid['lrs']}, {grid['seeds']} seeds; {grid['steps']} steps of {grid['batch']} x {grid['train_length']} "
-          f"tokens "
-          f"(pairs {grid['train_pairs']}, vocabulary {grid['vocab']}); test lengths {grid['test_lengths']} x pairs "
-          f"{grid['test_pairs']}, {grid['test_batches'] * grid['batch']} examples a slice; on {device}", flush=True)
+    print(f"{len(sweep)} runs of the lr sweep (seed 0), then {grid['seeds'] - 1} more seeds at each best lr: mixers "
+          f"{' '.join(mixers)}, widths {grid['widths']}, {grid['optimizer']} lrs {grid['lrs']}; {grid['steps']} steps "
+          f"of {grid['batch']} x {grid['train_length']} tokens (pairs {grid['train_pairs']}, vocabulary "
+          f"{grid['vocab']}); test lengths {grid['test_lengths']} x pairs {grid['test_pairs']}, "
+          f"{grid['test_batches'] * grid['batch']} examples a slice; on {device}", flush=True)
 
     def one(run):
         if device == "cpu":
@@ -1211,17 +1213,17 @@ def recall_bench(mixers=RECALL_MIXERS, grid_name="cpu", workers=None, plot_path=
               f"{statistics.mean(result['acc'].values()):.3f}, {result['seconds']:.0f}s wall, "
               f"{result['cpu_seconds']:.0f} CPU-s", flush=True)
         return result
-    results = dict(zip(runs, forked_map(one, runs, 1 if device == "cuda" else workers)))
-    rows = []
-    for mixer in mixers:
-        for width in grid["widths"]:
-            def mean_acc(lr):
-                return statistics.mean(statistics.mean(results[(mixer, width, lr, s)]["acc"].values())
-                                       for s in range(grid["seeds"]))
-            best = max(grid["lrs"], key=mean_acc)
-            chosen = [results[(mixer, width, best, s)] for s in range(grid["seeds"])]
-            accs = {key: [r["acc"][key] for r in chosen] for key in chosen[0]["acc"]}
-            rows.append(dict(mixer=mixer, width=width, lr=best, bytes=chosen[0]["bytes"], accs=accs))
+    workers = 1 if device == "cuda" else workers
+    results = dict(zip(sweep, forked_map(one, sweep, workers)))
+    best = {(m, w): max(grid["lrs"], key=lambda lr: statistics.mean(results[(m, w, lr, 0)]["acc"].values()))
+            for m in mixers for w in grid["widths"]}
+    seeds = [(m, w, lr, s) for (m, w), lr in best.items() for s in range(1, grid["seeds"])]
+    results.update(zip(seeds, forked_map(one, seeds, workers)))
+    runs, rows = sweep + seeds, []
+    for (mixer, width), lr in best.items():
+        chosen = [results[(mixer, width, lr, s)] for s in range(grid["seeds"])]
+        accs = {key: [r["acc"][key] for r in chosen] for key in chosen[0]["acc"]}
+        rows.append(dict(mixer=mixer, width=width, lr=lr, bytes=chosen[0]["bytes"], accs=accs))
     print_recall_table(rows, lengths, grid["seeds"])
     cpu = sum(r["cpu_seconds"] for r in results.values())
     print(f"all {len(runs)} runs: {cpu:,.0f} CPU-seconds (one thread each), {cpu / 120:.1f} minutes on 2 idle cores")
