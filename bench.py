@@ -21,6 +21,9 @@ its model's speed. One command with subcommands; the library files never import 
                                      Welch's t-test between each pair
     python bench.py clip OUT_DIR ... Gated DeltaNet-2's spectral clip on each checkpoint's gdn2 layers: how often
                                      ρ > 1, and the state's growth over long text with the clip and without
+    python bench.py recall [A G:kda ...] [--grid=gpu]   each mixer on MQAR (Zoology's recall task) at 2 layers, its
+                                     best lr of a small grid, several seeds: accuracy per test slice against the
+                                     bytes a layer keeps to generate (recurrent state, or KV cache), a table and plot
 """
 import argparse
 import ast
@@ -1417,6 +1420,186 @@ def mixers_throughput(mixers):
 
 
 # -----------------------------------------------------------------------------
+# the recall bench: each mixer on MQAR (data.mqar_batch) at 2 layers, its best learning rate, accuracy per test
+# slice against the bytes a layer keeps to generate (Zoology's figure: recall against the state's size)
+
+# the grids: "cpu" is sized for about 30 minutes on 2 cores (it prints the CPU time it took): a vocabulary of 64 and
+# 600 steps, in which attention learns 64 tokens x 4 pairs (at 256 tokens of vocabulary it had not after 1000 steps
+# of 32); "gpu" is Zoology's scale (vocabulary 8192, train at 256 tokens with 4 to 64 pairs, test to 1024 tokens,
+# widths 64 to 512, lrs 1e-3 to 10^-1.5)
+RECALL_GRIDS = {
+    "cpu": dict(widths=(64,), vocab=64, train_length=64, train_pairs="4", test_lengths="64,128,256",
+                test_pairs="4,8,16", optimizer="muon", aux_lr=0.01, lrs=(0.01, 0.02), seeds=3, steps=600, batch=64,
+                test_batches=4),
+    "gpu": dict(widths=(64, 128, 256, 512), vocab=8192, train_length=256, train_pairs="4,8,16,32,64",
+                test_lengths="256,512,1024", test_pairs="4,16,64", optimizer="adamw", aux_lr=3e-3,
+                lrs=(1e-3, 10 ** -2.5, 1e-2, 10 ** -1.5), seeds=3, steps=4000, batch=256, test_batches=4),
+}
+# the mixers it compares: a mixer string (cycled over the 2 layers) and the G variant; GGGA's 3:1 needs 4 layers, so
+# at 2 layers the hybrids are GA and MA
+RECALL_MIXERS = ("A", "G:gdn2", "G:kda", "G:gdn", "G:deltanet", "M", "GA", "MA")
+RECALL_LAYERS = 2
+RECALL_HEAD_SIZE = 64   # every mixer's head size: width 64 is one head
+
+
+def recall_config(mixer, width, vocab, train_length, max_length):
+    """The bench's model: 2 layers of mixer (a string, or G:variant), heads of RECALL_HEAD_SIZE, RoPE's cache long
+    enough for the longest test (rope_factor), every other key named here (not GPTConfig's defaults)."""
+    letters, _, variant = mixer.partition(":")
+    if len(letters) > RECALL_LAYERS:
+        raise ValueError(f"mixer {letters!r} has more letters than the bench's {RECALL_LAYERS} layers: use a string "
+                         f"of at most {RECALL_LAYERS}, e.g. GA")
+    return GPTConfig(vocab_size=vocab, vocab_multiple=1, block_size=train_length, n_layer=RECALL_LAYERS,
+                     n_head=max(1, width // RECALL_HEAD_SIZE), n_embd=width, mixer=letters, mlp="relu2",
+                     residual="res", rope="fixed", rope_scaling="none", rope_factor=max_length / train_length,
+                     qk_norm=True, tie_embeddings=True, dropout=0.0, gdn_variant=variant or "gdn2", gdn_clip=True,
+                     gdn_expand_v=1, conv_size=4, mamba_d_state=16, mamba_expand=1, mamba_headdim=32,
+                     kernels="auto", init="gpt2")
+
+
+@torch.no_grad()
+def cache_bytes_per_layer(net, length):
+    """The bytes of the generation cache (GPT.forward's cache) after `length` tokens, per layer: the recurrent state
+    and convolution inputs of G and M, the keys and values of A."""
+    cache = {"pos": 0, "layers": [{} for _ in net.blocks]}
+    net(torch.zeros(1, length, dtype=torch.long, device=net.rope_cos.device), cache=cache)
+    return sum(t.numel() * t.element_size() for layer in cache["layers"] for t in layer.values()) / len(net.blocks)
+
+
+def recall_run(mixer, width, lr, seed, grid, device="cpu"):
+    """Trains one model on MQAR (AdamW, weight decay 0.1, 10% linear warmup then a cosine to 0, gradient clip 1) and
+    returns {"acc": {slice: accuracy}, "bytes": {test length: cache bytes per layer}, "seconds": wall time}."""
+    import data
+    import optim
+    lengths = data.parse_ints(grid["test_lengths"], "test_lengths")
+    task = data.RecallTask("mqar", grid["train_length"], vocab=grid["vocab"], pairs=grid["train_pairs"],
+                           test_pairs=grid["test_pairs"], test_lengths=grid["test_lengths"])
+    cfg = recall_config(mixer, width, grid["vocab"], grid["train_length"], max(lengths + (grid["train_length"],)))
+    torch.manual_seed(seed)
+    net = GPT(cfg).to(device)
+    opt = optim.build_optimizer(net, grid["optimizer"], lr=lr, weight_decay=0.1, aux_lr=grid["aux_lr"])
+    sampler = data.RecallSampler(task, grid["batch"], seed, device)
+    t0, cpu0, steps = time.perf_counter(), time.process_time(), grid["steps"]
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = group["base_lr"] * optim.lr_multiplier(step, steps, steps // 10, 0.0, "cosine", 0.0)
+        _, loss = net(*sampler.next_batch())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    net.eval()
+    acc = {}
+    with torch.no_grad():
+        for key, batches in task.test_set(grid["batch"], grid["test_batches"]).items():
+            counts = [data.answer_accuracy(net(x.to(device))[0], y.to(device)) for x, y in batches]
+            acc[key] = sum(c for c, _ in counts) / sum(n for _, n in counts)
+    return {"acc": acc, "bytes": {n: cache_bytes_per_layer(net, n) for n in lengths},
+            "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - cpu0}
+
+
+def recall_bench(mixers=RECALL_MIXERS, grid_name="cpu", workers=None, plot_path="recall.png", **changes):
+    """`python bench.py recall`: each (mixer, width) trained and tested at every lr of the grid with seed 0, then at
+    the lr of the best mean accuracy over the slices with the other seeds (in forked processes, one thread each; the
+    sweep's seed-0 run counts as a seed); its accuracies (mean ± sd over seeds) are printed per slice beside the cache
+    bytes per layer, and plotted."""
+    grid = {**RECALL_GRIDS[grid_name], **changes}
+    import data
+    lengths = data.parse_ints(grid["test_lengths"], "test_lengths")
+    data.RecallTask("mqar", grid["train_length"], vocab=grid["vocab"], pairs=grid["train_pairs"],
+                    test_pairs=grid["test_pairs"], test_lengths=grid["test_lengths"])  # bad settings: one line now
+    for mixer in mixers:
+        recall_config(mixer, grid["widths"][0], grid["vocab"], grid["train_length"], max(lengths))
+    sweep = [(m, w, lr, 0) for m in mixers for w in grid["widths"] for lr in grid["lrs"]]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"{len(sweep)} runs of the lr sweep (seed 0), then {grid['seeds'] - 1} more seeds at each best lr: mixers "
+          f"{' '.join(mixers)}, widths {grid['widths']}, {grid['optimizer']} lrs {grid['lrs']}; {grid['steps']} steps "
+          f"of {grid['batch']} x {grid['train_length']} tokens (pairs {grid['train_pairs']}, vocabulary "
+          f"{grid['vocab']}); test lengths {grid['test_lengths']} x pairs {grid['test_pairs']}, "
+          f"{grid['test_batches'] * grid['batch']} examples a slice; on {device}", flush=True)
+
+    def one(run):
+        if device == "cpu":
+            torch.set_num_threads(1)
+        result = recall_run(*run, grid, device)
+        print(f"  {run[0]:>10} width {run[1]} lr {run[2]:.2g} seed {run[3]}: mean accuracy "
+              f"{statistics.mean(result['acc'].values()):.3f}, {result['seconds']:.0f}s wall, "
+              f"{result['cpu_seconds']:.0f} CPU-s", flush=True)
+        return result
+    workers = 1 if device == "cuda" else workers
+    results = dict(zip(sweep, forked_map(one, sweep, workers)))
+    best = {(m, w): max(grid["lrs"], key=lambda lr: statistics.mean(results[(m, w, lr, 0)]["acc"].values()))
+            for m in mixers for w in grid["widths"]}
+    seeds = [(m, w, lr, s) for (m, w), lr in best.items() for s in range(1, grid["seeds"])]
+    results.update(zip(seeds, forked_map(one, seeds, workers)))
+    runs, rows = sweep + seeds, []
+    for (mixer, width), lr in best.items():
+        chosen = [results[(mixer, width, lr, s)] for s in range(grid["seeds"])]
+        accs = {key: [r["acc"][key] for r in chosen] for key in chosen[0]["acc"]}
+        rows.append(dict(mixer=mixer, width=width, lr=lr, bytes=chosen[0]["bytes"], accs=accs))
+    print_recall_table(rows, lengths, grid["seeds"])
+    cpu = sum(r["cpu_seconds"] for r in results.values())
+    print(f"all {len(runs)} runs: {cpu:,.0f} CPU-seconds (one thread each), {cpu / 120:.1f} minutes on 2 idle cores")
+    if plot_path:
+        plot_recall(rows, plot_path)
+        print(f"plot: {plot_path}")
+    return rows
+
+
+def mean_sd(values):
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.3f} ± {sd:.3f}"
+
+
+def print_recall_table(rows, lengths, seeds):
+    """A markdown table: per mixer and width, its best lr, the cache bytes per layer at each test length, and each
+    slice's accuracy (mean ± sd over the seeds)."""
+    slices = list(rows[0]["accs"])
+    print(f"\naccuracy on the answers, mean ± sd over {seeds} seeds at each mixer's best lr; bytes: the generation "
+          f"cache per layer (fp32) at test length {', '.join(map(str, lengths))}")
+    print("| mixer | width | lr | bytes/layer | " + " | ".join(f"{n}x{p}" for n, p in slices) + " |")
+    print("|---" * (4 + len(slices)) + "|")
+    for row in rows:
+        sizes = sorted(set(row["bytes"].values()))
+        shown = f"{sizes[0]:,.0f}" if len(sizes) == 1 else " / ".join(f"{row['bytes'][n]:,.0f}" for n in lengths)
+        print(f"| {row['mixer']} | {row['width']} | {row['lr']:.2g} | {shown} | "
+              + " | ".join(mean_sd(row["accs"][key]) for key in slices) + " |")
+
+
+def plot_recall(rows, path):
+    """One panel per test slice: each mixer's accuracy (mean, sd as error bar) against its cache bytes per layer at
+    that slice's length, log-scaled."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    slices = list(rows[0]["accs"])
+    lengths = sorted({n for n, _ in slices})
+    pairs = sorted({p for _, p in slices})
+    fig, axes = plt.subplots(len(lengths), len(pairs), figsize=(3.2 * len(pairs), 2.6 * len(lengths)), squeeze=False,
+                             sharey=True)
+    markers = dict(zip(dict.fromkeys(r["mixer"] for r in rows), "os^vD<>phx*"))
+    for (n, p), ax in zip(((n, p) for n in lengths for p in pairs), axes.flat):
+        for row in rows:
+            if (n, p) in row["accs"]:
+                values = row["accs"][(n, p)]
+                sd = statistics.stdev(values) if len(values) > 1 else 0.0
+                ax.errorbar(row["bytes"][n], statistics.mean(values), yerr=sd, marker=markers[row["mixer"]],
+                            linestyle="", label=row["mixer"], capsize=2)
+        ax.set_xscale("log")
+        ax.set_title(f"length {n}, {p} pairs", fontsize=9)
+        ax.set_ylim(-0.05, 1.05)
+    for ax in axes[-1]:
+        ax.set_xlabel("cache bytes per layer")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("accuracy")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+# -----------------------------------------------------------------------------
 # python bench.py <what>: one subcommand per measurement; the compile and kept-bytes runs go to a Python that
 # imported triton without the interpreter (its kernels compile, and Triton's custom ops run on fake tensors)
 
@@ -1431,7 +1614,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python bench.py", description="specgpt's measurements, one per "
                                      "subcommand; each prints first what it measures.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{kernels,costs,aot,recipe,mixers,"
-                                     "residuals,seeds,clip}")
+                                     "residuals,seeds,clip,recall}")
     commands.add_parser("kernels", help="each op's error against its reference and the chunked paths' speed; the "
                         "Triton walk-through (TRITON_INTERPRET=1 on a CPU); on a GPU the timings against the torch "
                         "path and torch.compile")
@@ -1465,6 +1648,17 @@ def main(argv=None):
                       "gdn2, e.g. one setting's seeds")
     clip.add_argument("--length", type=int, default=2048, help="tokens of each validation stretch (default 2048)")
     clip.add_argument("--sequences", type=int, default=2, help="validation stretches (default 2)")
+    recall = commands.add_parser("recall", help="each mixer trained on MQAR at 2 layers over an lr grid and seeds: "
+                                 "accuracy per test slice against the cache bytes per layer, a table and a plot")
+    recall.add_argument("mixers", nargs="*", default=list(RECALL_MIXERS), help="mixer strings of at most 2 letters, "
+                        "G:variant for a G variant (default: " + " ".join(RECALL_MIXERS) + ")")
+    recall.add_argument("--grid", choices=tuple(RECALL_GRIDS), default="cpu", help="cpu: width 64, lengths to 256, "
+                        "under 30 minutes on 2 cores; gpu: Zoology's scale")
+    recall.add_argument("--seeds", type=int, help="seeds per (mixer, lr) (default: the grid's)")
+    recall.add_argument("--steps", type=int, help="training steps per run (default: the grid's)")
+    recall.add_argument("--lrs", help="comma-separated learning rates (default: the grid's)")
+    recall.add_argument("--workers", type=int, help="processes on a CPU (default: one per core)")
+    recall.add_argument("--plot", default="recall.png", help="the plot's path ('' for none)")
     parser.error = lambda message: sys.exit(f"bench.py: {message}: python bench.py --help")   # one line, exit 1
     argv, settings = split_settings(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -1535,6 +1729,26 @@ def main(argv=None):
             print("\n".join(clip_table(args.out_dirs, args.length, args.sequences)))
         except ValueError as e:
             parser.error(str(e))
+    elif args.command == "recall":
+        changes = {key: value for key, value in (("seeds", args.seeds), ("steps", args.steps)) if value is not None}
+        if args.lrs:
+            try:
+                changes["lrs"] = tuple(float(lr) for lr in args.lrs.split(","))
+            except ValueError:
+                parser.error(f"--lrs={args.lrs!r} is not a comma-separated list of numbers")
+        if min(changes.get("seeds", 1), changes.get("steps", 1)) < 1:
+            parser.error("--seeds and --steps take at least 1")
+        wrong = [m for m in args.mixers if not m.partition(":")[0] or set(m.partition(":")[0]) - set(MIXERS)
+                 or m.partition(":")[2] not in ("", *model.GDN_VARIANTS)]
+        if wrong:
+            parser.error(f"{wrong[0]!r} is not a mixer string (letters of {', '.join(MIXERS)}, G:variant with a "
+                         f"variant of {', '.join(model.GDN_VARIANTS)})")
+        print(f"== MQAR recall of each mixer at {RECALL_LAYERS} layers ({args.grid} grid): accuracy per slice against "
+              f"the cache bytes per layer ==")
+        try:
+            recall_bench(args.mixers, args.grid, args.workers, args.plot, **changes)
+        except ValueError as e:  # a setting that cannot work: one line
+            sys.exit(f"bench.py: {e}")
     else:
         print("== training step of each residual kind against res ==")
         residual_kinds()

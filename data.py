@@ -11,6 +11,9 @@ Data for specgpt: fetch a corpus, tokenize it once into uint16 token files, samp
                                            copy): the validation shard and N training shards, ~100M tokens each
 
     python data.py [dataset [tokenizer]]   prepare (or load) a dataset and show what it holds
+    python data.py mqar | passkey          a few decoded examples of a recall task
+
+    dataset = "mqar" | "passkey"   recall tasks generated from the seed (RECALL_TASKS), nothing to prepare
 
 Prepared data lives in data/<name>/{train.bin, val.bin, meta.json}; meta.json is written last, so its
 presence means the preparation finished. Everything is written to a temporary name and then renamed.
@@ -515,6 +518,192 @@ def join_shards(files, vocab_size):
 
 
 # ----------------------------------------------------------------------------------------------------
+# synthetic recall tasks, generated from a seed (no download): the answers are the only targets
+
+IGNORE_INDEX = -100   # the target of a position that is not an answer: the loss (torch's default) and accuracy skip it
+MQAR_POWER_A = 0.01   # Zoology's power_a: a query's gap g (in slots of two tokens) has p(g) ∝ a·g^(a−1)
+PASSKEY_DIGITS = 5
+PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
+PASSKEY_QUESTION = " What is the pass key? The pass key is {key}"
+PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)   # the needle's test depths, as a fraction of the filler before it
+RECALL_TEST_SEED = 2 ** 32                      # the test slices' examples: a stream no training seed starts
+
+
+def mqar_batch(generator, batch, length, pairs, vocab, power_a=MQAR_POWER_A):
+    """Zoology's multi-query associative recall (Arora et al. 2023, arXiv 2312.04927), (x, y) int64 (batch,
+    length): keys from 1 .. vocab/2 − 1 and values from vocab/2 .. vocab − 1, each drawn without replacement, so a
+    key appears at most once in the context k1 v1 k2 v2 ...; then each key once more as a query, at position
+    2·pairs + 2g, the slots g drawn without replacement with p(g) ∝ a·g^(a−1) over the (length − 2·pairs)/2 slots
+    (near the context is likelier: recall gaps in text follow a power law); every other position a random token.
+    y is the value at each query's position (the next token to predict there) and IGNORE_INDEX elsewhere."""
+    half, slots = vocab // 2, (length - 2 * pairs) // 2
+    keys = 1 + torch.multinomial(torch.ones(batch, half - 1), pairs, generator=generator)
+    values = half + torch.multinomial(torch.ones(batch, vocab - half), pairs, generator=generator)
+    weights = power_a * torch.arange(1, slots + 1, dtype=torch.float64) ** (power_a - 1)
+    gaps = torch.multinomial(weights.expand(batch, slots), pairs, generator=generator)
+    x = torch.randint(vocab, (batch, length), generator=generator)
+    x[:, 0:2 * pairs:2], x[:, 1:2 * pairs:2] = keys, values
+    queries = 2 * pairs + 2 * gaps
+    x.scatter_(1, queries, keys)
+    y = torch.full((batch, length), IGNORE_INDEX).scatter_(1, queries, values)
+    return x, y
+
+
+def passkey_batch(generator, batch, length, text, encode, depth=None):
+    """Single-needle retrieval (Mohtashami & Jaggi 2023), (x, y) int64 (batch, length): a window of the token array
+    text as filler, PASSKEY_NEEDLE with a random PASSKEY_DIGITS-digit number at the fraction depth of it (None: a
+    random depth per example), and PASSKEY_QUESTION at the end; y is the number's digits at the positions that
+    predict them (the last PASSKEY_DIGITS), IGNORE_INDEX elsewhere. encode: the text's tokenizer's."""
+    rows = []
+    for _ in range(batch):
+        key = str(int(torch.randint(10 ** (PASSKEY_DIGITS - 1), 10 ** PASSKEY_DIGITS, (), generator=generator)))
+        needle = encode(PASSKEY_NEEDLE.format(key=key))
+        question = encode(PASSKEY_QUESTION.format(key=key))
+        filler = length + 1 - len(needle) - len(question)
+        start = int(torch.randint(len(text) - filler, (), generator=generator))
+        at = round(filler * (float(torch.rand((), generator=generator)) if depth is None else depth))
+        window = np.asarray(text[start:start + filler], dtype=np.int64).tolist()
+        rows.append(window[:at] + needle + window[at:] + question)
+    sequences = torch.tensor(rows)
+    y = torch.full((batch, length), IGNORE_INDEX)
+    y[:, -PASSKEY_DIGITS:] = sequences[:, -PASSKEY_DIGITS:]
+    return sequences[:, :-1], y
+
+
+def passkey_min_length(encode):
+    """The shortest passkey sequence: the needle and the question, with no filler."""
+    key = "9" * PASSKEY_DIGITS
+    return len(encode(PASSKEY_NEEDLE.format(key=key))) + len(encode(PASSKEY_QUESTION.format(key=key))) - 1
+
+
+def parse_ints(text, key):
+    """'64,128' -> (64, 128): a setting that lists numbers (--recall_pairs, --recall_test_lengths, ...)."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise DataError(f"--{key}={text!r} is not a comma-separated list of whole numbers: e.g. --{key}=4,8") from None
+    if not values or min(values) < 1:
+        raise DataError(f"--{key}={text!r}: give one or more numbers of at least 1, e.g. --{key}=4,8")
+    return values
+
+
+class RecallTask:
+    """A recall dataset (RECALL_TASKS): training batches at block_size, and the test slices (length, pairs) of mqar or
+    (length, depth) of passkey, each a fixed set of examples. Every setting is checked here, before any work: pairs
+    that do not fit a length or the vocabulary, a length a mixer cannot take (max_length: attention's
+    block_size·rope_factor, None for a model without such a limit)."""
+
+    def __init__(self, name, block_size, vocab=8192, pairs="4", test_pairs="4", test_lengths="", max_length=None):
+        self.name, self.block_size = name, block_size
+        self.test_lengths = parse_ints(test_lengths, "recall_test_lengths") if test_lengths else (block_size,)
+        for length in self.test_lengths:
+            if max_length is not None and length > max_length:
+                raise DataError(f"test length {length} is past what attention takes (block_size·rope_factor = "
+                                f"{max_length}): raise --rope_factor to {length / block_size:g} or test shorter")
+        if name == "passkey":
+            train, val, meta = load_dataset("shakespeare_char")
+            self.text, self.test_text, self.tokenizer = train, val, tokenizer_from_meta(meta)
+            self.vocab_size, self.meta = meta["vocab_size"], {**meta, "recall": name}
+            self.train_values, self.test_values = (None,), PASSKEY_DEPTHS
+            shortest = passkey_min_length(self.tokenizer.encode)
+            for length in (block_size, *self.test_lengths):
+                if length < shortest:
+                    raise DataError(f"passkey length {length} cannot hold the needle and the question ({shortest} "
+                                    f"tokens): use a --block_size and test lengths of at least {shortest}")
+            return
+        self.vocab_size, self.meta = vocab, {"tokenizer": None, "vocab_size": vocab, "recall": name}
+        self.train_values = parse_ints(pairs, "recall_pairs")
+        self.test_values = parse_ints(test_pairs, "recall_test_pairs")
+        for length in (block_size, *self.test_lengths):
+            for count in self.train_values if length == block_size else self.test_values:
+                if 4 * count > length:
+                    raise DataError(f"mqar: {count} pairs do not fit {length} tokens (2·pairs for the pairs, as many "
+                                    f"for their queries and answers): use at most {length // 4} pairs there")
+        for count in (*self.train_values, *self.test_values):
+            if count > vocab // 2 - 1:
+                raise DataError(f"mqar: {count} pairs need {count} distinct keys, but --recall_vocab={vocab} has "
+                                f"{vocab // 2 - 1}: use a vocabulary of at least {2 * count + 2}")
+
+    def batch(self, generator, batch_size, length, value):
+        """(x, y) of batch_size examples of this length, with value pairs (mqar) or the needle at depth value."""
+        if self.name == "passkey":
+            text = self.text if generator is not None and length == self.block_size else self.test_text
+            return passkey_batch(generator, batch_size, length, text, self.tokenizer.encode, value)
+        return mqar_batch(generator, batch_size, length, value, self.vocab_size)
+
+    def train_batch(self, generator, batch_size):
+        """A training batch: block_size tokens, pairs (mqar) one of the training counts, drawn per batch."""
+        value = self.train_values[int(torch.randint(len(self.train_values), (), generator=generator))]
+        return self.batch(generator, batch_size, self.block_size, value)
+
+    def slices(self):
+        """The test slices: (length, pairs or depth) for each test length and each test value."""
+        return [(length, value) for length in self.test_lengths for value in self.test_values]
+
+    def test_set(self, batch_size, batches):
+        """{slice: [(x, y), ...]}: each slice's fixed test examples, from a seed of their own."""
+        sets = {}
+        for i, (length, value) in enumerate(self.slices()):
+            generator = torch.Generator().manual_seed(RECALL_TEST_SEED + i)
+            sets[(length, value)] = [self.batch(generator, batch_size, length, value) for _ in range(batches)]
+        return sets
+
+
+def slice_name(task_name, length, value):
+    """A test slice's name in logs: 256x16 (length x pairs) or 256@0.5 (length @ depth)."""
+    return f"{length}@{value:g}" if task_name == "passkey" else f"{length}x{value}"
+
+
+def answer_accuracy(logits, y):
+    """(correct, answers): how many answer positions (y not IGNORE_INDEX) have their target as the argmax of logits
+    (B, T, V), and how many answer positions there are."""
+    answers = y != IGNORE_INDEX
+    correct = (logits.argmax(-1) == y) & answers
+    return int(correct.sum()), int(answers.sum())
+
+
+# the recall datasets (--dataset=mqar | passkey): a RecallTask each, whose settings are --recall_* in train.py
+RECALL_TASKS = {
+    "mqar": "Zoology's multi-query associative recall: pairs, then queries of their keys at power-law gaps",
+    "passkey": "a number hidden at a depth of Shakespeare filler text, asked for at the end",
+}
+
+
+class RecallSampler:
+    """BatchSampler's interface for a recall task: fresh examples every batch, from its own generator (its state
+    is the sampler's position, so a resumed run sees the batches it would have)."""
+
+    def __init__(self, task, batch_size, seed, device="cpu"):
+        self.task, self.batch_size, self.device = task, batch_size, torch.device(device)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next_batch(self):
+        return tuple(t.to(self.device) for t in self.task.train_batch(self.generator, self.batch_size))
+
+    def state_dict(self):
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state["generator"])
+
+
+def show_recall_examples(name, n=3):
+    """`python data.py mqar` (or passkey): a few decoded training examples, the answers marked [ ]."""
+    if name == "passkey":
+        task = RecallTask("passkey", 256)
+        x, y = task.train_batch(torch.Generator().manual_seed(0), n)
+        for row, target in zip(x.tolist(), y.tolist()):
+            answer = "".join(task.tokenizer.decode([t]) for t in target if t != IGNORE_INDEX)
+            print(f"{task.tokenizer.decode(row)!r} -> [{answer}]")
+        return
+    task = RecallTask("mqar", 64, vocab=8192, pairs="4", test_pairs="4")
+    x, y = task.train_batch(torch.Generator().manual_seed(0), n)
+    print(f"mqar: vocabulary 8192 (keys 1..4095, values 4096..8191), 64 tokens, 4 pairs; after a query, [its answer]:")
+    for row, target in zip(x.tolist(), y.tolist()):
+        print(" ".join(f"{t}[{a}]" if a != IGNORE_INDEX else str(t) for t, a in zip(row, target)))
+
+
+# ----------------------------------------------------------------------------------------------------
 # batches
 
 class BatchSampler:
@@ -668,6 +857,8 @@ if __name__ == "__main__":
             shards, folder = fineweb_arguments(args[1:])
             files = fetch_fineweb(shards, folder)
             print(f"{len(files) - 1} training shards and the validation shard in {os.path.dirname(files[0])}")
+        elif args[:1] and args[0] in RECALL_TASKS:
+            show_recall_examples(args[0])
         elif args[:1] in (["-h"], ["--help"]):
             print(__doc__)
         else:

@@ -1225,7 +1225,8 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            # a target of -100 (torch's default ignore_index) is skipped: the recall tasks' non-answers
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
         return logits, loss
 
     def rope_inputs(self, pos, T):

@@ -24,6 +24,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -745,6 +746,89 @@ def test_an_unwritable_data_folder_is_one_line_naming_it(tmp_path, kind):
         read_only.chmod(0o755)
     assert sorted(os.listdir(tmp_path)) == ["a_file", "read_only"] and not os.listdir(read_only)
 
+
+def test_mqar_batches_follow_zoologys_definition():
+    """Zoology's MQAR, checked against its definition: keys from 1 .. V/2 − 1 and values from V/2 .. V − 1, each key
+    once in the context with its value right after it; each key queried once, at an even offset past the context;
+    the only targets are the answers (the queried key's value), every other target IGNORE_INDEX."""
+    V, L, P, B = 64, 48, 6, 400
+    x, y = data.mqar_batch(torch.Generator().manual_seed(0), B, L, P, V)
+    assert x.shape == y.shape == (B, L) and x.dtype == y.dtype == torch.int64
+    assert int(x.min()) >= 0 and int(x.max()) < V
+    for row, target in zip(x.tolist(), y.tolist()):
+        keys, values = row[0:2 * P:2], row[1:2 * P:2]
+        assert all(1 <= k < V // 2 for k in keys) and all(V // 2 <= v < V for v in values)
+        assert len(set(keys)) == P and len(set(values)) == P
+        value_of = dict(zip(keys, values))
+        answers = [t for t in range(L) if target[t] != data.IGNORE_INDEX]
+        assert len(answers) == P and all(t >= 2 * P and (t - 2 * P) % 2 == 0 for t in answers)
+        assert sorted(row[t] for t in answers) == sorted(keys)      # each key queried exactly once
+        assert all(target[t] == value_of[row[t]] for t in answers)  # its answer is its value
+
+
+def test_mqar_query_gaps_follow_zoologys_power_law():
+    """With one pair the query's slot g (gap in steps of two tokens) is one draw of p(g) ∝ a·g^(a−1), a = 0.01, over
+    (L − 2)/2 slots: the empirical counts of 20,000 examples fit it (chi-squared below the 0.999 quantile of 15
+    degrees of freedom, 37.70), and do not fit a uniform draw (the test can fail)."""
+    V, L, N, a = 64, 34, 20_000, data.MQAR_POWER_A
+    slots = (L - 2) // 2
+    x, y = data.mqar_batch(torch.Generator().manual_seed(1), N, L, 1, V)
+    position = (y != data.IGNORE_INDEX).int().argmax(1)
+    counts = torch.bincount((position - 2) // 2, minlength=slots).double()
+    law = torch.tensor([a * g ** (a - 1) for g in range(1, slots + 1)], dtype=torch.float64)
+
+    def chi2(p):
+        expected = N * p / p.sum()
+        return float(((counts - expected) ** 2 / expected).sum())
+    assert chi2(law) < 37.70, chi2(law)
+    assert chi2(torch.ones(slots, dtype=torch.float64)) > 37.70 * 10
+    assert counts[0] > counts[-1] * 1.5  # near the context is likelier
+
+
+def test_passkey_hides_the_number_at_its_depth_and_asks_for_it_at_the_end():
+    """The needle sits at round(depth·filler) of the filler, the question ends the sequence, and the targets are the
+    five digits of the same number at the positions that predict them (nothing else is a target)."""
+    text = "abcdefghij klmnopqrstuvwxyz.\n" * 40
+    tokenizer = data.CharTokenizer.from_text(text + data.PASSKEY_NEEDLE + data.PASSKEY_QUESTION + "0123456789")
+    tokens = np.array(tokenizer.encode(text), dtype=np.uint16)
+    L = 160
+    for depth in (0.0, 0.5, 1.0):
+        x, y = data.passkey_batch(torch.Generator().manual_seed(2), 3, L, tokens, tokenizer.encode, depth)
+        assert x.shape == y.shape == (3, L)
+        for row, target in zip(x.tolist(), y.tolist()):
+            sequence = tokenizer.decode(row)
+            key = sequence[sequence.index("The pass key is ") + 16:][:5]
+            assert key.isdigit() and len(key) == 5 and sequence.count(key) == 2  # in the needle; x lacks its last digit
+            needle = data.PASSKEY_NEEDLE.format(key=key)
+            question = data.PASSKEY_QUESTION.format(key=key)
+            filler = L + 1 - len(needle) - len(question)
+            assert sequence.index(needle) == round(depth * filler)
+            assert sequence.endswith(question[:-1])
+            assert [t for t in target if t != data.IGNORE_INDEX] == tokenizer.encode(key)
+            assert all(t == data.IGNORE_INDEX for t in target[:-5])
+
+
+def test_answer_accuracy_by_hand():
+    """Two sequences of four positions, three answers: the argmax is right at two of them; the ignored positions do
+    not count, even where their argmax would match."""
+    logits = torch.full((2, 4, 5), -1.0)
+    for b, t, v in ((0, 1, 3), (0, 2, 4), (1, 0, 2), (1, 3, 1)):
+        logits[b, t, v] = 1.0
+    y = torch.tensor([[-100, 3, 0, -100], [2, -100, -100, -100]])
+    assert data.answer_accuracy(logits, y) == (2, 3)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(name="mqar", block_size=32, pairs="9"), "9 pairs do not fit 32 tokens"),
+    (dict(name="mqar", block_size=32, pairs="4", test_pairs="20", test_lengths="64"), "20 pairs do not fit 64"),
+    (dict(name="mqar", block_size=64, pairs="4", vocab=8), "--recall_vocab=8"),
+    (dict(name="mqar", block_size=32, pairs="4", test_lengths="128", max_length=64), "block_size·rope_factor = 64"),
+    (dict(name="mqar", block_size=32, pairs="4,x"), "--recall_pairs='4,x'"),
+])
+def test_recall_settings_that_cannot_work_are_one_line(settings, message):
+    with pytest.raises(data.DataError, match=re.escape(message)) as error:
+        data.RecallTask(**settings)
+    assert "\n" not in str(error.value)
 
 # ==================================================================================================
 # kernels.py  (pytest -m kernels)
@@ -3195,6 +3279,20 @@ def tiny_config(**overrides):
 def tiny_gpt(seed=0, **overrides):
     torch.manual_seed(seed)
     return GPT(tiny_config(**overrides))
+
+
+def test_the_loss_skips_ignored_targets():
+    """A target of -100 (the recall tasks' non-answers) adds nothing to the loss: GPT's loss equals the mean
+    cross-entropy over the other positions alone, computed from the logits by hand."""
+    net = tiny_gpt(seed=0, vocab_size=50, block_size=32, mixer="A")
+    idx = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    targets = torch.full((2, 12), -100)
+    targets[0, 3], targets[1, 7], targets[1, 11] = 5, 9, 49
+    logits, loss = net(idx, targets)
+    picked = [(0, 3), (1, 7), (1, 11)]
+    by_hand = sum(torch.logsumexp(logits[b, t].double(), 0) - logits[b, t, targets[b, t]].double()
+                  for b, t in picked) / len(picked)
+    assert abs(loss.item() - by_hand.item()) < 1e-5
 
 
 @pytest.mark.parametrize("mlp", list(MLPS))
@@ -7718,6 +7816,61 @@ def test_gpu_the_default_run(tmp_path):
     print(f"the default run on {torch.cuda.get_device_name()}: val {rows[-1]['val']:.4f} in {rows[-1]['time']:.1f} s")
     assert rows[-1]["val"] < 1.70
 
+
+def test_train_on_mqar_logs_accuracy_per_slice_and_a_tiny_attention_learns(tmp_path):
+    """--dataset=mqar: every eval's line and log row carry the accuracy on the answers of each test slice (length x
+    pairs), and two attention layers trained 80 steps on 2 pairs answer well above chance (1/8: the values are 8 of
+    the 16 tokens, so a model that does not read the context scores 1/8)."""
+    out = tmp_path / "run"
+    proc = run_train(*TINY, "--n_layer=2", "--n_embd=32", "--n_head=2", "--mixer=A", "--block_size=8",
+                     "--batch_size=32", "--optimizer=muon", "--learning_rate=0.02", "--dataset=mqar",
+                     "--recall_vocab=16", "--recall_pairs=2", "--recall_test_pairs=2", "--recall_test_lengths=8,16",
+                     "--rope_factor=2", "--max_iters=80", "--eval_interval=40", "--eval_iters=4", f"--out_dir={out}")
+    evals = [row for row in log_rows(out) if "val" in row]
+    assert [row["step"] for row in evals] == [0, 40, 80]
+    assert all(set(row["accuracy"]) == {"8x2", "16x2"} for row in evals)
+    assert re.search(r"iter 80: val loss [\d.]+ \(best [\d.]+\), accuracy 8x2 [\d.]+, 16x2 [\d.]+", proc.stdout)
+    assert evals[-1]["accuracy"]["8x2"] > 0.5, evals[-1]
+
+
+def test_a_recall_test_length_past_attentions_reach_is_one_line_before_any_work(tmp_path):
+    """Attention takes block_size·rope_factor tokens: testing mqar at 128 with block_size 32 stops before anything is
+    written, naming --rope_factor."""
+    out = tmp_path / "run"
+    proc = run_train(*TINY, "--mixer=A", "--dataset=mqar", "--block_size=32", "--recall_pairs=4",
+                     "--recall_test_lengths=32,128", f"--out_dir={out}", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "--rope_factor to 4" in lines[0], proc.stderr
+    assert not out.exists()
+
+def test_recall_bench_reports_mean_and_sd_over_seeds_and_the_cache_bytes(tmp_path, capsys):
+    """python bench.py recall on a tiny grid: one row per mixer at one of its lrs, each slice's mean ± sd over the 2
+    seeds in the table, attention's cache bytes per layer its keys and values at each test length (2·T·n_embd fp32
+    values), the plot written."""
+    grid = dict(widths=(32,), vocab=16, train_length=8, train_pairs="2", test_lengths="8,16", test_pairs="2",
+                optimizer="adamw", aux_lr=3e-3, lrs=(1e-6, 1e-2), seeds=2, steps=6, batch=8, test_batches=1)
+    plot = tmp_path / "recall.png"
+    rows = bench.recall_bench(["A"], "cpu", 1, str(plot), **grid)
+    out = capsys.readouterr().out
+    assert len(rows) == 1 and rows[0]["lr"] in (1e-6, 1e-2) and rows[0]["bytes"] == {8: 2 * 8 * 32 * 4, 16: 2 * 16 * 32 * 4}
+    assert set(rows[0]["accs"]) == {(8, 2), (16, 2)} and all(len(v) == 2 for v in rows[0]["accs"].values())
+    row = next(line for line in out.splitlines() if line.startswith("| A | 32 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    for cell, key in zip(cells[4:], ((8, 2), (16, 2))):
+        values = rows[0]["accs"][key]
+        assert cell == f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+    assert plot.stat().st_size > 0
+
+
+def test_recall_bench_bad_input_is_one_line():
+    """Each stops before any training with one line (sys.exit's message: printed to stderr, exit status 1)."""
+    for argv, message in ((["recall", "GGGA"], "more letters than the bench's 2 layers"),
+                          (["recall", "G:nope"], "'G:nope' is not a mixer string"),
+                          (["recall", "--lrs=1e-3,x"], "--lrs='1e-3,x'"),
+                          (["recall", "A", "--steps=0"], "--seeds and --steps take at least 1")):
+        with pytest.raises(SystemExit) as stop:
+            bench.main(argv)
+        assert isinstance(stop.value.code, str) and "\n" not in stop.value.code and message in stop.value.code, argv
 
 # ==================================================================================================
 # analyze.py  (pytest -m analyze)

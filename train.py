@@ -61,10 +61,16 @@ wandb_log = False              # also log to Weights & Biases (pip install wandb
 wandb_project = "specgpt"      # wandb's project
 wandb_run_name = ""            # wandb's run name ("": wandb picks one)
 # data
-dataset = "shakespeare_char"   # shakespeare_char | shakespeare | path/to/file.txt | 'dir/*_train_*.bin'
+dataset = "shakespeare_char"   # shakespeare_char | shakespeare | file.txt | 'dir/*_train_*.bin' | mqar | passkey
 tokenizer = "auto"             # data.TOKENIZERS; auto: the dataset's own (gpt2: shakespeare, shards; else char)
 batch_size = 24                # sequences per micro-step (per process)
 gradient_accumulation_steps = 1  # micro-steps per optimizer step (per process)
+# recall tasks (--dataset=mqar | passkey: data.RECALL_TASKS), generated from the seed, trained at block_size; the evals
+# report the accuracy on the answers per test slice (length x pairs, or length @ the needle's depth)
+recall_vocab = 8192            # mqar: vocabulary (keys from its lower half, values from its upper half)
+recall_pairs = "4"             # mqar: key-value pairs of a training sequence, a comma list (one drawn per batch)
+recall_test_pairs = "4"        # mqar: the pair counts tested at each test length, a comma list
+recall_test_lengths = ""       # the lengths tested, a comma list ("": block_size); attention: ≤ block_size·rope_factor
 # optimizer (see optim.py; each optimizer's own settings, momentum, beta1, ..., are declared in its row of
 # optim.OPTIMIZERS and become config keys here: optim.SETTINGS)
 optimizer = "muon"             # the optimizer of the blocks' matrices (optim.OPTIMIZERS)
@@ -107,7 +113,8 @@ COMMAND_KEYS = ("out_dir", "init_from", "overwrite", "sample_only")
 # keys' are model.CONFIG_RANGES (analyze.py checks them too)
 RANGES = {"eval_interval": ">= 1", "eval_iters": ">= 1", "log_interval": ">= 1", "analyze_every": ">= 0",
           "seed": "in [0, 2**63)",
-          "batch_size": ">= 1", "gradient_accumulation_steps": ">= 1", "learning_rate": ">= 0", "min_lr": ">= 0",
+          "batch_size": ">= 1", "gradient_accumulation_steps": ">= 1", "recall_vocab": ">= 4",
+          "learning_rate": ">= 0", "min_lr": ">= 0",
           "weight_decay": ">= 0", "aux_lr": ">= 0", "grad_clip": ">= 0", "max_iters": ">= 0", "lr_decay_iters": ">= 0",
           "warmup_iters": ">= 0", "wsd_decay_frac": "in [0, 1]", "num_samples": ">= 0", "max_new_tokens": ">= 0",
           "time_budget": "> 0", "temperature": ">= 0", "top_k": ">= 1", "peak_tflops": ">= 0", **model.CONFIG_RANGES,
@@ -169,9 +176,11 @@ def main(args, clock=time.monotonic):
             print(gpu_hint(args, dev))
         if c.dry_run:
             if master:
-                vocab_size = data.dataset_vocab_size(c.dataset, c.tokenizer)
+                vocab_size = c.recall_vocab if c.dataset == "mqar" else \
+                    data.dataset_vocab_size("shakespeare_char" if c.dataset == "passkey" else c.dataset, c.tokenizer)
                 print(analyze.dry_run_report(settings, model_config(settings, vocab_size), world))
-                print(units_line(c.dataset, c.tokenizer))
+                if c.dataset not in data.RECALL_TASKS:  # a recall task's tokens are no text: no bytes
+                    print(units_line(c.dataset, c.tokenizer))
             return 0
         if dev.type == "cuda":  # float32 matmuls on TF32 tensor cores, as nanoGPT does
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -184,14 +193,20 @@ def main(args, clock=time.monotonic):
         # 3. the data, wandb, the checkpoint's fit, the run's size: everything that can fail on bad input fails
         # here, before a write and before the model is built
         train_tokens, val_tokens, meta, config, wandb = check_run(c, settings, ckpt, dev, master)
-        bytes_per_token = data.text_bytes(val_tokens, data.tokenizer_from_meta(meta)) / len(val_tokens)
+        task = train_tokens if isinstance(train_tokens, data.RecallTask) else None  # a recall task: both splits
+        # its fixed test examples: eval_iters batches split over the slices, at least one each
+        test_set = task.test_set(c.batch_size, -(-c.eval_iters // len(task.slices()))) if task else None
+        # bits per byte: the validation text's bytes over its tokens (a recall task's tokens are no text)
+        bytes_per_token = None if task else \
+            data.text_bytes(val_tokens, data.tokenizer_from_meta(meta)) / len(val_tokens)
         # 4. the model, its optimizer, the batches, the precision; a resumed run where its checkpoint left it
         torch.manual_seed(c.seed)
         raw_model = GPT(config).to(dev)
         opt = optim.build_optimizer(raw_model, c.optimizer, lr=c.learning_rate, weight_decay=c.weight_decay,
                                     aux_lr=c.aux_lr, aux_betas=(c.beta1, c.beta2), spectral_lr=c.spectral_lr,
                                     **optim.optimizer_options(c.optimizer, vars(c)))
-        sampler = data.BatchSampler(train_tokens, c.batch_size, config.block_size, seed=c.seed + rank, device=dev)
+        sampler = data.RecallSampler(task, c.batch_size, c.seed + rank, dev) if task else \
+            data.BatchSampler(train_tokens, c.batch_size, config.block_size, seed=c.seed + rank, device=dev)
         autocast, precision, scaler = mixed_precision(c.dtype, dev)
         progress = Progress()
         if ckpt is not None:
@@ -201,14 +216,14 @@ def main(args, clock=time.monotonic):
         tokens_per_iter, flops_per_iter, peak = step_size(c, config, raw_model, dev, precision, world, master)
         analysis_batch = None  # one fixed training batch, so the spectra logged at different steps are comparable
         if c.analyze_every:
-            analysis_batch = data.BatchSampler(train_tokens, c.batch_size, config.block_size, seed=1,
-                                               device=dev).next_batch()
+            analysis_batch = (data.RecallSampler(task, c.batch_size, 1, dev) if task else data.BatchSampler(
+                train_tokens, c.batch_size, config.block_size, seed=1, device=dev)).next_batch()
         # 5. the run's folder, locked; wandb's run; the banner
         wandb_run = open_run_folder(c, settings, progress.iter_num if ckpt is not None else None, master, wandb,
                                     cleanup)
         if master:
-            print_banner(c, config, meta, len(train_tokens), raw_model, compiled, dev, precision, tokens_per_iter,
-                         peak, world)
+            print_banner(c, config, meta, len(train_tokens) if not task else 0, raw_model, compiled, dev, precision,
+                         tokens_per_iter, peak, world)
             if ckpt is not None:
                 print(f"resuming at iter {progress.iter_num}" + (f"; changed: {', '.join(changes)}" if changes else ""))
         # 6. the loop: an eval (and checkpoint) every eval_interval steps and at the end, a log line every
@@ -226,13 +241,16 @@ def main(args, clock=time.monotonic):
             at_eval = progress.iter_num % c.eval_interval == 0 or done
             if at_eval and progress.iter_num != progress.last_eval:
                 t_eval = time.time()
-                val = evaluate(compiled, val_tokens, c.batch_size, config.block_size, c.eval_iters, dev, autocast,
-                               received)
+                if task:  # the loss on the answers and their accuracy per test slice
+                    val, accuracy = evaluate_recall(compiled, task.name, test_set, dev, autocast, received)
+                else:
+                    val, accuracy = evaluate(compiled, val_tokens, c.batch_size, config.block_size, c.eval_iters, dev,
+                                             autocast, received), None
                 stopped = runs.stop_requested(received, ddp, dev)  # a signal abandoned the eval (val None)
                 if stopped:
                     break
                 record_eval(c, progress, val, bytes_per_token, raw_model, t_start, ckpt_path, log_path, wandb_run,
-                            master)
+                            master, accuracy)
                 runs.save_run(ckpt_path, raw_model, opt, sampler, master, settings, meta,
                               **saved_progress(progress, t_start, scaler))
                 progress.saved_iter = progress.iter_num
@@ -297,7 +315,7 @@ def main(args, clock=time.monotonic):
             append_result(c, settings, progress, dev, tokens_per_iter, bytes_per_token, t_start)
         if stopped:
             return 128 + (received[0] if received else signal.SIGTERM)
-        if master and c.num_samples > 0 and c.max_new_tokens > 0:
+        if master and c.num_samples > 0 and c.max_new_tokens > 0 and not task:  # a recall task: no text to sample
             print_samples(raw_model, data.tokenizer_from_meta(meta), c.start, dev, c.num_samples, c.max_new_tokens,
                           c.temperature, c.top_k)
         return 0
@@ -438,6 +456,32 @@ def evaluate(model, val_tokens, batch_size, block_size, eval_iters, device, auto
     return total.item() / eval_iters  # one host sync per eval
 
 
+@torch.no_grad()
+def evaluate_recall(model, task_name, test_set, device, autocast, received=None):
+    """A recall task's eval: (the mean loss on the answers, {slice name: accuracy on its answers}) over test_set
+    (RecallTask.test_set: {(length, pairs or depth): [(x, y), ...]}); (None, None) when a signal came."""
+    was_training = model.training
+    model.eval()
+    losses, accuracy = [], {}
+    try:
+        with runs.abandoned_on_signal(received):
+            for (length, value), batches in test_set.items():
+                correct = answers = 0
+                for x, y in batches:
+                    x, y = x.to(device), y.to(device)
+                    with autocast:
+                        logits, loss = model(x, y)
+                    losses.append(loss.float())
+                    right, n = data.answer_accuracy(logits, y)
+                    correct, answers = correct + right, answers + n
+                accuracy[data.slice_name(task_name, length, value)] = correct / answers
+    except runs.Abandoned:
+        return None, None
+    finally:
+        model.train(was_training)
+    return torch.stack(losses).mean().item(), accuracy
+
+
 def with_progress_lines(items, label, unit):
     """items one by one, printing `label: i/n unit, t s, about r s to go` (rank 0) every PROGRESS_SECONDS while it runs:
     a long phase never looks like a hang."""
@@ -470,21 +514,25 @@ def bits_per_byte(loss, bytes_per_token):
     return loss / (math.log(2) * bytes_per_token)
 
 
-def record_eval(c, progress, val, bytes_per_token, raw_model, t_start, ckpt_path, log_path, wandb_run, master):
+def record_eval(c, progress, val, bytes_per_token, raw_model, t_start, ckpt_path, log_path, wandb_run, master,
+                accuracy=None):
     """The eval of step progress.iter_num: its val loss into progress (a loss or weight not finite stops the run),
     its line in the terminal and log.jsonl, with the loss in bits per byte of the validation text (bytes_per_token:
-    its bytes over its tokens; the same text, so char-level and BPE runs compare)."""
+    its bytes over its tokens; the same text, so char-level and BPE runs compare; None for a recall task, whose
+    tokens are no text) and a recall task's accuracy per test slice ({name: accuracy})."""
     progress.val_loss, progress.last_eval = val, progress.iter_num
     if not math.isfinite(val) or not all_finite(raw_model):
         raise FloatingPointError(diverged(f"val loss {val} (or a weight not finite)", progress.iter_num, ckpt_path,
                                           progress.saved_iter, c.learning_rate, c.grad_clip, c.weight_decay))
     progress.best_val = min(progress.best_val, val)
     if master:
-        bpb = bits_per_byte(val, bytes_per_token)
-        print(f"iter {progress.iter_num}: val loss {val:.4f} (best {progress.best_val:.4f}), val bpb {bpb:.4f}, "
-              f"{time.time() - t_start:.1f}s elapsed")
-        runs.append_log(log_path, {"step": progress.iter_num, "val": val, "val_bpb": bpb,  # on the disk before the
-                                   "time": time.time() - t_start}, wandb_run, sync=True)  # checkpoint after it
+        bpb = bits_per_byte(val, bytes_per_token) if bytes_per_token else None
+        recall = f"accuracy {', '.join(f'{name} {acc:.3f}' for name, acc in accuracy.items())}, " if accuracy else ""
+        print(f"iter {progress.iter_num}: val loss {val:.4f} (best {progress.best_val:.4f}), "
+              + (f"val bpb {bpb:.4f}, " if bpb is not None else "") + f"{recall}{time.time() - t_start:.1f}s elapsed")
+        extra = {**({"val_bpb": bpb} if bpb is not None else {}), **({"accuracy": accuracy} if accuracy else {})}
+        runs.append_log(log_path, {"step": progress.iter_num, "val": val, **extra, "time": time.time() - t_start},
+                        wandb_run, sync=True)  # on the disk before the checkpoint after it
 
 
 def saved_progress(progress, t_start, scaler):
@@ -579,7 +627,7 @@ def append_result(c, settings, progress, dev, tokens_per_iter, bytes_per_token, 
     row = {"out_dir": c.out_dir, "settings": changed or "(defaults)", "commit": source_commit(), "device": device,
            "threads": torch.get_num_threads(), "steps": progress.iter_num,
            "tokens": progress.iter_num * tokens_per_iter, "val_loss": f"{progress.val_loss:.4f}",
-           "val_bpb": f"{bits_per_byte(progress.val_loss, bytes_per_token):.4f}",
+           "val_bpb": f"{bits_per_byte(progress.val_loss, bytes_per_token):.4f}" if bytes_per_token else "",
            "train_s": f"{progress.trained:.1f}", "wall_s": f"{time.time() - t_start:.1f}"}
     try:  # the header, by the process that makes the file
         with open(path, "x") as f:
@@ -665,7 +713,8 @@ def check_resumable(ckpt, path, defaults):
             raise runs.ConfigError(f"{path} has no {part} ({kind.__name__}) to resume from: point --out_dir at a run "
                                    f"that train.py wrote, or start a new run")
     meta = ckpt["meta"]
-    if meta.get("tokenizer") not in data.TOKENIZERS or not isinstance(meta.get("vocab_size"), int):
+    if (meta.get("tokenizer") not in data.TOKENIZERS and meta.get("recall") not in data.RECALL_TASKS) or \
+            not isinstance(meta.get("vocab_size"), int):
         raise runs.ConfigError(f"{path}'s meta names no tokenizer of data.TOKENIZERS and vocab_size: resume a run "
                                f"that train.py wrote, or start a new run")
     config = dict(ckpt["config"])
@@ -824,13 +873,18 @@ def check_run(c, settings, ckpt, dev, master):
     if master:  # (the other processes would find the lock that rank 0 takes in step 5)
         runs.check_unlocked(c.out_dir)
         runs.check_run_folder(c.out_dir, c.init_from, c.overwrite)
-    train_tokens, val_tokens, meta = data.load_dataset(c.dataset, c.tokenizer)
+    if c.dataset in data.RECALL_TASKS:  # generated: the task stands for both splits
+        task = recall_task(c)
+        train_tokens, val_tokens, meta = task, task, task.meta
+    else:
+        train_tokens, val_tokens, meta = data.load_dataset(c.dataset, c.tokenizer)
     wandb = runs.import_wandb() if c.wandb_log and master else None
     if ckpt is not None:
         check_same_vocabulary(meta, c.dataset, ckpt["meta"], ckpt["config"].get("dataset"))
     settings.update(vocab_size=meta["vocab_size"])
     config = model_config(settings, meta["vocab_size"])
-    for split, tokens in (("training", train_tokens), ("validation", val_tokens)):
+    splits = (("training", train_tokens), ("validation", val_tokens)) if c.dataset not in data.RECALL_TASKS else ()
+    for split, tokens in splits:
         if len(tokens) < config.block_size + 2:
             made = "its *_train_* or *_val_* shards" if data.is_shard_pattern(c.dataset) else \
                 "the validation split is the last 10% of a text"
@@ -838,10 +892,22 @@ def check_run(c, settings, ckpt, dev, master):
                                    f"than block_size + 2 = {config.block_size + 2}: use more "
                                    f"{'tokens' if data.is_shard_pattern(c.dataset) else 'text'} or a smaller "
                                    f"--block_size")
-    if c.num_samples > 0 and c.max_new_tokens > 0:
+    if c.num_samples > 0 and c.max_new_tokens > 0 and c.dataset not in data.RECALL_TASKS:
         check_prompt(c.start, data.tokenizer_from_meta(meta), c.dataset)
     analyze.check_fit(analyze.run_costs(c, config, act=2).memory, dev)
     return train_tokens, val_tokens, meta, config, wandb
+
+
+def recall_task(c):
+    """The data.RecallTask of --dataset=mqar or passkey, its settings checked: one line for pairs that do not fit, or
+    a test length past block_size·rope_factor where a mixer is attention."""
+    if c.tokenizer != "auto":
+        raise runs.ConfigError(f"--dataset={c.dataset} has its own vocabulary, not --tokenizer={c.tokenizer}: drop "
+                               f"--tokenizer")
+    limited = any(getattr(model.MIXERS[letter], "context_limited", False) for letter in c.mixer)
+    return data.RecallTask(c.dataset, c.block_size, vocab=c.recall_vocab, pairs=c.recall_pairs,
+                           test_pairs=c.recall_test_pairs, test_lengths=c.recall_test_lengths,
+                           max_length=int(c.block_size * c.rope_factor) if limited else None)
 
 
 def check_same_vocabulary(meta, dataset, saved_meta, saved_dataset):
