@@ -237,8 +237,8 @@ def set_gptconfig_defaults(changes):
 # Every GPTConfig key the tests rely on, written out: a model in a test is make_config(...) (or tiny_config),
 # never GPTConfig's defaults, so changing a default changes no test.
 TEST_MODEL = dict(vocab_size=84, vocab_multiple=1, block_size=256, n_layer=4, n_head=4, n_embd=128, mixer="A",
-                  mlp="relu2", residual="res", hc_streams=4, rope_base=10000.0, rope="fixed", rope_scaling="none",
-                  rope_factor=1.0, qk_norm=False,
+                  mlp="relu2", residual="res", hc_streams=4, pos="rope", norm="rmsnorm", rope_base=10000.0,
+                  rope="fixed", rope_scaling="none", rope_factor=1.0, qk_norm=False,
                   tie_embeddings=True, bias=False, dropout=0.0, attention="sdpa", gdn_variant="gdn2", gdn_clip=True,
                   gdn_expand_v=1, conv_size=4, mamba_d_state=64, mamba_expand=2, mamba_headdim=32,
                   mamba_discretization="euler", chunk_size=64, gdn_chunk_size=64, kernels="auto", init="gpt2")
@@ -3414,6 +3414,8 @@ def test_flops_per_token_counts_matmuls():
 CLOSED_FORM_CASES = ([dict(mixer=m) for m in MIXERS] + [dict(mlp=m) for m in MLPS] +
                      [dict(residual=r) for r in RESIDUALS] +
                      [dict(mixer="G", gdn_variant=v, gdn_expand_v=2) for v in ("deltanet", "gdn", "kda", "gdn2")] +
+                     [dict(pos=p) for p in model_module.POSITIONS] +
+                     [dict(norm=n, bias=True) for n in model_module.NORMS] +
                      [dict(rope="learned", qk_norm=True), dict(rope="lie"),
                       dict(mixer="GMA", bias=True, tie_embeddings=False),
                       dict(mixer="M", mamba_expand=1, mamba_d_state=16, conv_size=3, vocab_multiple=64),
@@ -3473,6 +3475,117 @@ def test_bad_model_config_is_one_line_error():
         make_config(rope_factor=0.5)
     with pytest.raises(ValueError, match="rope_scaling"):
         make_config(rope="learned", rope_scaling="yarn", rope_factor=2.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPT-2: its architecture as model keys (pos, norm, mlp=gelu_tanh, bias, a tied head) and its weights in transformers'
+# layout (model.py's GPT-2 section). The reference is transformers itself (a test-only dependency): a small GPT-2 with
+# random weights that it builds and saves.
+
+# the small random GPT-2: GPT-2's vocabulary (text in GPT-2 tokens fits it), 32 positions, 2 layers of width 32
+SMALL_GPT2 = dict(vocab_size=50257, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                  attn_pdrop=0.0)
+# GPT-2's architecture keys, written out (model.GPT2_ARCHITECTURE is what the code under test says they are)
+GPT2_KEYS = dict(pos="learned", norm="layernorm", mlp="gelu_tanh", bias=True, qk_norm=False, mixer="A",
+                 residual="res", tie_embeddings=True)
+
+
+def save_random_gpt2(folder, seed=0, **config):
+    """transformers' GPT2LMHeadModel of SMALL_GPT2 (with config's fields), every weight random (the biases and norm
+    gains too, which it initialises to 0 and 1), saved in folder by its save_pretrained; returned in eval mode."""
+    import transformers
+    torch.manual_seed(seed)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**SMALL_GPT2, **config}))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(folder)
+    return hf.eval()
+
+
+@pytest.mark.parametrize("config", [{}, {"tie_word_embeddings": False}, {"activation_function": "gelu"}], ids=str)
+def test_gpt2_logits_and_greedy_samples_equal_transformers(tmp_path, config):
+    """GPT.from_pretrained of a GPT-2 saved by transformers: Conv1D's transposed matrices, the fused qkv, LayerNorm,
+    learned positions and gelu mapped onto specgpt's GPT give transformers' logits to fp32 rounding, tied head or
+    not; greedy decoding with specgpt's KV cache gives transformers' greedy tokens."""
+    hf = save_random_gpt2(tmp_path, **config)
+    gpt = GPT.from_pretrained(str(tmp_path), kernels="torch", attention="sdpa", dropout=0.0).eval()
+    assert {key: getattr(gpt.config, key) for key in GPT2_KEYS} == {
+        **GPT2_KEYS, "mlp": "gelu" if config.get("activation_function") == "gelu" else "gelu_tanh",
+        "tie_embeddings": config.get("tie_word_embeddings", True)}
+    idx = torch.randint(0, 50257, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(gpt(idx)[0], hf(idx).logits, rtol=1e-5, atol=1e-5)
+    prompt = idx[:1, :5]
+    theirs = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(gpt.generate(prompt, 12, temperature=0.0), theirs)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"])
+def test_gpt2_sizes_map_onto_gpt_on_the_meta_device(name):
+    """Each size's config (no download): transformers' GPT2LMHeadModel of the same depth, heads and width (its own
+    vocabulary and 1024 positions) maps key for key, shape for shape, onto specgpt's GPT, whose parameter count is
+    transformers' and the size's published one (124M, 355M, 774M, 1558M)."""
+    import transformers
+    keys = model_module.pretrained_config(name)
+    cfg = make_config(**keys)
+    with torch.device("meta"):
+        gpt = GPT(cfg)
+        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=keys["n_layer"], n_head=keys["n_head"], n_embd=keys["n_embd"]))
+    mapped = model_module.gpt2_state_dict(hf.state_dict(), cfg)
+    assert {k: tuple(t.shape) for k, t in mapped.items()} == {k: tuple(t.shape) for k, t in gpt.state_dict().items()}
+    assert gpt.num_params() == hf.num_parameters() == sum(model_module.param_formula(cfg).values())
+    assert round(gpt.num_params() / 1e6) == {"gpt2": 124, "gpt2-medium": 355, "gpt2-large": 774, "gpt2-xl": 1558}[name]
+
+
+def test_gpt2_keys_combine_with_g_layers_mhc_and_muon_and_train():
+    """GPT-2's keys with a G layer, mHC's streams and Muon: the model trains (its loss on one batch falls by more
+    than half a nat in 10 steps), the learned positions and the biases go to AdamW, not Muon; RoPE's keys are refused with
+    learned positions."""
+    cfg = make_config(**{**GPT2_KEYS, "mixer": "GA", "residual": "mhc", "hc_streams": 2}, vocab_size=50, block_size=16,
+                      n_layer=2, n_head=2, n_embd=32, kernels="torch")
+    torch.manual_seed(0)
+    gpt = GPT(cfg)
+    assert isinstance(gpt.blocks[0].mixer, GatedDelta) and isinstance(gpt.blocks[0].norm1, torch.nn.LayerNorm)
+    opt = optim.build_optimizer(gpt, "muon", lr=0.02, weight_decay=0.0, aux_lr=3e-3)
+    muon = {id(p) for o in opt.optimizers if isinstance(o, optim.Muon) for g in o.param_groups for p in g["params"]}
+    assert id(gpt.wpe.weight) not in muon and not any(id(p) in muon for n, p in gpt.named_parameters()
+                                                      if n.endswith(".bias"))
+    idx = torch.randint(0, 50, (2, 17))
+    losses = []
+    for _ in range(10):
+        loss = gpt(idx[:, :-1], idx[:, 1:])[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
+    for keys in (dict(rope="lie"), dict(rope_scaling="yarn", rope_factor=2.0), dict(rope_factor=2.0)):
+        with pytest.raises(ValueError, match="pos='learned' has no RoPE"):
+            make_config(pos="learned", **keys)
+
+
+def test_gpt2_bad_sources_and_contradicting_keys_are_one_line_errors(tmp_path):
+    """An unknown model name, a folder without config.json or without weights, a config that is not GPT-2's math,
+    and model keys that contradict the pretrained model's: one line each, before any download."""
+    def refused(source, match, **keys):
+        with pytest.raises(ValueError, match=match) as e:
+            GPT.from_pretrained(source, **keys)
+        assert "\n" not in str(e.value)
+    refused("gpt3", "neither a model .*gpt2, gpt2-medium")
+    refused(str(tmp_path), "config.json is missing")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 50257, "n_positions": 32,
+                                                      "n_embd": 32, "n_layer": 2, "n_head": 4}))
+    refused(str(tmp_path), "holds no model.safetensors")
+    refused(str(tmp_path), "--n_layer=3 contradicts", n_layer=3)
+    refused(str(tmp_path), "--mixer='GA' contradicts", mixer="GA")
+    refused(str(tmp_path), "--block_size=64 contradicts .* may only shrink", block_size=64)
+    refused("gpt2", "--pos='rope' contradicts", pos="rope")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 50257, "n_positions": 32,
+                                                      "n_embd": 32, "n_layer": 2, "n_head": 4,
+                                                      "activation_function": "relu"}))
+    refused(str(tmp_path), "activation_function='relu'")
 
 
 # --------------------------------------------------------------------------------------------------
