@@ -3541,8 +3541,8 @@ def test_gpt2_sizes_map_onto_gpt_on_the_meta_device(name):
 
 def test_gpt2_keys_combine_with_g_layers_mhc_and_muon_and_train():
     """GPT-2's keys with a G layer, mHC's streams and Muon: the model trains (its loss on one batch falls by more
-    than half a nat in 10 steps), the learned positions and the biases go to AdamW, not Muon; RoPE's keys are refused with
-    learned positions."""
+    than half a nat in 10 steps), the learned positions and the biases go to AdamW, not Muon; RoPE's keys are
+    refused with learned positions."""
     cfg = make_config(**{**GPT2_KEYS, "mixer": "GA", "residual": "mhc", "hc_streams": 2}, vocab_size=50, block_size=16,
                       n_layer=2, n_head=2, n_embd=32, kernels="torch")
     torch.manual_seed(0)
@@ -7531,6 +7531,100 @@ def test_gpu_the_default_run(tmp_path):
     assert rows[-1]["val"] < 1.70
 
 
+# --------------------------------------------------------------------------------------------------
+# GPT-2's weights in a run (--init_from), and any checkpoint out as safetensors (--export, runs.export_checkpoint)
+
+def gpt2_text(folder):
+    """A small text file for runs in GPT-2 tokens (about 2,700 tokens)."""
+    path = folder / "speech.txt"
+    path.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 200)
+    return str(path)
+
+
+@pytest.mark.parametrize("keys,held", [
+    (dict(GPT2_KEYS, bias=False, tie_embeddings=False, vocab_multiple=8), None),
+    (dict(GPT2_KEYS, mixer="GA", residual="mhc", hc_streams=2), "mixer='GA'")],
+    ids=["gpt2-architecture", "hybrid"])
+def test_export_round_trip_to_specgpt_and_to_transformers(tmp_path, keys, held):
+    """runs.export_checkpoint of a checkpoint: model.safetensors + config.json + meta.json, which GPT.from_pretrained
+    loads back with equal logits; a GPT-2 architecture (here without biases, with an untied and padded head) is in
+    transformers' layout, which GPT2LMHeadModel.from_pretrained loads with equal logits; another architecture is
+    exported in specgpt's layout, with a line naming the key transformers cannot hold."""
+    cfg = make_config(**{**keys, "vocab_size": 50, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32,
+                         "kernels": "torch", "attention": "sdpa", "dropout": 0.0})
+    torch.manual_seed(0)
+    gpt = GPT(cfg).eval()
+    with torch.no_grad():  # norm gains and biases away from their init, so that a lost one shows
+        for p in gpt.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    meta = {"tokenizer": "char", "vocab_size": 50, "chars": [chr(65 + i) for i in range(50)]}
+    runs.save_checkpoint(str(tmp_path / "ckpt.pt"), {"model": gpt.state_dict(), "meta": meta,
+                                                     "config": {**dataclasses.asdict(cfg), "dataset": "letters"}})
+    line = runs.export_checkpoint(str(tmp_path / "ckpt.pt"), str(tmp_path / "exported"))
+    assert sorted(os.listdir(tmp_path / "exported")) == ["config.json", "meta.json", "model.safetensors"]
+    assert json.load(open(tmp_path / "exported" / "meta.json")) == meta
+    idx = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        expected = gpt(idx)[0]
+        back = GPT.from_pretrained(str(tmp_path / "exported")).eval()
+        assert back.config == cfg
+        torch.testing.assert_close(back(idx)[0], expected, rtol=0, atol=0)
+    if held is None:
+        import transformers
+        hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "exported")).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(hf(idx).logits, expected, rtol=1e-5, atol=1e-5)
+        assert "GPT2LMHeadModel.from_pretrained" in line
+    else:
+        assert f"cannot hold {held}" in line and "\n" not in line
+
+
+def test_finetune_from_a_saved_gpt2_loads_resumes_samples_and_exports(tmp_path, capsys, monkeypatch):
+    """train.py --init_from=<transformers' folder> on text in GPT-2 tokens: the checkpoint at step 0 holds GPT-2's
+    weights (exported by --export, transformers reads back the very tensors it saved); the run resumes from it;
+    --sample_only with --init_from samples transformers' greedy tokens through the KV cache. The offline hub and a
+    dataset of another vocabulary are one line each."""
+    import huggingface_hub
+    import transformers
+    hf = save_random_gpt2(tmp_path / "small")
+    text, small = gpt2_text(tmp_path), str(tmp_path / "small")
+    common = [f"--init_from={small}", f"--dataset={text}", "--tokenizer=gpt2", "--block_size=16", "--batch_size=2",
+              "--eval_iters=1", "--eval_interval=2", "--optimizer=adamw", "--learning_rate=3e-4", "--min_lr=3e-5",
+              "--warmup_iters=0", "--num_samples=0", "--lr_decay_iters=2", "--dropout=0.0", "--kernels=torch"]
+    run_train(*common, f"--out_dir={tmp_path / 'ft'}", "--max_iters=0")
+    run_train(f"--out_dir={tmp_path / 'ft'}", f"--export={tmp_path / 'exported'}")
+    back = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "exported")).state_dict()
+    for key, tensor in hf.state_dict().items():
+        if not key.endswith(".attn.bias"):  # (a mask buffer some versions keep)
+            assert torch.equal(back[key], tensor[:16] if "wpe" in key else tensor), key  # 16 positions kept
+    resumed = run_train("--init_from=resume", f"--out_dir={tmp_path / 'ft'}", "--max_iters=2")
+    assert "resuming at iter 0" in resumed.stdout and "done: val loss" in resumed.stdout
+    prompt = "First Citizen:"
+    assert train.main(["--sample_only=True", f"--init_from={small}", f"--start={prompt}", "--num_samples=1",
+                       "--max_new_tokens=8", "--temperature=0", "--kernels=torch"]) == 0
+    ids = torch.tensor([data.gpt2_encoding().encode_ordinary(prompt)])
+    greedy = hf.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0].tolist()
+    assert data.gpt2_encoding().decode(greedy) in capsys.readouterr().out
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="could not download openai-community/gpt2's .*hf download "
+                                         "openai-community/gpt2 config.json model.safetensors"):
+        train.main(["--sample_only=True", "--init_from=gpt2"])
+    with pytest.raises(ValueError, match="has a char vocabulary of .* reads gpt2's of 50257"):
+        train.main([*common, f"--out_dir={tmp_path / 'chars'}", "--tokenizer=char"])
+
+
+def test_init_from_gpt2_takes_its_keys_and_refuses_contradictions():
+    """--init_from=gpt2 sets GPT-2's keys (the dry run prices that model; no download is needed for its keys);
+    a model key that contradicts it, or an unknown name, is one line."""
+    settings, _, _, _ = train.read_settings(["--init_from=gpt2", "--dropout=0.1", "--block_size=256"])
+    assert {key: settings[key] for key in (*GPT2_KEYS, "n_layer", "n_head", "n_embd", "block_size", "dropout")} == \
+        {**GPT2_KEYS, "n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 256, "dropout": 0.1}
+    with pytest.raises(ValueError, match="--n_embd=512 contradicts --init_from='gpt2', whose n_embd is 768"):
+        train.read_settings(["--init_from=gpt2", "--n_embd=512"])
+    with pytest.raises(ValueError, match="--init_from='gpt5' is neither a model"):
+        train.read_settings(["--init_from=gpt5"])
+
+
 # ==================================================================================================
 # analyze.py  (pytest -m analyze)
 # Tests for analyze.py: every spectrum against a dense computation, a closed form or a known construction.
@@ -7971,6 +8065,24 @@ def test_analyze_runs_every_section_of_its_table_end_to_end(tmp_path, capsys):
             assert min(image.size) > 100 and image.text.get("Title") == name, (name, image.size, image.text)
     assert len(printed.splitlines()) > len(analyze.SECTIONS), printed
 
+
+def test_analyze_init_from_a_saved_gpt2(tmp_path, capsys):
+    """python analyze.py --init_from=<transformers' folder> --sections=weights reads no data and gives the singular
+    values of the GPT-2's matrices (q's: the first third of Conv1D's c_attn, transposed; the same singular values);
+    a section that reads batches runs on text in GPT-2 tokens."""
+    hf = save_random_gpt2(tmp_path / "small")
+    analyze.main([f"--init_from={tmp_path / 'small'}", "--sections=weights", f"--out_dir={tmp_path / 'weights'}",
+                  "--dataset=no-such-file.txt"])
+    weights = json.load(open(tmp_path / "weights" / "summary.json"))["weights"]
+    c_attn = hf.transformer.h[1].attn.c_attn.weight.detach()
+    assert weights["blocks.1.mixer.q_proj.weight"]["sigma_max"] == pytest.approx(
+        torch.linalg.matrix_norm(c_attn[:, :32], ord=2).item(), rel=1e-5)
+    assert {"wte.weight", "wpe.weight"} <= weights.keys()
+    analyze.main([f"--init_from={tmp_path / 'small'}", "--sections=isotropy", f"--out_dir={tmp_path / 'isotropy'}",
+                  f"--dataset={gpt2_text(tmp_path)}", "--tokenizer=gpt2", "--batch_size=2", "--micro_batches=1",
+                  "--block_size=16"])
+    assert json.load(open(tmp_path / "isotropy" / "summary.json"))["isotropy"]
+    assert "small's weights" in capsys.readouterr().out
 
 def test_analyze_during_training_logs_without_side_effects(tmp_path):
     model = analyze_tiny_gpt(vocab_size=16, block_size=16, mixer="A", attention="sdpa", kernels="auto")
