@@ -6030,9 +6030,14 @@ PEAK_BF16 = {"A100": 312e12, "H100": 989e12, "H200": 989e12}  # the vendors' den
 def preset_config(name, **overrides):
     """A preset's model: train.py's defaults, then the file, then overrides; the vocabulary of its data."""
     defaults = {**train.RUN_DEFAULTS, **train.model_defaults()}
-    settings = {**defaults, **runs.parse_config([os.path.join(ROOT, "config", name)], defaults, "", {})}
+    file = runs.parse_config([os.path.join(ROOT, "config", name)], defaults, "", {})
+    settings = {**defaults, **file}
+    if train.pretrained(settings["init_from"]):  # a finetune: the pretrained model's keys and vocabulary
+        settings.update(model_module.merged_pretrained_keys(settings["init_from"], {
+            key: value for key, value in file.items() if key in train.model_defaults()}))
     shards = data.is_shard_pattern(settings["dataset"])
-    vocab = 50257 if shards else data.load_dataset(settings["dataset"])[2]["vocab_size"]
+    vocab = settings.pop("vocab_size", None) or (50257 if shards else
+                                                 data.load_dataset(settings["dataset"])[2]["vocab_size"])
     return settings, GPTConfig(vocab_size=vocab, **{**{k: settings[k] for k in train.model_defaults()}, **overrides})
 
 
