@@ -49,8 +49,7 @@ from model import GPT, GPTConfig
 # config: the run's settings (module-level values, overridden by config files and --key=value;
 # the comment beside each is its --help text)
 out_dir = "out"                # folder for ckpt.pt, log.jsonl, loss.png
-init_from = "scratch"          # where the run starts: scratch, resume (out_dir/ckpt.pt), or pretrained weights:
-                               # gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a folder (transformers' or --export's)
+init_from = "scratch"          # scratch, resume (out_dir/ckpt.pt), gpt2 .. gpt2-xl, or a folder of weights
 export = ""                    # a folder: write out_dir/ckpt.pt's model there as safetensors (runs.export_checkpoint)
 overwrite = False              # a new run may replace the run in out_dir (deleted at its first trained checkpoint)
 sample_only = False            # load out_dir/ckpt.pt, print samples, exit
