@@ -9,6 +9,8 @@ specgpt's model: a GPT whose sequence mixer, residual stream and MLP are chosen 
 G = the gated delta family (DeltaNet / GDN / KDA / Gated DeltaNet-2), M = Mamba2. The hyper-connection
 residuals replace `x + F(norm(x))` by a mix of n parallel streams (see HyperConnection below).
 The ops with fast paths (RMSNorm, RoPE, the linear recurrences) come from kernels.py.
+GPT-2's architecture is keys too: pos="learned" (x_0 = wte(idx) + wpe(t), no RoPE), norm="layernorm",
+mlp="gelu_tanh", bias=True; its weights come in (GPT.from_pretrained) and go out at the end of this file.
 """
 import dataclasses
 import functools
