@@ -6092,7 +6092,8 @@ def test_dry_run_prices_every_preset_and_writes_nothing(name, tmp_path):
     assert "estimates" in report["time"] and "not measurements" in report["time"]
     memory = proc.stdout.split("memory", 1)[1]
     block = sum(p.numel() for k, p in gpt.named_parameters() if optim.is_block_matrix(k, p))
-    state = {"muon": 4 * block + 8 * (n - block)}[settings["optimizer"]]  # Muon's momentum; AdamW's m and v
+    # Muon's momentum on the block matrices, AdamW's m and v on the rest (on everything for an AdamW preset)
+    state = {"muon": 4 * block + 8 * (n - block), "adamw": 8 * n}[settings["optimizer"]]
     for label, want in (("weights", 4 * n), ("gradients", 4 * n), (f"{settings['optimizer']} state", state)):
         got = parse_size(re.search(rf"{label} ([\d.]+ [GM]iB)", memory).group(1))
         assert got == pytest.approx(want, rel=0.02), (label, got, want)
