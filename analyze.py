@@ -11,6 +11,7 @@ that drive train.py: the critical batch size and the multi-power law of the loss
     python analyze.py --scan_batch_sizes=4,8,16,32,64 --scan_target=2.2   # steps and examples to a loss
     python analyze.py --mpl_fit=out/constant,out/wsd50 --mpl_predict=out/cosine   # loss from the schedule
     python analyze.py --ckpt=out/ckpt.pt --lengths=1,2,4,8    # length_extrapolation: val loss at 1x..8x block_size
+    python analyze.py --init_from=gpt2 --sections=weights     # OpenAI's GPT-2 (or a folder: transformers', --export's)
 
 writes <out_dir>/summary.json (default out_dir: the checkpoint's folder + /analysis), <section>.npz with
 the arrays and <section>.png, and prints a short table. Sections (the SECTIONS table), each also a
@@ -1962,6 +1963,7 @@ def dry_run_report(settings, config, world):
 
 OPTIONS = {  # analysis options; every GPTConfig key is also accepted (fresh init only)
     "ckpt": "",                        # a train.py checkpoint to analyse (empty: a fresh init)
+    "init_from": "",                   # pretrained weights instead: gpt2 .. gpt2-xl, or a folder (as train.py's)
     "out_dir": "",                     # where the outputs go (empty: the checkpoint's folder + /analysis)
     "sections": ",".join(DEFAULT_SECTIONS),  # comma-separated names from SECTIONS (coord, lr_transfer: opt-in)
     "device": "auto",                  # as train.py's --device: auto (cuda > mps > cpu) | cpu | cuda | cuda:1 | mps
@@ -2168,8 +2170,15 @@ def loaded_cpu_hint(device):
 
 
 def load_model(opts, model_overrides):
-    """(model, dataset, tokenizer): from --ckpt (its config names the data) or a fresh init of the
-    GPTConfig keys given, with vocab_size from the dataset."""
+    """(model, dataset, tokenizer): from --ckpt (its config names the data), from --init_from's pretrained weights, or
+    a fresh init of the GPTConfig keys given, with vocab_size from the dataset."""
+    if opts["ckpt"] and opts["init_from"]:
+        raise ValueError(f"--ckpt={opts['ckpt']!r} and --init_from={opts['init_from']!r} each name the model: give one")
+    if opts["init_from"]:  # its data: --dataset in its tokens; the default char data becomes GPT-2's Shakespeare
+        meta = runs.pretrained_meta(opts["init_from"])
+        default_data = opts["dataset"] == OPTIONS["dataset"] and meta["tokenizer"] == "gpt2"
+        return (GPT.from_pretrained(opts["init_from"], **model_overrides),
+                "shakespeare" if default_data else opts["dataset"], opts["tokenizer"])
     if opts["ckpt"]:
         if model_overrides:
             raise ValueError(f"model keys {sorted(model_overrides)} cannot change a checkpoint's model: drop them")
@@ -2249,7 +2258,11 @@ def main(argv):
     model = analysis_model(model.to(device))
     if not factors:
         check_model_inputs(model, opts, sections, device)
-    train_tokens, val_tokens, _ = data.load_dataset(dataset, tokenizer)
+    if factors or batches_read(opts, sections):  # the sections that read no batch need no data
+        train_tokens, val_tokens, meta = data.load_dataset(dataset, tokenizer)
+        if meta["vocab_size"] > model.config.vocab_size:
+            raise ValueError(f"--dataset={dataset!r} has {meta['vocab_size']} tokens, more than the model's "
+                             f"{model.config.vocab_size}: use data in the model's tokens")
     if factors:
         rows = length_extrapolation(model, val_tokens if opts["split"] == "val" else train_tokens, factors,
                                     batch_size=opts["batch_size"])
@@ -2264,7 +2277,9 @@ def main(argv):
         sampler = data.BatchSampler(val_tokens if opts["split"] == "val" else train_tokens, opts["batch_size"],
                                     model.config.block_size, opts["seed"], device=device)
         batches = [sampler.next_batch() for _ in range(batches_read(opts, sections))]
-    print(f"analysing {'checkpoint ' + opts['ckpt'] if opts['ckpt'] else 'a fresh init'}: "
+    what = f"checkpoint {opts['ckpt']}" if opts["ckpt"] else f"{opts['init_from']}'s weights" if opts["init_from"] \
+        else "a fresh init"
+    print(f"analysing {what}: "
           f"{model.num_params():,} parameters, {len(batches)} batches of "
           f"{opts['batch_size']}x{model.config.block_size} {opts['split']} tokens from {dataset}, "
           f"sections {','.join(sections)} -> {out_dir}", flush=True)

@@ -9,12 +9,16 @@ specgpt's model: a GPT whose sequence mixer, residual stream and MLP are chosen 
 G = the gated delta family (DeltaNet / GDN / KDA / Gated DeltaNet-2), M = Mamba2. The hyper-connection
 residuals replace `x + F(norm(x))` by a mix of n parallel streams (see HyperConnection below).
 The ops with fast paths (RMSNorm, RoPE, the linear recurrences) come from kernels.py.
+GPT-2's architecture is keys too: pos="learned" (x_0 = wte(idx) + wpe(t), no RoPE), norm="layernorm",
+mlp="gelu_tanh", bias=True; its weights come in (GPT.from_pretrained) and go out at the end of this file.
 """
 import dataclasses
 import functools
 import inspect
 import itertools
+import json
 import math
+import os
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
@@ -45,6 +49,8 @@ class GPTConfig:
     mlp: str = "relu2"             # the MLP's activation (MLPS)
     residual: str = "res"          # the residual stream (RESIDUALS)
     hc_streams: int = 4              # parallel residual streams of the hyper-connection residuals
+    pos: str = "rope"              # where positions enter: RoPE in attention, or GPT-2's learned table (POSITIONS)
+    norm: str = "rmsnorm"          # the blocks' and the final norm (NORMS)
     rope_base: float = 10000.0       # RoPE's base: the slowest pair turns once per ~2π·rope_base tokens
     rope: str = "fixed"            # RoPE's fixed θ_i, learned θ per head, or lie (θ and a trainable basis U)
     rope_scaling: str = "none"     # how fixed θ_i adapt to a context rope_factor× longer (rope_frequencies)
@@ -77,7 +83,12 @@ class GPTConfig:
                              f"'GGGA', 'MA' (a new letter goes in model.MIXERS)")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: change one of them")
-        if (self.n_embd // self.n_head) % 2:
+        rotary = POSITIONS[self.pos].rotary
+        if not rotary and (self.rope != "fixed" or self.rope_scaling != "none" or self.rope_factor != 1):
+            raise ValueError(f"pos={self.pos!r} has no RoPE for rope={self.rope!r}, rope_scaling="
+                             f"{self.rope_scaling!r}, rope_factor={self.rope_factor:g} to change: use pos='rope', or "
+                             f"leave those three keys at 'fixed', 'none', 1")
+        if rotary and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"head size {self.n_embd // self.n_head} is odd: RoPE needs an even head size")
         if self.conv_size < 1 or self.gdn_expand_v < 1 or self.mamba_expand < 1 or self.mamba_d_state < 1:
             raise ValueError("conv_size, gdn_expand_v, mamba_expand and mamba_d_state must each be at least 1")
@@ -117,14 +128,15 @@ CONFIG_RANGES = {"block_size": ">= 1", "n_layer": ">= 1", "n_head": ">= 1", "n_e
 
 # the module-level table each choice key of GPTConfig reads its kinds from (their rows' comments: --help's text)
 CHOICE_TABLES = {"mixer": "MIXERS", "mlp": "MLPS", "residual": "RESIDUALS", "attention": "ATTENTIONS",
-                 "gdn_variant": "GDN_VARIANTS"}
+                 "gdn_variant": "GDN_VARIANTS", "pos": "POSITIONS", "norm": "NORMS"}
 
 
 def config_choices():
     """GPTConfig's keys that take one of a set of values, and those values: the kinds from their tables
     (MIXERS' letters, MLPS, RESIDUALS, ATTENTIONS, ...), read when called, so that a new entry counts at once."""
     return {"mixer": tuple(MIXERS), "mlp": tuple(MLPS), "residual": tuple(RESIDUALS), "attention": tuple(ATTENTIONS),
-            "gdn_variant": tuple(GDN_VARIANTS), "mamba_discretization": ("euler", "zoh"),
+            "gdn_variant": tuple(GDN_VARIANTS), "pos": tuple(POSITIONS), "norm": tuple(NORMS),
+            "mamba_discretization": ("euler", "zoh"),
             "kernels": kernels.KERNEL_CHOICES, "init": SCHEMES, "rope": ("fixed", "learned", "lie"),
             "rope_scaling": ROPE_SCALINGS}
 
@@ -145,6 +157,32 @@ class RMSNorm(nn.Module):
         autocast = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
         return kernels.rms_norm(x, self.weight, self.eps, gate, torch.get_autocast_dtype(kind) if autocast else None,
                                 kernels=self.kernels_path)
+
+
+def layer_norm(cfg, dim):
+    """GPT-2's LayerNorm: y = (x − mean(x)) / sqrt(var(x) + 1e-5) ⊙ weight (+ bias where cfg.bias)."""
+    return nn.LayerNorm(dim, eps=1e-5, bias=cfg.bias)
+
+
+# GPTConfig.norm: the norm before each sublayer and before the head, built as NORMS[kind](cfg, dim); a norm module
+# maps (..., dim) to (..., dim). The norms inside mixers (qk_norm, the gated norms of G and M) stay RMSNorm.
+NORMS = {
+    "rmsnorm": lambda cfg, dim: RMSNorm(dim, kernels_path=cfg.kernels),  # x / rms(x) ⊙ weight, by kernels.rms_norm
+    "layernorm": layer_norm,                                             # GPT-2's, with a bias where bias=True
+}
+
+
+class PositionKind(NamedTuple):
+    rotary: bool   # attention rotates q and k by R_t (RoPE and its variants, GPTConfig.rope)
+    table: bool    # a learned vector wpe[t] per position t < block_size is added to the token embedding
+
+
+# GPTConfig.pos: how a token's position reaches the model. The rule: a model with a table reads at most block_size
+# positions (GPT.context_limited), so rope_factor and the RoPE keys are refused with it (GPTConfig).
+POSITIONS = {
+    "rope": PositionKind(rotary=True, table=False),     # RoPE on q and k (Su et al. 2021): scores see s − t
+    "learned": PositionKind(rotary=False, table=True),  # GPT-2's absolute positions: x_0 = wte[idx_t] + wpe[t]
+}
 
 
 ROPE_SCALINGS = ("none", "pi", "ntk", "yarn")
@@ -260,7 +298,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, kernels_path=cfg.kernels) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, kernels_path=cfg.kernels) if cfg.qk_norm else None
         self.dropout, self.attention, self.kernels_path = cfg.dropout, cfg.attention, cfg.kernels
-        self.rope = cfg.rope
+        self.rope, self.rotary = cfg.rope, POSITIONS[cfg.pos].rotary
         if cfg.rope != "fixed":  # 1-D, so the optimizers treat it like a gain: AdamW, no weight decay, no Muon
             self.log_freq = nn.Parameter(rope_frequencies(self.head_dim, cfg.rope_base).log().repeat(cfg.n_head))
         if cfg.rope == "lie":
@@ -284,7 +322,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_head, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotate(q, k, rope)
+        if self.rotary:
+            q, k = self.rotate(q, k, rope)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def attention_weights(self, x, rope):
@@ -755,6 +794,7 @@ class MLPKind(NamedTuple):
 MLPS = {
     "relu2": MLPKind(relu_squared, False),   # relu²
     "gelu": MLPKind(F.gelu, False),          # gelu
+    "gelu_tanh": MLPKind(functools.partial(F.gelu, approximate="tanh"), False),  # GPT-2's gelu, tanh approximation
     "swiglu": MLPKind(F.silu, True),         # gated silu
 }
 
@@ -1167,9 +1207,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg, layer):
         super().__init__()
-        self.norm1 = RMSNorm(cfg.n_embd, kernels_path=cfg.kernels)
+        self.norm1 = NORMS[cfg.norm](cfg, cfg.n_embd)
         self.mixer = MIXERS[cfg.mixer[layer % len(cfg.mixer)]](cfg)
-        self.norm2 = RMSNorm(cfg.n_embd, kernels_path=cfg.kernels)
+        self.norm2 = NORMS[cfg.norm](cfg, cfg.n_embd)
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
         self.mixer_residual = RESIDUALS[cfg.residual](cfg, 2 * layer)
@@ -1186,16 +1226,18 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg
         self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if POSITIONS[cfg.pos].table else None
         self.drop = nn.Dropout(cfg.dropout)
         for letter in dict.fromkeys(cfg.mixer):
             check_mixer_dtypes(letter, cfg)
         self.blocks = nn.ModuleList([Block(cfg, layer) for layer in range(cfg.n_layer)])
-        self.norm_f = RMSNorm(cfg.n_embd, kernels_path=cfg.kernels)
+        self.norm_f = NORMS[cfg.norm](cfg, cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.residual = RESIDUALS[cfg.residual]
-        self.context_limited = any(getattr(MIXERS[letter], "context_limited", False) for letter in cfg.mixer)
+        self.context_limited = self.wpe is not None or any(getattr(MIXERS[letter], "context_limited", False)
+                                                           for letter in cfg.mixer)
         self.max_len = int(cfg.block_size * cfg.rope_factor)  # the limit of context_limited mixers
         cos, sin = rope_cache(self.max_len, cfg.n_embd // cfg.n_head, cfg.rope_base, scaling=cfg.rope_scaling,
                               factor=cfg.rope_factor, train_length=cfg.block_size)
@@ -1213,7 +1255,10 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {pos + T} tokens exceeds block_size·rope_factor={self.max_len}: crop the "
                              f"input, train with a larger --block_size or extend it with --rope_factor")
         rope = self.rope_inputs(pos, T)
-        x = self.drop(self.wte(idx))
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(pos, pos + T, device=idx.device))
+        x = self.drop(x)
         if hasattr(self.residual, "enter"):  # e.g. the n streams of a hyper-connection
             x = self.residual.enter(x, self.config)
         for i, block in enumerate(self.blocks):
@@ -1263,6 +1308,12 @@ class GPT(nn.Module):
             next_input = next_token
         return idx
 
+    @classmethod
+    def from_pretrained(cls, source, **keys):
+        """GPT-2 with its weights (nanoGPT's from_pretrained): source is a name of GPT2_SIZES, or a folder saved by
+        transformers or runs.export_checkpoint; keys are model keys of PRETRAINED_CHANGEABLE (e.g. dropout)."""
+        return load_pretrained_weights(cls(GPTConfig(**merged_pretrained_keys(source, keys))), source)
+
     def num_params(self):
         """Number of parameters (the tied embedding/head counted once)."""
         return sum(p.numel() for p in self.parameters())
@@ -1293,9 +1344,10 @@ def param_formula(cfg):
     d, L = cfg.n_embd, cfg.n_layer
     mixers = [getattr(MIXERS[cfg.mixer[i % len(cfg.mixer)]], "n_params", None) for i in range(L)]
     residual = getattr(RESIDUALS[cfg.residual], "n_params", None)
-    return {"embedding": cfg.padded_vocab_size * d * (1 if cfg.tie_embeddings else 2),
+    return {"embedding": cfg.padded_vocab_size * d * (1 if cfg.tie_embeddings else 2)
+            + POSITIONS[cfg.pos].table * cfg.block_size * d,
             "mixers": None if None in mixers else sum(count(cfg) for count in mixers),
-            "MLPs": L * MLP.n_params(cfg), "norms": (2 * L + 1) * d,
+            "MLPs": L * MLP.n_params(cfg), "norms": (2 * L + 1) * d * (1 + (cfg.norm == "layernorm" and cfg.bias)),
             "residuals": None if residual is None else 2 * L * residual(cfg)}
 
 
@@ -1313,6 +1365,237 @@ def activation_formula(cfg, batch_size, act):
         (4 + act) * d + 4 * cfg.padded_vocab_size
     return batch_size * cfg.block_size * per_token
 
+
+
+# -----------------------------------------------------------------------------
+# GPT-2's weights in (nanoGPT's from_pretrained: OpenAI's GPT-2 as Hugging Face hosts it, or a folder saved by
+# transformers or by runs.export_checkpoint) and out (transformers' GPT-2 layout). The files are safetensors, read
+# through huggingface_hub and safetensors: transformers itself is not needed.
+
+# GPT-2 in model keys: what every size shares, then each size's depth, heads and width (Radford et al. 2019)
+GPT2_ARCHITECTURE = {"pos": "learned", "norm": "layernorm", "mlp": "gelu_tanh", "bias": True, "qk_norm": False,
+                     "mixer": "A", "residual": "res", "tie_embeddings": True, "vocab_multiple": 1}
+GPT2_SIZES = {
+    "gpt2": {"n_layer": 12, "n_head": 12, "n_embd": 768},         # 124M
+    "gpt2-medium": {"n_layer": 24, "n_head": 16, "n_embd": 1024},  # 350M
+    "gpt2-large": {"n_layer": 36, "n_head": 20, "n_embd": 1280},   # 774M
+    "gpt2-xl": {"n_layer": 48, "n_head": 25, "n_embd": 1600},      # 1558M
+}
+GPT2_HUB = "openai-community"  # the hub's owner of the four GPT-2 repositories
+# model keys that may differ from a pretrained model's: they change how the same weights compute, or (block_size, no
+# larger than the model's) how many learned positions are kept; every other key given must equal the model's
+PRETRAINED_CHANGEABLE = ("block_size", "dropout", "kernels", "attention", "chunk_size", "gdn_chunk_size", "init")
+# transformers' GPT-2 activations in MLPS' names (gelu_new and gelu_pytorch_tanh compute the same tanh form)
+HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+def hf_gpt2_keys(hf, where):
+    """GPTConfig keys of a transformers GPT-2 config.json (a dict); a config whose model is not GPT-2's math (another
+    model_type, activation, epsilon or attention scaling) is one line naming the field."""
+    rules = [("model_type", "gpt2"), ("layer_norm_epsilon", 1e-5), ("scale_attn_weights", True),
+             ("scale_attn_by_inverse_layer_idx", False), ("n_inner", None)]
+    for field, expected in rules:
+        if hf.get(field, expected) != expected and not (field == "n_inner" and hf[field] == 4 * hf.get("n_embd")):
+            raise ValueError(f"{where} has {field}={hf[field]!r}: specgpt's GPT-2 needs {expected!r} (transformers' "
+                             f"GPT-2 defaults); load another GPT-2")
+    if hf.get("activation_function", "gelu_new") not in HF_ACTIVATIONS:
+        raise ValueError(f"{where} has activation_function={hf['activation_function']!r}, which no row of model.MLPS "
+                         f"computes: use one of {', '.join(HF_ACTIVATIONS)}")
+    return {**GPT2_ARCHITECTURE, "vocab_size": hf["vocab_size"], "block_size": hf["n_positions"],
+            "n_layer": hf["n_layer"], "n_head": hf["n_head"], "n_embd": hf["n_embd"],
+            "mlp": HF_ACTIVATIONS[hf.get("activation_function", "gelu_new")],
+            "tie_embeddings": hf.get("tie_word_embeddings", True)}
+
+
+def pretrained_config(source):
+    """GPTConfig keys (vocab_size included) of a pretrained model: a name of GPT2_SIZES (no download: GPT-2's sizes
+    are known), or a folder with config.json (specgpt's export: its "specgpt" keys; else transformers' GPT-2)."""
+    if source in GPT2_SIZES:
+        return {**GPT2_ARCHITECTURE, **GPT2_SIZES[source], "vocab_size": 50257, "block_size": 1024}
+    saved = saved_config(source)
+    return saved["specgpt"] if "specgpt" in saved else hf_gpt2_keys(saved, os.path.join(source, "config.json"))
+
+
+def saved_config(source):
+    """The dict in folder source's config.json, or one line saying what source lacks."""
+    if not os.path.isdir(source):
+        raise ValueError(f"--init_from={source!r} is neither a model ({', '.join(GPT2_SIZES)}) nor a folder: use "
+                         f"scratch, resume, one of those names, or a folder saved by transformers or --export")
+    path = os.path.join(source, "config.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is missing or not JSON ({type(e).__name__}): point --init_from at a folder saved "
+                         f"by transformers' save_pretrained or by python train.py --export") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} holds no config (a JSON object): point --init_from at a folder saved by "
+                         f"transformers' save_pretrained or by python train.py --export")
+    return saved
+
+
+def merged_pretrained_keys(source, given):
+    """The model keys of a run that starts from source: the model's, with the keys of PRETRAINED_CHANGEABLE given
+    (block_size at most the model's); another key given that contradicts the model's is one line."""
+    keys = pretrained_config(source)
+    for key, value in given.items():
+        if key not in keys and key not in PRETRAINED_CHANGEABLE or keys.get(key, value) == value:
+            continue
+        if key not in PRETRAINED_CHANGEABLE or (key == "block_size" and value > keys[key]):
+            raise ValueError(f"--{key}={value!r} contradicts --init_from={source!r}, whose {key} is {keys[key]!r}: "
+                             f"drop --{key}" + (f" (its {key} may only shrink)" if key == "block_size" else ""))
+    return {**keys, **{key: value for key, value in given.items() if key in PRETRAINED_CHANGEABLE}}
+
+
+def pretrained_files(source):
+    """The safetensors files of source: a name of GPT2_SIZES through huggingface_hub (cached after the first
+    download), or a folder's model.safetensors (or the shards its model.safetensors.index.json lists)."""
+    if source in GPT2_SIZES:
+        from huggingface_hub import hf_hub_download
+        try:
+            return [hf_hub_download(f"{GPT2_HUB}/{source}", "model.safetensors")]
+        except Exception as e:  # offline, or the hub unreachable: how to bring the file here
+            raise ValueError(f"could not download {GPT2_HUB}/{source}'s model.safetensors ({type(e).__name__}): on a "
+                             f"machine online, `hf download {GPT2_HUB}/{source} config.json model.safetensors "
+                             f"--local-dir {source}`, copy the folder here, then --init_from=./{source}") from None
+    index = os.path.join(source, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return [os.path.join(source, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+    if not os.path.isfile(os.path.join(source, "model.safetensors")):
+        raise ValueError(f"{source} holds no model.safetensors: save the model there with transformers' "
+                         f"save_pretrained (safetensors, its default) or python train.py --export={source}")
+    return [os.path.join(source, "model.safetensors")]
+
+
+def gpt2_state_dict(hf, cfg):
+    """specgpt's state dict of GPT(cfg) from transformers' GPT-2 tensors hf (keys with or without "transformer."):
+    Conv1D stores y = x W + b with W (in, out), nn.Linear W (out, in), so every matrix is transposed; the fused
+    c_attn (C, 3C) splits into q, k, v. Biases absent from cfg (bias=False) must be zero in hf."""
+    hf = {key.removeprefix("transformer."): tensor for key, tensor in hf.items()
+          if not key.endswith((".attn.bias", ".attn.masked_bias"))}  # the causal masks older files store
+    ours = {"wte.weight": hf.pop("wte.weight"), "wpe.weight": hf.pop("wpe.weight")[:cfg.block_size],
+            "norm_f.weight": hf.pop("ln_f.weight"), "norm_f.bias": hf.pop("ln_f.bias")}
+    ours["wte.weight"] = F.pad(ours["wte.weight"], (0, 0, 0, cfg.padded_vocab_size - ours["wte.weight"].size(0)))
+    lm_head = hf.pop("lm_head.weight", None)
+    ours["lm_head.weight"] = ours["wte.weight"] if cfg.tie_embeddings or lm_head is None else lm_head
+    for i in range(cfg.n_layer):
+        h, b = f"h.{i}.", f"blocks.{i}."
+        q, k, v = hf.pop(h + "attn.c_attn.weight").t().chunk(3)
+        bq, bk, bv = hf.pop(h + "attn.c_attn.bias").chunk(3)
+        ours.update({
+            b + "norm1.weight": hf.pop(h + "ln_1.weight"), b + "norm1.bias": hf.pop(h + "ln_1.bias"),
+            b + "mixer.q_proj.weight": q, b + "mixer.k_proj.weight": k, b + "mixer.v_proj.weight": v,
+            b + "mixer.q_proj.bias": bq, b + "mixer.k_proj.bias": bk, b + "mixer.v_proj.bias": bv,
+            b + "mixer.out_proj.weight": hf.pop(h + "attn.c_proj.weight").t(),
+            b + "mixer.out_proj.bias": hf.pop(h + "attn.c_proj.bias"),
+            b + "norm2.weight": hf.pop(h + "ln_2.weight"), b + "norm2.bias": hf.pop(h + "ln_2.bias"),
+            b + "mlp.in_proj.weight": hf.pop(h + "mlp.c_fc.weight").t(),
+            b + "mlp.in_proj.bias": hf.pop(h + "mlp.c_fc.bias"),
+            b + "mlp.out_proj.weight": hf.pop(h + "mlp.c_proj.weight").t(),
+            b + "mlp.out_proj.bias": hf.pop(h + "mlp.c_proj.bias")})
+    if hf:
+        raise ValueError(f"the GPT-2 weights hold {sorted(hf)[0]!r} (and {len(hf) - 1} more keys) that a GPT-2 of "
+                         f"{cfg.n_layer} layers has not: load them with their own config.json")
+    if not cfg.bias:
+        for key in [key for key in ours if key.endswith(".bias")]:
+            if ours.pop(key).any():
+                raise ValueError(f"the weights hold a nonzero {key} but the config says bias=False: load them with "
+                                 f"bias=True")
+    return {key: tensor.contiguous() for key, tensor in ours.items()}
+
+
+def load_pretrained_weights(model, source):
+    """source's weights (pretrained_files) into model, built from pretrained_config(source) and the changeable keys;
+    in transformers' GPT-2 layout or (a specgpt export of another architecture) in specgpt's own."""
+    from safetensors.torch import load_file
+    tensors = {}
+    for path in pretrained_files(source):
+        tensors.update(load_file(path))
+    cfg = model.config
+    own = source not in GPT2_SIZES and "model_type" not in saved_config(source)  # specgpt's layout, not GPT-2's
+    state = tensors if own else gpt2_state_dict(tensors, cfg)
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["wte.weight"]
+    if model.wpe is not None and own:
+        state["wpe.weight"] = state["wpe.weight"][:cfg.block_size]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"the weights of {source} do not fit its config: "
+                         + (f"{missing[0]} is missing" if missing else f"{unexpected[0]} is not in the model")
+                         + ": export it again with this version of specgpt")
+    return model
+
+
+def gpt2_unholdable(cfg):
+    """None if transformers' GPT2LMHeadModel can hold GPT(cfg) with equal logits, else the key that it cannot (and
+    why), for one line. Biases absent here are written as zeros, so bias=False is held."""
+    layers = {cfg.mixer[i % len(cfg.mixer)] for i in range(cfg.n_layer)}
+    rules = [("pos", cfg.pos == "learned", "GPT-2 has learned positions"),
+             ("norm", cfg.norm == "layernorm", "GPT-2 has LayerNorm"),
+             ("mlp", cfg.mlp in HF_ACTIVATIONS.values(), "GPT-2's MLP is gelu or gelu_tanh"),
+             ("mixer", layers == {"A"}, "GPT-2 has attention layers only"),
+             ("residual", cfg.residual == "res", "GPT-2 has the plain residual"),
+             ("qk_norm", not cfg.qk_norm, "GPT-2 has no qk_norm"),
+             ("attention", cfg.attention in ("sdpa", "math"), "GPT-2's attention is a softmax")]
+    for key, holds, why in rules:
+        if not holds:
+            return f"{key}={getattr(cfg, key)!r} ({why})"
+    return None
+
+
+def hf_gpt2_config(cfg):
+    """transformers' GPT-2 config.json (a dict) for GPT(cfg), whose gpt2_unholdable is None."""
+    activation = {"gelu_tanh": "gelu_new", "gelu": "gelu"}[cfg.mlp]
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.padded_vocab_size,
+              "n_positions": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+              "n_inner": None, "activation_function": activation, "layer_norm_epsilon": 1e-5,
+              "tie_word_embeddings": cfg.tie_embeddings, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    if cfg.padded_vocab_size > 50256:  # GPT-2's <|endoftext|> is in the vocabulary
+        config.update(bos_token_id=50256, eos_token_id=50256)
+    return config
+
+
+def hf_gpt2_state_dict(model):
+    """The tensors of GPT(cfg) in transformers' GPT2LMHeadModel layout (gpt2_state_dict's inverse): matrices
+    transposed to Conv1D's (in, out), q, k, v fused into c_attn, zeros for the biases bias=False leaves out."""
+    cfg, ours = model.config, {key: t.detach() for key, t in model.state_dict().items()}
+
+    def with_bias(name, size):
+        return ours.get(name + ".bias", torch.zeros(size, dtype=ours["wte.weight"].dtype))
+    C = cfg.n_embd
+    hf = {"transformer.wte.weight": ours["wte.weight"], "transformer.wpe.weight": ours["wpe.weight"],
+          "transformer.ln_f.weight": ours["norm_f.weight"], "transformer.ln_f.bias": with_bias("norm_f", C)}
+    if not cfg.tie_embeddings:
+        hf["lm_head.weight"] = ours["lm_head.weight"]
+    for i in range(cfg.n_layer):
+        h, b = f"transformer.h.{i}.", f"blocks.{i}."
+        qkv = [b + f"mixer.{p}_proj" for p in "qkv"]
+        hf.update({
+            h + "ln_1.weight": ours[b + "norm1.weight"], h + "ln_1.bias": with_bias(b + "norm1", C),
+            h + "attn.c_attn.weight": torch.cat([ours[name + ".weight"] for name in qkv]).t(),
+            h + "attn.c_attn.bias": torch.cat([with_bias(name, C) for name in qkv]),
+            h + "attn.c_proj.weight": ours[b + "mixer.out_proj.weight"].t(),
+            h + "attn.c_proj.bias": with_bias(b + "mixer.out_proj", C),
+            h + "ln_2.weight": ours[b + "norm2.weight"], h + "ln_2.bias": with_bias(b + "norm2", C),
+            h + "mlp.c_fc.weight": ours[b + "mlp.in_proj.weight"].t(),
+            h + "mlp.c_fc.bias": with_bias(b + "mlp.in_proj", 4 * C),
+            h + "mlp.c_proj.weight": ours[b + "mlp.out_proj.weight"].t(),
+            h + "mlp.c_proj.bias": with_bias(b + "mlp.out_proj", C)})
+    return {key: t.contiguous() for key, t in hf.items()}
+
+
+def exported_files(model):
+    """(config.json's dict, model.safetensors' tensors) of runs.export_checkpoint: transformers' GPT-2 layout with
+    specgpt's keys beside its config where transformers can hold the model, else specgpt's own state dict (the
+    tied head once)."""
+    cfg = model.config
+    keys = dataclasses.asdict(cfg)
+    if gpt2_unholdable(cfg) is None:
+        return {**hf_gpt2_config(cfg), "specgpt": keys}, hf_gpt2_state_dict(model)
+    tensors = {key: t.detach().contiguous() for key, t in model.state_dict().items()
+               if not (cfg.tie_embeddings and key == "lm_head.weight")}
+    return {"specgpt": keys}, tensors
 
 if __name__ == "__main__":
     # the model alone: the baby GPT (GPTConfig's defaults), its parameters, one forward; what measures the model

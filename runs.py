@@ -27,6 +27,7 @@ from contextlib import contextmanager
 import torch
 
 import data
+import model
 
 # ----------------------------------------------------------------------------------------------------
 # config files and --key=value arguments (train.py and analyze.py)
@@ -418,7 +419,7 @@ RUN_FILES = ("ckpt.pt", "log.jsonl", "loss.png", "analysis.jsonl", "analysis.png
 
 def check_run_folder(out_dir, init_from, overwrite):
     """A new run never replaces the run in out_dir (its checkpoint) unasked."""
-    if init_from == "scratch" and not overwrite and os.path.exists(os.path.join(out_dir, "ckpt.pt")):
+    if init_from != "resume" and not overwrite and os.path.exists(os.path.join(out_dir, "ckpt.pt")):
         raise ConfigError(f"--out_dir={out_dir!r} holds a run (ckpt.pt): continue it with --init_from=resume, "
                           f"start this one in another --out_dir, or replace it with --overwrite=True")
 
@@ -680,6 +681,41 @@ def save_run(path, raw_model, opt, sampler, master, settings, meta, **progress):
                                          "cuda": torch.cuda.get_rng_state() if cuda else None}, **progress})
         if progress["iter_num"] >= 1:  # a new run's first trained checkpoint: the run it replaces goes
             drop_replaced_run(os.path.dirname(path))
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# exports: a checkpoint's model as safetensors, for --init_from=DIR and (GPT-2's architecture) transformers
+
+def export_checkpoint(ckpt_path, folder):
+    """python train.py --export=DIR: the model of the checkpoint at ckpt_path written into folder as model.safetensors
+    + config.json (model.exported_files: transformers' GPT-2 layout with specgpt's keys beside its config where
+    transformers can hold the model, else specgpt's own) + meta.json (the tokenizer's meta), each file atomically.
+    Returns the line to print: what was written, and the key transformers cannot hold, if any."""
+    from safetensors.torch import save
+    ckpt = load_checkpoint(ckpt_path)
+    gpt = model.GPT(model.GPTConfig.from_dict({**ckpt["config"], "vocab_size": ckpt["meta"]["vocab_size"]}))
+    load_weights(gpt, ckpt, ckpt_path)
+    data.check_writable_folder(folder, "export")
+    make_folder(folder, "export")
+    config, tensors = model.exported_files(gpt)
+    data.atomic_write_bytes(os.path.join(folder, "model.safetensors"), save(tensors, metadata={"format": "pt"}))
+    data.atomic_write_bytes(os.path.join(folder, "meta.json"), json.dumps(ckpt["meta"], indent=1).encode())
+    data.atomic_write_bytes(os.path.join(folder, "config.json"), json.dumps(config, indent=1).encode())
+    unheld = model.gpt2_unholdable(gpt.config)
+    return (f"exported {ckpt_path} to {folder} (model.safetensors, config.json, meta.json): load it with "
+            f"--init_from={folder}" + (f"; transformers' GPT2LMHeadModel.from_pretrained({folder!r}) too" if not unheld
+                                       else f"; not in transformers' GPT-2 layout, which cannot hold {unheld}"))
+
+
+def pretrained_meta(source):
+    """The tokenizer's meta of a pretrained model (train.py's and analyze.py's --init_from): meta.json in an exported
+    folder, else GPT-2's BPE, which every GPT-2 (a name or a folder saved by transformers) reads."""
+    path = os.path.join(source, "meta.json")
+    if os.path.isdir(source) and os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    return {"tokenizer": "gpt2", **data.GPT2Tokenizer().meta()}
 
 
 if __name__ == "__main__":

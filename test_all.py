@@ -238,8 +238,8 @@ def set_gptconfig_defaults(changes):
 # Every GPTConfig key the tests rely on, written out: a model in a test is make_config(...) (or tiny_config),
 # never GPTConfig's defaults, so changing a default changes no test.
 TEST_MODEL = dict(vocab_size=84, vocab_multiple=1, block_size=256, n_layer=4, n_head=4, n_embd=128, mixer="A",
-                  mlp="relu2", residual="res", hc_streams=4, rope_base=10000.0, rope="fixed", rope_scaling="none",
-                  rope_factor=1.0, qk_norm=False,
+                  mlp="relu2", residual="res", hc_streams=4, pos="rope", norm="rmsnorm", rope_base=10000.0,
+                  rope="fixed", rope_scaling="none", rope_factor=1.0, qk_norm=False,
                   tie_embeddings=True, bias=False, dropout=0.0, attention="sdpa", gdn_variant="gdn2", gdn_clip=True,
                   gdn_expand_v=1, conv_size=4, mamba_d_state=64, mamba_expand=2, mamba_headdim=32,
                   mamba_discretization="euler", chunk_size=64, gdn_chunk_size=64, kernels="auto", init="gpt2")
@@ -3597,6 +3597,8 @@ def test_flops_per_token_counts_matmuls():
 CLOSED_FORM_CASES = ([dict(mixer=m) for m in MIXERS] + [dict(mlp=m) for m in MLPS] +
                      [dict(residual=r) for r in RESIDUALS] +
                      [dict(mixer="G", gdn_variant=v, gdn_expand_v=2) for v in ("deltanet", "gdn", "kda", "gdn2")] +
+                     [dict(pos=p) for p in model_module.POSITIONS] +
+                     [dict(norm=n, bias=True) for n in model_module.NORMS] +
                      [dict(rope="learned", qk_norm=True), dict(rope="lie"),
                       dict(mixer="GMA", bias=True, tie_embeddings=False),
                       dict(mixer="M", mamba_expand=1, mamba_d_state=16, conv_size=3, vocab_multiple=64),
@@ -3656,6 +3658,117 @@ def test_bad_model_config_is_one_line_error():
         make_config(rope_factor=0.5)
     with pytest.raises(ValueError, match="rope_scaling"):
         make_config(rope="learned", rope_scaling="yarn", rope_factor=2.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPT-2: its architecture as model keys (pos, norm, mlp=gelu_tanh, bias, a tied head) and its weights in transformers'
+# layout (model.py's GPT-2 section). The reference is transformers itself (a test-only dependency): a small GPT-2 with
+# random weights that it builds and saves.
+
+# the small random GPT-2: GPT-2's vocabulary (text in GPT-2 tokens fits it), 32 positions, 2 layers of width 32
+SMALL_GPT2 = dict(vocab_size=50257, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                  attn_pdrop=0.0)
+# GPT-2's architecture keys, written out (model.GPT2_ARCHITECTURE is what the code under test says they are)
+GPT2_KEYS = dict(pos="learned", norm="layernorm", mlp="gelu_tanh", bias=True, qk_norm=False, mixer="A",
+                 residual="res", tie_embeddings=True)
+
+
+def save_random_gpt2(folder, seed=0, **config):
+    """transformers' GPT2LMHeadModel of SMALL_GPT2 (with config's fields), every weight random (the biases and norm
+    gains too, which it initialises to 0 and 1), saved in folder by its save_pretrained; returned in eval mode."""
+    import transformers
+    torch.manual_seed(seed)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**SMALL_GPT2, **config}))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(folder)
+    return hf.eval()
+
+
+@pytest.mark.parametrize("config", [{}, {"tie_word_embeddings": False}, {"activation_function": "gelu"}], ids=str)
+def test_gpt2_logits_and_greedy_samples_equal_transformers(tmp_path, config):
+    """GPT.from_pretrained of a GPT-2 saved by transformers: Conv1D's transposed matrices, the fused qkv, LayerNorm,
+    learned positions and gelu mapped onto specgpt's GPT give transformers' logits to fp32 rounding, tied head or
+    not; greedy decoding with specgpt's KV cache gives transformers' greedy tokens."""
+    hf = save_random_gpt2(tmp_path, **config)
+    gpt = GPT.from_pretrained(str(tmp_path), kernels="torch", attention="sdpa", dropout=0.0).eval()
+    assert {key: getattr(gpt.config, key) for key in GPT2_KEYS} == {
+        **GPT2_KEYS, "mlp": "gelu" if config.get("activation_function") == "gelu" else "gelu_tanh",
+        "tie_embeddings": config.get("tie_word_embeddings", True)}
+    idx = torch.randint(0, 50257, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(gpt(idx)[0], hf(idx).logits, rtol=1e-5, atol=1e-5)
+    prompt = idx[:1, :5]
+    theirs = hf.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(gpt.generate(prompt, 12, temperature=0.0), theirs)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"])
+def test_gpt2_sizes_map_onto_gpt_on_the_meta_device(name):
+    """Each size's config (no download): transformers' GPT2LMHeadModel of the same depth, heads and width (its own
+    vocabulary and 1024 positions) maps key for key, shape for shape, onto specgpt's GPT, whose parameter count is
+    transformers' and the size's published one (124M, 355M, 774M, 1558M)."""
+    import transformers
+    keys = model_module.pretrained_config(name)
+    cfg = make_config(**keys)
+    with torch.device("meta"):
+        gpt = GPT(cfg)
+        hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=keys["n_layer"], n_head=keys["n_head"], n_embd=keys["n_embd"]))
+    mapped = model_module.gpt2_state_dict(hf.state_dict(), cfg)
+    assert {k: tuple(t.shape) for k, t in mapped.items()} == {k: tuple(t.shape) for k, t in gpt.state_dict().items()}
+    assert gpt.num_params() == hf.num_parameters() == sum(model_module.param_formula(cfg).values())
+    assert round(gpt.num_params() / 1e6) == {"gpt2": 124, "gpt2-medium": 355, "gpt2-large": 774, "gpt2-xl": 1558}[name]
+
+
+def test_gpt2_keys_combine_with_g_layers_mhc_and_muon_and_train():
+    """GPT-2's keys with a G layer, mHC's streams and Muon: the model trains (its loss on one batch falls by more
+    than half a nat in 10 steps), the learned positions and the biases go to AdamW, not Muon; RoPE's keys are
+    refused with learned positions."""
+    cfg = make_config(**{**GPT2_KEYS, "mixer": "GA", "residual": "mhc", "hc_streams": 2}, vocab_size=50, block_size=16,
+                      n_layer=2, n_head=2, n_embd=32, kernels="torch")
+    torch.manual_seed(0)
+    gpt = GPT(cfg)
+    assert isinstance(gpt.blocks[0].mixer, GatedDelta) and isinstance(gpt.blocks[0].norm1, torch.nn.LayerNorm)
+    opt = optim.build_optimizer(gpt, "muon", lr=0.02, weight_decay=0.0, aux_lr=3e-3)
+    muon = {id(p) for o in opt.optimizers if isinstance(o, optim.Muon) for g in o.param_groups for p in g["params"]}
+    assert id(gpt.wpe.weight) not in muon and not any(id(p) in muon for n, p in gpt.named_parameters()
+                                                      if n.endswith(".bias"))
+    idx = torch.randint(0, 50, (2, 17))
+    losses = []
+    for _ in range(10):
+        loss = gpt(idx[:, :-1], idx[:, 1:])[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
+    for keys in (dict(rope="lie"), dict(rope_scaling="yarn", rope_factor=2.0), dict(rope_factor=2.0)):
+        with pytest.raises(ValueError, match="pos='learned' has no RoPE"):
+            make_config(pos="learned", **keys)
+
+
+def test_gpt2_bad_sources_and_contradicting_keys_are_one_line_errors(tmp_path):
+    """An unknown model name, a folder without config.json or without weights, a config that is not GPT-2's math,
+    and model keys that contradict the pretrained model's: one line each, before any download."""
+    def refused(source, match, **keys):
+        with pytest.raises(ValueError, match=match) as e:
+            GPT.from_pretrained(source, **keys)
+        assert "\n" not in str(e.value)
+    refused("gpt3", "neither a model .*gpt2, gpt2-medium")
+    refused(str(tmp_path), "config.json is missing")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 50257, "n_positions": 32,
+                                                      "n_embd": 32, "n_layer": 2, "n_head": 4}))
+    refused(str(tmp_path), "holds no model.safetensors")
+    refused(str(tmp_path), "--n_layer=3 contradicts", n_layer=3)
+    refused(str(tmp_path), "--mixer='GA' contradicts", mixer="GA")
+    refused(str(tmp_path), "--block_size=64 contradicts .* may only shrink", block_size=64)
+    refused("gpt2", "--pos='rope' contradicts", pos="rope")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 50257, "n_positions": 32,
+                                                      "n_embd": 32, "n_layer": 2, "n_head": 4,
+                                                      "activation_function": "relu"}))
+    refused(str(tmp_path), "activation_function='relu'")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -6231,9 +6344,14 @@ PEAK_BF16 = {"A100": 312e12, "H100": 989e12, "H200": 989e12}  # the vendors' den
 def preset_config(name, **overrides):
     """A preset's model: train.py's defaults, then the file, then overrides; the vocabulary of its data."""
     defaults = {**train.RUN_DEFAULTS, **train.model_defaults()}
-    settings = {**defaults, **runs.parse_config([os.path.join(ROOT, "config", name)], defaults, "", {})}
+    file = runs.parse_config([os.path.join(ROOT, "config", name)], defaults, "", {})
+    settings = {**defaults, **file}
+    if train.pretrained(settings["init_from"]):  # a finetune: the pretrained model's keys and vocabulary
+        settings.update(model_module.merged_pretrained_keys(settings["init_from"], {
+            key: value for key, value in file.items() if key in train.model_defaults()}))
     shards = data.is_shard_pattern(settings["dataset"])
-    vocab = 50257 if shards else data.load_dataset(settings["dataset"])[2]["vocab_size"]
+    vocab = settings.pop("vocab_size", None) or (50257 if shards else
+                                                 data.load_dataset(settings["dataset"])[2]["vocab_size"])
     return settings, GPTConfig(vocab_size=vocab, **{**{k: settings[k] for k in train.model_defaults()}, **overrides})
 
 
@@ -6299,7 +6417,8 @@ def test_dry_run_prices_every_preset_and_writes_nothing(name, tmp_path):
     assert f"{analyze.duration(kernels * 2.0)} at 2 s a kernel" in report["compile"], report["compile"]
     memory = proc.stdout.split("memory", 1)[1]
     block = sum(p.numel() for k, p in gpt.named_parameters() if optim.is_block_matrix(k, p))
-    state = {"muon": 4 * block + 8 * (n - block)}[settings["optimizer"]]  # Muon's momentum; AdamW's m and v
+    # Muon's momentum on the block matrices, AdamW's m and v on the rest (on everything for an AdamW preset)
+    state = {"muon": 4 * block + 8 * (n - block), "adamw": 8 * n}[settings["optimizer"]]
     for label, want in (("weights", 4 * n), ("gradients", 4 * n), (f"{settings['optimizer']} state", state)):
         got = parse_size(re.search(rf"{label} ([\d.]+ [GM]iB)", memory).group(1))
         assert got == pytest.approx(want, rel=0.02), (label, got, want)
@@ -7872,6 +7991,101 @@ def test_recall_bench_bad_input_is_one_line():
             bench.main(argv)
         assert isinstance(stop.value.code, str) and "\n" not in stop.value.code and message in stop.value.code, argv
 
+
+# --------------------------------------------------------------------------------------------------
+# GPT-2's weights in a run (--init_from), and any checkpoint out as safetensors (--export, runs.export_checkpoint)
+
+def gpt2_text(folder):
+    """A small text file for runs in GPT-2 tokens (about 2,700 tokens)."""
+    path = folder / "speech.txt"
+    path.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 200)
+    return str(path)
+
+
+@pytest.mark.parametrize("keys,held", [
+    (dict(GPT2_KEYS, bias=False, tie_embeddings=False, vocab_multiple=8), None),
+    (dict(GPT2_KEYS, mixer="GA", residual="mhc", hc_streams=2), "mixer='GA'")],
+    ids=["gpt2-architecture", "hybrid"])
+def test_export_round_trip_to_specgpt_and_to_transformers(tmp_path, keys, held):
+    """runs.export_checkpoint of a checkpoint: model.safetensors + config.json + meta.json, which GPT.from_pretrained
+    loads back with equal logits; a GPT-2 architecture (here without biases, with an untied and padded head) is in
+    transformers' layout, which GPT2LMHeadModel.from_pretrained loads with equal logits; another architecture is
+    exported in specgpt's layout, with a line naming the key transformers cannot hold."""
+    cfg = make_config(**{**keys, "vocab_size": 50, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32,
+                         "kernels": "torch", "attention": "sdpa", "dropout": 0.0})
+    torch.manual_seed(0)
+    gpt = GPT(cfg).eval()
+    with torch.no_grad():  # norm gains and biases away from their init, so that a lost one shows
+        for p in gpt.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    meta = {"tokenizer": "char", "vocab_size": 50, "chars": [chr(65 + i) for i in range(50)]}
+    runs.save_checkpoint(str(tmp_path / "ckpt.pt"), {"model": gpt.state_dict(), "meta": meta,
+                                                     "config": {**dataclasses.asdict(cfg), "dataset": "letters"}})
+    line = runs.export_checkpoint(str(tmp_path / "ckpt.pt"), str(tmp_path / "exported"))
+    assert sorted(os.listdir(tmp_path / "exported")) == ["config.json", "meta.json", "model.safetensors"]
+    assert json.load(open(tmp_path / "exported" / "meta.json")) == meta
+    idx = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        expected = gpt(idx)[0]
+        back = GPT.from_pretrained(str(tmp_path / "exported")).eval()
+        assert back.config == cfg
+        torch.testing.assert_close(back(idx)[0], expected, rtol=0, atol=0)
+    if held is None:
+        import transformers
+        hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "exported")).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(hf(idx).logits, expected, rtol=1e-5, atol=1e-5)
+        assert "GPT2LMHeadModel.from_pretrained" in line
+    else:
+        assert f"cannot hold {held}" in line and "\n" not in line
+
+
+def test_finetune_from_a_saved_gpt2_loads_resumes_samples_and_exports(tmp_path, capsys, monkeypatch):
+    """train.py --init_from=<transformers' folder> on text in GPT-2 tokens: the checkpoint at step 0 holds GPT-2's
+    weights (exported by --export, transformers reads back the very tensors it saved); the run resumes from it;
+    --sample_only with --init_from samples transformers' greedy tokens through the KV cache. The offline hub and a
+    dataset of another vocabulary are one line each."""
+    import huggingface_hub
+    import transformers
+    hf = save_random_gpt2(tmp_path / "small")
+    text, small = gpt2_text(tmp_path), str(tmp_path / "small")
+    common = [f"--init_from={small}", f"--dataset={text}", "--tokenizer=gpt2", "--block_size=16", "--batch_size=2",
+              "--eval_iters=1", "--eval_interval=2", "--optimizer=adamw", "--learning_rate=3e-4", "--min_lr=3e-5",
+              "--warmup_iters=0", "--num_samples=0", "--lr_decay_iters=2", "--dropout=0.0", "--kernels=torch"]
+    run_train(*common, f"--out_dir={tmp_path / 'ft'}", "--max_iters=0")
+    run_train(f"--out_dir={tmp_path / 'ft'}", f"--export={tmp_path / 'exported'}")
+    back = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "exported")).state_dict()
+    for key, tensor in hf.state_dict().items():
+        if not key.endswith(".attn.bias"):  # (a mask buffer some versions keep)
+            assert torch.equal(back[key], tensor[:16] if "wpe" in key else tensor), key  # 16 positions kept
+    resumed = run_train("--init_from=resume", f"--out_dir={tmp_path / 'ft'}", "--max_iters=2")
+    assert "resuming at iter 0" in resumed.stdout and "done: val loss" in resumed.stdout
+    prompt = "First Citizen:"
+    assert train.main(["--sample_only=True", f"--init_from={small}", f"--start={prompt}", "--num_samples=1",
+                       "--max_new_tokens=8", "--temperature=0", "--kernels=torch"]) == 0
+    ids = torch.tensor([data.gpt2_encoding().encode_ordinary(prompt)])
+    greedy = hf.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0].tolist()
+    assert data.gpt2_encoding().decode(greedy) in capsys.readouterr().out
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="could not download openai-community/gpt2's .*hf download "
+                                         "openai-community/gpt2 config.json model.safetensors"):
+        train.main(["--sample_only=True", "--init_from=gpt2"])
+    with pytest.raises(ValueError, match="has a char vocabulary of .* reads gpt2's of 50257"):
+        train.main([*common, f"--out_dir={tmp_path / 'chars'}", "--tokenizer=char"])
+
+
+def test_init_from_gpt2_takes_its_keys_and_refuses_contradictions():
+    """--init_from=gpt2 sets GPT-2's keys (the dry run prices that model; no download is needed for its keys);
+    a model key that contradicts it, or an unknown name, is one line."""
+    settings, _, _, _ = train.read_settings(["--init_from=gpt2", "--dropout=0.1", "--block_size=256"])
+    assert {key: settings[key] for key in (*GPT2_KEYS, "n_layer", "n_head", "n_embd", "block_size", "dropout")} == \
+        {**GPT2_KEYS, "n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 256, "dropout": 0.1}
+    with pytest.raises(ValueError, match="--n_embd=512 contradicts --init_from='gpt2', whose n_embd is 768"):
+        train.read_settings(["--init_from=gpt2", "--n_embd=512"])
+    with pytest.raises(ValueError, match="--init_from='gpt5' is neither a model"):
+        train.read_settings(["--init_from=gpt5"])
+
+
 # ==================================================================================================
 # analyze.py  (pytest -m analyze)
 # Tests for analyze.py: every spectrum against a dense computation, a closed form or a known construction.
@@ -8345,6 +8559,24 @@ def test_analyze_runs_every_section_of_its_table_end_to_end(tmp_path, capsys):
             assert min(image.size) > 100 and image.text.get("Title") == name, (name, image.size, image.text)
     assert len(printed.splitlines()) > len(analyze.SECTIONS), printed
 
+
+def test_analyze_init_from_a_saved_gpt2(tmp_path, capsys):
+    """python analyze.py --init_from=<transformers' folder> --sections=weights reads no data and gives the singular
+    values of the GPT-2's matrices (q's: the first third of Conv1D's c_attn, transposed; the same singular values);
+    a section that reads batches runs on text in GPT-2 tokens."""
+    hf = save_random_gpt2(tmp_path / "small")
+    analyze.main([f"--init_from={tmp_path / 'small'}", "--sections=weights", f"--out_dir={tmp_path / 'weights'}",
+                  "--dataset=no-such-file.txt"])
+    weights = json.load(open(tmp_path / "weights" / "summary.json"))["weights"]
+    c_attn = hf.transformer.h[1].attn.c_attn.weight.detach()
+    assert weights["blocks.1.mixer.q_proj.weight"]["sigma_max"] == pytest.approx(
+        torch.linalg.matrix_norm(c_attn[:, :32], ord=2).item(), rel=1e-5)
+    assert {"wte.weight", "wpe.weight"} <= weights.keys()
+    analyze.main([f"--init_from={tmp_path / 'small'}", "--sections=isotropy", f"--out_dir={tmp_path / 'isotropy'}",
+                  f"--dataset={gpt2_text(tmp_path)}", "--tokenizer=gpt2", "--batch_size=2", "--micro_batches=1",
+                  "--block_size=16"])
+    assert json.load(open(tmp_path / "isotropy" / "summary.json"))["isotropy"]
+    assert "small's weights" in capsys.readouterr().out
 
 def test_analyze_during_training_logs_without_side_effects(tmp_path):
     model = analyze_tiny_gpt(vocab_size=16, block_size=16, mixer="A", attention="sdpa", kernels="auto")

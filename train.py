@@ -8,6 +8,9 @@ Train a specgpt model.
     python train.py --init_from=resume               # continue out_dir/ckpt.pt exactly where it stopped
     python train.py --overwrite=True                 # a new run in place of the one in out_dir
     python train.py --sample_only=True --start="ROMEO:"   # sample from out_dir/ckpt.pt
+    python train.py --sample_only=True --init_from=gpt2 --start="Hello"   # sample from OpenAI's GPT-2
+    python train.py config/finetune_shakespeare.py   # finetune GPT-2 on Shakespeare (GPT-2 tokens)
+    python train.py --export=exported                # out_dir/ckpt.pt as safetensors (+ transformers' GPT-2 layout)
     torchrun --nproc_per_node=2 train.py             # data-parallel (DDP) on 2 processes
 
 The config keys are the run settings below and every field of model.GPTConfig (the model, with GPTConfig's
@@ -47,7 +50,8 @@ from model import GPT, GPTConfig
 # config: the run's settings (module-level values, overridden by config files and --key=value;
 # the comment beside each is its --help text)
 out_dir = "out"                # folder for ckpt.pt, log.jsonl, loss.png
-init_from = "scratch"          # where the run starts: from scratch, or resume out_dir/ckpt.pt
+init_from = "scratch"          # scratch, resume (out_dir/ckpt.pt), gpt2 .. gpt2-xl, or a folder of weights
+export = ""                    # a folder: write out_dir/ckpt.pt's model there as safetensors (runs.export_checkpoint)
 overwrite = False              # a new run may replace the run in out_dir (deleted at its first trained checkpoint)
 results_tsv = "results.tsv"    # a finished run appends its row here, tab-separated (relative: beside out_dir)
 sample_only = False            # load out_dir/ckpt.pt, print samples, exit
@@ -108,7 +112,7 @@ RUN_DEFAULTS = {**{k: v for k, v in globals().items()
 # model keys that may change on resume: they change how the same weights compute or train, not the weights
 RESUME_CHANGEABLE = ("kernels", "attention", "chunk_size", "dropout", "rope_scaling", "rope_factor")
 # run settings that describe this command, not the run: a resumed run takes the others from its checkpoint
-COMMAND_KEYS = ("out_dir", "init_from", "overwrite", "sample_only")
+COMMAND_KEYS = ("out_dir", "init_from", "overwrite", "sample_only", "export")
 # the allowed values of each numeric key (runs.in_range): ">= a", "> a", or an interval "in [a, b)"; the model's
 # keys' are model.CONFIG_RANGES (analyze.py checks them too)
 RANGES = {"eval_interval": ">= 1", "eval_iters": ">= 1", "log_interval": ">= 1", "analyze_every": ">= 0",
@@ -188,6 +192,9 @@ def main(args, clock=time.monotonic):
         if world > 1:
             torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
             cleanup.callback(torch.distributed.destroy_process_group)
+        if c.export:
+            print(runs.export_checkpoint(os.path.join(c.out_dir, "ckpt.pt"), c.export))
+            return 0
         if c.sample_only:
             return sample_from_checkpoint(c, given, dev)
         # 3. the data, wandb, the checkpoint's fit, the run's size: everything that can fail on bad input fails
@@ -211,6 +218,8 @@ def main(args, clock=time.monotonic):
         progress = Progress()
         if ckpt is not None:
             progress = resume_from(ckpt, raw_model, opt, sampler, scaler, rank, dev, c.out_dir)
+        elif pretrained(c.init_from):
+            model.load_pretrained_weights(raw_model, c.init_from)
         compiled = torch.compile(raw_model) if (dev.type == "cuda" if c.compile is None else c.compile) else raw_model
         gpt = DistributedDataParallel(compiled) if world > 1 else compiled
         tokens_per_iter, flops_per_iter, peak = step_size(c, config, raw_model, dev, precision, world, master)
@@ -696,6 +705,9 @@ def read_settings(args):
         ckpt = check_resumable(runs.load_checkpoint(ckpt_path), ckpt_path, defaults)
         settings, changes = resumed_settings(ckpt["config"], given)
         check_optimizer_kept(ckpt, given, ckpt_path)
+    elif pretrained(settings["init_from"]):  # the model keys are the pretrained model's (and the changeable given)
+        keys = model.merged_pretrained_keys(settings["init_from"], {k: v for k, v in given.items() if k in defaults})
+        settings.update({key: value for key, value in keys.items() if key != "vocab_size"})
     check_settings(settings)
     optim.check_chosen_settings(settings["optimizer"], given)
     settings["learning_rate"] = peak_lr(settings)
@@ -746,7 +758,7 @@ def model_defaults():
 def choices():
     """The keys that take one of a set of values, and those values; the kinds come from their tables, read
     when asked, so a kind added to a table is allowed and listed at once."""
-    return {"init_from": ("scratch", "resume"), "tokenizer": ("auto", *data.TOKENIZERS),
+    return {"tokenizer": ("auto", *data.TOKENIZERS),
             "optimizer": tuple(optim.OPTIMIZERS), "schedule": ("cosine", "wsd"), "dtype": ("auto", *DTYPES),
             **model.config_choices(),
             **{key: tuple(s.allowed) for key, (s, _) in optim.SETTINGS.items() if not isinstance(s.allowed, str)}}
@@ -852,8 +864,22 @@ def model_config(settings, vocab_size):
     return GPTConfig(vocab_size=vocab_size, **{key: settings[key] for key in model_defaults()})
 
 
+def pretrained(init_from):
+    """Whether --init_from names pretrained weights (model.pretrained_config checks the name or folder)."""
+    return init_from not in ("scratch", "resume")
+
+
 def sample_from_checkpoint(c, given, dev):
-    """--sample_only=True: samples from out_dir/ckpt.pt, nothing trained or written."""
+    """--sample_only=True: samples from out_dir/ckpt.pt (or the pretrained model of --init_from), nothing trained or
+    written."""
+    if pretrained(c.init_from):
+        tokenizer = data.tokenizer_from_meta(runs.pretrained_meta(c.init_from))
+        check_prompt(c.start, tokenizer, c.init_from)
+        keys = {key: getattr(c, key) for key in model.PRETRAINED_CHANGEABLE}
+        gpt = GPT.from_pretrained(c.init_from, **keys).to(dev)
+        torch.manual_seed(c.seed)
+        print_samples(gpt, tokenizer, c.start, dev, c.num_samples, c.max_new_tokens, c.temperature, c.top_k)
+        return 0
     ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
     ckpt = runs.load_checkpoint(ckpt_path)
     model_cfg, _ = resumed_model_config(ckpt["config"], given)
@@ -881,6 +907,13 @@ def check_run(c, settings, ckpt, dev, master):
     wandb = runs.import_wandb() if c.wandb_log and master else None
     if ckpt is not None:
         check_same_vocabulary(meta, c.dataset, ckpt["meta"], ckpt["config"].get("dataset"))
+    elif pretrained(c.init_from):
+        own = runs.pretrained_meta(c.init_from)
+        if any(meta.get(k) != own.get(k) for k in ("tokenizer", "vocab_size", "chars")):
+            raise runs.ConfigError(f"--dataset={c.dataset!r} has a {meta['tokenizer']} vocabulary of "
+                                   f"{meta['vocab_size']} tokens, --init_from={c.init_from!r} reads "
+                                   f"{own['tokenizer']}'s of {own['vocab_size']}: use data in its tokens "
+                                   f"(GPT-2's: --dataset=shakespeare, or a text file with --tokenizer=gpt2)")
     settings.update(vocab_size=meta["vocab_size"])
     config = model_config(settings, meta["vocab_size"])
     splits = (("training", train_tokens), ("validation", val_tokens)) if c.dataset not in data.RECALL_TASKS else ()
