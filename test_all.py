@@ -1945,7 +1945,8 @@ def test_triton_ssd(with_initial, with_D, p, device):
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("with_initial,decay,scale,chunk,T",
-                         [(False, 0.5, None, 16, 37), (True, 30.0, 0.3, 64, 150), (True, 0.5, None, 32, 37)])
+                         [(False, 0.5, None, 16, 37), pytest.param(True, 30.0, 0.3, 64, 150, marks=pytest.mark.slow),
+                          (True, 0.5, None, 32, 37)])
 def test_triton_gdn2_chunked(with_initial, decay, scale, chunk, T, device):
     # T = 37 is two full chunks of 16 and a ragged one (one full and a ragged one of 32); T = 150 two chunks of 64
     # and a ragged one of 22, its sub-chunks of 16 one full, one ragged and two empty. Decay 30 makes exp(G) fall to
@@ -4324,7 +4325,8 @@ def device_test_gpt(residual, path):
                     mamba_headdim=16, chunk_size=16, gdn_chunk_size=16, kernels=path, block_size=32)
 
 
-@pytest.mark.parametrize("residual,path", DEVICE_CASES)
+@pytest.mark.parametrize("residual,path", [pytest.param(*case, marks=pytest.mark.slow) if case == ("mhc", "torch")
+                                           else case for case in DEVICE_CASES])
 def test_gpt_runs_on_the_meta_device(residual, path, tmp_path):
     """Forward, backward and generate of every mixer with each residual kind on the meta device, torch and Triton
     paths (the custom ops' fake functions serve meta tensors), and analyze.py's during-training sections: a tensor
