@@ -256,9 +256,9 @@ def triton_resource_table(archs=(80, 89, 90), dtypes=(torch.float32, torch.bfloa
 # and writes, its dot FLOPs and exps, counted by running it in Triton's interpreter with the interpreter's
 # builder instrumented (_counting_interpreter), and its sequential steps; these counts are multilinear in the
 # batch B, the length T (in whole chunks) and the heads H, so eight small runs (each of B, T, H at two sizes)
-# give them exactly at any shape (scaled_counts; a launch whose constexprs or grid change with H, one that serves
-# a group of heads a program, is replayed at the real H). The launches at the real shape (grids, warps, stages) are recorded on fake tensors, their registers and
-# shared memory compiled for sm_90 (triton_resources), and the eager aten ops inside each custom op's body
+# give them exactly at any shape (scaled_counts; a launch whose constexprs or grid change with H is replayed at
+# the real H). The launches at the real shape (grids, warps, stages) are recorded on fake tensors, their registers
+# and shared memory compiled for sm_90 (triton_resources), and the eager aten ops inside each custom op's body
 # counted there too (torch.compile cannot fuse into a custom op), each op as the body calls it (a composite op
 # such as einsum by its inputs and outputs). What is estimated, not counted: the time, a roofline at the H100
 # SXM's datasheet peaks with a latency floor per sequential step (kernel_costs). kernel_cost_report (below) runs
