@@ -266,9 +266,9 @@ def triton_resource_table(archs=(80, 89, 90), dtypes=(torch.float32, torch.bfloa
 # and writes, its dot FLOPs and exps, counted by running it in Triton's interpreter with the interpreter's
 # builder instrumented (_counting_interpreter), and its sequential steps; these counts are multilinear in the
 # batch B, the length T (in whole chunks) and the heads H, so eight small runs (each of B, T, H at two sizes)
-# give them exactly at any shape (scaled_counts; a launch whose constexprs change with H is replayed at the real
-# H). The launches at the real shape (grids, warps, stages) are recorded on fake tensors, their registers and
-# shared memory compiled for sm_90 (triton_resources), and the eager aten ops inside each custom op's body
+# give them exactly at any shape (scaled_counts; a launch whose constexprs or grid change with H is replayed at
+# the real H). The launches at the real shape (grids, warps, stages) are recorded on fake tensors, their registers
+# and shared memory compiled for sm_90 (triton_resources), and the eager aten ops inside each custom op's body
 # counted there too (torch.compile cannot fuse into a custom op), each op as the body calls it (a composite op
 # such as einsum by its inputs and outputs). What is estimated, not counted: the time, by analyze.launch_time's
 # launch model on an H100 SXM, with the dot instruction each launch's sm_90 PTX uses (kernel_costs, dot_instruction).
@@ -760,13 +760,11 @@ def print_kernel_costs(reports, shape):
               f"{t['steps']:10d}" + (f" {t['time'] * 1e6:7.0f}" if resources else ""))
 
 
-# The mixers of the kernel cost report (kernel_costs): GPTConfig keys for H heads, the heads it reports
-# (the hybrid preset's G and A: 704 wide, 11 heads of 64; Mamba2 at GPT-2 small's 768: 48 heads of 32, state 64),
-# and the fewest heads at which its counts are linear in H (ssd's dB/dC programs sum over groups of 16 heads)
-COST_MIXERS = {"G": (lambda H: dict(n_embd=64 * H, n_head=H, gdn_variant="gdn2", gdn_expand_v=1), 11, 1),
-               "M": (lambda H: dict(n_embd=16 * H, n_head=1, mamba_expand=2, mamba_headdim=32, mamba_d_state=64), 48,
-                     16),
-               "A": (lambda H: dict(n_embd=64 * H, n_head=H, qk_norm=True, rope="fixed", attention="sdpa"), 11, 1)}
+# The mixers of the kernel cost report (kernel_costs): GPTConfig keys for H heads and the heads it reports
+# (the hybrid preset's G and A: 704 wide, 11 heads of 64; Mamba2 at GPT-2 small's 768: 48 heads of 32, state 64)
+COST_MIXERS = {"G": (lambda H: dict(n_embd=64 * H, n_head=H, gdn_variant="gdn2", gdn_expand_v=1), 11),
+               "M": (lambda H: dict(n_embd=16 * H, n_head=1, mamba_expand=2, mamba_headdim=32, mamba_d_state=64), 48),
+               "A": (lambda H: dict(n_embd=64 * H, n_head=H, qk_norm=True, rope="fixed", attention="sdpa"), 11)}
 
 
 def mixer_cost_step(mixer, B, T, H, dtype=torch.bfloat16):
@@ -788,10 +786,11 @@ def mixer_cost_step(mixer, B, T, H, dtype=torch.bfloat16):
 
 def kernel_cost_rows(mixer, B=16, T=1024, dtype=torch.bfloat16, resources=True):
     """kernel_costs of one `mixer` forward + backward at [B, T] and its report's heads, counted in Triton's
-    interpreter (TRITON_INTERPRET=1) at small shapes: B 1 and 2, the two shortest lengths of whole chunks past 64
-    (gdn2's fused recurrent kernel takes T ≤ 64), the fewest heads and twice them; with resources, compiled for
-    sm_90 in a Python of its own."""
-    heads, fewest = COST_MIXERS[mixer][1:]
+    interpreter (TRITON_INTERPRET=1) at the smallest shapes of an affine fit: B 1 and 2, the two shortest lengths
+    of whole chunks past 64 (gdn2's fused recurrent kernel takes T ≤ 64), 1 and 2 heads (a launch that serves a
+    group of heads a program, ssd's dCB and dB/dC, changes its grid or constexprs with H and is replayed at the
+    real heads); with resources, compiled for sm_90 in a Python of its own."""
+    heads = COST_MIXERS[mixer][1]
     chunk = {"G": GPTConfig().gdn_chunk_size, "M": GPTConfig().chunk_size}.get(mixer, 16)
     short = chunk * (64 // chunk + 1)
     found = None
@@ -803,8 +802,8 @@ def kernel_cost_rows(mixer, B=16, T=1024, dtype=torch.bfloat16, resources=True):
             "import json, torch, triton, bench; print(json.dumps(bench.sm90_dot_instructions("
             f"bench.mixer_cost_step({mixer!r}, {B}, {T}, {heads}, {dtype}))))")
         found = [dict(f, instruction=i) for f, i in zip(found, instructions)]
-    return kernel_costs(lambda b, t, h: mixer_cost_step(mixer, b, t, h, dtype), (1, short, fewest),
-                        (2, short + chunk, 2 * fewest), (B, T, heads), found)
+    return kernel_costs(lambda b, t, h: mixer_cost_step(mixer, b, t, h, dtype), (1, short, 1),
+                        (2, short + chunk, 2), (B, T, heads), found)
 
 
 def kernel_cost_report(mixers="GMA", B=16, T=1024, dtype=torch.bfloat16, resources=True, save=None):

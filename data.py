@@ -215,6 +215,9 @@ def tokenizer_class(name):
     if not isinstance(getattr(TOKENIZERS[name], "lossless", None), bool):
         raise DataError(f"tokenizer {name!r} does not declare lossless: a tokenizer says whether decode(encode(text)) "
                         f"== text (lossless = True) or not (False: the rule above data.TOKENIZERS)")
+    if not callable(getattr(TOKENIZERS[name], "token_bytes", None)):
+        raise DataError(f"tokenizer {name!r} has no token_bytes(): a tokenizer gives each id's UTF-8 bytes, so that "
+                        f"bits per byte can be counted (the rule above data.TOKENIZERS)")
     return TOKENIZERS[name]
 
 

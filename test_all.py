@@ -537,6 +537,7 @@ def one_line_error(proc, message):
     assert "Traceback" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_fetch_fineweb_through_a_loopback_hub(tmp_path):
     """python data.py fineweb10B --shards=N runs the hub client's real download code against a hub on 127.0.0.1:
     it fetches the validation shard and N training shards byte for byte, skips the whole ones on a second run
@@ -626,10 +627,13 @@ class WordTokenizer:
     def decode(self, ids):
         return " ".join(self.words[i] for i in ids)
 
+    def token_bytes(self):
+        return [len(word.encode("utf-8")) + 1 for word in self.words]  # the word and the space decode puts after it
+
 
 def test_tokenizer_lossless_flag_is_declared_and_honoured(monkeypatch):
     """A tokenizer that maps unknowns declares lossless=False and passes check_round_trip; declaring True it fails
-    there; declaring nothing it gets the rule's one line when first built."""
+    there; declaring nothing it gets the rule's one line when first built; so does one without token_bytes()."""
     text = data.shakespeare_text()[:2000]
     monkeypatch.setitem(data.TOKENIZERS, "dummy-words", WordTokenizer)
     check_round_trip("dummy-words", text)
@@ -642,6 +646,12 @@ def test_tokenizer_lossless_flag_is_declared_and_honoured(monkeypatch):
     assert str(error.value) == ("tokenizer 'dummy-words' does not declare lossless: a tokenizer says whether "
                                 "decode(encode(text)) == text (lossless = True) or not (False: the rule above "
                                 "data.TOKENIZERS)")
+    monkeypatch.setattr(WordTokenizer, "lossless", False, raising=False)
+    monkeypatch.delattr(WordTokenizer, "token_bytes")
+    with pytest.raises(data.DataError) as error:
+        data.tokenizer_class("dummy-words")
+    assert str(error.value) == ("tokenizer 'dummy-words' has no token_bytes(): a tokenizer gives each id's UTF-8 "
+                                "bytes, so that bits per byte can be counted (the rule above data.TOKENIZERS)")
 
 
 def test_tokenizer_choice_is_checked_against_the_dataset(tmp_path):
@@ -2044,7 +2054,8 @@ def test_triton_ssd(with_initial, with_D, p, device):
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("with_initial,decay,scale,chunk,T",
-                         [(False, 0.5, None, 16, 37), (True, 30.0, 0.3, 64, 150), (True, 0.5, None, 32, 37)])
+                         [(False, 0.5, None, 16, 37), pytest.param(True, 30.0, 0.3, 64, 150, marks=pytest.mark.slow),
+                          (True, 0.5, None, 32, 37)])
 def test_triton_gdn2_chunked(with_initial, decay, scale, chunk, T, device):
     # T = 37 is two full chunks of 16 and a ragged one (one full and a ragged one of 32); T = 150 two chunks of 64
     # and a ragged one of 22, its sub-chunks of 16 one full, one ragged and two empty. Decay 30 makes exp(G) fall to
@@ -2360,7 +2371,8 @@ def triton_loss_and_grads(gpt, T, device, run=None):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-@pytest.mark.parametrize("mixer,residual,T", [("A", "res", 37), ("G", "res", 37), ("G", "res", 70), ("M", "res", 37),
+@pytest.mark.parametrize("mixer,residual,T", [("A", "res", 37), ("G", "res", 37),
+                                              pytest.param("G", "res", 70, marks=pytest.mark.slow), ("M", "res", 37),
                                               ("A", "mhc", 37)])
 def test_triton_model_matches_torch(mixer, residual, T, device):
     # the whole GPT with kernels="triton" vs "torch": same loss and the same gradient for every parameter.
@@ -2750,8 +2762,9 @@ def test_a_mixer_that_casts_to_fp32_under_autocast_hears_the_dtype_rule(monkeypa
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_initial,with_D,chunk,l",
-                         [(False, False, 16, 37), (True, True, 64, 100), (True, True, 32, 150),
-                          (True, True, 128, 150)])
+                         [(False, False, 16, 37), (True, True, 64, 100),
+                          pytest.param(True, True, 32, 150, marks=pytest.mark.slow),
+                          pytest.param(True, True, 128, 150, marks=pytest.mark.slow)])
 def test_triton_ssd_half_within_its_error_budget(with_initial, with_D, chunk, l, dtype, device):
     """ssd's Triton kernels on bf16 (or fp16: GPUs without bf16) x, B, C, dy (dt, A, D, the states in fp32) against
     the fp64 token loop on the same values: every output and gradient within SSD_HALF_BUDGET units of the device's
@@ -3098,6 +3111,7 @@ def gdn2_cost_step(B, T, H, K=16, chunk=16):
 
 
 @INTERPRETED
+@pytest.mark.slow
 def test_kernel_cost_counts_scale_exactly_in_batch_length_and_heads():
     """What gdn2's launches (gates, chunked forward and backward: 10 kernels) read, write, dot, exponentiate and walk
     is multilinear in (B, T, H): fitted through the eight shapes with B in {1, 2}, T in {16, 32} (chunks of 16),
@@ -4144,6 +4158,7 @@ def test_mixers_training_reduces_loss(case):
     assert math.isfinite(losses[-1]) and losses[-1] < 0.5 * losses[0]
 
 
+@pytest.mark.slow
 def test_mixers_train_py_val_loss_falls(tmp_path):
     """train.main with each mixer case on shakespeare_char (CPU, 40 steps of a tiny model): the val loss
     falls by more than 0.5 nats from its value at step 0, and the samples at the end go through generate()."""
@@ -4615,7 +4630,8 @@ def device_test_gpt(residual, path):
                     mamba_headdim=16, chunk_size=16, gdn_chunk_size=16, kernels=path, block_size=32)
 
 
-@pytest.mark.parametrize("residual,path", DEVICE_CASES)
+@pytest.mark.parametrize("residual,path", [pytest.param(*case, marks=pytest.mark.slow) if case == ("mhc", "torch")
+                                           else case for case in DEVICE_CASES])
 def test_gpt_runs_on_the_meta_device(residual, path, tmp_path):
     """Forward, backward and generate of every mixer with each residual kind on the meta device, torch and Triton
     paths (the custom ops' fake functions serve meta tensors), and analyze.py's during-training sections: a tensor
@@ -6044,6 +6060,7 @@ def test_train_smoke_then_sample(tmp_path):
     assert sample.stdout.count("--- sample") == 2 and "ROMEO:" in sample.stdout
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical(tmp_path):
     """40 steps straight == 20 steps, resume, 20 more: the same loss at every step, and one log whose
     steps and times run on across the resume (the resumed step's eval is not repeated)."""
@@ -6872,6 +6889,7 @@ def test_every_writer_meets_a_full_disk_as_one_line_keeping_the_previous_file(tm
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, where every write fails with ENOSPC")
+@pytest.mark.slow
 def test_a_full_disk_stops_train_py_in_one_line_and_it_resumes_from_the_kept_checkpoint(tmp_path):
     """End to end: the checkpoint's temporary of a running train.py is linked to /dev/full, so torch.save meets
     a real ENOSPC: one line on stderr, exit 1, no traceback, the previous checkpoint byte-identical; the run then
@@ -6932,6 +6950,7 @@ def test_resume_drops_a_torn_last_log_line_and_says_so(tmp_path):
     assert [r["step"] for r in rows if "val" in r] == [0, 10, 20, 30]
 
 
+@pytest.mark.slow
 def test_a_signal_stops_after_the_step_with_a_checkpoint_that_resumes_bit_exact(tmp_path):
     """SIGINT (Ctrl-C) and SIGTERM sent mid-run: the run ends its step, writes a checkpoint at it and the loss
     curve, prints one line naming the step and how to continue, and exits 128 + the signal's number with nothing
@@ -7019,6 +7038,7 @@ def test_a_short_run_logs_at_once_and_the_eta_counts_the_evals(tmp_path, capsys)
             assert train.evals_left(it, max_iters, interval) == counted, (it, max_iters, interval)
 
 
+@pytest.mark.slow
 def test_overwrite_keeps_the_old_run_through_every_failure_before_the_new_first_checkpoint(tmp_path, monkeypatch,
                                                                                              capsys):
     """--overwrite=True over a finished run, failing in each way that a check can (wandb without a login, the Triton
@@ -7064,6 +7084,7 @@ def test_overwrite_keeps_the_old_run_through_every_failure_before_the_new_first_
     assert sorted(os.listdir(out)) == sorted(before) and file_digests(out) == before
 
 
+@pytest.mark.slow
 def test_overwrite_deletes_the_old_run_at_the_new_first_checkpoint_and_a_kill_before_it_loses_nothing(tmp_path,
                                                                                                       monkeypatch):
     """A new run (--overwrite=True) killed with SIGKILL in its first eval leaves the old run whole in out_dir/.replaced,
@@ -7098,6 +7119,7 @@ def test_overwrite_deletes_the_old_run_at_the_new_first_checkpoint_and_a_kill_be
     assert [r["step"] for r in log_rows(out)] == [0, 1, 3, 3]
 
 
+@pytest.mark.slow
 def test_overwrite_then_ctrl_c_in_the_first_eval_a_divergence_or_a_kill_after_it_puts_the_old_run_back(tmp_path):
     """--overwrite=True over a finished run, then: Ctrl-C in the new run's first eval (at iter 0), a new run that
     diverges (--learning_rate=1e30) after its iter-0 checkpoint, and a new run killed (SIGKILL) after its iter-0
@@ -7307,6 +7329,7 @@ def test_a_long_eval_prints_progress_lines(tmp_path, monkeypatch, capsys):
     assert all(re.fullmatch(r"eval: \d/4 batches, \d+ s, about \d+ s to go", line) for line in lines), lines
 
 
+@pytest.mark.slow
 def test_a_gpu_preset_on_a_cpu_says_so_and_ctrl_c_in_its_eval_stops_at_once(tmp_path):
     """config/shakespeare_char_gpu.py on the CPU: its first line says it is sized for a GPU, with a CPU time whose
     share of evals is the preset's (1 + 21 evals x 200 batches / 3 / 5000 steps = 1.28 times the steps' time); its
@@ -7340,6 +7363,7 @@ def test_a_gpu_preset_on_a_cpu_says_so_and_ctrl_c_in_its_eval_stops_at_once(tmp_
     assert ckpt["iter_num"] == 0 and ckpt["val_iter"] == -1
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_an_eval_saves_the_last_step_and_the_resumed_run_is_exact(tmp_path):
     """A Ctrl-C in the first eval (a long one) saves the state before any step; the resumed run (with a short eval:
     evals draw no random numbers) evaluates iter 0 and trains as an uninterrupted run does, bit for bit."""
@@ -7429,6 +7453,7 @@ def test_resume_drops_log_rows_that_are_not_steps_and_says_so(tmp_path):
     assert [r["step"] for r in log_rows(out) if "val" in r] == [0, 10, 20, 30]
 
 
+@pytest.mark.slow
 def test_every_script_prints_its_usage_with_help_and_refuses_unknown_arguments(tmp_path):
     """python X.py --help for every project file that runs as a script prints its usage (the command it describes)
     and exits 0 without running anything; an unknown argument is one line on stderr and exit 1; data.py's extra
@@ -7561,6 +7586,7 @@ def train_bad_values():
     return generated_bad_values({**train.RUN_DEFAULTS, **train.model_defaults()}, train.RANGES, train.choices())
 
 
+@pytest.mark.slow
 def test_every_rule_of_train_py_refuses_its_bad_values_in_one_line(tmp_path):
     """Each generated bad value (train_bad_values) through train.main: a ValueError of one line naming the key, and
     no out_dir; one of each sort, the cross-key rule and a broken config file end to end through python train.py,
@@ -7706,6 +7732,9 @@ class ByteTokenizer:
 
     def decode(self, ids):
         return bytes(ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self):
+        return [1] * 256
 
 
 def unused_letters(n):
@@ -8263,6 +8292,7 @@ def test_fit_critical_batch_recovers_known_minimums():
 
 
 
+@pytest.mark.slow
 def test_batch_scan_stops_each_run_at_the_target(tmp_path):
     """Two tiny train.py runs: each is stopped soon after its first eval at or below the target (long
     before max_iters), its S is the interpolated crossing of its own log, E = B·S, and scan.json holds them."""
@@ -8534,6 +8564,7 @@ def test_attention_sparsity_counts_exact_zeros_per_layer_and_head():
     assert all(layer["mean_keys_used"] == 8.5 for layer in softmax_summary["layers"])  # query t sees t + 1 keys
 
 
+@pytest.mark.slow
 def test_analyze_runs_every_section_of_its_table_end_to_end(tmp_path, capsys):
     """python analyze.py with --sections naming every row of analyze.SECTIONS (the opt-in ones too: coord and
     lr_transfer at small widths, lr_transfer for 2 steps), on a fresh tiny model that has every part a section reads
