@@ -1375,7 +1375,8 @@ def _kernels_gdn2_variant_case(variant, T, decay, init, chunk, seed=0):
     return call(kernels.gdn2_ref), call(kernels.gdn2_chunked_ref, chunk_size=chunk), leaves
 
 
-@pytest.mark.parametrize("T,chunk", [(48, 16), (37, 1), (37, 8), (37, 16), (37, 64)])   # 37: prime, only chunk 1 divides it
+# 37: prime, only chunk 1 divides it
+@pytest.mark.parametrize("T,chunk", [(48, 16), (37, 1), (37, 8), (37, 16), (37, 64)])
 @pytest.mark.parametrize("init", [False, True])
 @pytest.mark.parametrize("variant", list(model_module.GDN_VARIANTS))
 def test_kernels_gdn2_chunked_ref_matches_token_loop(T, chunk, init, variant):
@@ -1646,7 +1647,8 @@ def test_kernels_ssd_torch_backward_and_double_backward_match_ref():
 # -----------------------------------------------------------------------------
 # ssd_chunked_ref, SSD's four steps on a slide, vs the token loop in fp64 (KERNELS_CHUNKED_REF_TOL, as gdn2's)
 
-@pytest.mark.parametrize("T,chunk", [(48, 16), (37, 1), (37, 8), (37, 16), (37, 64)])   # 37: prime, only chunk 1 divides it
+# 37: prime, only chunk 1 divides it
+@pytest.mark.parametrize("T,chunk", [(48, 16), (37, 1), (37, 8), (37, 16), (37, 64)])
 @pytest.mark.parametrize("init", [False, True])
 def test_kernels_ssd_chunked_ref_matches_token_loop(T, chunk, init):
     x, dt, A, B, C, D, h0 = _kernels_ssd_inputs(2, T, 3, 4, 5, 0.5, init)
@@ -6444,9 +6446,9 @@ def test_dry_run_prices_every_preset_and_writes_nothing(name, tmp_path):
 def test_the_dry_runs_step_parts_by_hand():
     """analyze._OpCounts on meta tensors: two fills, a [4, 8] @ [8, 16] fp32 product (one launch of 2·4·8·16 FLOPs
     moving (32 + 128 + 64)·4 bytes), a view (no launch), a sum (a kernel) and a point-wise op (fused: no kernel).
-    analyze.step_costs of a 3-layer attention model (make_config: mixer A, relu2 MLP, plain residual, tied head; 128 wide, 4 heads, T 256, vocab 84)
-    at batch 2: per micro-step each Linear's three GEMMs (q, k, v, out 128 x 128 and the MLP's two, 3 layers each;
-    the head 128 x 84 once), attention's 12·T·d FLOPs a token a layer on a grid of a program a head and 64-token block
+    analyze.step_costs of a 3-layer attention model (make_config: mixer A, relu2 MLP, plain residual, tied head;
+    128 wide, 4 heads, T 256, vocab 84) at batch 2: per micro-step each Linear's three GEMMs (q, k, v, out 128 x 128
+    and the MLP's two, 3 layers each; the head 128 x 84 once), attention's 12·T·d FLOPs a token a layer on a grid of a program a head and 64-token block
     (4 steps), the activations' formula and the logits 3 times; analyze.step_time prices the GEMMs by gemm_time and
     the micro-steps add up."""
     with torch.device("meta"), analyze._OpCounts() as counts:
@@ -8000,7 +8002,8 @@ def test_recall_bench_reports_mean_and_sd_over_seeds_and_the_cache_bytes(tmp_pat
     plot = tmp_path / "recall.png"
     rows = bench.recall_bench(["A"], "cpu", 1, str(plot), **grid)
     out = capsys.readouterr().out
-    assert len(rows) == 1 and rows[0]["lr"] in (1e-6, 1e-2) and rows[0]["bytes"] == {8: 2 * 8 * 32 * 4, 16: 2 * 16 * 32 * 4}
+    assert len(rows) == 1 and rows[0]["lr"] in (1e-6, 1e-2)
+    assert rows[0]["bytes"] == {8: 2 * 8 * 32 * 4, 16: 2 * 16 * 32 * 4}
     assert set(rows[0]["accs"]) == {(8, 2), (16, 2)} and all(len(v) == 2 for v in rows[0]["accs"].values())
     row = next(line for line in out.splitlines() if line.startswith("| A | 32 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
