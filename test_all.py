@@ -5967,7 +5967,8 @@ def test_lr_multiplier_schedules_closed_forms():
 def test_eval_reports_bits_per_byte_of_the_validation_text_and_each_run_appends_a_results_row(tmp_path, capsys):
     """val bpb = val loss × tokens / (ln 2 × bytes) of the validation split, by hand on a small text of multi-byte
     characters (char-level: a token a character, the split its last 10%), in log.jsonl, on the eval line and in the
-    results.tsv row (beside out_dir) with the settings that differ from the defaults."""
+    results.tsv row (beside out_dir) with the settings that differ from the defaults (the learning rate left at
+    its default is the optimizer's own, not a change)."""
     text = "".join(np.random.default_rng(0).choice(["a", "b", "é", "€", " ", "\n"], size=3000))
     path = tmp_path / "small.txt"
     path.write_text(text, encoding="utf-8")
@@ -5984,6 +5985,7 @@ def test_eval_reports_bits_per_byte_of_the_validation_text_and_each_run_appends_
     assert result["threads"] == str(torch.get_num_threads())
     assert f"--dataset={path}" in result["settings"] and "--n_layer=1" in result["settings"]
     assert "--seed" not in result["settings"] and result["out_dir"] == str(out)
+    assert "--learning_rate" not in result["settings"]  # not given: the optimizer's own lr, as the default (0) says
 
 
 def test_time_budget_stops_at_the_budget_with_the_schedule_at_min_lr_and_resume_keeps_its_clock(tmp_path):

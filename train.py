@@ -630,6 +630,7 @@ def append_result(c, settings, progress, dev, tokens_per_iter, bytes_per_token, 
     of training steps and of the whole run."""
     path = results_path(c.results_tsv, c.out_dir)
     defaults = {**RUN_DEFAULTS, **model_defaults()}
+    defaults["learning_rate"] = peak_lr({**defaults, "optimizer": settings["optimizer"]})  # 0: the optimizer's own
     changed = " ".join(f"--{k}={v}" for k, v in settings.items()
                        if k in defaults and k not in (*COMMAND_KEYS, "results_tsv") and v != defaults[k])
     device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
