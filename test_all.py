@@ -8429,6 +8429,35 @@ def test_gdn2_transition_norm_closed_form_and_state_growth():
     assert torch.allclose(lam, c, rtol=0, atol=1e-12)
 
 
+def test_clip_command_on_trained_checkpoints(tmp_path, capsys):
+    """python bench.py clip on a 2-step gdn2 run (2 layers, width 32, one head of 16, block 16): a row a layer,
+    layer 0's ρ (its largest value and the fraction above 1) equal to ‖I − k (b⊙k)ᵀ‖₂ by torch.linalg.matrix_norm on
+    the checkpoint's own gates over the same validation tokens, λ with the clip at most 0 (each clipped transition is
+    a contraction, so no product of them grows); an attention run's checkpoint is one line naming what to give."""
+    tiny = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--block_size=16", "--batch_size=4", "--eval_iters=1",
+            "--max_iters=2", "--warmup_iters=1", "--num_samples=0", "--kernels=torch"]
+    assert train.main([*tiny, "--mixer=G", "--gdn_variant=gdn2", "--gdn_clip=True", f"--out_dir={tmp_path}/g"]) == 0
+    assert bench.main(["clip", f"{tmp_path}/g", "--length=40", "--sequences=2"]) in (None, 0)
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {tmp_path}/g |")]
+    assert len(table) == 2
+    rows = bench.clip_report(f"{tmp_path}/g", length=40, sequences=2)
+    ckpt = runs.load_checkpoint(f"{tmp_path}/g/ckpt.pt")
+    net = GPT(GPTConfig.from_dict({**ckpt["config"], "kernels": "torch"}))
+    runs.load_weights(net, ckpt, f"{tmp_path}/g/ckpt.pt")
+    _, val, _ = data.load_dataset(ckpt["config"]["dataset"], ckpt["config"]["tokenizer"])
+    idx = torch.from_numpy(val[:80].astype("int64")).view(2, 40)[:, :16]
+    with torch.no_grad():
+        _, k, _, _, b, _ = net.blocks[0].mixer.recurrence_inputs(net.blocks[0].norm1(net.wte(idx)))
+    eye = torch.eye(k.size(-1), dtype=torch.float64)
+    rho = torch.linalg.matrix_norm(eye - k.double().unsqueeze(-1) * (b * k).double().unsqueeze(-2), ord=2)
+    assert rows[0]["trained_with_clip"] and rows[0]["rho_max"] == pytest.approx(rho.max().item(), rel=1e-6)
+    assert rows[0]["frac_rho_above_1"] == pytest.approx((rho > 1 + 1e-6).double().mean().item(), abs=1e-12)
+    assert all(row["lyapunov_clip"] <= 1e-9 for row in rows)
+    assert train.main([*tiny, "--mixer=A", f"--out_dir={tmp_path}/a"]) == 0
+    with pytest.raises(ValueError, match="has no gdn2 layer .*give the out_dir of a G run with --gdn_variant=gdn2"):
+        bench.clip_report(f"{tmp_path}/a", length=40, sequences=2)
+
+
 def test_gdn2_gates_rho_and_clip():
     model = analyze_tiny_gpt(vocab_size=16, block_size=16, n_layer=2, n_embd=16, mixer="G")
     with torch.no_grad():  # spread the erase gates b over (0, 1) so that ρ > 1 and the clip has work
