@@ -1422,13 +1422,13 @@ def mixers_throughput(mixers):
 # the recall bench: each mixer on MQAR (data.mqar_batch) at 2 layers, its best learning rate, accuracy per test
 # slice against the bytes a layer keeps to generate (Zoology's figure: recall against the state's size)
 
-# the grids: "cpu" is sized for about 30 minutes on 2 cores (it prints the CPU time it took): a vocabulary of 64 and
-# 600 steps, in which attention learns 64 tokens x 4 pairs (at 256 tokens of vocabulary it had not after 1000 steps
-# of 32); "gpu" is Zoology's scale (vocabulary 8192, train at 256 tokens with 4 to 64 pairs, test to 1024 tokens,
+# the grids: "cpu" is sized to finish within 30 minutes on 2 idle cores (it prints the CPU time it took; 32 runs of
+# 36-100 CPU-s at 400 steps): a vocabulary of 64 and 500 steps, in which attention learns 64 tokens x 4 pairs (at 256
+# tokens of vocabulary it had not after 1000 steps of 32); "gpu" is Zoology's scale (vocabulary 8192, train at 256 tokens with 4 to 64 pairs, test to 1024 tokens,
 # widths 64 to 512, lrs 1e-3 to 10^-1.5)
 RECALL_GRIDS = {
     "cpu": dict(widths=(64,), vocab=64, train_length=64, train_pairs="4", test_lengths="64,128,256",
-                test_pairs="4,8,16", optimizer="muon", aux_lr=0.01, lrs=(0.01, 0.02), seeds=3, steps=600, batch=64,
+                test_pairs="4,8,16", optimizer="muon", aux_lr=0.01, lrs=(0.01, 0.02), seeds=3, steps=500, batch=64,
                 test_batches=4),
     "gpu": dict(widths=(64, 128, 256, 512), vocab=8192, train_length=256, train_pairs="4,8,16,32,64",
                 test_lengths="256,512,1024", test_pairs="4,16,64", optimizer="adamw", aux_lr=3e-3,
