@@ -3210,7 +3210,7 @@ def shared_scaled_counts(scaled_counts, folder, name, last_first):
 @INTERPRETED
 @pytest.mark.aot  # minutes a mixer (the interpreter's counts in a process a core, then sm_90's compiles)
 @pytest.mark.parametrize("mixer,order", [("G", "first shape first"), ("M", "first shape first"),
-                                         ("M", "last shape first")])
+                                         ("G", "last shape first"), ("M", "last shape first")])
 def test_kernel_cost_report_of_g_and_m_at_the_hybrid_shapes(mixer, order, run_folder, monkeypatch):
     """bench.kernel_cost_rows for G (704 wide, 11 heads of 64) and M (768 wide, 48 heads of 32, state 64), one
     layer forward + backward at B 16, T 1024 in bf16: rms_norm's launches, scaled (G's forward) or replayed at the
@@ -3221,7 +3221,7 @@ def test_kernel_cost_report_of_g_and_m_at_the_hybrid_shapes(mixer, order, run_fo
     sm_90 PTX uses. And the targets, at GPTConfig's chunk lengths (gdn_chunk_size 64,
     chunk_size 256; the report is of the model as configured): G at most 2.7 GB in all, M at most 1.3 GB, no launch
     walking more than 16 sequential steps (T 1024 in chunks of 64 or blocks of 64 tokens), no eager byte but the
-    few MB of fp32 parameter-gradient sums. M's report is two cases, which share its interpreter counts and its
+    few MB of fp32 parameter-gradient sums. Each report is two cases, which share its interpreter counts and its
     compiles (shared_scaled_counts, shared_result) and count its shapes from either end: on two workers each counts
     half; the case counting from the last shape counts before it compiles, while the other compiles."""
     B, T = 16, 1024
