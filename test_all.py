@@ -3161,10 +3161,57 @@ def test_kernel_cost_no_eager_copies_or_casts_inside_the_mixers_custom_ops():
         assert {op: eager.get(op) for op in expected[mixer]} == expected[mixer], eager
 
 
+@pytest.fixture(scope="session")
+def run_folder(tmp_path_factory):
+    """A folder that every pytest-xdist worker of this run shares (their temporary folders' parent; without xdist,
+    the run's own), for what one test computes and another reads."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def shared_result(folder, key, compute, wait=True):
+    """compute()'s value for key, computed once among the processes that share folder: pickled there, under a lock a
+    key that the process computing it holds. With wait False, None at once where another process holds the lock."""
+    import fcntl
+    import pickle
+    path = os.path.join(folder, hashlib.sha256(repr(key).encode()).hexdigest())
+    with open(path + ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return None
+        if os.path.exists(path + ".pkl"):
+            with open(path + ".pkl", "rb") as f:
+                return pickle.load(f)
+        value = compute()
+        with open(path + ".part", "wb") as f:
+            pickle.dump(value, f)
+        os.replace(path + ".part", path + ".pkl")
+        return value
+
+
+def shared_scaled_counts(scaled_counts, folder, name, last_first):
+    """scaled_counts (bench's) with the counts at its shapes shared through folder (shared_result) among the
+    processes that make the same sequence of calls under the same name: each call first counts the shapes that no
+    other process is counting, in its own order (last_first: from the last shape), then waits for the others' rest,
+    so that two tests of one report on two workers count half of its shapes each."""
+    calls = itertools.count()
+
+    def scaled(counts_at, lo, hi, at):
+        key = (name, next(calls), lo, hi, at)
+        shapes = [tuple(h if i else l for i, l, h in zip(corner, lo, hi))
+                  for corner in itertools.product((0, 1), repeat=len(lo))]
+        for shape in shapes[::-1] if last_first else shapes:
+            shared_result(folder, (*key, shape), lambda: counts_at(shape), wait=False)
+        return scaled_counts(lambda shape: shared_result(folder, (*key, shape), lambda: counts_at(shape)), lo, hi, at)
+    return scaled
+
+
 @INTERPRETED
 @pytest.mark.aot  # minutes a mixer (the interpreter's counts in a process a core, then sm_90's compiles)
-@pytest.mark.parametrize("mixer", ["G", "M"])
-def test_kernel_cost_report_of_g_and_m_at_the_hybrid_shapes(mixer):
+@pytest.mark.parametrize("mixer,order", [("G", "first shape first"), ("M", "first shape first"),
+                                         ("G", "last shape first"), ("M", "last shape first")])
+def test_kernel_cost_report_of_g_and_m_at_the_hybrid_shapes(mixer, order, run_folder, monkeypatch):
     """bench.kernel_cost_rows for G (704 wide, 11 heads of 64) and M (768 wide, 48 heads of 32, state 64), one
     layer forward + backward at B 16, T 1024 in bf16: rms_norm's launches, scaled (G's forward) or replayed at the
     real heads (M's, over 1536 channels, and both backwards), read and write exactly their closed forms at that
@@ -3174,11 +3221,23 @@ def test_kernel_cost_report_of_g_and_m_at_the_hybrid_shapes(mixer):
     sm_90 PTX uses. And the targets, at GPTConfig's chunk lengths (gdn_chunk_size 64,
     chunk_size 256; the report is of the model as configured): G at most 2.7 GB in all, M at most 1.3 GB, no launch
     walking more than 16 sequential steps (T 1024 in chunks of 64 or blocks of 64 tokens), no eager byte but the
-    few MB of fp32 parameter-gradient sums."""
+    few MB of fp32 parameter-gradient sums. Each report is two cases, which share its interpreter counts and its
+    compiles (shared_scaled_counts, shared_result) and count its shapes from either end: on two workers each counts
+    half; the case counting from the last shape counts before it compiles, while the other compiles."""
     B, T = 16, 1024
     assert (GPTConfig().gdn_chunk_size, GPTConfig().chunk_size) == (64, 256)
     rows_per_norm, C, gated, most_bytes = {"G": (B * T * 11, 64, False, 2.7e9), "M": (B * T, 1536, True, 1.3e9)}[mixer]
-    rows, eager = bench.kernel_cost_rows(mixer, B, T, torch.bfloat16)
+    scaled_counts, compiled = bench.scaled_counts, bench.in_compiling_python
+    monkeypatch.setattr(bench, "in_compiling_python",
+                        lambda program: shared_result(run_folder, program, lambda: compiled(program)))
+
+    def cost_rows(resources):
+        monkeypatch.setattr(bench, "scaled_counts", shared_scaled_counts(scaled_counts, run_folder, mixer,
+                                                                         order == "last shape first"))
+        return bench.kernel_cost_rows(mixer, B, T, torch.bfloat16, resources)
+    if order == "last shape first":
+        cost_rows(resources=False)
+    rows, eager = cost_rows(resources=True)
     totals = bench.cost_totals(rows, eager)
     assert totals["triton"] + totals["eager"] <= most_bytes and totals["steps"] <= 16, (mixer, totals)
     assert totals["eager"] < 4e6, (mixer, eager)
