@@ -99,37 +99,73 @@ def _record_launches(step, on_launch, around_body=None):
 
 
 def triton_launches(step):
-    """[(kernel, signature, constexprs, options)], one per distinct launch that step() (Triton ops forward and
+    """[(kernel, signature, constexprs, attrs, options)], one per distinct launch that step() (Triton ops forward and
     backward) makes, recorded on fake tensors (_record_launches)."""
     launches = {}
 
     def record(kernel, grid, args, kwargs):
-        signature, constexprs, options = _launch_signature(kernel, args, kwargs)
-        key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
-        launches.setdefault(key, (kernel, signature, constexprs, options))
+        launch = (kernel, *_launch_signature(kernel, args, kwargs))
+        launches.setdefault(launch_key(launch), launch)
 
     _record_launches(step, record)
     return list(launches.values())
 
 
+class _AlignedAs:
+    """What Triton's specialisation reads of a tensor argument (its dtype and data pointer), for a fake tensor: its
+    storage is allocated aligned (CUDA's allocator: 512 bytes), so the pointer is as aligned as its offset in bytes."""
+
+    def __init__(self, tensor):
+        self.dtype, self.offset = tensor.dtype, tensor.storage_offset() * tensor.element_size()
+
+    def data_ptr(self):
+        return self.offset
+
+
 def _launch_signature(kernel, args, kwargs):
-    """(signature, constexprs, options) of one launch, as triton.compile takes them."""
+    """(signature, constexprs, attrs, options) of one launch, as Triton's JIT hands them to triton.compile
+    (JITFunction.run): each argument specialised by the running Triton's own rule (native_specialize_impl, which
+    makes an integer 1 a constexpr and marks "D" each integer divisible by 16 and each 16-byte-aligned pointer);
+    attrs {argument: "D"}, compiled with tt.divisibility 16 (_compile_resources)."""
     import inspect
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in kernels.LAUNCH_OPTIONS if k in kwargs}
     bound = inspect.signature(kernel.fn).bind(*args, **kwargs).arguments
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for param in kernel.params:
         value = bound[param.name]
-        if param.is_constexpr or value is None:
+        if param.is_constexpr:
             signature[param.name], constexprs[param.name] = "constexpr", value
-        elif torch.is_tensor(value):
-            signature[param.name] = _TRITON_DTYPES[value.dtype]
-        elif isinstance(value, float):
-            signature[param.name] = "fp32"
-        else:
-            signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
-    return signature, constexprs, options
+            continue
+        value = _AlignedAs(value) if torch.is_tensor(value) else value
+        kind, spec = native_specialize_impl(BaseBackend, value, param.is_const, not param.do_not_specialize,
+                                            not param.do_not_specialize_on_alignment)
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constexprs[param.name] = spec
+        elif spec:
+            attrs[param.name] = spec
+    return signature, constexprs, attrs, options
+
+
+def launch_key(launch):
+    """What tells one (kernel, signature, constexprs, attrs, options) launch from another, hashable."""
+    kernel, *dicts = launch
+    return (kernel.fn.__name__, *(tuple(d.items()) for d in dicts))
+
+
+def with_general_integers(launch):
+    """The launch as a shape where no integer argument is a multiple of 16 (nor 1) compiles it: every integer a
+    plain i32 / i64 without divisibility, pointers as aligned as they were."""
+    kernel, signature, constexprs, attrs, options = launch
+    general = {p.name for p in kernel.params if not p.is_constexpr
+               and (signature[p.name] in ("i32", "i64", "u64") or isinstance(constexprs.get(p.name), int))}
+    as_int = lambda v: "i32" if -2**31 <= v < 2**31 else "i64"
+    signature = {k: as_int(constexprs[k]) if k in general and v == "constexpr" else v for k, v in signature.items()}
+    return (kernel, signature, {k: v for k, v in constexprs.items() if k not in general},
+            {k: v for k, v in attrs.items() if k not in general}, options)
 
 
 def triton_grids(step):
@@ -189,14 +225,16 @@ def kept_activation_table(shapes=((16, 2048, 2048, 16), (8, 1024, 768, 12))):
 
 
 @functools.lru_cache(maxsize=None)
-def _compile_resources(kernel, signature, constexprs, options, arch):
-    """(shared bytes, registers, stack bytes) of one launch compiled for sm_<arch>; registers and stack (where
-    spilled registers go) from cuobjdump, None where the wheel has none."""
+def _compile_resources(kernel, signature, constexprs, attrs, options, arch):
+    """(shared bytes, registers, stack bytes) of one launch compiled for sm_<arch> with the attrs of its
+    specialisation (_launch_signature); registers and stack (where spilled registers go) from cuobjdump, None where
+    the wheel has none."""
     import re
     import subprocess
     import tempfile
-    from triton.backends.compiler import GPUTarget
-    src = triton.compiler.ASTSource(kernel, dict(signature), dict(constexprs))
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    attrs = {(kernel.arg_names.index(name),): BaseBackend.parse_attr(spec) for name, spec in attrs}
+    src = triton.compiler.ASTSource(kernel, dict(signature), dict(constexprs), attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
     cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
     regs = stack = None
@@ -232,15 +270,20 @@ def forked_map(fn, items, workers=None):
 
 
 def triton_resources(launches, archs=(80, 89, 90), workers=None):
-    """One row per (launch, arch): dict(kernel, arch, constexprs, num_warps, dtype, shared, limit, regs, stack). The
-    compiles run in `workers` forked processes (default: one per CPU core)."""
-    jobs = [(*launch, arch) for launch in launches for arch in archs]
-    results = forked_map(lambda job: _compile_resources(job[0], *(tuple(d.items()) for d in job[1:4]), job[4]), jobs,
-                         workers)
-    return [dict(kernel=kernel.fn.__name__, arch=arch, constexprs=constexprs, num_warps=options.get("num_warps", 4),
-                 dtype=next((d for d in ("bf16", "fp16") if f"*{d}" in signature.values()), "fp32"), shared=shared,
-                 limit=kernels.SHARED_LIMIT[arch], regs=regs, stack=stack)
-            for (kernel, signature, constexprs, options, arch), (shared, regs, stack) in zip(jobs, results)]
+    """One row per (launch, arch): dict(kernel, arch, constexprs, attrs, num_warps, dtype, shared, limit, regs,
+    stack). Each distinct (launch, arch) compiles once, in `workers` forked processes (default: one per CPU core),
+    the largest kernels first so that no worker is left with one at the end."""
+    jobs = [(launch, arch) for launch in launches for arch in archs]
+    distinct = {(launch_key(launch), arch): (launch, arch) for launch, arch in jobs}
+    order = sorted(distinct, key=lambda key: -len(distinct[key][0][0].src))
+    compile_one = lambda key: _compile_resources(distinct[key][0][0], *key[0][1:], distinct[key][1])
+    found = dict(zip(order, forked_map(compile_one, order, workers)))
+    return [dict(kernel=kernel.fn.__name__, arch=arch, constexprs=constexprs, attrs=attrs,
+                 num_warps=options.get("num_warps", 4),
+                 dtype=next((d for d in ("bf16", "fp16") if f"*{d}" in signature.values()), "fp32"),
+                 shared=shared, limit=kernels.SHARED_LIMIT[arch], regs=regs, stack=stack)
+            for ((kernel, signature, constexprs, attrs, options), arch) in jobs
+            for shared, regs, stack in [found[(launch_key((kernel, signature, constexprs, attrs, options)), arch)]]]
 
 
 def triton_resource_table(archs=(80, 89, 90), dtypes=(torch.float32, torch.bfloat16), **dims):
@@ -589,7 +632,8 @@ def real_launches(step, signatures=False):
                       options={k: kwargs[k] for k in kernels.LAUNCH_OPTIONS if k in kwargs},
                       args=[spec(a) for a in args], kwargs={k: spec(v) for k, v in kwargs.items()})
         if signatures:
-            launch["signature"], launch["constexprs"], _ = _launch_signature(kernel, args, kwargs)
+            signature = _launch_signature(kernel, args, kwargs)
+            launch["signature"], launch["constexprs"], launch["attrs"] = signature[:3]
         launches.append(launch)
 
     @contextlib.contextmanager
@@ -625,11 +669,9 @@ def sm90_resources(step):
     """[dict(regs, shared, stack)] per Triton launch of step() (recorded on fake tensors), compiled for sm_90, each
     distinct launch once; in a process that imported triton without the interpreter (in_compiling_python)."""
     launches, _ = real_launches(step, signatures=True)
-    keys = [(l["kernel"], tuple(l["signature"].items()), tuple(l["constexprs"].items()), tuple(l["options"].items()))
-            for l in launches]
-    distinct = {key: (l["fn"], l["signature"], l["constexprs"], l["options"]) for key, l in zip(keys, launches)}
-    found = dict(zip(distinct, triton_resources(list(distinct.values()), archs=(90,))))
-    return [{k: found[key][k] for k in ("regs", "shared", "stack")} for key in keys]
+    rows = triton_resources([(l["fn"], l["signature"], l["constexprs"], l["attrs"], l["options"]) for l in launches],
+                            archs=(90,))
+    return [{k: row[k] for k in ("regs", "shared", "stack")} for row in rows]
 
 
 def dot_instruction(ptx):

@@ -2573,7 +2573,6 @@ AOT_ARCHS = (80, 89, 90)
 # each pass: the autocast dtype the AOT_CASES run in and the archs its launches compile for: the bf16 GPUs (sm_80 and
 # up) in fp32 (TF32) and bf16, Turing (sm_75: T4, RTX 20xx), which has no bf16, in fp16
 AOT_PASSES = {"fp32": (torch.float32, AOT_ARCHS), "bf16": (torch.bfloat16, AOT_ARCHS), "fp16": (torch.float16, (75,))}
-AOT_NO_SPILL_ARCHS = (75, 80, 90)
 # (kernel, dtype, case) allowed above kernels.MAX_REGISTERS on sm_80 / sm_90, with the reason: none today
 AOT_REGISTER_EXCEPTIONS = set()
 
@@ -2603,65 +2602,92 @@ def aot_model_steps(dtype):
 
 def aot_resource_rows(steps_of=aot_model_steps):
     """Run steps_of(dtype)'s thunks in each of AOT_PASSES with every launch recorded instead of run
-    (bench.triton_launches), then compile each distinct launch for its pass's archs (bench.triton_resources).
-    Needs real, compiled Triton kernels: call it in a process where triton was imported before kernels.py without
-    TRITON_INTERPRET=1."""
+    (bench.triton_launches: specialised as Triton's JIT specialises the recorded arguments), then compile each
+    distinct launch, and each as a shape with no integer a multiple of 16 compiles it (bench.with_general_integers),
+    for its pass's archs (bench.triton_resources). Needs real, compiled Triton kernels: call it in a process where
+    triton was imported before kernels.py without TRITON_INTERPRET=1."""
     torch.set_num_threads(1)
-    rows = []
+    by_archs = {}   # archs: {launch key: (launch, pass, case, shape)}, launches of passes with the same archs together
     for pass_name, (dtype, archs) in AOT_PASSES.items():
-        launches = {}
         for name, step in steps_of(dtype).items():
-            for kernel, signature, constexprs, options in bench.triton_launches(step):
-                key = (kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
-                launches.setdefault(key, (kernel, signature, constexprs, options, name))
-        compiled = bench.triton_resources([launch[:4] for launch in launches.values()], archs=archs)
-        for row, launch in zip(compiled, [launch for launch in launches.values() for _ in archs]):
-            row["case"], row["pass"], row["constexprs"] = launch[4], pass_name, str(row["constexprs"])
+            for launch in bench.triton_launches(step):
+                for shape, variant in (("recorded", launch), ("general", bench.with_general_integers(launch))):
+                    by_archs.setdefault(archs, {}).setdefault((pass_name, bench.launch_key(variant)),
+                                                              (variant, pass_name, name, shape))
+    rows = []
+    for archs, launches in by_archs.items():
+        compiled = bench.triton_resources([launch[0] for launch in launches.values()], archs=archs)
+        for row, (_, pass_name, case, shape) in zip(compiled, [l for l in launches.values() for _ in archs]):
+            row.update({"case": case, "shape": shape, "pass": pass_name, "constexprs": str(row["constexprs"]),
+                        "attrs": sorted(row["attrs"])})
         rows += compiled
     return rows
 
 
 def aot_rows_fit(rows):
-    """The problems of compiled rows: launches over their arch's shared memory, spills on AOT_NO_SPILL_ARCHS, more
-    than kernels.MAX_REGISTERS registers a thread on sm_80 / sm_90 but for AOT_REGISTER_EXCEPTIONS."""
+    """The problems of compiled rows: launches over their arch's shared memory, spills, more than
+    kernels.MAX_REGISTERS registers a thread but for AOT_REGISTER_EXCEPTIONS."""
     over = [(r["kernel"], r["case"], r["arch"], r["constexprs"], r["shared"])
             for r in rows if r["shared"] > kernels.SHARED_LIMIT[r["arch"]]]
     spills = {}
     for r in rows:
-        if r["arch"] in AOT_NO_SPILL_ARCHS and r["stack"]:
-            spills.setdefault(r["kernel"], set()).add(f"{r['dtype']} sm_{r['arch']} {r['stack']} B ({r['case']})")
-    heavy = sorted({(r["kernel"], r["dtype"], r["arch"], r["case"], r["regs"]) for r in rows
-                    if r["arch"] in (80, 90) and r["regs"] > kernels.MAX_REGISTERS
+        if r["stack"]:
+            spills.setdefault(r["kernel"], set()).add(f"{r['dtype']} sm_{r['arch']} {r['stack']} B ({r['case']}, "
+                                                      f"{r['shape']} shape)")
+    heavy = sorted({(r["kernel"], r["dtype"], r["arch"], r["case"], r["shape"], r["regs"]) for r in rows
+                    if r["regs"] > kernels.MAX_REGISTERS
                     and (r["kernel"], r["dtype"], r["case"]) not in AOT_REGISTER_EXCEPTIONS})
     return over, spills, heavy
 
 
-def aot_compiled_rows(program):
+def aot_compiled_rows(program, triton_path=None):
     """The rows that `program` (Python, run where triton is imported before kernels.py and TRITON_INTERPRET is "0",
-    so that kernels compile for real) prints as its last line, as JSON."""
+    so that kernels compile for real) prints as its last line, as JSON; with triton_path, the Triton installed
+    there (pip install --target) is the one it imports."""
     env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")  # "0": compile for real, do not interpret
+    if triton_path:
+        env["PYTHONPATH"] = os.pathsep.join([triton_path, *filter(None, [os.environ.get("PYTHONPATH")])])
     run = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=1800)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+# the other supported Triton (README: torch 2.11.0 + triton 3.6.0) where only the AOT test imports it; .ci/run installs
+# it there (pip install --no-deps --target .triton-3.6 triton==3.6.0)
+AOT_OTHER_TRITON = (os.path.join(ROOT, ".triton-3.6"), "3.6.0")
+
+
 @pytest.mark.aot  # about 5 minutes on 2 cores: run with `python -m pytest -q -m aot test_all.py`
-def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time():
-    """Every Triton kernel, at the launch parameters its wrapper picks for the AOT_CASES models, compiles for each
-    pass of AOT_PASSES (sm_80, sm_89 and sm_90 in fp32 and bf16; sm_75 in fp16), fits the arch's shared memory per
-    block (kernels.SHARED_LIMIT, the CUDA programming guide's: 64 / 163 / 99 / 227 KB), on sm_75, sm_80 and sm_90
-    spills no register (stack bytes per thread 0, cuobjdump's count) and on sm_80 and sm_90 takes at most
-    kernels.MAX_REGISTERS = 232 a thread, but for AOT_REGISTER_EXCEPTIONS."""
-    rows = aot_compiled_rows("import json, triton, test_all; print(json.dumps(test_all.aot_resource_rows()))")
+@pytest.mark.parametrize("other_triton", [False, True], ids=["installed triton", "triton " + AOT_OTHER_TRITON[1]])
+def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time(other_triton):
+    """Every Triton kernel, at the launch parameters its wrapper picks for the AOT_CASES models and specialised as
+    Triton's JIT specialises their arguments (tt.divisibility 16 on each 16-byte-aligned pointer and each integer
+    divisible by 16), and again as a shape with no integer a multiple of 16 compiles it, compiles for each pass of
+    AOT_PASSES (sm_80, sm_89 and sm_90 in fp32 and bf16; sm_75 in fp16), fits the arch's shared memory per block
+    (kernels.SHARED_LIMIT, the CUDA programming guide's: 64 / 163 / 99 / 227 KB), spills no register (stack bytes
+    per thread 0, cuobjdump's count) and takes at most kernels.MAX_REGISTERS = 232 a thread, but for
+    AOT_REGISTER_EXCEPTIONS; under the installed Triton and under AOT_OTHER_TRITON."""
+    path, version = AOT_OTHER_TRITON if other_triton else (None, None)
+    if path and not os.path.isdir(path):
+        message = f"triton {version} is not in {path}: pip install --no-deps --target {path} triton=={version}"
+        if os.environ.get("CI"):   # CI installs it there (.ci/run): its absence is a failure
+            pytest.fail(message)
+        pytest.skip(message)
+    rows = aot_compiled_rows("import json, triton, test_all; "
+                             f"assert {version!r} in (None, triton.__version__), triton.__version__; "
+                             "print(json.dumps(test_all.aot_resource_rows()))", path)
     # every Triton kernel in kernels.py was launched by some case (so none escapes the check)
     assert {row["kernel"] for row in rows} == {name for name in dir(kernels)
                                                if name.endswith("_kernel") and name.startswith("_")}
     assert {(row["pass"], row["arch"]) for row in rows} == {(p, a) for p, (_, archs) in AOT_PASSES.items()
                                                             for a in archs}
     assert {row["dtype"] for row in rows} == {"fp32", "bf16", "fp16"}
-    for pass_name in AOT_PASSES:  # every kernel compiled in every pass
-        assert {r["kernel"] for r in rows if r["pass"] == pass_name} == {r["kernel"] for r in rows}, pass_name
+    for pass_name in AOT_PASSES:  # every kernel compiled in every pass, at the recorded shape and the general one
+        for shape in ("recorded", "general"):
+            assert {r["kernel"] for r in rows if (r["pass"], r["shape"]) == (pass_name, shape)} == {
+                r["kernel"] for r in rows}, (pass_name, shape)
+    assert any(r["attrs"] for r in rows if r["shape"] == "recorded")   # the JIT's divisibility reached the compiles
     over, spills, heavy = aot_rows_fit(rows)
     assert not over and not spills, f"over shared memory: {over}; spilled bytes per thread: " + "; ".join(
         f"{kernel}: {', '.join(sorted(where))}" for kernel, where in sorted(spills.items()))
