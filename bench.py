@@ -57,11 +57,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # What a CPU can prove about a GPU run, found without one. The wrappers run on fake tensors (any shape is free)
 # with every launch recorded instead of run (kernel, grid, argument dtypes, constexprs, num_warps), so the launch
 # parameters are exactly the ones the wrappers choose: triton_grids checks them against CUDA's grid limits, and
-# each distinct launch is compiled by triton.compile for a GPUTarget with the wheel's own ptxas (triton_resources:
-# shared memory, registers, spills; needs a process that imported triton itself, without TRITON_INTERPRET, whose
-# kernels cannot be compiled). kept_bytes counts what autograd keeps for the backward, again on fake tensors.
-
-_TRITON_DTYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64"}
+# each distinct launch, specialised as Triton's JIT specialises its arguments, is compiled by triton.compile for a
+# GPUTarget with the wheel's own ptxas (triton_resources: shared memory, registers, spills; needs a process that
+# imported triton itself, without TRITON_INTERPRET, whose kernels cannot be compiled). kept_bytes counts what
+# autograd keeps for the backward, again on fake tensors.
 
 
 def _record_launches(step, on_launch, around_body=None):
