@@ -223,18 +223,23 @@ def kept_activation_table(shapes=((16, 2048, 2048, 16), (8, 1024, 768, 12))):
               "  ".join(f"{m} {mixer_kept_activations(cfg(m), B, T):5.2f}x" for m in MIXERS))
 
 
-@functools.lru_cache(maxsize=None)
-def _compile_resources(kernel, signature, constexprs, attrs, options, arch):
-    """(shared bytes, registers, stack bytes) of one launch compiled for sm_<arch> with the attrs of its
-    specialisation (_launch_signature); registers and stack (where spilled registers go) from cuobjdump, None where
-    the wheel has none."""
-    import re
-    import subprocess
-    import tempfile
+def _compiled(kernel, signature, constexprs, attrs, options, arch):
+    """triton.compile of one launch for sm_<arch> as the JIT compiles it: with the attrs of its specialisation
+    (_launch_signature), tt.divisibility 16 on each argument marked "D"."""
     from triton.backends.compiler import BaseBackend, GPUTarget
     attrs = {(kernel.arg_names.index(name),): BaseBackend.parse_attr(spec) for name, spec in attrs}
     src = triton.compiler.ASTSource(kernel, dict(signature), dict(constexprs), attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_resources(kernel, signature, constexprs, attrs, options, arch):
+    """(shared bytes, registers, stack bytes) of one launch compiled for sm_<arch> (_compiled); registers and stack
+    (where spilled registers go) from cuobjdump, None where the wheel has none."""
+    import re
+    import subprocess
+    import tempfile
+    compiled = _compiled(kernel, signature, constexprs, attrs, options, arch)
     cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
     regs = stack = None
     if os.path.exists(cuobjdump):
@@ -680,18 +685,18 @@ def dot_instruction(ptx):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_dot_instruction(kernel, signature, constexprs, options, arch):
-    """dot_instruction of one launch compiled for sm_<arch> (as triton_resources compiles it, without attrs)."""
-    from triton.backends.compiler import GPUTarget
-    src = triton.compiler.ASTSource(kernel, dict(signature), dict(constexprs))
-    return dot_instruction(triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options)).asm["ptx"])
+def _compiled_dot_instruction(kernel, signature, constexprs, attrs, options, arch):
+    """dot_instruction of one launch compiled for sm_<arch> (_compiled, as triton_resources compiles it)."""
+    return dot_instruction(_compiled(kernel, signature, constexprs, attrs, options, arch).asm["ptx"])
 
 
 def sm90_dot_instructions(step):
-    """[dot_instruction] per Triton launch of step() (recorded on fake tensors), compiled for sm_90 (Triton's disk
-    cache holds the compiles of sm90_resources); in a process that imported triton without the interpreter."""
+    """[dot_instruction] per Triton launch of step() (recorded on fake tensors), compiled for sm_90 as the JIT
+    specialises it (Triton's disk cache holds the compiles of sm90_resources); in a process that imported triton
+    without the interpreter."""
     launches, _ = real_launches(step, signatures=True)
-    jobs = [(l["fn"], *(tuple(l[k].items()) for k in ("signature", "constexprs", "options"))) for l in launches]
+    jobs = [(l["fn"], *(tuple(l[k].items()) for k in ("signature", "constexprs", "attrs", "options")))
+            for l in launches]
     return forked_map(lambda job: _compiled_dot_instruction(*job, 90), jobs)
 
 

@@ -2436,22 +2436,28 @@ def _gdn2_dot_kinds(x):
     return dict(DOT=dot, SOLVE=dot + "x3")
 
 
-def _gdn2_chunk_blocks(K, chunk):
-    """Launch parameters of the chunked kernels, measured with the ahead-of-time compile (the AOT test: no spill on
-    sm_75 / sm_80 / sm_90, at most MAX_REGISTERS on sm_80 / sm_90) over head sizes 32-128, value sizes to 256:
-    at chunks 16, 32 and 64 with bf16 dots, at chunk 16 with fp32 (TF32) and fp16 dots (what gdn2_triton runs them
-    at). The per-chunk kernels run 4 warps: with 8, Triton lays chained dots' warps all along the chunk's 64 rows,
-    4 of them computing copies, and they spilled. The sequential passes run 8 warps on value blocks of 8, held to
-    128 registers up to head size 64, 2 blocks an SM (4 warps at value blocks of 16 held to 232 spilled 8-96 B a
-    thread); at head size 128 to MAX_REGISTERS, 1 block. The backward per-chunk kernel walks K in blocks of 8."""
+def _gdn2_chunk_blocks(K, chunk, dot):
+    """Launch parameters of the chunked kernels for dots of kind `dot` (_gdn2_dot_kinds), measured with the
+    ahead-of-time compile (the AOT test: as Triton's JIT specialises them and at a shape with no integer a multiple of
+    16, under triton 3.7.1 and 3.6.0) over head sizes 32-128, value sizes to 256: at chunks 16, 32 and 64 with bf16
+    dots, at chunk 16 with fp32 (TF32) and fp16 dots (what gdn2_triton runs them at). The per-chunk kernels run 4
+    warps: with 8, Triton lays chained dots' warps all along the chunk's 64 rows, 4 of them computing copies, and they
+    spilled. The sequential passes run 8 warps on value blocks of 8, held to 128 registers up to head size 64, 2
+    blocks an SM (4 warps at value blocks of 16 held to 232 spilled 8-96 B a thread); at head size 128 to
+    MAX_REGISTERS, 1 block; fp32 dots' at 4 warps held to MAX_REGISTERS, 2 blocks (at 8 held to 128, triton 3.6.0
+    spilled 8 B on sm_90). The backward per-chunk kernel walks K in blocks of 8, fp32 dots' in blocks of 16
+    unpipelined (blocks of 8 spilled 192-248 B under triton 3.6.0, pipelined 8)."""
     block_k = max(16, triton.next_power_of_2(K))
+    fp32 = dot in ("tf32", "tf32x3")
+    state = dict(num_warps=8, maxnreg=128 if block_k <= 64 else MAX_REGISTERS)
     return dict(
         intra=dict(CHUNK=chunk, SUB=16, BLOCK_KP=16, BLOCK_KD=16, BLOCK_KS=16, BLOCK_V=16, num_warps=8, num_stages=2,
                    maxnreg=MAX_REGISTERS),
-        state=dict(CHUNK=chunk, BLOCK_K=block_k, BLOCK_V=8, num_warps=8, num_stages=2,
-                   maxnreg=128 if block_k <= 64 else MAX_REGISTERS),
+        state=dict(CHUNK=chunk, BLOCK_K=block_k, BLOCK_V=8, num_stages=2,
+                   **(dict(num_warps=4, maxnreg=MAX_REGISTERS) if fp32 else state)),
         output=dict(CHUNK=chunk, BLOCK_K=min(block_k, 32), BLOCK_V=16, num_warps=4, num_stages=2),
-        bwd_intra=dict(CHUNK=chunk, SUB=16, BLOCK_K=8, BLOCK_V=16, num_warps=4, num_stages=2, maxnreg=MAX_REGISTERS),
+        bwd_intra=dict(CHUNK=chunk, SUB=16, BLOCK_K=16 if fp32 else 8, BLOCK_V=16, num_warps=4,
+                       num_stages=1 if fp32 else 2, maxnreg=MAX_REGISTERS),
         bwd_dg=dict(CHUNK=chunk, BLOCK_K=8, BLOCK_V=16, num_warps=4, num_stages=2))
 
 
@@ -2487,7 +2493,7 @@ def _gdn2_chunk_intra(q, k, v, g, b, w, rows, scale, chunk, dots, with_ainv):
     Y, q_in, k_out = (torch.empty(B, T, H, K, **operand) for _ in range(3))
     U0, decay = torch.empty(B, T, H, V, **operand), torch.empty(B, N, H, K, **f32)
     _gdn2_chunk_intra_kernel[(B * N, H)](q, k, g, b, v, w, Ainv, Aqk, Y, U0, q_in, k_out, decay, *rows, scale, T, H, K,
-                                         V, N, **dots, **_gdn2_chunk_blocks(K, chunk)["intra"])
+                                         V, N, **dots, **_gdn2_chunk_blocks(K, chunk, dots["DOT"])["intra"])
     return Ainv, Aqk, Y, U0, q_in, k_out, decay
 
 
@@ -2496,7 +2502,7 @@ def _gdn2_chunk_states(Y, U0, k_out, decay, initial_state, chunk, dot):
     B, T, H, K = Y.shape
     V = U0.shape[-1]
     N = triton.cdiv(T, chunk)
-    state = _gdn2_chunk_blocks(K, chunk)["state"]
+    state = _gdn2_chunk_blocks(K, chunk, dot)["state"]
     S_in, U = torch.empty(B, N, H, K, V, device=Y.device, dtype=Y.dtype), torch.empty_like(U0)
     S_T = torch.empty(B, H, K, V, device=Y.device, dtype=torch.float32)
     _gdn2_chunk_state_kernel[(B * H, triton.cdiv(V, state["BLOCK_V"]))](
@@ -2519,7 +2525,7 @@ def _gdn2_chunked_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     N = triton.cdiv(T, chunk)
     o = torch.empty(B, T, H, V, device=q.device, dtype=q.dtype)
     _gdn2_chunk_output_kernel[(B * N, H)](Aqk, q_in, S_in, U, o, T, H, K, V, N, DOT=dots["DOT"],
-                                          **_gdn2_chunk_blocks(K, chunk)["output"])
+                                          **_gdn2_chunk_blocks(K, chunk, dots["DOT"])["output"])
     return o, S_T
 
 
@@ -2543,7 +2549,7 @@ def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: 
     (q, k, v, g, b, w), rows = _gdn2_token_rows(q, k, v, g, b, w)
     N = triton.cdiv(T, chunk)
     dots = _gdn2_dot_kinds(q)
-    blocks = _gdn2_chunk_blocks(K, chunk)
+    blocks = _gdn2_chunk_blocks(K, chunk, dots["DOT"])
     Ainv, Aqk, Y, U0, q_in, k_out, decay = _gdn2_chunk_intra(q, k, v, g, b, w, rows, scale, chunk, dots, True)
     S_in, U, _ = _gdn2_chunk_states(Y, U0, k_out, decay, initial_state, chunk, dots["DOT"])
     (do, row_do), dS_T = _token_rows(do), dS_T.contiguous()
@@ -3520,8 +3526,9 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
     dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     ddt_parts = torch.empty(n_pb, 2, b, l, h, **f32)
     ends, crossings = torch.empty(n_pb, b, N, h, 6, n_kb, **f32), torch.empty(n_pb, b, N, h, n_kb, n_kb, **f32)
-    # kernels 5 and 6 at 4 warps, 2 blocks an SM: kernel 5 held to MAX_REGISTERS (it took 255); kernel 6's fp32
-    # pair tiles spilled with the next head's loads in flight, so fp32 runs it unpipelined
+    # kernels 5 and 6 at 4 warps, 2 blocks an SM: kernel 5 held to MAX_REGISTERS (it took 255); kernel 6 too (left
+    # to itself ptxas stopped at 128 and spilled 8-16 B on sm_80 / sm_89 as the JIT specialises it; held, it takes
+    # 146-196); its fp32 pair tiles spilled with the next head's loads in flight, so fp32 runs it unpipelined
     _ssd_chunk_bwd_dx_kernel[(b * N * n_kb * h, 2 * n_pb)](
         x2, dt2, A, B2, C2, CB, D if D is not None else A, h_in, dS_next, dy2, dx, ddt_parts, ends, crossings, b, l, h,
         p, n, N, Cs, sx, sdt, sB, sC, sdy, HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC,
@@ -3534,7 +3541,7 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
     _ssd_chunk_bwd_dcb_kernel[(b * N * n_hg, n_kb * (n_kb + 1) // 2 + n_kb * n_nb)](
         x2, dt2, A, h_in, dS_next, dy2, dCB, dC_states, dB_states, b, l, h, p, n, N, Cs, heads_per_program, sx, sdt,
         sdy, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, BLOCK_CS=full(Cs), DOT=dot, num_warps=4,
-        num_stages=1 if x.dtype == torch.float32 else 2)
+        num_stages=1 if x.dtype == torch.float32 else 2, maxnreg=MAX_REGISTERS)
     dB, dC = torch.empty(B.shape, device=B.device, dtype=B.dtype), torch.empty(C.shape, device=C.device, dtype=C.dtype)
     _ssd_chunk_bwd_dbc_kernel[(b * N * n_kb, n_nb)](
         B2, C2, dCB, dC_states, dB_states, dB, dC, b, l, n, N, Cs, n_hg, sB, sC, BLOCK_N=BN, BLOCK_C=BC,
