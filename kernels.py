@@ -2444,9 +2444,10 @@ def _gdn2_chunk_blocks(K, chunk, dot):
     warps: with 8, Triton lays chained dots' warps all along the chunk's 64 rows, 4 of them computing copies, and they
     spilled. The sequential passes run 8 warps on value blocks of 8, held to 128 registers up to head size 64, 2
     blocks an SM (4 warps at value blocks of 16 held to 232 spilled 8-96 B a thread); at head size 128 to
-    MAX_REGISTERS, 1 block; fp32 dots' at 4 warps held to MAX_REGISTERS, 2 blocks (at 8 held to 128, triton 3.6.0
-    spilled 8 B on sm_90). The backward per-chunk kernel walks K in blocks of 8, fp32 dots' in blocks of 16
-    unpipelined (blocks of 8 spilled 192-248 B under triton 3.6.0, pipelined 8)."""
+    MAX_REGISTERS, 1 block; fp32 dots' up to head size 64 at 4 warps held to MAX_REGISTERS, 2 blocks (at 8 held to
+    128, triton 3.6.0 spilled 8 B on sm_90; at 4, head size 128 spilled 8 B). The backward per-chunk kernel walks K
+    in blocks of 8, fp32 dots' in blocks of 16 unpipelined (blocks of 8 spilled 192-248 B under triton 3.6.0,
+    pipelined 8)."""
     block_k = max(16, triton.next_power_of_2(K))
     fp32 = dot in ("tf32", "tf32x3")
     state = dict(num_warps=8, maxnreg=128 if block_k <= 64 else MAX_REGISTERS)
@@ -2454,7 +2455,7 @@ def _gdn2_chunk_blocks(K, chunk, dot):
         intra=dict(CHUNK=chunk, SUB=16, BLOCK_KP=16, BLOCK_KD=16, BLOCK_KS=16, BLOCK_V=16, num_warps=8, num_stages=2,
                    maxnreg=MAX_REGISTERS),
         state=dict(CHUNK=chunk, BLOCK_K=block_k, BLOCK_V=8, num_stages=2,
-                   **(dict(num_warps=4, maxnreg=MAX_REGISTERS) if fp32 else state)),
+                   **(dict(num_warps=4, maxnreg=MAX_REGISTERS) if fp32 and block_k <= 64 else state)),
         output=dict(CHUNK=chunk, BLOCK_K=min(block_k, 32), BLOCK_V=16, num_warps=4, num_stages=2),
         bwd_intra=dict(CHUNK=chunk, SUB=16, BLOCK_K=16 if fp32 else 8, BLOCK_V=16, num_warps=4,
                        num_stages=1 if fp32 else 2, maxnreg=MAX_REGISTERS),
