@@ -1941,10 +1941,12 @@ def _gdn2_recurrent_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k
     dgT = torch.empty(nv, B, H, K, **f32)
     do = do.contiguous()
     s0 = initial_state.contiguous() if initial_state is not None else ds0
+    # held to MAX_REGISTERS from head size 64 (uncapped it took 234-255 registers) and to 128 below it (uncapped,
+    # triton 3.6.0's ptxas took 72 on sm_75 and spilled 20 B)
     _gdn2_rec_bwd_kernel[(B * H, nv)](
         q, k, v, g, b, w, s0, u, do, dS_T.contiguous(), dq_p, dk_p, de_p, dv, dw, ds0, dgT, du, scale,
         B, T, H, K, V, HAS_INITIAL=initial_state is not None, BLOCK_K=block_k, BLOCK_V=block_v,
-        maxnreg=MAX_REGISTERS if block_k >= 64 else None)                  # 234-255 registers uncapped
+        maxnreg=MAX_REGISTERS if block_k >= 64 else 128)
     dq_apart, dk_apart, de = dq_p.sum(0), dk_p.sum(0), de_p.sum(0)
     qf, kf, bf = q.float(), k.float(), b.float()
     # ∂L/∂G_t by the gauge identity, from dq, dk without each token's read of its own write: that adds
@@ -3297,40 +3299,47 @@ if HAS_TRITON:
             tl.store(_ssd_rows_tile(dB_ptr, n, rows, rs, ns), dB, mask=mask)
 
     @triton.jit
+    def _ssd_groups_pair_tile(ptr, group_size, pid, j, k, rs, BLOCK_C: tl.constexpr, n_blocks, n_groups):
+        # the sum over the groups of a stack of n_groups · group_size chunk matrices of their (j, k) tiles
+        # (_ssd_pair_tile), for the chunk matrix pid of each group
+        tile = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
+        for g in range(n_groups):
+            tile += tl.load(_ssd_pair_tile(ptr, g * group_size + pid, j, k, rs, BLOCK_C, n_blocks))
+        return tile
+
+    @triton.jit
     def _ssd_chunk_bwd_dbc_kernel(B_ptr, C_ptr, dCB_ptr, dC_states_ptr, dB_states_ptr, dB_ptr, dC_ptr, b, l, n,
                                   n_chunks, Cs, n_groups, stride_B, stride_C, BLOCK_N: tl.constexpr,
-                                  BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, DOT: tl.constexpr):
+                                  BLOCK_C: tl.constexpr, DOT: tl.constexpr):
         # kernel 7, one program per (batch·chunk·block k, block of n), kernel 6's groups of heads added as loaded:
         #   dC_r = Σ_{j≤k} Σ_{s in j} dCB_rs B_s + state term,   dB_s = Σ_{j≥k} Σ_{r in j} dCB_rs C_r + state term
-        # dCB rounded to B's dtype where it meets B and C; written in B's and C's dtype
+        # dCB rounded to B's dtype where it meets B and C; written in B's and C's dtype. The groups are added one
+        # at a time: loaded all at once ([groups, BLOCK_C, BLOCK_C]), triton 3.6.0 took 255 registers on sm_75
         n_blocks = tl.cdiv(Cs, BLOCK_C)
         pid, pid_n = tl.program_id(0), tl.program_id(1)
         k, pid_bc = pid % n_blocks, pid // n_blocks
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
         ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        gs = tl.arange(0, BLOCK_G)
         rows = (bi * l + pos[:, None]).to(tl.int64) * n + ns[None, :]
         mask = valid[:, None] & (ns[None, :] < n)
-        groups = gs[:, None, None].to(tl.int64) * b * l * n
-        in_groups = gs[:, None, None] < n_groups
-        dC = tl.sum(tl.load(dC_states_ptr + groups + rows[None], mask=in_groups & mask[None], other=0.0), axis=0)
-        dB = tl.sum(tl.load(dB_states_ptr + groups + rows[None], mask=in_groups & mask[None], other=0.0), axis=0)
-        side = n_blocks * BLOCK_C
-        group_tiles = gs[:, None, None].to(tl.int64) * b * n_chunks * side * side     # the groups' dCB
+        dC = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)
+        dB = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)
+        for g in range(n_groups):                                               # the groups' [b, l, n] state terms
+            group_rows = ((g * b + bi) * l + pos[:, None]).to(tl.int64) * n + ns[None, :]
+            dC += tl.load(dC_states_ptr + group_rows, mask=mask, other=0.0)
+            dB += tl.load(dB_states_ptr + group_rows, mask=mask, other=0.0)
         for j in range(k + 1):
             rs_j, pos_j, valid_j, last_j = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
             B_j = tl.load(_ssd_rows_tile(B_ptr, stride_B, bi * l + c * Cs + j * BLOCK_C, rs, ns),
                           mask=valid_j[:, None] & (ns[None, :] < n), other=0.0)
-            dCB = tl.sum(tl.load(_ssd_pair_tile(dCB_ptr, pid_bc, k, j, rs, BLOCK_C, n_blocks)[None] + group_tiles,
-                                 mask=in_groups, other=0.0), axis=0)
+            dCB = _ssd_groups_pair_tile(dCB_ptr, b * n_chunks, pid_bc, k, j, rs, BLOCK_C, n_blocks, n_groups)
             dC += tl.dot(dCB.to(B_j.dtype), B_j, input_precision=DOT)
         for j in range(k, n_blocks):
             rs_j, pos_j, valid_j, last_j = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
             C_j = tl.load(_ssd_rows_tile(C_ptr, stride_C, bi * l + c * Cs + j * BLOCK_C, rs, ns),
                           mask=valid_j[:, None] & (ns[None, :] < n), other=0.0)
-            dCB = tl.sum(tl.load(_ssd_pair_tile(dCB_ptr, pid_bc, j, k, rs, BLOCK_C, n_blocks)[None] + group_tiles,
-                                 mask=in_groups, other=0.0), axis=0)
+            dCB = _ssd_groups_pair_tile(dCB_ptr, b * n_chunks, pid_bc, j, k, rs, BLOCK_C, n_blocks, n_groups)
             dB += tl.dot(tl.trans(dCB).to(C_j.dtype), C_j, input_precision=DOT)
         tl.store(dC_ptr + rows, dC.to(dC_ptr.dtype.element_ty), mask=mask)
         tl.store(dB_ptr + rows, dB.to(dB_ptr.dtype.element_ty), mask=mask)
@@ -3545,8 +3554,8 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
         num_stages=1 if x.dtype == torch.float32 else 2, maxnreg=MAX_REGISTERS)
     dB, dC = torch.empty(B.shape, device=B.device, dtype=B.dtype), torch.empty(C.shape, device=C.device, dtype=C.dtype)
     _ssd_chunk_bwd_dbc_kernel[(b * N * n_kb, n_nb)](
-        B2, C2, dCB, dC_states, dB_states, dB, dC, b, l, n, N, Cs, n_hg, sB, sC, BLOCK_N=BN, BLOCK_C=BC,
-        BLOCK_G=triton.next_power_of_2(n_hg), DOT=dot, num_warps=8, num_stages=2)
+        B2, C2, dCB, dC_states, dB_states, dB, dC, b, l, n, N, Cs, n_hg, sB, sC, BLOCK_N=BN, BLOCK_C=BC, DOT=dot,
+        num_warps=8, num_stages=2)
     ddt = torch.empty(b, l, h, device=dt.device, dtype=dt.dtype)
     dA, dD = torch.empty(b, N, h, **f32), torch.empty(b, N, h, **f32)
     _ssd_chunk_bwd_ddt_kernel[(b * N * h,)](

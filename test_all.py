@@ -2055,6 +2055,18 @@ def test_triton_ssd(with_initial, with_D, p, device):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_ssd_heads_in_groups(device, monkeypatch):
+    """ssd's backward with its heads in several groups: kernel 6 writes dCB and the state terms of dB and dC as one
+    partial sum a group of heads, kernel 7 adds the groups. kernels.SSD_HEADS_PER_PROGRAM 1 makes each of the 3
+    heads a group (p = 10, one block of p); the gradients match ssd_ref as test_triton_ssd's do."""
+    monkeypatch.setattr(kernels, "SSD_HEADS_PER_PROGRAM", 1)
+    inputs = dict(triton_ssd_inputs(p=10), D=None, initial_state=None)
+    errs = triton_compare(lambda **kw: kernels.ssd_triton(chunk_size=16, **kw), kernels.ssd_ref, inputs, device)
+    assert {"dB", "dC"} <= set(errs)
+    triton_assert_close(errs)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("with_initial,decay,scale,chunk,T",
                          [(False, 0.5, None, 16, 37), pytest.param(True, 30.0, 0.3, 64, 150, marks=pytest.mark.slow),
                           (True, 0.5, None, 32, 37)])
@@ -2611,15 +2623,16 @@ def aot_model_steps(dtype):
     return {name: functools.partial(step, *case) for name, case in AOT_CASES.items()}
 
 
-def aot_resource_rows(steps_of=aot_model_steps):
-    """Run steps_of(dtype)'s thunks in each of AOT_PASSES with every launch recorded instead of run
+def aot_resource_rows(steps_of=aot_model_steps, passes=tuple(AOT_PASSES)):
+    """Run steps_of(dtype)'s thunks in each of `passes` (AOT_PASSES names) with every launch recorded instead of run
     (bench.triton_launches: specialised as Triton's JIT specialises the recorded arguments), then compile each
     distinct launch, and each as a shape with no integer a multiple of 16 compiles it (bench.with_general_integers),
     for its pass's archs (bench.triton_resources). Needs real, compiled Triton kernels: call it in a process where
     triton was imported before kernels.py without TRITON_INTERPRET=1."""
     torch.set_num_threads(1)
     by_archs = {}   # archs: {launch key: (launch, pass, case, shape)}, launches of passes with the same archs together
-    for pass_name, (dtype, archs) in AOT_PASSES.items():
+    for pass_name in passes:
+        dtype, archs = AOT_PASSES[pass_name]
         for name, step in steps_of(dtype).items():
             for launch in bench.triton_launches(step):
                 for shape, variant in (("recorded", launch), ("general", bench.with_general_integers(launch))):
@@ -2664,25 +2677,30 @@ def aot_compiled_rows(program, triton_path=None):
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-# the other supported Triton (README: torch 2.11.0 + triton 3.6.0) where only the AOT test imports it; .ci/run installs
-# it there (pip install --no-deps --target .triton-3.6 triton==3.6.0)
-AOT_OTHER_TRITON = (os.path.join(ROOT, ".triton-3.6"), "3.6.0")
+# the other supported Triton (README: torch 2.11.0 + triton 3.6.0) where only the AOT test imports it, and the passes
+# compiled under it: the dtypes a GPU runs by default there (dtype=auto: bf16 autocast, fp16 on sm_75); fp32, opt-in
+# and the same kernels with TF32 dots, under the installed Triton only (645 compiles, about 100 s of CI's 2 cores).
+# .ci/run installs it there (pip install --no-deps --target .triton-3.6 triton==3.6.0)
+AOT_OTHER_TRITON = (os.path.join(ROOT, ".triton-3.6"), "3.6.0", ("bf16", "fp16"))
 
 
-# 1,602 distinct compiles under each Triton (709 before the specialisation and the general shape): about 870 s of
-# one core each, estimated from one timed sm_80 compile per kernel (a quiet machine) times its count
+# one case per Triton and pass, which two xdist workers share out (worksteal). Distinct compiles under a Triton:
+# fp32 645, bf16 762, fp16 219; about 0.31 s of one core each (the fp16 pass timed on both Tritons)
 @pytest.mark.aot
-@pytest.mark.parametrize("other_triton", [False, True], ids=["installed triton", "triton " + AOT_OTHER_TRITON[1]])
-def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time(other_triton):
+@pytest.mark.parametrize("pass_name, other_triton",
+                         [(p, False) for p in AOT_PASSES] + [(p, True) for p in AOT_OTHER_TRITON[2]],
+                         ids=[f"{p}-installed triton" for p in AOT_PASSES]
+                         + [f"{p}-triton {AOT_OTHER_TRITON[1]}" for p in AOT_OTHER_TRITON[2]])
+def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time(pass_name, other_triton):
     """Every Triton kernel, at the launch parameters its wrapper picks for the AOT_CASES models and specialised as
     Triton's JIT specialises their arguments (tt.divisibility 16 on each 16-byte-aligned pointer and each integer
-    divisible by 16), and again as a shape with no integer a multiple of 16 compiles it, compiles for each pass of
-    AOT_PASSES (sm_80, sm_89 and sm_90 in fp32 and bf16; sm_75 in fp16), fits the arch's shared memory per block
-    (kernels.SHARED_LIMIT, the CUDA programming guide's: 64 / 163 / 99 / 227 KB), spills no register (stack bytes
-    per thread 0, cuobjdump's count; AOT_SPILL_EXCEPTIONS at most their bytes) and takes at most
-    kernels.MAX_REGISTERS = 232 a thread, but for AOT_REGISTER_EXCEPTIONS; under the installed Triton and under
-    AOT_OTHER_TRITON."""
-    path, version = AOT_OTHER_TRITON if other_triton else (None, None)
+    divisible by 16), and again as a shape with no integer a multiple of 16 compiles it, compiles for the archs of
+    its pass of AOT_PASSES (sm_80, sm_89 and sm_90 in fp32 and bf16; sm_75 in fp16), fits the arch's shared memory
+    per block (kernels.SHARED_LIMIT, the CUDA programming guide's: 64 / 163 / 99 / 227 KB), spills no register
+    (stack bytes per thread 0, cuobjdump's count; AOT_SPILL_EXCEPTIONS at most their bytes) and takes at most
+    kernels.MAX_REGISTERS = 232 a thread, but for AOT_REGISTER_EXCEPTIONS; under the installed Triton and, in its
+    passes, under AOT_OTHER_TRITON."""
+    path, version = AOT_OTHER_TRITON[:2] if other_triton else (None, None)
     if path and not os.path.isdir(path):
         message = f"triton {version} is not in {path}: pip install --no-deps --target {path} triton=={version}"
         if os.environ.get("CI"):   # CI installs it there (.ci/run): its absence is a failure
@@ -2690,17 +2708,17 @@ def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time(other_trit
         pytest.skip(message)
     rows = aot_compiled_rows("import json, triton, test_all; "
                              f"assert {version!r} in (None, triton.__version__), triton.__version__; "
-                             "print(json.dumps(test_all.aot_resource_rows()))", path)
-    # every Triton kernel in kernels.py was launched by some case (so none escapes the check)
-    assert {row["kernel"] for row in rows} == {name for name in dir(kernels)
-                                               if name.endswith("_kernel") and name.startswith("_")}
-    assert {(row["pass"], row["arch"]) for row in rows} == {(p, a) for p, (_, archs) in AOT_PASSES.items()
-                                                            for a in archs}
-    assert {row["dtype"] for row in rows} == {"fp32", "bf16", "fp16"}
-    for pass_name in AOT_PASSES:  # every kernel compiled in every pass, at the recorded shape and the general one
-        for shape in ("recorded", "general"):
-            assert {r["kernel"] for r in rows if (r["pass"], r["shape"]) == (pass_name, shape)} == {
-                r["kernel"] for r in rows}, (pass_name, shape)
+                             f"print(json.dumps(test_all.aot_resource_rows(passes=({pass_name!r},))))", path)
+    # every Triton kernel in kernels.py was launched by some case of the pass (so none escapes the check), at the
+    # recorded shape and the general one, on each of the pass's archs
+    every_kernel = {name for name in dir(kernels) if name.endswith("_kernel") and name.startswith("_")}
+    for shape in ("recorded", "general"):
+        for arch in AOT_PASSES[pass_name][1]:
+            assert {r["kernel"] for r in rows if (r["shape"], r["arch"]) == (shape, arch)} == every_kernel, (shape,
+                                                                                                           arch)
+    assert {(r["pass"], r["triton"]) for r in rows} == {(pass_name, kernels.triton.__version__ if version is None
+                                                          else version)}
+    assert pass_name in {r["dtype"] for r in rows}   # the pass's dtype reached the kernels' pointers
     assert any(r["attrs"] for r in rows if r["shape"] == "recorded")   # the JIT's divisibility reached the compiles
     over, spills, heavy = aot_rows_fit(rows)
     assert not over and not spills, f"over shared memory: {over}; spilled bytes per thread: " + "; ".join(
