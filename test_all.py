@@ -2664,6 +2664,22 @@ def aot_rows_fit(rows):
     return over, spills, heavy
 
 
+def print_aot_table(rows):
+    """Print one pass's compiled rows (of one Triton) a kernel a line: per arch the most registers and stack bytes
+    (spills) a thread over its launches, at the recorded shapes and at the general one (pytest -s shows it)."""
+    archs = sorted({r["arch"] for r in rows})
+    print(f"\n{rows[0]['pass']} under triton {rows[0]['triton']}: registers / stack bytes, the most over the launches, "
+          "at the recorded shapes | at the general one")
+    print(f"{'kernel':32s} " + " ".join(f"{'sm_' + str(a):>17s}" for a in archs))
+    for kernel in sorted({r["kernel"] for r in rows}):
+        cells = []
+        for arch in archs:
+            found = [[r for r in rows if (r["kernel"], r["arch"], r["shape"]) == (kernel, arch, shape)]
+                     for shape in ("recorded", "general")]
+            cells.append(" | ".join(f"{max(r['regs'] for r in f)}/{max(r['stack'] for r in f)}" for f in found))
+        print(f"{kernel:32s} " + " ".join(f"{c:>17s}" for c in cells))
+
+
 def aot_compiled_rows(program, triton_path=None):
     """The rows that `program` (Python, run where triton is imported before kernels.py and TRITON_INTERPRET is "0",
     so that kernels compile for real) prints as its last line, as JSON; with triton_path, the Triton installed
@@ -2720,6 +2736,7 @@ def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time(pass_name,
                                                           else version)}
     assert pass_name in {r["dtype"] for r in rows}   # the pass's dtype reached the kernels' pointers
     assert any(r["attrs"] for r in rows if r["shape"] == "recorded")   # the JIT's divisibility reached the compiles
+    print_aot_table(rows)
     over, spills, heavy = aot_rows_fit(rows)
     assert not over and not spills, f"over shared memory: {over}; spilled bytes per thread: " + "; ".join(
         f"{kernel}: {', '.join(sorted(where))}" for kernel, where in sorted(spills.items()))
