@@ -3051,7 +3051,7 @@ if HAS_TRITON:
         # dt_s x_s [BLOCK_C, BLOCK_P], between the steps of the blocks between j and k; and block j's T
         _, pos, valid, last = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
         dt, _, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
-        x = tl.load(_ssd_rows_tile(x_ptr, stride_x, bi * l + c * Cs + j * BLOCK_C, rs, hi * p + ps),
+        x = tl.load(_ssd_rows_tile(x_ptr, stride_x, bi * l + c * Cs, j * BLOCK_C + rs, hi * p + ps),
                     mask=valid[:, None] & (ps[None, :] < p), other=0.0)
         CB = tl.load(_ssd_pair_tile(CB_ptr, pid_bc, k, j, rs, BLOCK_C, tl.cdiv(Cs, BLOCK_C)))
         return tl.dot((CB * (tl.exp(e + between) * dt)[None, :]).to(x.dtype), x, input_precision=DOT), T
@@ -3063,7 +3063,7 @@ if HAS_TRITON:
         # exp(between + u_r) dy_r [BLOCK_C, BLOCK_P], between the steps of the blocks between k and j; and j's T
         _, pos, valid, last = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
         _, u, _, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
-        dy = tl.load(_ssd_rows_tile(dy_ptr, stride_dy, bi * l + c * Cs + j * BLOCK_C, rs, hi * p + ps),
+        dy = tl.load(_ssd_rows_tile(dy_ptr, stride_dy, bi * l + c * Cs, j * BLOCK_C + rs, hi * p + ps),
                      mask=valid[:, None] & (ps[None, :] < p), other=0.0)
         CB = tl.load(_ssd_pair_tile(CB_ptr, pid_bc, j, k, rs, BLOCK_C, tl.cdiv(Cs, BLOCK_C)))
         return tl.dot(tl.trans(CB * tl.exp(between + u)[:, None]).to(dy.dtype), dy, input_precision=DOT), T
@@ -3144,35 +3144,35 @@ if HAS_TRITON:
                                  stride_dt, stride_B, stride_C, stride_dy, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
                                  BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr,
                                  DOT: tl.constexpr):
-        # kernel 5, kernel 3's transpose for block k: one program of each of two kinds per (batch·chunk·block·head,
-        # block of p), whose registers are those of the larger kind, not of both. The reads: what the block reads of
-        # everything before it, y_in = exp(u)⊙(Σ_{j<k} what j writes + exp(T_0 + … + T_{k−1}) C h_inᵀ), give of
-        # ∂L/∂(dt_i A) the reads from i on, Σ_{r≥i} (dy⊙y_in)_r summed over p. The writes: what everything after it
-        # reads of the block, g_out = exp(e)⊙(Σ_{j>k} what j reads + exp(T_{k+1} + …) B dS_nextᵀ), give, with
-        # xdt = dt⊙x and the block's own pairs M = CB⊙L⊙(dy xdtᵀ),
+        # kernel 5, kernel 3's transpose, block by block k of a chunk: what block k reads of everything before it,
+        #   y_in = exp(u)⊙(Σ_{j<k} what j writes + exp(T_0 + … + T_{k−1}) C h_inᵀ),
+        # gives of ∂L/∂(dt_i A) the reads from i on, Σ_{r≥i} (dy⊙y_in)_r summed over p; what everything after it reads
+        # of the block, g_out = exp(e)⊙(Σ_{j>k} what j reads + exp(T_{k+1} + …) B dS_nextᵀ), gives, with xdt = dt⊙x
+        # and the block's own pairs M = CB⊙L⊙(dy xdtᵀ),
         #   dxdt = (CB⊙L)ᵀ dy + g_out,   dx = dt⊙dxdt + D dy,   ∂L/∂dt_s ∋ Σ_p dxdt_sp x_sp,
-        # and of ∂L/∂(dt_i A) M's pairs s < i ≤ r and the writes Σ_{s<i} (xdt⊙g_out)_s. Each kind writes its part of
-        # ddt; for kernel 8 they store the block's sums [the reads of h_in, the writes into dS_next,
-        # exp(all T)⟨h_in, dS_next⟩ (block 0 alone), Σ dy⊙x, Σ_i dt_i ∂L/∂(dt_i A) of the writes, of the reads] in
-        # ends, and each earlier block's pairs with it in crossings
-        reads_kind = tl.program_id(1) % 2 == 0
-        bi, c, k, hi, pid_bc, ps = _ssd_block_of_head(tl.program_id(0), tl.program_id(1) // 2, h, n_chunks, Cs,
-                                                      BLOCK_P, BLOCK_C)
+        # and of ∂L/∂(dt_i A) M's pairs s < i ≤ r and the writes Σ_{s<i} (xdt⊙g_out)_s. The reads and the writes each
+        # store their part of ddt; for kernel 8 they store the block's sums [the reads of h_in, the writes into
+        # dS_next, exp(all T)⟨h_in, dS_next⟩ (block 0 alone), Σ dy⊙x, Σ_i dt_i ∂L/∂(dt_i A) of the writes, of the
+        # reads] in ends, and each earlier block's pairs with it in crossings. One program per (batch·chunk·head,
+        # block of p) walks the chunk's blocks in order, each block's x and dy loaded once for both
+        pid_bch, pid_p = tl.program_id(0), tl.program_id(1)
+        hi, pid_bc = pid_bch % h, pid_bch // h
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
         n_blocks = tl.cdiv(Cs, BLOCK_C)
-        rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
         A = tl.load(A_ptr + hi).to(tl.float32)
-        dt, u, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
-        first = bi * l + c * Cs + k * BLOCK_C
-        x_mask = valid[:, None] & (ps[None, :] < p)
-        dy = tl.load(_ssd_rows_tile(dy_ptr, stride_dy, first, rs, hi * p + ps), mask=x_mask, other=0.0)
-        x = tl.load(_ssd_rows_tile(x_ptr, stride_x, first, rs, hi * p + ps), mask=x_mask, other=0.0)
         state = ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n
-        pid_p = (tl.program_id(1) // 2).to(tl.int64)
-        pid_ch = ((pid_p * b + bi) * n_chunks + c) * h + hi                     # (block of p, batch, chunk, head)
-        ends = ends_ptr + pid_ch * 6 * n_blocks + k
-        if reads_kind:
+        pid_ch = ((pid_p.to(tl.int64) * b + bi) * n_chunks + c) * h + hi       # (block of p, batch, chunk, head)
+        js = tl.arange(0, BLOCK_NB)
+        first = bi * l + c * Cs                                         # the chunk's first row
+        for k in range(n_blocks):                                       # the reads: y_in, earlier blocks nearest first
+            rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
+            dt, u, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
+            rows = k * BLOCK_C + rs                                     # in the chunk
+            x_mask = valid[:, None] & (ps[None, :] < p)
+            dy = tl.load(_ssd_rows_tile(dy_ptr, stride_dy, first, rows, hi * p + ps), mask=x_mask, other=0.0)
+            ends = ends_ptr + pid_ch * 6 * n_blocks + k
             dyu = dy.to(tl.float32) * tl.exp(u)[:, None]
-            js = tl.arange(0, BLOCK_NB)
             crossing = tl.zeros((BLOCK_NB,), dtype=tl.float32)          # [j]: the pairs of block j < k with k
             y_in = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
             before = 0.0
@@ -3182,14 +3182,21 @@ if HAS_TRITON:
                 crossing = tl.where(js == k - 1 - i, tl.sum(tl.sum(dyu * written, axis=1), axis=0), crossing)
                 y_in += written
                 before += T_j
-            read_h_in = tl.exp(before) * _ssd_state_rows(C_ptr, stride_C, h_in_ptr + state, first, rs, valid, ps, p,
+            read_h_in = tl.exp(before) * _ssd_state_rows(C_ptr, stride_C, h_in_ptr + state, first, rows, valid, ps, p,
                                                          n, BLOCK_C, BLOCK_P, BLOCK_N, DOT)
             d_dtA = tl.cumsum(tl.sum(dyu * (y_in + read_h_in), axis=1), axis=0, reverse=True)   # Σ_{r≥i}
             tl.store(ddt_parts_ptr + (((2 * pid_p) * b + bi) * l + pos) * h + hi, A * d_dtA, mask=valid)
             tl.store(ends, tl.sum(tl.sum(dyu * read_h_in, axis=1), axis=0))
             tl.store(ends + 5 * n_blocks, tl.sum(dt * d_dtA, axis=0))
             tl.store(crossings_ptr + (pid_ch * n_blocks + k) * n_blocks + js, crossing, mask=js < n_blocks)
-        else:
+        for k in range(n_blocks):                                       # the writes: g_out, later blocks nearest first
+            rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
+            dt, u, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
+            rows = k * BLOCK_C + rs                                     # in the chunk
+            x_mask = valid[:, None] & (ps[None, :] < p)
+            dy = tl.load(_ssd_rows_tile(dy_ptr, stride_dy, first, rows, hi * p + ps), mask=x_mask, other=0.0)
+            x = tl.load(_ssd_rows_tile(x_ptr, stride_x, first, rows, hi * p + ps), mask=x_mask, other=0.0)
+            ends = ends_ptr + pid_ch * 6 * n_blocks + k
             g_out = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
             after = 0.0
             for j in range(k + 1, n_blocks):
@@ -3197,7 +3204,7 @@ if HAS_TRITON:
                                             pid_bc, k, j, after, rs, ps, BLOCK_C, DOT)
                 g_out += read
                 after += T_j
-            write_dS = tl.exp(after) * _ssd_state_rows(B_ptr, stride_B, dS_next_ptr + state, first, rs, valid, ps, p,
+            write_dS = tl.exp(after) * _ssd_state_rows(B_ptr, stride_B, dS_next_ptr + state, first, rows, valid, ps, p,
                                                        n, BLOCK_C, BLOCK_P, BLOCK_N, DOT)
             xf = x.to(tl.float32)
             xdte = xf * (tl.exp(e) * dt)[:, None]
@@ -3218,7 +3225,7 @@ if HAS_TRITON:
             dx = dxdt * dt[:, None]
             if HAS_D:
                 dx += tl.load(D_ptr + hi).to(tl.float32) * dy.to(tl.float32)
-            tl.store(_ssd_rows_tile(dx_ptr, h * p, first, rs, hi * p + ps), dx.to(dx_ptr.dtype.element_ty),
+            tl.store(_ssd_rows_tile(dx_ptr, h * p, first, rows, hi * p + ps), dx.to(dx_ptr.dtype.element_ty),
                      mask=x_mask)
             M = CBL * tl.dot(dy, tl.trans(x), input_precision=DOT) * dt[None, :]
             before_i = tl.cumsum(M, axis=1) - M                                      # [r, i] = Σ_{s<i} M_rs
@@ -3530,10 +3537,10 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
     # kernels 5 and 6 at 4 warps, 2 blocks an SM: kernel 5 held to MAX_REGISTERS (it took 255); kernel 6 too (left
     # to itself ptxas stopped at 128 and spilled 8-16 B on sm_80 / sm_89 as the JIT specialises it; held, it takes
     # 146-196); its fp32 pair tiles spilled with the next head's loads in flight, so fp32 runs it unpipelined
-    _ssd_chunk_bwd_dx_kernel[(b * N * n_kb * h, 2 * n_pb)](
+    _ssd_chunk_bwd_dx_kernel[(b * N * h, n_pb)](
         x2, dt2, A, B2, C2, CB, D if D is not None else A, h_in, dS_next, dy2, dx, ddt_parts, ends, crossings, b, l, h,
         p, n, N, Cs, sx, sdt, sB, sC, sdy, HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC,
-        BLOCK_NB=max(2, triton.next_power_of_2(n_kb)), DOT=dot, num_warps=4, num_stages=2,
+        BLOCK_NB=max(2, triton.next_power_of_2(n_kb)), DOT=dot, num_warps=4, num_stages=1,
         maxnreg=MAX_REGISTERS)
     heads_per_program = max(1, SSD_HEADS_PER_PROGRAM // n_pb)
     n_hg = triton.cdiv(h, heads_per_program)
