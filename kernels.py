@@ -3539,14 +3539,14 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
     ends, crossings = torch.empty(n_pb, b, N, h, 6, n_kb, **f32), torch.empty(n_pb, b, N, h, n_kb, n_kb, **f32)
     # kernels 5 and 6 at 4 warps, 2 blocks an SM: kernel 5 held to MAX_REGISTERS (it took 255); kernel 6 too (left
     # to itself ptxas stopped at 128 and spilled 8-16 B on sm_80 / sm_89 as the JIT specialises it; held, it takes
-    # 146-196); their fp32 tiles spilled with the next loads in flight (kernel 5's 8 B on sm_90, kernel 6's pair
-    # tiles with the next head's), so fp32 runs them unpipelined. Kernel 5 has one program per chunk, head and block
-    # of p (3072 at B 16, T 1024, 48 heads, chunk 256), each walking its chunk's blocks
+    # 146-196). Kernel 5 runs unpipelined: with the next block's loads in flight it spilled 8 B (fp32 on sm_90, bf16
+    # on sm_80 at a general shape); kernel 6's fp32 pair tiles spilled with the next head's loads in flight, so fp32
+    # runs it unpipelined. Kernel 5 has one program per chunk, head and block of p (3072 at B 16, T 1024, 48 heads,
+    # chunk 256), each walking its chunk's blocks
     _ssd_chunk_bwd_dx_kernel[(b * N * h, n_pb)](
         x2, dt2, A, B2, C2, CB, D if D is not None else A, h_in, dS_next, dy2, dx, ddt_parts, ends, crossings, b, l, h,
         p, n, N, Cs, sx, sdt, sB, sC, sdy, HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC,
-        BLOCK_NB=max(2, triton.next_power_of_2(n_kb)), DOT=dot, num_warps=4,
-        num_stages=1 if x.dtype == torch.float32 else 2, maxnreg=MAX_REGISTERS)
+        BLOCK_NB=max(2, triton.next_power_of_2(n_kb)), DOT=dot, num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
     heads_per_program = max(1, SSD_HEADS_PER_PROGRAM // n_pb)
     n_hg = triton.cdiv(h, heads_per_program)
     dCB = torch.empty(n_hg, b, N, n_kb * BC, n_kb * BC, **f32)
