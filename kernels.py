@@ -2893,13 +2893,13 @@ def ssd_torch(x, dt, A, B, C, D=None, chunk_size=64, initial_state=None):
 #   1 state pass   sequential over 64-token blocks of every chunk: h_in[c] is stored at each chunk's start, then
 #                  h ← exp(T) h + Σ_s exp(e_s) dt_s x_sᵀ B_s
 #   2 CB           per (chunk, pair of blocks j ≥ k): C_j B_kᵀ, fp32
-#   3 chunk scan   per (chunk, block k, head, block of p): y, walking the chunk's blocks j ≤ k
+#   3 chunk scan   per (chunk, head, block of p): y of each block k, walking the chunk's blocks j ≤ k
 # The forward keeps nothing but its inputs: the backward reruns kernels 1 and 2 (h_in is p·n numbers per chunk and
 # head, a quarter of x's at p = 32, n = 64, chunk 256), then
 #   4 reverse state pass: dS_next[c] = ds, the gradient of chunk c's end state, is stored at each chunk's end, then
 #                  ds ← exp(T) ds + Σ_r exp(u_r) dy_rᵀ C_r
-#   5 dx           per (chunk, block k, head, block of p), the transpose of kernel 3: dx, and the terms of ddt that
-#                  read x and dy of the block (two programs: what the block reads, what it writes)
+#   5 dx           per (chunk, head, block of p), the transpose of kernel 3, walking the chunk's blocks k twice
+#                  (what each block reads, then what it writes): dx, and the terms of ddt that read x and dy of k
 #   6 dCB          per (chunk, group of heads): per pair of blocks j ≥ k, dCB_rs = Σ_heads dt_s L_rs dy_r·x_s; per
 #                  block and block of n, the state terms of dC and dB
 #   7 dB, dC       per (chunk, block, block of n): dC = dCB B + its state term, dB = dCBᵀ C + its state term
@@ -3039,12 +3039,11 @@ if HAS_TRITON:
         tl.store(_ssd_pair_tile(CB_ptr, pid_bc, j, k, rs, BLOCK_C, tl.cdiv(Cs, BLOCK_C)), CB)
 
     @triton.jit
-    def _ssd_block_of_head(pid, pid_p, h, n_chunks, Cs, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-        # a per-block program (kernels 3 and 5): (batch·chunk·block·head, block of p) → its batch, chunk, block, head,
-        # batch·chunk, and p's indices
-        n_blocks = tl.cdiv(Cs, BLOCK_C)
-        hi, k, pid_bc = pid % h, (pid // h) % n_blocks, pid // h // n_blocks
-        return pid_bc // n_chunks, pid_bc % n_chunks, k, hi, pid_bc, pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    def _ssd_chunk_of_head(pid, pid_p, h, n_chunks, BLOCK_P: tl.constexpr):
+        # a per-chunk program (kernels 3 and 5): (batch·chunk·head, block of p) → its batch, chunk, head, batch·chunk,
+        # and p's indices
+        hi, pid_bc = pid % h, pid // h
+        return pid_bc // n_chunks, pid_bc % n_chunks, hi, pid_bc, pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
 
     @triton.jit
     def _ssd_from_block(x_ptr, stride_x, dt_ptr, stride_dt, CB_ptr, A, bi, c, hi, l, p, Cs, pid_bc, k, j, between,
@@ -3053,7 +3052,7 @@ if HAS_TRITON:
         # dt_s x_s [BLOCK_C, BLOCK_P], between the steps of the blocks between j and k; and block j's T
         _, pos, valid, last = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
         dt, _, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
-        x = tl.load(_ssd_rows_tile(x_ptr, stride_x, bi * l + c * Cs + j * BLOCK_C, rs, hi * p + ps),
+        x = tl.load(_ssd_rows_tile(x_ptr, stride_x, bi * l + c * Cs, j * BLOCK_C + rs, hi * p + ps),
                     mask=valid[:, None] & (ps[None, :] < p), other=0.0)
         CB = tl.load(_ssd_pair_tile(CB_ptr, pid_bc, k, j, rs, BLOCK_C, tl.cdiv(Cs, BLOCK_C)))
         return tl.dot((CB * (tl.exp(e + between) * dt)[None, :]).to(x.dtype), x, input_precision=DOT), T
@@ -3065,7 +3064,7 @@ if HAS_TRITON:
         # exp(between + u_r) dy_r [BLOCK_C, BLOCK_P], between the steps of the blocks between k and j; and j's T
         _, pos, valid, last = _ssd_block_tokens(c, j, l, Cs, BLOCK_C)
         _, u, _, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
-        dy = tl.load(_ssd_rows_tile(dy_ptr, stride_dy, bi * l + c * Cs + j * BLOCK_C, rs, hi * p + ps),
+        dy = tl.load(_ssd_rows_tile(dy_ptr, stride_dy, bi * l + c * Cs, j * BLOCK_C + rs, hi * p + ps),
                      mask=valid[:, None] & (ps[None, :] < p), other=0.0)
         CB = tl.load(_ssd_pair_tile(CB_ptr, pid_bc, j, k, rs, BLOCK_C, tl.cdiv(Cs, BLOCK_C)))
         return tl.dot(tl.trans(CB * tl.exp(between + u)[:, None]).to(dy.dtype), dy, input_precision=DOT), T
@@ -3090,32 +3089,35 @@ if HAS_TRITON:
                                stride_x, stride_dt, stride_C, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DOT: tl.constexpr):
         # kernel 3: y = exp(u)⊙(Σ_{j<k} what block j writes + exp(T_0 + … + T_{k−1}) C h_inᵀ) + (CB⊙L⊙dt) x + D x for
-        # block k of a chunk, the earlier blocks nearest first; one program per (batch·chunk·block·head, block of p).
-        # x and C go into the dots as loaded; CB times the decays and dt, and h_in, in x's dtype
-        bi, c, k, hi, pid_bc, ps = _ssd_block_of_head(tl.program_id(0), tl.program_id(1), h, n_chunks, Cs, BLOCK_P,
-                                                      BLOCK_C)
-        rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
+        # each block k of a chunk, the earlier blocks nearest first; one program per (batch·chunk·head, block of p)
+        # walks the chunk's blocks, its tiles' offsets counted from the chunk's first row (as kernel 5's). x and C go
+        # into the dots as loaded; CB times the decays and dt, and h_in, in x's dtype
+        bi, c, hi, pid_bc, ps = _ssd_chunk_of_head(tl.program_id(0), tl.program_id(1), h, n_chunks, BLOCK_P)
         A = tl.load(A_ptr + hi).to(tl.float32)
-        dt, u, _, _ = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
-        first = bi * l + c * Cs + k * BLOCK_C
-        x_mask = valid[:, None] & (ps[None, :] < p)
-        y = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
-        before = 0.0                                                    # Σ T over the blocks between j and k
-        for i in range(k):
-            written, T = _ssd_from_block(x_ptr, stride_x, dt_ptr, stride_dt, CB_ptr, A, bi, c, hi, l, p, Cs, pid_bc,
-                                         k, k - 1 - i, before, rs, ps, BLOCK_C, DOT)
-            y += written
-            before += T
         h_in = h_in_ptr + ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n
-        y += tl.exp(before) * _ssd_state_rows(C_ptr, stride_C, h_in, first, rs, valid, ps, p, n, BLOCK_C, BLOCK_P,
-                                              BLOCK_N, DOT)
-        y *= tl.exp(u)[:, None]
-        x = tl.load(_ssd_rows_tile(x_ptr, stride_x, first, rs, hi * p + ps), mask=x_mask, other=0.0)
-        CB = tl.load(_ssd_pair_tile(CB_ptr, pid_bc, k, k, rs, BLOCK_C, tl.cdiv(Cs, BLOCK_C)))
-        y += tl.dot((CB * _ssd_pair_decays(dt, A, rs) * dt[None, :]).to(x.dtype), x, input_precision=DOT)
-        if HAS_D:
-            y += tl.load(D_ptr + hi).to(tl.float32) * x.to(tl.float32)
-        tl.store(_ssd_rows_tile(y_ptr, h * p, first, rs, hi * p + ps), y.to(y_ptr.dtype.element_ty), mask=x_mask)
+        first = bi * l + c * Cs                                         # the chunk's first row
+        for k in range(tl.cdiv(Cs, BLOCK_C)):
+            rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
+            dt, u, _, _ = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
+            rows = k * BLOCK_C + rs                                     # in the chunk
+            x_mask = valid[:, None] & (ps[None, :] < p)
+            y = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
+            before = 0.0                                                # Σ T over the blocks between j and k
+            for i in range(k):
+                written, T = _ssd_from_block(x_ptr, stride_x, dt_ptr, stride_dt, CB_ptr, A, bi, c, hi, l, p, Cs,
+                                             pid_bc, k, k - 1 - i, before, rs, ps, BLOCK_C, DOT)
+                y += written
+                before += T
+            y += tl.exp(before) * _ssd_state_rows(C_ptr, stride_C, h_in, first, rows, valid, ps, p, n, BLOCK_C,
+                                                  BLOCK_P, BLOCK_N, DOT)
+            y *= tl.exp(u)[:, None]
+            x = tl.load(_ssd_rows_tile(x_ptr, stride_x, first, rows, hi * p + ps), mask=x_mask, other=0.0)
+            CB = tl.load(_ssd_pair_tile(CB_ptr, pid_bc, k, k, rs, BLOCK_C, tl.cdiv(Cs, BLOCK_C)))
+            y += tl.dot((CB * _ssd_pair_decays(dt, A, rs) * dt[None, :]).to(x.dtype), x, input_precision=DOT)
+            if HAS_D:
+                y += tl.load(D_ptr + hi).to(tl.float32) * x.to(tl.float32)
+            tl.store(_ssd_rows_tile(y_ptr, h * p, first, rows, hi * p + ps), y.to(y_ptr.dtype.element_ty),
+                     mask=x_mask)
 
     @triton.jit
     def _ssd_state_pass_bwd_kernel(dy_ptr, C_ptr, dt_ptr, A_ptr, dhT_ptr, dS_next_ptr, dh0_ptr, l, h, p, n, n_chunks,
@@ -3146,35 +3148,35 @@ if HAS_TRITON:
                                  stride_dt, stride_B, stride_C, stride_dy, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
                                  BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr,
                                  DOT: tl.constexpr):
-        # kernel 5, kernel 3's transpose for block k: one program of each of two kinds per (batch·chunk·block·head,
-        # block of p), whose registers are those of the larger kind, not of both. The reads: what the block reads of
-        # everything before it, y_in = exp(u)⊙(Σ_{j<k} what j writes + exp(T_0 + … + T_{k−1}) C h_inᵀ), give of
-        # ∂L/∂(dt_i A) the reads from i on, Σ_{r≥i} (dy⊙y_in)_r summed over p. The writes: what everything after it
-        # reads of the block, g_out = exp(e)⊙(Σ_{j>k} what j reads + exp(T_{k+1} + …) B dS_nextᵀ), give, with
-        # xdt = dt⊙x and the block's own pairs M = CB⊙L⊙(dy xdtᵀ),
+        # kernel 5, kernel 3's transpose, block by block k of a chunk: what block k reads of everything before it,
+        #   y_in = exp(u)⊙(Σ_{j<k} what j writes + exp(T_0 + … + T_{k−1}) C h_inᵀ),
+        # gives of ∂L/∂(dt_i A) the reads from i on, Σ_{r≥i} (dy⊙y_in)_r summed over p; what everything after it reads
+        # of the block, g_out = exp(e)⊙(Σ_{j>k} what j reads + exp(T_{k+1} + …) B dS_nextᵀ), gives, with xdt = dt⊙x
+        # and the block's own pairs M = CB⊙L⊙(dy xdtᵀ),
         #   dxdt = (CB⊙L)ᵀ dy + g_out,   dx = dt⊙dxdt + D dy,   ∂L/∂dt_s ∋ Σ_p dxdt_sp x_sp,
-        # and of ∂L/∂(dt_i A) M's pairs s < i ≤ r and the writes Σ_{s<i} (xdt⊙g_out)_s. Each kind writes its part of
-        # ddt; for kernel 8 they store the block's sums [the reads of h_in, the writes into dS_next,
-        # exp(all T)⟨h_in, dS_next⟩ (block 0 alone), Σ dy⊙x, Σ_i dt_i ∂L/∂(dt_i A) of the writes, of the reads] in
-        # ends, and each earlier block's pairs with it in crossings
-        reads_kind = tl.program_id(1) % 2 == 0
-        bi, c, k, hi, pid_bc, ps = _ssd_block_of_head(tl.program_id(0), tl.program_id(1) // 2, h, n_chunks, Cs,
-                                                      BLOCK_P, BLOCK_C)
+        # and of ∂L/∂(dt_i A) M's pairs s < i ≤ r and the writes Σ_{s<i} (xdt⊙g_out)_s. The reads and the writes each
+        # store their part of ddt; for kernel 8 they store the block's sums [the reads of h_in, the writes into
+        # dS_next, exp(all T)⟨h_in, dS_next⟩ (block 0 alone), Σ dy⊙x, Σ_i dt_i ∂L/∂(dt_i A) of the writes, of the
+        # reads] in ends, and each earlier block's pairs with it in crossings. One program per (batch·chunk·head,
+        # block of p) walks the chunk's blocks twice, the reads then the writes (walked once together they spilled);
+        # its tiles' offsets count from the chunk's first row, so that they change with k (offsets the same for every
+        # block would be computed once and held in registers through the walks)
+        pid_p = tl.program_id(1)
+        bi, c, hi, pid_bc, ps = _ssd_chunk_of_head(tl.program_id(0), pid_p, h, n_chunks, BLOCK_P)
         n_blocks = tl.cdiv(Cs, BLOCK_C)
-        rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
         A = tl.load(A_ptr + hi).to(tl.float32)
-        dt, u, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
-        first = bi * l + c * Cs + k * BLOCK_C
-        x_mask = valid[:, None] & (ps[None, :] < p)
-        dy = tl.load(_ssd_rows_tile(dy_ptr, stride_dy, first, rs, hi * p + ps), mask=x_mask, other=0.0)
-        x = tl.load(_ssd_rows_tile(x_ptr, stride_x, first, rs, hi * p + ps), mask=x_mask, other=0.0)
         state = ((bi * n_chunks + c) * h + hi).to(tl.int64) * p * n
-        pid_p = (tl.program_id(1) // 2).to(tl.int64)
-        pid_ch = ((pid_p * b + bi) * n_chunks + c) * h + hi                     # (block of p, batch, chunk, head)
-        ends = ends_ptr + pid_ch * 6 * n_blocks + k
-        if reads_kind:
+        pid_ch = ((pid_p.to(tl.int64) * b + bi) * n_chunks + c) * h + hi       # (block of p, batch, chunk, head)
+        js = tl.arange(0, BLOCK_NB)
+        first = bi * l + c * Cs                                         # the chunk's first row
+        for k in range(n_blocks):                                       # the reads: y_in, earlier blocks nearest first
+            rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
+            dt, u, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
+            rows = k * BLOCK_C + rs                                     # in the chunk
+            x_mask = valid[:, None] & (ps[None, :] < p)
+            dy = tl.load(_ssd_rows_tile(dy_ptr, stride_dy, first, rows, hi * p + ps), mask=x_mask, other=0.0)
+            ends = ends_ptr + pid_ch * 6 * n_blocks + k
             dyu = dy.to(tl.float32) * tl.exp(u)[:, None]
-            js = tl.arange(0, BLOCK_NB)
             crossing = tl.zeros((BLOCK_NB,), dtype=tl.float32)          # [j]: the pairs of block j < k with k
             y_in = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
             before = 0.0
@@ -3184,14 +3186,21 @@ if HAS_TRITON:
                 crossing = tl.where(js == k - 1 - i, tl.sum(tl.sum(dyu * written, axis=1), axis=0), crossing)
                 y_in += written
                 before += T_j
-            read_h_in = tl.exp(before) * _ssd_state_rows(C_ptr, stride_C, h_in_ptr + state, first, rs, valid, ps, p,
+            read_h_in = tl.exp(before) * _ssd_state_rows(C_ptr, stride_C, h_in_ptr + state, first, rows, valid, ps, p,
                                                          n, BLOCK_C, BLOCK_P, BLOCK_N, DOT)
             d_dtA = tl.cumsum(tl.sum(dyu * (y_in + read_h_in), axis=1), axis=0, reverse=True)   # Σ_{r≥i}
             tl.store(ddt_parts_ptr + (((2 * pid_p) * b + bi) * l + pos) * h + hi, A * d_dtA, mask=valid)
             tl.store(ends, tl.sum(tl.sum(dyu * read_h_in, axis=1), axis=0))
             tl.store(ends + 5 * n_blocks, tl.sum(dt * d_dtA, axis=0))
             tl.store(crossings_ptr + (pid_ch * n_blocks + k) * n_blocks + js, crossing, mask=js < n_blocks)
-        else:
+        for k in range(n_blocks):                                       # the writes: g_out, later blocks nearest first
+            rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
+            dt, u, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
+            rows = k * BLOCK_C + rs                                     # in the chunk
+            x_mask = valid[:, None] & (ps[None, :] < p)
+            dy = tl.load(_ssd_rows_tile(dy_ptr, stride_dy, first, rows, hi * p + ps), mask=x_mask, other=0.0)
+            x = tl.load(_ssd_rows_tile(x_ptr, stride_x, first, rows, hi * p + ps), mask=x_mask, other=0.0)
+            ends = ends_ptr + pid_ch * 6 * n_blocks + k
             g_out = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
             after = 0.0
             for j in range(k + 1, n_blocks):
@@ -3199,7 +3208,7 @@ if HAS_TRITON:
                                             pid_bc, k, j, after, rs, ps, BLOCK_C, DOT)
                 g_out += read
                 after += T_j
-            write_dS = tl.exp(after) * _ssd_state_rows(B_ptr, stride_B, dS_next_ptr + state, first, rs, valid, ps, p,
+            write_dS = tl.exp(after) * _ssd_state_rows(B_ptr, stride_B, dS_next_ptr + state, first, rows, valid, ps, p,
                                                        n, BLOCK_C, BLOCK_P, BLOCK_N, DOT)
             xf = x.to(tl.float32)
             xdte = xf * (tl.exp(e) * dt)[:, None]
@@ -3220,7 +3229,7 @@ if HAS_TRITON:
             dx = dxdt * dt[:, None]
             if HAS_D:
                 dx += tl.load(D_ptr + hi).to(tl.float32) * dy.to(tl.float32)
-            tl.store(_ssd_rows_tile(dx_ptr, h * p, first, rs, hi * p + ps), dx.to(dx_ptr.dtype.element_ty),
+            tl.store(_ssd_rows_tile(dx_ptr, h * p, first, rows, hi * p + ps), dx.to(dx_ptr.dtype.element_ty),
                      mask=x_mask)
             M = CBL * tl.dot(dy, tl.trans(x), input_precision=DOT) * dt[None, :]
             before_i = tl.cumsum(M, axis=1) - M                                      # [r, i] = Σ_{s<i} M_rs
@@ -3492,9 +3501,10 @@ def _ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     BP, BN, BC, _ = _ssd_blocks(x.dtype, p, n, Cs)
     N = triton.cdiv(l, Cs)
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    _ssd_chunk_scan_kernel[(b * N * triton.cdiv(Cs, BC) * h, triton.cdiv(p, BP))](
+    _ssd_chunk_scan_kernel[(b * N * h, triton.cdiv(p, BP))](
         x2, dt2, A, C2, CB, h_in, D if D is not None else A, y, l, h, p, n, N, Cs, sx, sdt, sC, HAS_D=D is not None,
-        BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot, num_warps=4, num_stages=2)
+        BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC, DOT=dot, num_warps=4,
+        num_stages=1 if x.dtype == torch.float32 else 2)
     return y, h_T
 
 
@@ -3538,12 +3548,14 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
     ends, crossings = torch.empty(n_pb, b, N, h, 6, n_kb, **f32), torch.empty(n_pb, b, N, h, n_kb, n_kb, **f32)
     # kernels 5 and 6 at 4 warps, 2 blocks an SM: kernel 5 held to MAX_REGISTERS (it took 255); kernel 6 too (left
     # to itself ptxas stopped at 128 and spilled 8-16 B on sm_80 / sm_89 as the JIT specialises it; held, it takes
-    # 146-196); its fp32 pair tiles spilled with the next head's loads in flight, so fp32 runs it unpipelined
-    _ssd_chunk_bwd_dx_kernel[(b * N * n_kb * h, 2 * n_pb)](
+    # 146-196). Kernel 5 runs unpipelined: with the next block's loads in flight it spilled 8 B (fp32 on sm_90, bf16
+    # on sm_80 at a general shape); kernel 6's fp32 pair tiles spilled with the next head's loads in flight, so fp32
+    # runs it unpipelined. Kernel 5 has one program per chunk, head and block of p (3072 at B 16, T 1024, 48 heads,
+    # chunk 256), each walking its chunk's blocks
+    _ssd_chunk_bwd_dx_kernel[(b * N * h, n_pb)](
         x2, dt2, A, B2, C2, CB, D if D is not None else A, h_in, dS_next, dy2, dx, ddt_parts, ends, crossings, b, l, h,
         p, n, N, Cs, sx, sdt, sB, sC, sdy, HAS_D=D is not None, BLOCK_P=BP, BLOCK_N=BN, BLOCK_C=BC,
-        BLOCK_NB=max(2, triton.next_power_of_2(n_kb)), DOT=dot, num_warps=4, num_stages=2,
-        maxnreg=MAX_REGISTERS)
+        BLOCK_NB=max(2, triton.next_power_of_2(n_kb)), DOT=dot, num_warps=4, num_stages=1, maxnreg=MAX_REGISTERS)
     heads_per_program = max(1, SSD_HEADS_PER_PROGRAM // n_pb)
     n_hg = triton.cdiv(h, heads_per_program)
     dCB = torch.empty(n_hg, b, N, n_kb * BC, n_kb * BC, **f32)
