@@ -2992,7 +2992,7 @@ def test_a_new_op_is_one_row_that_every_check_runs(device):
         check_op_passes_opcheck("scaled_copy", device)
         check_op_takes_fp16("scaled_copy", device)
         launched = []
-        bench._record_launches(kernels.example_steps(T=64)["scaled_copy"], lambda kernel, *_: launched.append(
+        analyze.record_launches(kernels.example_steps(T=64)["scaled_copy"], lambda kernel, *_: launched.append(
             kernel.fn.__name__))
         assert launched == ["_scaled_copy_kernel"] * 2   # forward and backward
         assert "scaled_copy" in aot_ops_alone()
@@ -3016,7 +3016,7 @@ def test_every_triton_launch_runs_on_its_inputs_gpu_with_autocast_off(simulated_
         with torch.device("cuda:1"), torch.autocast("cuda", dtype=torch.bfloat16):
             for op_step in kernels.example_steps(T=64, chunk=16).values():
                 op_step()
-    bench._record_launches(step, lambda kernel, grid, args, kwargs: seen.append(
+    analyze.record_launches(step, lambda kernel, grid, args, kwargs: seen.append(
         (kernel.fn.__name__, torch.cuda.current_device(), torch.is_autocast_enabled("cuda"))))
     launched = {name for name, _, _ in seen}
     assert len(launched) >= 15 and {"_ssd_chunk_scan_kernel", "_rms_norm_fwd_kernel"} <= launched, launched
@@ -6511,8 +6511,9 @@ def test_the_dry_runs_step_parts_by_hand():
     analyze.step_costs of a 3-layer attention model (make_config: mixer A, relu2 MLP, plain residual, tied head;
     128 wide, 4 heads, T 256, vocab 84) at batch 2: per micro-step each Linear's three GEMMs (q, k, v, out 128 x 128
     and the MLP's two, 3 layers each; the head 128 x 84 once), attention's 12·T·d FLOPs a token a layer on a grid of a program a head and 64-token block
-    (4 steps), the activations' formula and the logits 3 times; analyze.step_time prices the GEMMs by gemm_time and
-    the micro-steps add up."""
+    (4 steps) and, compiled as a GPU run is, no Triton launch (without qk_norm, RoPE alone, which inductor fuses), the
+    activations' formula and the logits 3 times; analyze.step_time prices the GEMMs by gemm_time and the micro-steps
+    add up."""
     with torch.device("meta"), analyze._OpCounts() as counts:
         a, b = torch.ones(4, 8), torch.ones(8, 16)
         (a @ b).view(64).sum()
@@ -6528,7 +6529,8 @@ def test_the_dry_runs_step_parts_by_hand():
         for shape in ((tokens, n_out, n_in), (tokens, n_in, n_out), (n_in, n_out, tokens)):
             gemms[shape] += n
     assert costs.gemms == gemms
-    assert costs.mixers == {(12 * 256 * d * tokens, 2 * 4 * 4, 4): 3}
+    assert costs.mixers == {"A": dict(layers=3, flops=12 * 256 * d * tokens, programs=2 * 4 * 4, steps=4, recorded=dict(
+        launches=[], eager_launches=0, eager_bytes=0))}   # compiled (the default): no Triton launch, no qk norm
     assert costs.traffic == 3 * (model_module.activation_formula(cfg, 2, 2) + 6 * tokens * 84)
     assert costs.optimizer["launches"] > 0 and costs.optimizer["bytes"] > 0
     h100 = analyze.COST_GPUS["H100"]
