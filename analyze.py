@@ -2021,10 +2021,10 @@ def step_costs(c, config, act):
     layers ({letter: dict(layers, flops: a layer's sequence FLOPs, programs: a head and 64-token block of the batch,
     steps: T/64, recorded: its Triton launches, recording_mixers' at the run's batch in bf16 autocast (fp32 for
     --dtype=float32), as torch.compile runs them unless --compile=False)}), the bytes a micro-step's activations move
-    (model.activation_formula and the loss's logits, each written in the forward, read in the backward and its gradient written: 3 times), the optimizer
-    step's launches, bytes and matmul FLOPs (counted in _OpCounts on one period of layers, its bytes and FLOPs scaled
-    to the model by its parameters), and the distinct kernels the first step compiles (_OpCounts' kernels over one
-    period's forward + backward at the run's batch, the torch path)."""
+    (model.activation_formula and the loss's logits, each written in the forward, read in the backward and its
+    gradient written: 3 times), the optimizer step's launches, bytes and matmul FLOPs (counted in _OpCounts on one
+    period of layers, its bytes and FLOPs scaled to the model by its parameters), and the distinct kernels the first
+    step compiles (_OpCounts' kernels over one period's forward + backward at the run's batch, the torch path)."""
     recording = recording_mixers(config, c.batch_size, torch.float32 if act == 4 else torch.bfloat16,
                                  c.compile is not False)
     period = min(config.n_layer, len(config.mixer))
@@ -2070,8 +2070,9 @@ def step_costs(c, config, act):
 def step_time(costs, micro, gpu):
     """One optimizer step of one process (`micro` micro-steps) on a COST_GPUS entry by the launch model, from
     step_costs: {part: seconds} of the micro-steps' GEMMs (gemm_time; wgmma on sm_90, else mma.sync), mixers
-    (mixer_layer_time: each layer's recorded Triton launches, attention's sdpa by its FLOPs) and activations (their bytes streamed at STREAM_FRACTION of the bandwidth), then the optimizer
-    (its launches' overheads, its bytes streamed and its FLOPs at the GEMM rate, one after another)."""
+    (mixer_layer_time: each layer's recorded Triton launches, attention's sdpa by its FLOPs) and activations (their
+    bytes streamed at STREAM_FRACTION of the bandwidth), then the optimizer (its launches' overheads, its bytes
+    streamed and its FLOPs at the GEMM rate, one after another)."""
     dtype = "bfloat16" if GPU_PEAKS[gpu["name"]][0] else "float16"
     instruction = "wgmma" if gpu["arch"] >= 90 else "mma"
     gemms = sum(n * gemm_time(gpu, *shape, instruction, 2, dtype)["time"] for shape, n in costs.gemms.items())

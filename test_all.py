@@ -6543,6 +6543,75 @@ def test_the_dry_runs_step_parts_by_hand():
                                                         for share in (1 / 3, 2 / 3)))
 
 
+@INTERPRETED
+def test_the_dry_run_prices_each_mixer_layer_by_its_recorded_launches(monkeypatch):
+    """analyze.step_costs and step_time of a 3-layer GMA model (make_config: 16 wide, 1 head, T 96, chunks of 32;
+    Mamba2 expand 2, heads of 16, state 16; no qk norm) at batch 1, uncompiled (--compile=False: its norms and RoPE
+    launch Triton kernels too): each mixer layer costs, per Triton launch recorded here (bench.real_launches of its
+    forward + backward under bf16 autocast) and counted in Triton's interpreter (bench.interpreter_counts), launch_time
+    of its grid's programs, the bytes of its distinct tensor arguments, the steps the interpreter counted, 65536 /
+    (warps · 32 · 232) blocks an SM and the layer's sequence FLOPs shared by the tl.dot calls the interpreter made
+    (the dry run's: its walk's, the mean of the grid's corner programs times the programs, within 10% of those);
+    plus the aten ops inside the Triton ops' bodies (their bytes as bench counts them) at 90% of the bandwidth and
+    4 µs a launch; A, whose launches (RoPE) dot nothing, adds its FLOPs as FlashAttention's two launches."""
+    from triton.runtime import interpreter
+    cfg = make_config(n_layer=3, mixer="GMA", n_embd=16, n_head=1, block_size=96, chunk_size=32, gdn_chunk_size=32,
+                      mamba_expand=2, mamba_headdim=16, mamba_d_state=16, qk_norm=False)
+    c = types.SimpleNamespace(**{**train.RUN_DEFAULTS, "batch_size": 1, "gradient_accumulation_steps": 1,
+                                 "compile": False})
+    costs = analyze.step_costs(c, cfg, act=2)
+    h100, calls = analyze.COST_GPUS["H100"], []   # calls: the tl.dot calls of each interpreted launch, in order
+    run, create_dot = interpreter.InterpretedFunction.run, interpreter.InterpreterBuilder.create_dot
+
+    def counted_run(self, *args, **kwargs):
+        calls.append(0)
+        return run(self, *args, **kwargs)
+
+    def counted_dot(self, *args):
+        calls[-1] += 1
+        return create_dot(self, *args)
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted_run)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", counted_dot)
+    want = 0.0
+    for letter in "GMA":
+        def step():
+            torch.manual_seed(0)
+            mixer = model_module.MIXERS[letter](dataclasses.replace(cfg, kernels="triton"))
+            x = torch.randn(1, 96, 16).to(torch.bfloat16).requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = mixer(x, model_module.rope_cache(96, 16, cfg.rope_base))
+            y.backward(torch.randn_like(y))
+        launches, eager = bench.real_launches(step)
+        calls.clear()
+        counts = bench.interpreter_counts(step)
+        assert [c["kernel"] for c in counts] == [launch["kernel"] for launch in launches] and len(calls) == len(counts)
+        rows = []
+        for launch, count, dots in zip(launches, counts, calls):
+            views = {(a.storage, a.offset, tuple(a.size), tuple(a.stride)): a for a in (*launch["args"],
+                     *launch["kwargs"].values()) if isinstance(a, bench._TensorSpec)}
+            nbytes = sum(a.dtype.itemsize * math.prod(n for n, s in zip(a.size, a.stride) if s) for a in views.values())
+            rows.append((launch["kernel"], math.prod(launch["grid"]), nbytes, count["steps"], dots,
+                         launch["options"].get("num_warps", 4), launch["options"].get("num_stages", 3)))
+        mixer = costs.mixers[letter]
+        recorded = mixer["recorded"]
+        assert [(r["kernel"], r["programs"], r["bytes"], r["steps"]) for r in recorded["launches"]] == \
+            [row[:4] for row in rows], letter
+        assert [r["dots"] for r in recorded["launches"]] == pytest.approx([row[4] for row in rows], rel=0.1), letter
+        assert recorded["eager_bytes"] == sum(eager.values()), (letter, eager)
+        flops, all_dots = mixer["flops"], sum(row[4] for row in rows)
+        layer = sum(analyze.launch_time(h100, nbytes, flops * calls / all_dots if all_dots else 0, "mma", programs,
+                                        max(1, 65536 // (warps * 32 * 232)), steps, stages)["time"]
+                    for _, programs, nbytes, steps, calls, warps, stages in rows)
+        layer += recorded["eager_launches"] * 4e-6 + sum(eager.values()) / (0.9 * 3.35e12)
+        if not all_dots:
+            assert letter == "A" and flops == 12 * 96 * 16 * 96
+            layer += sum(analyze.launch_time(h100, 0, share * flops, "mma", 1 * 2, 1, 2, 2)["time"]
+                         for share in (1 / 3, 2 / 3))
+        assert rows and (letter == "A") == (all_dots == 0), (letter, rows)
+        want += layer
+    assert analyze.step_time(costs, 1, h100)["mixers"] == pytest.approx(want, rel=1e-12)
+
+
 def test_the_dry_run_names_the_batch_that_fits_a_t4(simulated_gpu):
     """The fineweb presets on a T4 (14.6 GiB as torch reports it): refused by check_fit in one line naming the largest
     figure (the activations), and the dry run's fit line says so and names --batch_size and accumulation (the same
