@@ -2061,7 +2061,7 @@ def step_costs(c, config, act):
         mixers.setdefault(letter, dict(layers=0, flops=flops, programs=c.batch_size * getattr(
             b.mixer, "n_head", config.n_head) * blocks, steps=blocks, recorded=recorded and recorded[letter]))
         mixers[letter]["layers"] += n
-    return types.SimpleNamespace(gemms=gemms, mixers=mixers, traffic=traffic,
+    return types.SimpleNamespace(gemms=gemms, mixers=mixers, recorded=recorded is not None, traffic=traffic,
                                  optimizer=dict(launches=step.launches, bytes=step.bytes * scale,
                                                 flops=step.flops * scale),
                                  kernels=len(forward_backward.kernels))
@@ -2149,7 +2149,8 @@ def run_time(c, costs, gpu):
 
 def time_lines(c, config, world, act, flops, flops_per_iter):
     """The dry run's time and compile lines: run_time on each of ESTIMATE_GPUS (each process's step; DDP's
-    all-reduce not priced), the H100's step by part and its MFU against the dense bf16 peak."""
+    all-reduce not priced), the H100's step by part and its MFU against the dense bf16 peak, and what priced each
+    mixer layer (mixer_layer_time)."""
     if model_module.activation_formula(config, c.batch_size, act) is None:
         return ["time        no estimate: the launch model prices the activations' bytes (see memory)"]
     costs = step_costs(c, config, act)
@@ -2158,9 +2159,17 @@ def time_lines(c, config, world, act, flops, flops_per_iter):
     mfu = flops_per_iter / world / step / GPU_PEAKS[COST_GPUS["H100"]["name"]][0]
     gpus = f", {world} GPUs" if world > 1 else ""
     shares = " + ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items())
+    priced_as = []
+    for m, x in costs.mixers.items():
+        launches = x["recorded"]["launches"] if x["recorded"] else []
+        dots = any(launch["dots"] for launch in launches)
+        priced_as.append(f"{m} by its {len(launches)} Triton launches" + ("" if dots else " and its sequence FLOPs"))
+    run = "a compiled" if c.compile is not False else "an eager"
+    how = f"recorded on fake tensors as {run} run makes them" if costs.recorded else "triton is not installed"
     return ["time        estimates by the launch model (analyze.launch_time), not measurements: "
             + ", ".join(f"{gpu} {duration(t[0])}" for gpu, t in priced.items()) + gpus
-            + f"\n            H100: {step * 1e3:.1f} ms a step = {shares} ms, {mfu:.0%} MFU",
+            + f"\n            H100: {step * 1e3:.1f} ms a step = {shares} ms, {mfu:.0%} MFU"
+            + f"\n            mixers a layer: {', '.join(priced_as)} ({how})",
             f"compile     the first step waits for the compiled graphs and about {kernels} Triton kernels: "
             f"{duration(kernels * TRITON_COMPILE_SECONDS)} at {TRITON_COMPILE_SECONDS:.0f} s a kernel (in the times)"]
 
