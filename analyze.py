@@ -1959,10 +1959,12 @@ def mixer_launches(config, letter, batch_size, dtype, compiled):
 
 def recording_mixers(config, batch_size, dtype, compiled):
     """Start recording mixer_launches for each mixer letter config's layers use; returns the function that waits for
-    {letter: mixer_launches}, or None where triton is not installed. In this process where kernels.py loaded Triton
-    (a GPU, the interpreter), else in a Python of its own that imports triton first, so that the kernels are defined
-    (nothing compiles or runs), while this one counts the rest."""
+    {letter: mixer_launches}, or None where triton is not installed or config.kernels is torch or ref. In this
+    process where kernels.py loaded Triton (a GPU, the interpreter), else in a Python of its own that imports triton
+    first, so that the kernels are defined (nothing compiles or runs), while this one counts the rest."""
     letters = sorted(set(config.mixer[:config.n_layer]))
+    if config.kernels not in ("auto", "triton"):   # the GPU run takes the torch paths: no Triton launch
+        return lambda: None
     if kernels.HAS_TRITON:
         recorded = {m: mixer_launches(config, m, batch_size, dtype, compiled) for m in letters}
         return lambda: recorded
@@ -2163,9 +2165,11 @@ def time_lines(c, config, world, act, flops, flops_per_iter):
     for m, x in costs.mixers.items():
         launches = x["recorded"]["launches"] if x["recorded"] else []
         dots = any(launch["dots"] for launch in launches)
-        priced_as.append(f"{m} by its {len(launches)} Triton launches" + ("" if dots else " and its sequence FLOPs"))
+        priced_as.append(f"{m} by its " + " and its ".join(
+            ([f"{len(launches)} Triton launches"] if launches else []) + ([] if dots else ["sequence FLOPs"])))
     run = "a compiled" if c.compile is not False else "an eager"
-    how = f"recorded on fake tensors as {run} run makes them" if costs.recorded else "triton is not installed"
+    how = f"recorded on fake tensors as {run} run makes them" if costs.recorded else \
+        "none recorded: --kernels=torch, or triton is not installed"
     return ["time        estimates by the launch model (analyze.launch_time), not measurements: "
             + ", ".join(f"{gpu} {duration(t[0])}" for gpu, t in priced.items()) + gpus
             + f"\n            H100: {step * 1e3:.1f} ms a step = {shares} ms, {mfu:.0%} MFU"
