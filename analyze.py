@@ -1904,7 +1904,6 @@ class _Walk:
         return _Tile()
 
 
-
 def walked_loops(kernel, grid, args, kwargs):
     """(steps, dots) of one recorded launch, by walking its programs (_Walk) at the grid's corners (each axis at its
     first and last program: where a row-major decomposition of the program id puts every index at its least and its
@@ -1915,7 +1914,11 @@ def walked_loops(kernel, grid, args, kwargs):
     walks = []
     for program in itertools.product(*({0, n - 1} for n in grid)):
         walk = _Walk(kernel, grid, program)
-        walk.function(kernel)(*args, **kwargs)
+        try:
+            walk.function(kernel)(*args, **kwargs)
+        except Exception as e:
+            raise ValueError(f"the dry run walks each Triton kernel's loops with exact integers, and "
+                             f"{kernel.fn.__name__}'s cannot be walked: {e}") from e
         walk.close()
         walks.append(walk)
     return max(1, max(w.steps for w in walks)), math.prod(grid) * sum(w.dots for w in walks) / len(walks)
@@ -1925,7 +1928,8 @@ def mixer_launches(config, letter, batch_size, dtype, compiled):
     """One `letter` mixer of config (model.MIXERS), forward and backward at [batch_size, block_size] under autocast to
     dtype (none for fp32) on the Triton path, recorded on fake tensors (record_launches): dict(launches: one dict a
     Triton launch, in order: kernel, programs, num_warps, num_stages, bytes (its tensor arguments' elements, each view
-    once: an upper bound of the unique bytes it moves, as a kernel need not touch all of an argument), steps and dots
+    once: an upper bound of the addresses it touches, as a kernel need not touch all of an argument; the interpreter's
+    unique bytes count an address both read and written twice), steps and dots
     (walked_loops); eager_launches, eager_bytes: the aten ops inside the Triton ops' bodies (_OpCounts), which no
     compiler fuses). compiled: as under torch.compile, where the dispatchers of rms_norm and rope take their torch
     paths (inductor fuses them)."""
