@@ -1844,7 +1844,7 @@ class _Walk:
     def __init__(self, kernel, grid, program):
         self.kernel_type, self.grid, self.program = type(kernel), grid, program
         self.depth = self.steps = self.dots = 0
-        self.open = self.loaded = False
+        self.open = self.loaded = self.persistent = False
         self.globals = {**kernel.fn.__globals__, "tl": self, "range": self.range}
         for name, value in kernel.fn.__globals__.items():
             if isinstance(value, self.kernel_type):   # a @triton.jit device function: walked too
@@ -1880,7 +1880,8 @@ class _Walk:
     def program_id(self, axis):
         return _Scalar(self.program[axis])
 
-    def num_programs(self, axis):
+    def num_programs(self, axis):   # a grid-stride loop: a persistent grid's rows
+        self.persistent = True
         return _Scalar(self.grid[axis])
 
     def cdiv(self, a, b):
@@ -1907,7 +1908,9 @@ class _Walk:
 def walked_loops(kernel, grid, args, kwargs):
     """(steps, dots) of one recorded launch, by walking its programs (_Walk) at the grid's corners (each axis at its
     first and last program: where a row-major decomposition of the program id puts every index at its least and its
-    most): steps the most any of them walks, dots their mean tl.dot calls times the programs."""
+    most): steps the most any of them walks, dots their mean tl.dot calls times the programs. A program that asks
+    tl.num_programs strides over a persistent grid's rows (a CPU's few programs where it was recorded, a few an SM
+    on a GPU), independent of each other: one step, as the cost report prices it."""
     as_walked = lambda v: _Tile() if torch.is_tensor(v) else _Scalar(v) if type(v) is int else v
     args = [as_walked(a) for a in args]
     kwargs = {k: as_walked(v) for k, v in kwargs.items() if k not in kernels.LAUNCH_OPTIONS}
@@ -1921,7 +1924,8 @@ def walked_loops(kernel, grid, args, kwargs):
                              f"{kernel.fn.__name__}'s cannot be walked: {e}") from e
         walk.close()
         walks.append(walk)
-    return max(1, max(w.steps for w in walks)), math.prod(grid) * sum(w.dots for w in walks) / len(walks)
+    steps = 1 if any(w.persistent for w in walks) else max(1, max(w.steps for w in walks))
+    return steps, math.prod(grid) * sum(w.dots for w in walks) / len(walks)
 
 
 def mixer_launches(config, letter, batch_size, dtype, compiled):
