@@ -6612,6 +6612,20 @@ def test_the_dry_run_prices_each_mixer_layer_by_its_recorded_launches(monkeypatc
     assert analyze.step_time(costs, 1, h100)["mixers"] == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.slow   # a train.py dry run that starts a Python of its own: 21 s serial on a loaded 2-core CPU
+def test_the_dry_run_records_the_mixers_launches_in_a_python_of_its_own_on_a_plain_cpu():
+    """Where kernels.py loads no Triton (a CPU without TRITON_INTERPRET=1), the dry run records the mixers' launches
+    in a Python of its own that imports triton first: for --mixer=GA, 2 layers of 64, 2 heads, T 128, batch 4
+    (GPTConfig's other defaults), its mixers line counts the G launches this process records (in Triton's
+    interpreter here) for the same layer, and A's none (compiled: RoPE goes to inductor)."""
+    args = ["--mixer=GA", "--n_layer=2", "--n_embd=64", "--n_head=2", "--block_size=128", "--batch_size=4"]
+    out = run_train("--dry_run=True", *args, env={"TRITON_INTERPRET": "0"}).stdout
+    cfg = GPTConfig(**{**train.model_defaults(), "vocab_size": 84, "mixer": "GA", "n_layer": 2, "n_embd": 64,
+                       "n_head": 2, "block_size": 128})
+    launches = len(analyze.mixer_launches(cfg, "G", 4, torch.bfloat16, True)["launches"])
+    assert launches > 0 and f"mixers a layer: G by its {launches} Triton launches, A by its sequence FLOPs" in out, out
+
+
 def test_the_dry_run_names_the_batch_that_fits_a_t4(simulated_gpu):
     """The fineweb presets on a T4 (14.6 GiB as torch reports it): refused by check_fit in one line naming the largest
     figure (the activations), and the dry run's fit line says so and names --batch_size and accumulation (the same
