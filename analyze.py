@@ -43,10 +43,12 @@ here (plot_losses), and prices a run here before it builds anything: dry_run_rep
 and the GPUs' peaks that MFU is measured against (GPU_PEAKS, peak_flops).
 """
 import ast
+import builtins
 import collections
 import dataclasses
 import glob
 import inspect
+import itertools
 import json
 import math
 import os
@@ -1709,13 +1711,13 @@ def run_costs(c, config, act):
 
 
 class _OpCounts(torch.utils._python_dispatch.TorchDispatchMode):
-    """What the aten ops run under it would launch on a GPU, eagerly: launches (every op but views and bare
-    allocations), the bytes of their tensor inputs and outputs, the FLOPs of their matmuls (2·M·N·K a product), and
+    """What the aten ops run under it would launch on a GPU, eagerly: launches (every op but views, bare allocations
+    and queries), the bytes of their tensor inputs and outputs, the FLOPs of their matmuls (2·M·N·K a product), and
     the distinct signatures (op, input shapes and dtypes) of the ops that are neither point-wise, views, matmuls nor
     fills: each such one is a kernel inductor generates (it fuses the point-wise ops into them)."""
     MATMULS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}   # op: its two factors' positions
-    NOT_LAUNCHED = {"detach", "t", "_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty_strided",
-                    "promote_types", "scalar_tensor"}   # views func.is_view does not flag, allocations without a fill
+    NOT_LAUNCHED = {"detach", "t", "_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty",
+                    "new_empty_strided", "promote_types", "scalar_tensor"}   # views is_view misses, bare allocations
     NOT_KERNELS = {"zeros", "ones", "new_zeros", "clone", "copy_"}   # fills and copies, which inductor fuses
 
     def __init__(self):
@@ -1725,8 +1727,9 @@ class _OpCounts(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if func.is_view or name in self.NOT_LAUNCHED:
-            return out
+        if func.is_view or name in self.NOT_LAUNCHED or not any(torch.is_tensor(t) for t in
+                                                                 torch.utils._pytree.tree_leaves(out)):
+            return out   # a view, an allocation, or a query that returns no tensor (a tensor's device)
         tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         self.launches += 1
         self.bytes += sum(t.numel() * t.element_size() for t in tensors)
@@ -1746,30 +1749,306 @@ def gemm_time(gpu, M, N, K, instruction, act, dtype="bfloat16"):
                        -(-M // 128) * -(-N // 128), 1, -(-K // 64), 4, dtype)
 
 
+# The mixers' Triton launches, recorded on fake tensors: the dry run prices each mixer layer by them (mixer_launches,
+# mixer_layer_time); bench.py's kernel cost report counts the same launches exactly in Triton's interpreter.
+
+def record_launches(step, on_launch, around_body=None):
+    """Run step() under FakeTensorMode (step makes its tensors there, so any shape is free) with every Triton launch
+    handed to on_launch(kernel, grid, args, kwargs) instead of run. Each Triton op's custom ops run their own bodies
+    there, not their fake functions, so the wrappers choose their launches as they would on a GPU; around_body(name),
+    if given, is the context each body of custom op `name` runs in."""
+    from unittest import mock
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    ops = {op for row in kernels.OPS.values() if row.triton is not None
+           for op in vars(sys.modules[row.triton.__module__]).values()
+           if isinstance(op, torch._library.custom_ops.CustomOpDef)}   # the custom ops of each op's module
+    fakes = {op: op._abstract_fn for op in ops}
+
+    def record(self, *args, grid, warmup, **kwargs):
+        on_launch(self, tuple(grid), args, kwargs)
+
+    def body(op):
+        if around_body is None:
+            return op._init_fn
+
+        def run_around(*args, **kwargs):
+            with around_body(op._name):
+                return op._init_fn(*args, **kwargs)
+        return run_around
+
+    try:
+        for op in ops:
+            op.register_fake(body(op))
+        with FakeTensorMode(), mock.patch.object(type(kernels._rms_norm_fwd_kernel), "run", record):
+            step()
+    finally:
+        for op, fake in fakes.items():
+            op.register_fake(fake)
+
+
+class _Tile:
+    """What a walked program (_Walk) holds for a tensor argument and for every tile, pointer and loaded value made from
+    one: any operation on it gives it back; a branch on it (on loaded data) is an error, no walk can take it."""
+    def __getattr__(self, name):
+        return self
+
+    def __call__(self, *args, **kwargs):
+        return self
+
+    def __getitem__(self, key):
+        return self
+
+    def __bool__(self):
+        raise ValueError("the kernel branches on loaded data: its loops cannot be walked without the interpreter")
+
+    __hash__ = object.__hash__
+
+
+class _Scalar(int):
+    """An integer of a walked program (a program id, an integer argument, what arithmetic makes of them): Triton's
+    scalars take .to(dtype), and arithmetic keeps them _Scalar."""
+    def to(self, *args, **kwargs):
+        return self
+
+
+def _tile_op(self, *other):
+    return self
+
+
+def _scalar_op(name):
+    def op(self, *other):
+        result = getattr(int, name)(self, *other)
+        return _Scalar(result) if type(result) is int else result
+    return op
+
+
+for _op in "add sub mul truediv floordiv mod pow and or xor lshift rshift matmul".split():
+    setattr(_Tile, f"__{_op}__", _tile_op)
+    setattr(_Tile, f"__r{_op}__", _tile_op)
+    if _op not in ("truediv", "matmul"):
+        setattr(_Scalar, f"__{_op}__", _scalar_op(f"__{_op}__"))
+        setattr(_Scalar, f"__r{_op}__", _scalar_op(f"__r{_op}__"))
+for _op in "lt le gt ge eq ne neg pos invert abs".split():
+    setattr(_Tile, f"__{_op}__", _tile_op)
+for _op in "neg pos invert abs".split():
+    setattr(_Scalar, f"__{_op}__", _scalar_op(f"__{_op}__"))
+
+
+class _Walk:
+    """One program of a recorded launch run as plain Python: the kernel's own code, with this object as its
+    triton.language (tl) and its loops' range. Integer arguments and program ids are exact, tensors and everything
+    made from them _Tile, so each loop runs the iterations the program would. It counts, as the cost report's
+    interpreter does, the steps (the iterations of its outermost loops, tl.static_range's unrolled ones apart, that
+    load) and the tl.dot calls."""
+
+    def __init__(self, kernel, grid, program):
+        self.kernel_type, self.grid, self.program = type(kernel), grid, program
+        self.depth = self.steps = self.dots = 0
+        self.open = self.loaded = self.persistent = False
+        self.globals = {**kernel.fn.__globals__, "tl": self, "range": self.range}
+        for name, value in kernel.fn.__globals__.items():
+            if isinstance(value, self.kernel_type):   # a @triton.jit device function: walked too
+                self.globals[name] = self.function(value)
+
+    def function(self, jitted):
+        fn = jitted.fn
+        walked = types.FunctionType(fn.__code__, self.globals, fn.__name__, fn.__defaults__, fn.__closure__)
+        walked.__kwdefaults__ = fn.__kwdefaults__
+        return walked
+
+    def __getattr__(self, name):   # every other tl function and dtype: a tile
+        return _Tile()
+
+    def range(self, *bounds, **options):   # a loop over a tile's dimension (no integer bounds) is walked once
+        sized = all(isinstance(bound, int) for bound in bounds)
+        self.depth += 1
+        try:
+            for i in builtins.range(*bounds) if sized else [0]:
+                if self.depth == 1:
+                    self.close()
+                    self.open, self.loaded = True, False
+                yield _Scalar(i) if sized else _Tile()
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                self.close()
+
+    def close(self):
+        self.steps += self.open and self.loaded
+        self.open = False
+
+    def program_id(self, axis):
+        return _Scalar(self.program[axis])
+
+    def num_programs(self, axis):   # a grid-stride loop: a persistent grid's rows
+        self.persistent = True
+        return _Scalar(self.grid[axis])
+
+    def cdiv(self, a, b):
+        return -(-a // b) if isinstance(a, int) and isinstance(b, int) else _Tile()
+
+    def minimum(self, a, b):
+        return min(a, b) if isinstance(a, int) and isinstance(b, int) else _Tile()
+
+    def maximum(self, a, b):
+        return max(a, b) if isinstance(a, int) and isinstance(b, int) else _Tile()
+
+    def static_range(self, *bounds):
+        return builtins.range(*bounds)
+
+    def load(self, *args, **kwargs):
+        self.loaded = True
+        return _Tile()
+
+    def dot(self, *args, **kwargs):
+        self.dots += 1
+        return _Tile()
+
+
+def walked_loops(kernel, grid, args, kwargs):
+    """(steps, dots) of one recorded launch, by walking its programs (_Walk) at the grid's corners (each axis at its
+    first and last program: where a row-major decomposition of the program id puts every index at its least and its
+    most): steps the most any of them walks, dots their mean tl.dot calls times the programs. A program that asks
+    tl.num_programs strides over a persistent grid's rows (a CPU's few programs where it was recorded, a few an SM
+    on a GPU), independent of each other: one step, as the cost report prices it."""
+    as_walked = lambda v: _Tile() if torch.is_tensor(v) else _Scalar(v) if type(v) is int else v
+    args = [as_walked(a) for a in args]
+    kwargs = {k: as_walked(v) for k, v in kwargs.items() if k not in kernels.LAUNCH_OPTIONS}
+    walks = []
+    for program in itertools.product(*({0, n - 1} for n in grid)):
+        walk = _Walk(kernel, grid, program)
+        try:
+            walk.function(kernel)(*args, **kwargs)
+        except Exception as e:
+            raise ValueError(f"the dry run walks each Triton kernel's loops with exact integers, and "
+                             f"{kernel.fn.__name__}'s cannot be walked: {e}") from e
+        walk.close()
+        walks.append(walk)
+    steps = 1 if any(w.persistent for w in walks) else max(1, max(w.steps for w in walks))
+    return steps, math.prod(grid) * sum(w.dots for w in walks) / len(walks)
+
+
+def mixer_launches(config, letter, batch_size, dtype, compiled):
+    """One `letter` mixer of config (model.MIXERS), forward and backward at [batch_size, block_size] under autocast to
+    dtype (none for fp32) on the Triton path, recorded on fake tensors (record_launches): dict(launches: one dict a
+    Triton launch, in order: kernel, programs, num_warps, num_stages, bytes (its tensor arguments' elements, each view
+    once: an upper bound of the addresses it touches, as a kernel need not touch all of an argument; the interpreter's
+    unique bytes count an address both read and written twice), steps and dots
+    (walked_loops); eager_launches, eager_bytes: the aten ops inside the Triton ops' bodies (_OpCounts), which no
+    compiler fuses). compiled: as under torch.compile, where the dispatchers of rms_norm and rope take their torch
+    paths (inductor fuses them)."""
+    from unittest import mock
+    cfg = dataclasses.replace(config, mixer=letter, kernels="triton", dropout=0.0)
+    launches, eager = [], _OpCounts()
+
+    def record(kernel, grid, args, kwargs):
+        views = {(t.untyped_storage()._cdata, t.storage_offset(), t.shape, t.stride()): t
+                 for t in (*args, *kwargs.values()) if torch.is_tensor(t)}
+        steps, dots = walked_loops(kernel, grid, args, kwargs)
+        launches.append(dict(kernel=kernel.fn.__name__, programs=math.prod(grid),
+                             num_warps=kwargs.get("num_warps", 4), num_stages=kwargs.get("num_stages", 3),
+                             bytes=sum(t.element_size() * math.prod(n for n, s in zip(t.shape, t.stride()) if s)
+                                       for t in views.values()), steps=steps, dots=dots))
+
+    def step():
+        mixer = model_module.MIXERS[letter](cfg)
+        T, head_dim = cfg.block_size, cfg.n_embd // cfg.n_head
+        x = torch.randn(batch_size, T, cfg.n_embd).to(dtype).requires_grad_()
+        rope = (model_module.rope_cache(T, head_dim, cfg.rope_base) if cfg.rope == "fixed"
+                else torch.arange(T, dtype=torch.float32))
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            y = mixer(x, rope)
+        y.backward(torch.randn_like(y))
+
+    with mock.patch.object(torch.compiler, "is_compiling", lambda: compiled):
+        record_launches(step, record, lambda name: eager)
+    return dict(launches=launches, eager_launches=eager.launches, eager_bytes=eager.bytes)
+
+
+def recording_mixers(config, batch_size, dtype, compiled):
+    """Start recording mixer_launches for each mixer letter config's layers use; returns the function that waits for
+    {letter: mixer_launches}, or None where triton is not installed or config.kernels is torch or ref. In this
+    process where kernels.py loaded Triton (a GPU, the interpreter), else in a Python of its own that imports triton
+    first, so that the kernels are defined (nothing compiles or runs), while this one counts the rest."""
+    letters = sorted(set(config.mixer[:config.n_layer]))
+    if config.kernels not in ("auto", "triton"):   # the GPU run takes the torch paths: no Triton launch
+        return lambda: None
+    if kernels.HAS_TRITON:
+        recorded = {m: mixer_launches(config, m, batch_size, dtype, compiled) for m in letters}
+        return lambda: recorded
+    program = ("import json, sys, torch, triton, analyze, model; a = json.loads(sys.argv[1]); print(json.dumps({m: "
+               "analyze.mixer_launches(model.GPTConfig(**a['config']), m, a['batch'], getattr(torch, a['dtype']), "
+               "a['compiled']) for m in a['letters']}))")
+    asked = dict(config=dataclasses.asdict(config), batch=batch_size, compiled=compiled,
+                 dtype=str(dtype).split(".")[-1], letters=letters)
+    proc = subprocess.Popen([sys.executable, "-c", program, json.dumps(asked)],
+                            cwd=os.path.dirname(os.path.abspath(__file__)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+    def wait():
+        out, err = proc.communicate()
+        if proc.returncode and "No module named 'triton'" in err:
+            return None
+        if proc.returncode:
+            raise RuntimeError(f"recording the mixers' launches failed: {err[-2000:]}")
+        return json.loads(out.strip().splitlines()[-1])
+    return wait
+
+
+# a mixer launch's resident blocks an SM, without a compile: the registers of an SM (65536 on sm_75 to sm_90) over its
+# warps at kernels.MAX_REGISTERS a thread, the most a launch takes (ptxas is held to it): the fewest blocks it can have
+REGISTERS_AN_SM = 65536
+
+
+def mixer_blocks_per_sm(num_warps):
+    return max(1, REGISTERS_AN_SM // (num_warps * 32 * kernels.MAX_REGISTERS))
+
+
+def mixer_layer_time(gpu, mixer, dtype="bfloat16"):
+    """One mixer layer's forward + backward on a COST_GPUS entry by the launch model, from step_costs' mixer entry:
+    each recorded Triton launch by launch_time (mixer_launches' programs, bytes, steps and stages,
+    mixer_blocks_per_sm of its warps, and the layer's sequence FLOPs shared among its launches by their tl.dot calls,
+    at the mma.sync rate), the aten ops inside the Triton ops' bodies by their bytes streamed and a launch overhead
+    each; the sequence FLOPs that no Triton launch dots (attention's sdpa, or every mixer where triton is not
+    installed and no launch was recorded) as a forward launch of a third and a backward one of two thirds, each a
+    program a head and 64-token block walking up to T/64 blocks (FlashAttention's grid)."""
+    recorded = mixer["recorded"] or dict(launches=[], eager_launches=0, eager_bytes=0)
+    dots = sum(launch["dots"] for launch in recorded["launches"])
+    seconds = sum(launch_time(gpu, launch["bytes"], mixer["flops"] * launch["dots"] / dots if dots else 0, "mma",
+                              launch["programs"], mixer_blocks_per_sm(launch["num_warps"]), launch["steps"],
+                              launch["num_stages"], dtype)["time"] for launch in recorded["launches"])
+    seconds += recorded["eager_launches"] * LAUNCH_OVERHEAD + \
+        recorded["eager_bytes"] / (STREAM_FRACTION * gpu["bandwidth"])
+    if mixer["flops"] and not dots:
+        seconds += sum(launch_time(gpu, 0, share * mixer["flops"], "mma", mixer["programs"], 1, mixer["steps"], 2,
+                                   dtype)["time"] for share in (1 / 3, 2 / 3))
+    return seconds
+
+
 def step_costs(c, config, act):
     """What the dry run needs to price one optimizer step, counted on the meta device: the GEMMs of a micro-step
     (Counter of the (M, N, K) of every nn.Linear's forward, input-gradient and weight-gradient products), the mixer
-    layers (Counter of their (sequence FLOPs, programs: a head and 64-token block of the batch, steps: T/64)), the
-    bytes a micro-step's activations move (model.activation_formula and the loss's
-    logits, each written in the forward, read in the backward and its gradient written: 3 times), the optimizer
-    step's launches, bytes and matmul FLOPs (counted in _OpCounts on one period of layers, its bytes and FLOPs scaled
-    to the model by its parameters), and the distinct kernels the first step compiles (_OpCounts' kernels over one
-    period's forward + backward at the run's batch, the torch path)."""
+    layers ({letter: dict(layers, flops: a layer's sequence FLOPs, programs: a head and 64-token block of the batch,
+    steps: T/64, recorded: its Triton launches, recording_mixers' at the run's batch in bf16 autocast (fp32 for
+    --dtype=float32), as torch.compile runs them unless --compile=False)}), the bytes a micro-step's activations move
+    (model.activation_formula and the loss's logits, each written in the forward, read in the backward and its
+    gradient written: 3 times), the optimizer step's launches, bytes and matmul FLOPs (counted in _OpCounts on one
+    period of layers, its bytes and FLOPs scaled to the model by its parameters), and the distinct kernels the first
+    step compiles (_OpCounts' kernels over one period's forward + backward at the run's batch, the torch path)."""
+    recording = recording_mixers(config, c.batch_size, torch.float32 if act == 4 else torch.bfloat16,
+                                 c.compile is not False)
     period = min(config.n_layer, len(config.mixer))
     with torch.device("meta"):
         gpt = GPT(dataclasses.replace(config, n_layer=period, kernels="torch"))
     layers = [len(range(i, config.n_layer, period)) for i in range(period)]
     tokens = c.batch_size * config.block_size
     in_blocks = {id(m): n for b, n in zip(gpt.blocks, layers) for m in b.modules()}   # a module's layers
-    gemms, mixers, blocks = collections.Counter(), collections.Counter(), -(-config.block_size // 64)
+    gemms, mixers, blocks = collections.Counter(), {}, -(-config.block_size // 64)
     for m in gpt.modules():
         if isinstance(m, nn.Linear):
             for shape in ((tokens, m.out_features, m.in_features), (tokens, m.in_features, m.out_features),
                           (m.in_features, m.out_features, tokens)):
                 gemms[shape] += in_blocks.get(id(m), 1)
-    for b, n in zip(gpt.blocks, layers):
-        flops = getattr(b.mixer, "extra_flops_per_token", lambda T: 0)(config.block_size) * tokens
-        mixers[flops, c.batch_size * getattr(b.mixer, "n_head", config.n_head) * blocks, blocks] += n
     kept = model_module.activation_formula(config, c.batch_size, act)
     traffic = None if kept is None else 3 * (kept + (act + 4) * tokens * config.padded_vocab_size)
     forward_backward = _OpCounts()
@@ -1785,7 +2064,14 @@ def step_costs(c, config, act):
     period_params = sum(p.numel() for p in gpt.parameters())
     scale = (period_params + sum((n - 1) * sum(p.numel() for p in b.parameters())
                                  for b, n in zip(gpt.blocks, layers))) / period_params
-    return types.SimpleNamespace(gemms=gemms, mixers=mixers, traffic=traffic,
+    recorded = recording()
+    for i, (b, n) in enumerate(zip(gpt.blocks, layers)):
+        letter = config.mixer[i % len(config.mixer)]
+        flops = getattr(b.mixer, "extra_flops_per_token", lambda T: 0)(config.block_size) * tokens
+        mixers.setdefault(letter, dict(layers=0, flops=flops, programs=c.batch_size * getattr(
+            b.mixer, "n_head", config.n_head) * blocks, steps=blocks, recorded=recorded and recorded[letter]))
+        mixers[letter]["layers"] += n
+    return types.SimpleNamespace(gemms=gemms, mixers=mixers, recorded=recorded is not None, traffic=traffic,
                                  optimizer=dict(launches=step.launches, bytes=step.bytes * scale,
                                                 flops=step.flops * scale),
                                  kernels=len(forward_backward.kernels))
@@ -1793,16 +2079,14 @@ def step_costs(c, config, act):
 
 def step_time(costs, micro, gpu):
     """One optimizer step of one process (`micro` micro-steps) on a COST_GPUS entry by the launch model, from
-    step_costs: {part: seconds} of the micro-steps' GEMMs (gemm_time; wgmma on sm_90, else mma.sync), mixers (a
-    layer's sequence FLOPs as a forward launch of a third and a backward one of two thirds, each a program a head and
-    64-token block of the batch walking up to T/64 blocks: the grids of FlashAttention and of the chunked kernels; at
-    the mma.sync rate) and activations (their bytes streamed at STREAM_FRACTION of the bandwidth), then the optimizer
-    (its launches' overheads, its bytes streamed and its FLOPs at the GEMM rate, one after another)."""
+    step_costs: {part: seconds} of the micro-steps' GEMMs (gemm_time; wgmma on sm_90, else mma.sync), mixers
+    (mixer_layer_time: each layer's recorded Triton launches, attention's sdpa by its FLOPs) and activations (their
+    bytes streamed at STREAM_FRACTION of the bandwidth), then the optimizer (its launches' overheads, its bytes
+    streamed and its FLOPs at the GEMM rate, one after another)."""
     dtype = "bfloat16" if GPU_PEAKS[gpu["name"]][0] else "float16"
     instruction = "wgmma" if gpu["arch"] >= 90 else "mma"
     gemms = sum(n * gemm_time(gpu, *shape, instruction, 2, dtype)["time"] for shape, n in costs.gemms.items())
-    mixers = sum(n * launch_time(gpu, 0, share * flops, "mma", programs, 1, steps, 2, dtype)["time"]
-                 for (flops, programs, steps), n in costs.mixers.items() if flops for share in (1 / 3, 2 / 3))
+    mixers = sum(m["layers"] * mixer_layer_time(gpu, m, dtype) for m in costs.mixers.values())
     traffic = costs.traffic / (STREAM_FRACTION * gpu["bandwidth"])
     opt = costs.optimizer
     optimizer = opt["launches"] * LAUNCH_OVERHEAD + opt["bytes"] / (STREAM_FRACTION * gpu["bandwidth"]) + \
@@ -1861,11 +2145,11 @@ def sized_for_a_gpu(c, flops_per_iter, flops, rate):
             f"float32 matmul measured now; an optimistic estimate); --dry_run=True prices it on GPUs")
 
 
-def run_time(c, config, act, gpu):
+def run_time(c, costs, gpu):
     """(seconds of the run, seconds a step, {part: seconds a step}, kernels to compile) on a COST_GPUS entry by the
-    launch model (step_time): max_iters steps, each eval's eval_iters batches at a third of a micro-step's GEMMs,
-    mixers and activations (the forward), and the first step's compile (TRITON_COMPILE_SECONDS a kernel, serially)."""
-    costs = step_costs(c, config, act)
+    launch model (step_time of step_costs' costs): max_iters steps, each eval's eval_iters batches at a third of a
+    micro-step's GEMMs, mixers and activations (the forward), and the first step's compile (TRITON_COMPILE_SECONDS a
+    kernel, serially)."""
     parts = step_time(costs, c.gradient_accumulation_steps, COST_GPUS[gpu])
     step = sum(parts.values())
     evals = (c.max_iters // c.eval_interval + 1) * c.eval_iters * (step - parts["optimizer"]) / (
@@ -1875,17 +2159,29 @@ def run_time(c, config, act, gpu):
 
 def time_lines(c, config, world, act, flops, flops_per_iter):
     """The dry run's time and compile lines: run_time on each of ESTIMATE_GPUS (each process's step; DDP's
-    all-reduce not priced), the H100's step by part and its MFU against the dense bf16 peak."""
+    all-reduce not priced), the H100's step by part and its MFU against the dense bf16 peak, and what priced each
+    mixer layer (mixer_layer_time)."""
     if model_module.activation_formula(config, c.batch_size, act) is None:
         return ["time        no estimate: the launch model prices the activations' bytes (see memory)"]
-    priced = {gpu: run_time(c, config, act, gpu) for gpu in ESTIMATE_GPUS}
+    costs = step_costs(c, config, act)
+    priced = {gpu: run_time(c, costs, gpu) for gpu in ESTIMATE_GPUS}
     _, step, parts, kernels = priced["H100"]
     mfu = flops_per_iter / world / step / GPU_PEAKS[COST_GPUS["H100"]["name"]][0]
     gpus = f", {world} GPUs" if world > 1 else ""
     shares = " + ".join(f"{k} {v * 1e3:.1f}" for k, v in parts.items())
+    priced_as = []
+    for m, x in costs.mixers.items():
+        launches = x["recorded"]["launches"] if x["recorded"] else []
+        dots = any(launch["dots"] for launch in launches)
+        priced_as.append(f"{m} by its " + " and its ".join(
+            ([f"{len(launches)} Triton launches"] if launches else []) + ([] if dots else ["sequence FLOPs"])))
+    run = "a compiled" if c.compile is not False else "an eager"
+    how = f"recorded on fake tensors as {run} run makes them" if costs.recorded else \
+        "none recorded: --kernels=torch, or triton is not installed"
     return ["time        estimates by the launch model (analyze.launch_time), not measurements: "
             + ", ".join(f"{gpu} {duration(t[0])}" for gpu, t in priced.items()) + gpus
-            + f"\n            H100: {step * 1e3:.1f} ms a step = {shares} ms, {mfu:.0%} MFU",
+            + f"\n            H100: {step * 1e3:.1f} ms a step = {shares} ms, {mfu:.0%} MFU"
+            + f"\n            mixers a layer: {', '.join(priced_as)} ({how})",
             f"compile     the first step waits for the compiled graphs and about {kernels} Triton kernels: "
             f"{duration(kernels * TRITON_COMPILE_SECONDS)} at {TRITON_COMPILE_SECONDS:.0f} s a kernel (in the times)"]
 

@@ -63,50 +63,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # autograd keeps for the backward, again on fake tensors.
 
 
-def _record_launches(step, on_launch, around_body=None):
-    """Run step() under FakeTensorMode (step makes its tensors there, so any shape is free) with every Triton launch
-    handed to on_launch(kernel, grid, args, kwargs) instead of run. Each Triton op's custom ops run their own bodies
-    there, not their fake functions, so the wrappers choose their launches as they would on a GPU; around_body(name),
-    if given, is the context each body of custom op `name` runs in."""
-    from unittest import mock
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    ops = {op for row in kernels.OPS.values() if row.triton is not None
-           for op in vars(sys.modules[row.triton.__module__]).values()
-           if isinstance(op, torch._library.custom_ops.CustomOpDef)}   # the custom ops of each op's module
-    fakes = {op: op._abstract_fn for op in ops}
-
-    def record(self, *args, grid, warmup, **kwargs):
-        on_launch(self, tuple(grid), args, kwargs)
-
-    def body(op):
-        if around_body is None:
-            return op._init_fn
-
-        def run_around(*args, **kwargs):
-            with around_body(op._name):
-                return op._init_fn(*args, **kwargs)
-        return run_around
-
-    try:
-        for op in ops:
-            op.register_fake(body(op))
-        with FakeTensorMode(), mock.patch.object(type(kernels._rms_norm_fwd_kernel), "run", record):
-            step()
-    finally:
-        for op, fake in fakes.items():
-            op.register_fake(fake)
-
-
 def triton_launches(step):
     """[(kernel, signature, constexprs, attrs, options)], one per distinct launch that step() (Triton ops forward and
-    backward) makes, recorded on fake tensors (_record_launches)."""
+    backward) makes, recorded on fake tensors (analyze.record_launches)."""
     launches = {}
 
     def record(kernel, grid, args, kwargs):
         launch = (kernel, *_launch_signature(kernel, args, kwargs))
         launches.setdefault(launch_key(launch), launch)
 
-    _record_launches(step, record)
+    analyze.record_launches(step, record)
     return list(launches.values())
 
 
@@ -168,9 +134,9 @@ def with_general_integers(launch):
 
 
 def triton_grids(step):
-    """[(kernel name, grid)] for every launch step() makes, recorded on fake tensors (_record_launches)."""
+    """[(kernel name, grid)] for every launch step() makes, recorded on fake tensors (analyze.record_launches)."""
     grids = []
-    _record_launches(step, lambda kernel, grid, args, kwargs: grids.append((kernel.fn.__name__, grid)))
+    analyze.record_launches(step, lambda kernel, grid, args, kwargs: grids.append((kernel.fn.__name__, grid)))
     return grids
 
 
@@ -572,8 +538,8 @@ def _unique_bytes(t):
 def _eager_op_bytes(by_op=None):
     """A TorchDispatchMode that sums, into .bytes (and by_op[op name], if given), what the aten ops it sees read
     (each input tensor's elements) and write (each output tensor). This file's custom ops move what their bodies do
-    (counted there, _record_launches' around_body). Moving nothing: an op whose outputs are all views of its inputs
-    (a view, a reshape or .contiguous() that needs no copy, .to() its own dtype) unless it mutates them,
+    (counted there, analyze.record_launches' around_body). Moving nothing: an op whose outputs are all views of its
+    inputs (a view, a reshape or .contiguous() that needs no copy, .to() its own dtype) unless it mutates them,
     allocations, and ops that return no tensor (a tensor's device)."""
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -624,10 +590,10 @@ def replay_counts(launch):
 
 
 def real_launches(step, signatures=False):
-    """(launches, eager): step()'s Triton launches recorded on fake tensors (_record_launches), in order, each
-    dict(kernel name, fn, grid, params, options, args and kwargs (tensors as _TensorSpec), and with signatures=True
-    also signature, constexprs: what triton.compile takes, not available in the interpreter), and {custom op: bytes
-    its body's aten ops move}."""
+    """(launches, eager): step()'s Triton launches recorded on fake tensors (analyze.record_launches), in order,
+    each dict(kernel name, fn, grid, params, options, args and kwargs (tensors as _TensorSpec), and with
+    signatures=True also signature, constexprs: what triton.compile takes, not available in the interpreter), and
+    {custom op: bytes its body's aten ops move}."""
     launches, eager, storages = [], collections.Counter(), {}
     spec = lambda a: _TensorSpec(a, storages) if isinstance(a, torch.Tensor) else a
 
@@ -646,7 +612,7 @@ def real_launches(step, signatures=False):
             yield
         eager[name] += mode.bytes
 
-    _record_launches(step, record, count_eager)
+    analyze.record_launches(step, record, count_eager)
     return launches, dict(eager)
 
 
@@ -665,7 +631,7 @@ def step_bytes(step):
     def run():
         with _eager_op_bytes(moved):
             step()
-    _record_launches(run, record, lambda name: _eager_op_bytes(moved))
+    analyze.record_launches(run, record, lambda name: _eager_op_bytes(moved))
     return dict(moved)
 
 

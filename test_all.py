@@ -3074,7 +3074,7 @@ def test_a_new_op_is_one_row_that_every_check_runs(device):
         check_op_passes_opcheck("scaled_copy", device)
         check_op_takes_fp16("scaled_copy", device)
         launched = []
-        bench._record_launches(kernels.example_steps(T=64)["scaled_copy"], lambda kernel, *_: launched.append(
+        analyze.record_launches(kernels.example_steps(T=64)["scaled_copy"], lambda kernel, *_: launched.append(
             kernel.fn.__name__))
         assert launched == ["_scaled_copy_kernel"] * 2   # forward and backward
         assert "scaled_copy" in aot_ops_alone()
@@ -3098,7 +3098,7 @@ def test_every_triton_launch_runs_on_its_inputs_gpu_with_autocast_off(simulated_
         with torch.device("cuda:1"), torch.autocast("cuda", dtype=torch.bfloat16):
             for op_step in kernels.example_steps(T=64, chunk=16).values():
                 op_step()
-    bench._record_launches(step, lambda kernel, grid, args, kwargs: seen.append(
+    analyze.record_launches(step, lambda kernel, grid, args, kwargs: seen.append(
         (kernel.fn.__name__, torch.cuda.current_device(), torch.is_autocast_enabled("cuda"))))
     launched = {name for name, _, _ in seen}
     assert len(launched) >= 15 and {"_ssd_chunk_scan_kernel", "_rms_norm_fwd_kernel"} <= launched, launched
@@ -6593,8 +6593,9 @@ def test_the_dry_runs_step_parts_by_hand():
     analyze.step_costs of a 3-layer attention model (make_config: mixer A, relu2 MLP, plain residual, tied head;
     128 wide, 4 heads, T 256, vocab 84) at batch 2: per micro-step each Linear's three GEMMs (q, k, v, out 128 x 128
     and the MLP's two, 3 layers each; the head 128 x 84 once), attention's 12·T·d FLOPs a token a layer on a grid of a program a head and 64-token block
-    (4 steps), the activations' formula and the logits 3 times; analyze.step_time prices the GEMMs by gemm_time and
-    the micro-steps add up."""
+    (4 steps) and, compiled as a GPU run is, no Triton launch (without qk_norm, RoPE alone, which inductor fuses), the
+    activations' formula and the logits 3 times; analyze.step_time prices the GEMMs by gemm_time and the micro-steps
+    add up."""
     with torch.device("meta"), analyze._OpCounts() as counts:
         a, b = torch.ones(4, 8), torch.ones(8, 16)
         (a @ b).view(64).sum()
@@ -6610,7 +6611,8 @@ def test_the_dry_runs_step_parts_by_hand():
         for shape in ((tokens, n_out, n_in), (tokens, n_in, n_out), (n_in, n_out, tokens)):
             gemms[shape] += n
     assert costs.gemms == gemms
-    assert costs.mixers == {(12 * 256 * d * tokens, 2 * 4 * 4, 4): 3}
+    assert costs.mixers == {"A": dict(layers=3, flops=12 * 256 * d * tokens, programs=2 * 4 * 4, steps=4, recorded=dict(
+        launches=[], eager_launches=0, eager_bytes=0))}   # compiled (the default): no Triton launch, no qk norm
     assert costs.traffic == 3 * (model_module.activation_formula(cfg, 2, 2) + 6 * tokens * 84)
     assert costs.optimizer["launches"] > 0 and costs.optimizer["bytes"] > 0
     h100 = analyze.COST_GPUS["H100"]
@@ -6621,6 +6623,89 @@ def test_the_dry_runs_step_parts_by_hand():
     assert parts["mixers"] == pytest.approx(3 * 3 * sum(analyze.launch_time(h100, 0, share * 12 * 256 * d * tokens,
                                                                             "mma", 32, 1, 4, 2)["time"]
                                                         for share in (1 / 3, 2 / 3)))
+
+
+@INTERPRETED
+def test_the_dry_run_prices_each_mixer_layer_by_its_recorded_launches(monkeypatch):
+    """analyze.step_costs and step_time of a 3-layer GMA model (make_config: 16 wide, 1 head, T 96, chunks of 32;
+    Mamba2 expand 2, heads of 16, state 16; no qk norm) at batch 1, uncompiled (--compile=False: its norms and RoPE
+    launch Triton kernels too): each mixer layer costs, per Triton launch recorded here (bench.real_launches of its
+    forward + backward under bf16 autocast) and counted in Triton's interpreter (bench.interpreter_counts), launch_time
+    of its grid's programs, the bytes of its distinct tensor arguments, the steps the interpreter counted, 65536 /
+    (warps · 32 · 232) blocks an SM and the layer's sequence FLOPs shared by the tl.dot calls the interpreter made
+    (the dry run's: its walk's, the mean of the grid's corner programs times the programs, within 10% of those);
+    plus the aten ops inside the Triton ops' bodies (their bytes as bench counts them) at 90% of the bandwidth and
+    4 µs a launch; A, whose launches (RoPE) dot nothing, adds its FLOPs as FlashAttention's two launches."""
+    from triton.runtime import interpreter
+    cfg = make_config(n_layer=3, mixer="GMA", n_embd=16, n_head=1, block_size=96, chunk_size=32, gdn_chunk_size=32,
+                      mamba_expand=2, mamba_headdim=16, mamba_d_state=16, qk_norm=False)
+    c = types.SimpleNamespace(**{**train.RUN_DEFAULTS, "batch_size": 1, "gradient_accumulation_steps": 1,
+                                 "compile": False})
+    costs = analyze.step_costs(c, cfg, act=2)
+    h100, calls = analyze.COST_GPUS["H100"], []   # calls: the tl.dot calls of each interpreted launch, in order
+    run, create_dot = interpreter.InterpretedFunction.run, interpreter.InterpreterBuilder.create_dot
+
+    def counted_run(self, *args, **kwargs):
+        calls.append(0)
+        return run(self, *args, **kwargs)
+
+    def counted_dot(self, *args):
+        calls[-1] += 1
+        return create_dot(self, *args)
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted_run)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", counted_dot)
+    want = 0.0
+    for letter in "GMA":
+        def step():
+            torch.manual_seed(0)
+            mixer = model_module.MIXERS[letter](dataclasses.replace(cfg, kernels="triton"))
+            x = torch.randn(1, 96, 16).to(torch.bfloat16).requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = mixer(x, model_module.rope_cache(96, 16, cfg.rope_base))
+            y.backward(torch.randn_like(y))
+        launches, eager = bench.real_launches(step)
+        calls.clear()
+        counts = bench.interpreter_counts(step)
+        assert [c["kernel"] for c in counts] == [launch["kernel"] for launch in launches] and len(calls) == len(counts)
+        rows = []
+        for launch, count, dots in zip(launches, counts, calls):
+            views = {(a.storage, a.offset, tuple(a.size), tuple(a.stride)): a for a in (*launch["args"],
+                     *launch["kwargs"].values()) if isinstance(a, bench._TensorSpec)}
+            nbytes = sum(a.dtype.itemsize * math.prod(n for n, s in zip(a.size, a.stride) if s) for a in views.values())
+            rows.append((launch["kernel"], math.prod(launch["grid"]), nbytes, count["steps"], dots,
+                         launch["options"].get("num_warps", 4), launch["options"].get("num_stages", 3)))
+        mixer = costs.mixers[letter]
+        recorded = mixer["recorded"]
+        assert [(r["kernel"], r["programs"], r["bytes"], r["steps"]) for r in recorded["launches"]] == \
+            [row[:4] for row in rows], letter
+        assert [r["dots"] for r in recorded["launches"]] == pytest.approx([row[4] for row in rows], rel=0.1), letter
+        assert recorded["eager_bytes"] == sum(eager.values()), (letter, eager)
+        flops, all_dots = mixer["flops"], sum(row[4] for row in rows)
+        layer = sum(analyze.launch_time(h100, nbytes, flops * calls / all_dots if all_dots else 0, "mma", programs,
+                                        max(1, 65536 // (warps * 32 * 232)), steps, stages)["time"]
+                    for _, programs, nbytes, steps, calls, warps, stages in rows)
+        layer += recorded["eager_launches"] * 4e-6 + sum(eager.values()) / (0.9 * 3.35e12)
+        if not all_dots:
+            assert letter == "A" and flops == 12 * 96 * 16 * 96
+            layer += sum(analyze.launch_time(h100, 0, share * flops, "mma", 1 * 2, 1, 2, 2)["time"]
+                         for share in (1 / 3, 2 / 3))
+        assert rows and (letter == "A") == (all_dots == 0), (letter, rows)
+        want += layer
+    assert analyze.step_time(costs, 1, h100)["mixers"] == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.slow   # a train.py dry run that starts a Python of its own: 21 s serial on a loaded 2-core CPU
+def test_the_dry_run_records_the_mixers_launches_in_a_python_of_its_own_on_a_plain_cpu():
+    """Where kernels.py loads no Triton (a CPU without TRITON_INTERPRET=1), the dry run records the mixers' launches
+    in a Python of its own that imports triton first: for --mixer=GA, 2 layers of 64, 2 heads, T 128, batch 4
+    (GPTConfig's other defaults), its mixers line counts the G launches this process records (in Triton's
+    interpreter here) for the same layer, and A's none (compiled: RoPE goes to inductor)."""
+    args = ["--mixer=GA", "--n_layer=2", "--n_embd=64", "--n_head=2", "--block_size=128", "--batch_size=4"]
+    out = run_train("--dry_run=True", *args, env={"TRITON_INTERPRET": "0"}).stdout
+    cfg = GPTConfig(**{**train.model_defaults(), "vocab_size": 84, "mixer": "GA", "n_layer": 2, "n_embd": 64,
+                       "n_head": 2, "block_size": 128})
+    launches = len(analyze.mixer_launches(cfg, "G", 4, torch.bfloat16, True)["launches"])
+    assert launches > 0 and f"mixers a layer: G by its {launches} Triton launches, A by its sequence FLOPs" in out, out
 
 
 def test_the_dry_run_names_the_batch_that_fits_a_t4(simulated_gpu):
