@@ -3567,7 +3567,7 @@ def _ssd_bwd(dy: torch.Tensor, dh_T: torch.Tensor, x: torch.Tensor, dt: torch.Te
     dB, dC = torch.empty(B.shape, device=B.device, dtype=B.dtype), torch.empty(C.shape, device=C.device, dtype=C.dtype)
     _ssd_chunk_bwd_dbc_kernel[(b * N * n_kb, n_nb)](
         B2, C2, dCB, dC_states, dB_states, dB, dC, b, l, n, N, Cs, n_hg, sB, sC, BLOCK_N=BN, BLOCK_C=BC, DOT=dot,
-        num_warps=8, num_stages=2)
+        num_warps=8, num_stages=2, maxnreg=MAX_REGISTERS)   # uncapped, ptxas took 40 in fp32 on sm_80 and spilled 8 B
     ddt = torch.empty(b, l, h, device=dt.device, dtype=dt.dtype)
     dA, dD = torch.empty(b, N, h, **f32), torch.empty(b, N, h, **f32)
     _ssd_chunk_bwd_ddt_kernel[(b * N * h,)](
