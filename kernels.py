@@ -2184,11 +2184,13 @@ if HAS_TRITON:
     @triton.jit
     def _gdn2_chunk_state_kernel(Y_ptr, U0_ptr, k_out_ptr, decay_ptr, s0_ptr, sT_ptr, S_in_ptr, U_ptr, T, H, K, V,
                                  n_chunks, HAS_INITIAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 BLOCK_V: tl.constexpr, DOT: tl.constexpr):
+                                 BLOCK_V: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr):
         # one program per (batch·head, value block), over the chunks in order, its state S [K, BLOCK_V] in fp32:
         # writes each chunk's entering state S and its corrections U, then S_T. The chunks' reads O = q_in S + Aqk U
         # need no state of their own and run in parallel after it (_gdn2_chunk_output_kernel): inside the pass
-        # their operands doubled what each step holds
+        # their operands doubled what each step holds. A chunk goes by pieces of ROWS rows (U's rows need only S,
+        # and S's update sums over rows): where rows are not 16-byte aligned each element is its own load and
+        # address, and a whole chunk's [CHUNK, K] operands spilled
         pid_bh, pid_v = tl.program_id(0), tl.program_id(1)
         bi, hi = pid_bh // H, pid_bh % H
         ks = tl.arange(0, BLOCK_K)
@@ -2201,14 +2203,18 @@ if HAS_TRITON:
         for c in range(n_chunks):
             chunk = ((bi * n_chunks + c) * H + hi).to(tl.int64)
             tl.store(S_in_ptr + chunk * K * V + st_offs, S.to(S_in_ptr.dtype.element_ty), mask=st_mask)
-            Y = _gdn2_chunk_tile(Y_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
-            U0, v_mask = _gdn2_chunk_tile(U0_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)
-            U = U0 - _gdn2_dot(Y, S, DOT)
-            tl.store(_gdn2_chunk_rows(U_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0], U.to(U_ptr.dtype.element_ty),
-                     mask=v_mask)
-            k_out = _gdn2_chunk_tile(k_out_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
             d = tl.load(decay_ptr + chunk * K + ks, mask=ks < K, other=0.0)
-            S = d[:, None] * S + _gdn2_dot(tl.trans(k_out), U, DOT)
+            S_next = d[:, None] * S
+            for j in range(CHUNK // ROWS):
+                piece = c * (CHUNK // ROWS) + j
+                Y = _gdn2_chunk_tile(Y_ptr, H * K, bi, piece, hi, T, K, ks, ROWS)[0]
+                U0, v_mask = _gdn2_chunk_tile(U0_ptr, H * V, bi, piece, hi, T, V, vs, ROWS)
+                U = U0 - _gdn2_dot(Y, S, DOT)
+                tl.store(_gdn2_chunk_rows(U_ptr, H * V, bi, piece, hi, T, V, vs, ROWS)[0], U.to(U_ptr.dtype.element_ty),
+                         mask=v_mask)
+                k_out = _gdn2_chunk_tile(k_out_ptr, H * K, bi, piece, hi, T, K, ks, ROWS)[0]
+                S_next += _gdn2_dot(tl.trans(k_out), U, DOT)
+            S = S_next
         tl.store(sT_ptr + pid_bh.to(tl.int64) * K * V + st_offs, S, mask=st_mask)
 
     @triton.jit
@@ -2236,10 +2242,12 @@ if HAS_TRITON:
     @triton.jit
     def _gdn2_chunk_bwd_state_kernel(Aqk_ptr, Y_ptr, q_in_ptr, k_out_ptr, decay_ptr, do_ptr, dsT_ptr, dS_next_ptr,
                                      dU_ptr, ds0_ptr, row_do, T, H, K, V, n_chunks, CHUNK: tl.constexpr,
-                                     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT: tl.constexpr):
+                                     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT: tl.constexpr,
+                                     ROWS: tl.constexpr):
         # reverse over the chunks: dU = Aqkᵀ dO + k_out dS',  dS = q_inᵀ dO + Diag(d) dS' − Yᵀ dU, with dS' the
-        # gradient of the chunk's exit state (dS_T for the last one), held as the state pass holds S; dS' and dU are
-        # written per chunk
+        # gradient of the chunk's exit state (dS_T for the last one), held as the state pass holds S, a chunk by
+        # pieces of ROWS rows as there (dU's rows j: Aqk's columns j against the whole dO); dS' and dU are written
+        # per chunk
         pid_bh, pid_v = tl.program_id(0), tl.program_id(1)
         bi, hi = pid_bh // H, pid_bh % H
         rs = tl.arange(0, CHUNK)
@@ -2252,16 +2260,22 @@ if HAS_TRITON:
             c = n_chunks - 1 - cc
             chunk = ((bi * n_chunks + c) * H + hi).to(tl.int64)
             tl.store(dS_next_ptr + chunk * K * V + st_offs, dS.to(dS_next_ptr.dtype.element_ty), mask=st_mask)
-            dO, v_mask = _gdn2_chunk_tile(do_ptr, row_do, bi, c, hi, T, V, vs, CHUNK)
-            k_out = _gdn2_chunk_tile(k_out_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
-            Aqk = tl.load(_gdn2_chunk_block(Aqk_ptr, bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK))
-            dU = _gdn2_dot(tl.trans(Aqk), dO, DOT) + _gdn2_dot(k_out, dS, DOT)
-            tl.store(_gdn2_chunk_rows(dU_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0], dU.to(dU_ptr.dtype.element_ty),
-                     mask=v_mask)
-            q_in = _gdn2_chunk_tile(q_in_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
-            Y = _gdn2_chunk_tile(Y_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
+            dO = _gdn2_chunk_tile(do_ptr, row_do, bi, c, hi, T, V, vs, CHUNK)[0]
             d = tl.load(decay_ptr + chunk * K + ks, mask=ks < K, other=0.0)
-            dS = _gdn2_dot(tl.trans(q_in), dO, DOT) + d[:, None] * dS - _gdn2_dot(tl.trans(Y), dU, DOT)
+            dS_prev = d[:, None] * dS
+            for j in range(CHUNK // ROWS):
+                piece = c * (CHUNK // ROWS) + j
+                js = j * ROWS + tl.arange(0, ROWS)
+                Aqk_j = tl.load(_gdn2_chunk_block(Aqk_ptr, bi, c, hi, H, n_chunks, rs, js, CHUNK, CHUNK))
+                k_out = _gdn2_chunk_tile(k_out_ptr, H * K, bi, piece, hi, T, K, ks, ROWS)[0]
+                dU = _gdn2_dot(tl.trans(Aqk_j), dO, DOT) + _gdn2_dot(k_out, dS, DOT)
+                dO_j, v_mask = _gdn2_chunk_tile(do_ptr, row_do, bi, piece, hi, T, V, vs, ROWS)
+                tl.store(_gdn2_chunk_rows(dU_ptr, H * V, bi, piece, hi, T, V, vs, ROWS)[0],
+                         dU.to(dU_ptr.dtype.element_ty), mask=v_mask)
+                q_in = _gdn2_chunk_tile(q_in_ptr, H * K, bi, piece, hi, T, K, ks, ROWS)[0]
+                Y = _gdn2_chunk_tile(Y_ptr, H * K, bi, piece, hi, T, K, ks, ROWS)[0]
+                dS_prev += _gdn2_dot(tl.trans(q_in), dO_j, DOT) - _gdn2_dot(tl.trans(Y), dU, DOT)
+            dS = dS_prev
         tl.store(ds0_ptr + pid_bh.to(tl.int64) * K * V + st_offs, dS, mask=st_mask)
 
     @triton.jit
@@ -2386,37 +2400,42 @@ if HAS_TRITON:
         # first part reaches every token's dg, the write of token s only the dg of the tokens after it in that chunk.
         # Written out, it would cancel those writes, O(1) terms whose difference is small under steep decays.
         # One program per (batch·head, block of channels), over the chunks from the last, a running sum carried
-        # over; the last chunk's step also forms the end state's terms (over V, from U's rows one token back)
+        # over; the last chunk's step, ahead of the loop, also forms the end state's terms (over V, from U's rows one
+        # token back): inside it, its tiles stayed live across the loop and spilled
         pid_bh, pid_k = tl.program_id(0), tl.program_id(1)
         bi, hi = pid_bh // H, pid_bh % H
         rs = tl.arange(0, CHUNK)
         ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        after = tl.zeros((BLOCK_K,), dtype=tl.float32)             # Σ dG over the chunks after this one
+        c = n_chunks - 1   # the last chunk first, with the end state's terms
+        u_dS = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)        # u_{t−1} · dS_T (over v)
         end = tl.zeros((BLOCK_K,), dtype=tl.float32)               # exp(G_C)·Σ_v dS_T⊙S_in of the last chunk
-        for cc in range(n_chunks):
+        for v0 in range(0, V, BLOCK_V):
+            vs = v0 + tl.arange(0, BLOCK_V)
+            U_rows, v_mask = _gdn2_chunk_rows(U_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)
+            U_prev = tl.load(U_rows - H * V, mask=v_mask & (rs[:, None] > 0), other=0.0).to(tl.float32)
+            st_offs = ks[:, None] * V + vs[None, :]
+            st_mask = (ks[:, None] < K) & (vs[None, :] < V)
+            dS_T = tl.load(dsT_ptr + pid_bh.to(tl.int64) * K * V + st_offs, mask=st_mask, other=0.0)
+            S_in = tl.load(_gdn2_chunk_block(S_in_ptr, bi, c, hi, H, n_chunks, ks, vs, K, V), mask=st_mask,
+                           other=0.0).to(tl.float32)
+            u_dS += tl.dot(U_prev, tl.trans(dS_T), input_precision="ieee")
+            end += tl.sum(dS_T * S_in, axis=1)
+        g, mask = _gdn2_chunk_tile(g_ptr, row_g, bi, c, hi, T, K, ks, CHUNK)
+        g = g.to(tl.float32)
+        end *= tl.exp(tl.sum(g, axis=0))
+        later = tl.cumsum(g, axis=0, reverse=True)      # row t: G_C − G_{t−1}, the decay after token t − 1
+        # token t − 1's k and u on row t (none on the chunk's first row)
+        k_prev = tl.load(_gdn2_chunk_rows(k_ptr, row_k, bi, c, hi, T, K, ks, CHUNK)[0] - row_k,
+                         mask=mask & (rs[:, None] > 0), other=0.0).to(tl.float32)
+        ends = tl.cumsum(tl.exp(later) * k_prev * u_dS, axis=0)
+        dG = _gdn2_chunk_tile(dG_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
+        dg = tl.cumsum(dG, axis=0, reverse=True) + ends
+        tl.store(_gdn2_chunk_rows(dg_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0], dg + end[None, :], mask=mask)
+        after = tl.sum(dG, axis=0)             # Σ dG over the chunks after this one
+        for cc in range(1, n_chunks):
             c = n_chunks - 1 - cc
             dG, mask = _gdn2_chunk_tile(dG_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)
             dg = tl.cumsum(dG, axis=0, reverse=True) + after[None, :]
-            if cc == 0:
-                g = _gdn2_chunk_tile(g_ptr, row_g, bi, c, hi, T, K, ks, CHUNK)[0].to(tl.float32)
-                later = tl.cumsum(g, axis=0, reverse=True)      # row t: G_C − G_{t−1}, the decay after token t − 1
-                # token t − 1's k and u on row t (none on the chunk's first row)
-                k_prev = tl.load(_gdn2_chunk_rows(k_ptr, row_k, bi, c, hi, T, K, ks, CHUNK)[0] - row_k,
-                                 mask=mask & (rs[:, None] > 0), other=0.0).to(tl.float32)
-                u_dS = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)        # u_{t−1} · dS_T (over v)
-                for v0 in range(0, V, BLOCK_V):
-                    vs = v0 + tl.arange(0, BLOCK_V)
-                    U_rows, v_mask = _gdn2_chunk_rows(U_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)
-                    U_prev = tl.load(U_rows - H * V, mask=v_mask & (rs[:, None] > 0), other=0.0).to(tl.float32)
-                    st_offs = ks[:, None] * V + vs[None, :]
-                    st_mask = (ks[:, None] < K) & (vs[None, :] < V)
-                    dS_T = tl.load(dsT_ptr + pid_bh.to(tl.int64) * K * V + st_offs, mask=st_mask, other=0.0)
-                    S_in = tl.load(_gdn2_chunk_block(S_in_ptr, bi, c, hi, H, n_chunks, ks, vs, K, V), mask=st_mask,
-                                   other=0.0).to(tl.float32)
-                    u_dS += tl.dot(U_prev, tl.trans(dS_T), input_precision="ieee")
-                    end += tl.sum(dS_T * S_in, axis=1)
-                end *= tl.exp(tl.sum(g, axis=0))
-                dg += tl.cumsum(tl.exp(later) * k_prev * u_dS, axis=0)
             tl.store(_gdn2_chunk_rows(dg_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0], dg + end[None, :], mask=mask)
             after += tl.sum(dG, axis=0)
 
@@ -2450,16 +2469,21 @@ def _gdn2_chunk_blocks(K, chunk, dot):
     pipelined 8)."""
     block_k = max(16, triton.next_power_of_2(K))
     fp32 = dot in ("tf32", "tf32x3")
-    state = dict(num_warps=8, maxnreg=128 if block_k <= 64 else MAX_REGISTERS)
+    if dot == "bf16" and block_k <= 64:
+        state = dict(BLOCK_V=32, num_warps=4, maxnreg=160)
+        bwd_state = dict(BLOCK_V=32, num_warps=4, maxnreg=MAX_REGISTERS)
+    else:
+        state = bwd_state = dict(BLOCK_V=8, **(dict(num_warps=4, maxnreg=MAX_REGISTERS) if fp32 and block_k <= 64
+                                               else dict(num_warps=8, maxnreg=128 if block_k <= 64 else MAX_REGISTERS)))
     return dict(
         intra=dict(CHUNK=chunk, SUB=16, BLOCK_KP=16, BLOCK_KD=16, BLOCK_KS=16, BLOCK_V=16, num_warps=8, num_stages=2,
                    maxnreg=MAX_REGISTERS),
-        state=dict(CHUNK=chunk, BLOCK_K=block_k, BLOCK_V=8, num_stages=2,
-                   **(dict(num_warps=4, maxnreg=MAX_REGISTERS) if fp32 and block_k <= 64 else state)),
+        state=dict(CHUNK=chunk, BLOCK_K=block_k, ROWS=16, num_stages=2, **state),
         output=dict(CHUNK=chunk, BLOCK_K=min(block_k, 32), BLOCK_V=16, num_warps=4, num_stages=2),
+        bwd_state=dict(CHUNK=chunk, BLOCK_K=block_k, ROWS=16, num_stages=2, **bwd_state),
         bwd_intra=dict(CHUNK=chunk, SUB=16, BLOCK_K=16 if fp32 else 8, BLOCK_V=16, num_warps=4,
                        num_stages=1 if fp32 else 2, maxnreg=MAX_REGISTERS),
-        bwd_dg=dict(CHUNK=chunk, BLOCK_K=8, BLOCK_V=16, num_warps=4, num_stages=2))
+        bwd_dg=dict(CHUNK=chunk, BLOCK_K=32, BLOCK_V=32, num_warps=8 if chunk == 64 else 4, num_stages=2))
 
 
 GDN2_TRITON_CHUNKS = (16, 32, 64)   # the chunk sizes the Triton kernels take (sub-chunks of 16)
@@ -2556,9 +2580,9 @@ def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: 
     (do, row_do), dS_T = _token_rows(do), dS_T.contiguous()
     dS_next, dU = torch.empty_like(S_in), torch.empty_like(U)
     ds0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
-    _gdn2_chunk_bwd_state_kernel[(B * H, triton.cdiv(V, blocks["state"]["BLOCK_V"]))](
+    _gdn2_chunk_bwd_state_kernel[(B * H, triton.cdiv(V, blocks["bwd_state"]["BLOCK_V"]))](
         Aqk, Y, q_in, k_out, decay, do, dS_T, dS_next, dU, ds0, row_do, T, H, K, V, N, DOT=dots["DOT"],
-        **blocks["state"])
+        **blocks["bwd_state"])
     dq, dk, dv, db, dw = (torch.empty(t.shape, device=q.device, dtype=t.dtype) for t in (q, k, v, b, w))
     dG = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)
     _gdn2_chunk_bwd_intra_kernel[(B * N, H)](
