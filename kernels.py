@@ -2457,16 +2457,23 @@ def _gdn2_dot_kinds(x):
 
 def _gdn2_chunk_blocks(K, chunk, dot):
     """Launch parameters of the chunked kernels for dots of kind `dot` (_gdn2_dot_kinds), measured with the
-    ahead-of-time compile (the AOT test: as Triton's JIT specialises them and at a shape with no integer a multiple of
-    16, under triton 3.7.1 and 3.6.0) over head sizes 32-128, value sizes to 256: at chunks 16, 32 and 64 with bf16
-    dots, at chunk 16 with fp32 (TF32) and fp16 dots (what gdn2_triton runs them at). The per-chunk kernels run 4
-    warps: with 8, Triton lays chained dots' warps all along the chunk's 64 rows, 4 of them computing copies, and they
-    spilled. The sequential passes run 8 warps on value blocks of 8, held to 128 registers up to head size 64, 2
-    blocks an SM (4 warps at value blocks of 16 held to 232 spilled 8-96 B a thread); at head size 128 to
-    MAX_REGISTERS, 1 block; fp32 dots' up to head size 64 at 4 warps held to MAX_REGISTERS, 2 blocks (at 8 held to
-    128, triton 3.6.0 spilled 8 B on sm_90; at 4, head size 128 spilled 8 B). The backward per-chunk kernel walks K
-    in blocks of 8, fp32 dots' in blocks of 16 unpipelined (blocks of 8 spilled 192-248 B under triton 3.6.0,
-    pipelined 8)."""
+    ahead-of-time compile (the AOT test: as Triton's JIT specialises them and at a shape with no integer a multiple
+    of 16, under triton 3.7.1 and 3.6.0) over head sizes 32-128, value sizes to 256: at chunks 16, 32 and 64 with
+    bf16 dots, at chunk 16 with fp32 (TF32) and fp16 dots (what gdn2_triton runs them at). The output and backward
+    per-chunk kernels run 4 warps: with 8, Triton lays chained dots' warps all along the chunk's 64 rows, 4 of them
+    computing copies, and they spilled. The state passes take a chunk in pieces of 16 rows: at a shape whose rows are
+    not 16-byte aligned every element of a tile is its own load and 64-bit address, and whole [64, 64] operands
+    spilled 40-560 B at value blocks of 16-64. With bf16 dots up to head size 64 they run value blocks of 32 at 4
+    warps, the forward held to 160 registers (3 blocks an SM: B 16, H 11, V 64 is 352 programs, 1 wave of an H100's
+    132 SMs), the reverse to MAX_REGISTERS (2 blocks, 2 waves; held to 160-168 it spilled 24-40 B). Other dots and
+    head size 128 keep value blocks of 8: 8 warps held to 128 registers up to head size 64, 2 blocks an SM; at head
+    size 128 to MAX_REGISTERS, 1 block; fp32 dots' up to head size 64 at 4 warps held to MAX_REGISTERS, 2 blocks
+    (value blocks of 32 there spilled 8-1680 B). dg's pass takes channel blocks of 32 (352 programs), 8 warps at
+    chunk 64 (2 blocks an SM; 4 warps spilled 8-16 B), 4 at shorter chunks (8 at chunk 32 spilled 8 B). The intra
+    kernel stays at 8 warps, 1 block an SM (at 4, 184-536 B spilled: the solve and Y, U0's split-operand dots hold
+    the whole chunk's [64, 64] in fp32), writing Y, U0 in blocks of 32 (blocks of 16 spilled 16-120 B). The backward
+    per-chunk kernel walks K in blocks of 8 at 4 warps (2 blocks an SM), fp32 dots' in blocks of 16 unpipelined
+    (blocks of 8 spilled 192-248 B under triton 3.6.0, pipelined 8)."""
     block_k = max(16, triton.next_power_of_2(K))
     fp32 = dot in ("tf32", "tf32x3")
     if dot == "bf16" and block_k <= 64:
@@ -2476,7 +2483,7 @@ def _gdn2_chunk_blocks(K, chunk, dot):
         state = bwd_state = dict(BLOCK_V=8, **(dict(num_warps=4, maxnreg=MAX_REGISTERS) if fp32 and block_k <= 64
                                                else dict(num_warps=8, maxnreg=128 if block_k <= 64 else MAX_REGISTERS)))
     return dict(
-        intra=dict(CHUNK=chunk, SUB=16, BLOCK_KP=16, BLOCK_KD=16, BLOCK_KS=16, BLOCK_V=16, num_warps=8, num_stages=2,
+        intra=dict(CHUNK=chunk, SUB=16, BLOCK_KP=16, BLOCK_KD=16, BLOCK_KS=32, BLOCK_V=32, num_warps=8, num_stages=2,
                    maxnreg=MAX_REGISTERS),
         state=dict(CHUNK=chunk, BLOCK_K=block_k, ROWS=16, num_stages=2, **state),
         output=dict(CHUNK=chunk, BLOCK_K=min(block_k, 32), BLOCK_V=16, num_warps=4, num_stages=2),
