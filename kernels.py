@@ -2468,8 +2468,9 @@ def _gdn2_chunk_blocks(K, chunk, dot):
     132 SMs), the reverse to MAX_REGISTERS (2 blocks, 2 waves; held to 160-168 it spilled 24-40 B). Other dots and
     head size 128 keep value blocks of 8: 8 warps held to 128 registers up to head size 64, 2 blocks an SM; at head
     size 128 to MAX_REGISTERS, 1 block; fp32 dots' up to head size 64 at 4 warps held to MAX_REGISTERS, 2 blocks
-    (value blocks of 32 there spilled 8-1680 B). dg's pass takes channel blocks of 32 (352 programs), 8 warps at
-    chunk 64 (2 blocks an SM; 4 warps spilled 8-16 B), 4 at shorter chunks (8 at chunk 32 spilled 8 B). The intra
+    (value blocks of 32 there spilled 8-1680 B). dg's pass takes channel blocks of 16 (704 programs) at 4 warps held
+    to 168 registers, 3 blocks an SM, 2 waves, and the end state's terms over value blocks of 64 (one step at V 64;
+    at blocks of 32 the pass walked 17 steps; channel blocks of 32 at 8 warps held to 128 spilled 16-24 B). The intra
     kernel stays at 8 warps, 1 block an SM (at 4, 184-536 B spilled: the solve and Y, U0's split-operand dots hold
     the whole chunk's [64, 64] in fp32), writing Y, U0 in blocks of 32 (blocks of 16 spilled 16-120 B). The backward
     per-chunk kernel walks K in blocks of 8 at 4 warps (2 blocks an SM), fp32 dots' in blocks of 16 unpipelined
@@ -2490,7 +2491,7 @@ def _gdn2_chunk_blocks(K, chunk, dot):
         bwd_state=dict(CHUNK=chunk, BLOCK_K=block_k, ROWS=16, num_stages=2, **bwd_state),
         bwd_intra=dict(CHUNK=chunk, SUB=16, BLOCK_K=16 if fp32 else 8, BLOCK_V=16, num_warps=4,
                        num_stages=1 if fp32 else 2, maxnreg=MAX_REGISTERS),
-        bwd_dg=dict(CHUNK=chunk, BLOCK_K=32, BLOCK_V=32, num_warps=8 if chunk == 64 else 4, num_stages=2))
+        bwd_dg=dict(CHUNK=chunk, BLOCK_K=16, BLOCK_V=64, num_warps=4, num_stages=2, maxnreg=168))
 
 
 GDN2_TRITON_CHUNKS = (16, 32, 64)   # the chunk sizes the Triton kernels take (sub-chunks of 16)
