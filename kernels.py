@@ -2186,11 +2186,13 @@ if HAS_TRITON:
     @triton.jit
     def _gdn2_chunk_state_kernel(Y_ptr, U0_ptr, k_out_ptr, decay_ptr, s0_ptr, sT_ptr, S_in_ptr, U_ptr, T, H, K, V,
                                  n_chunks, HAS_INITIAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 BLOCK_V: tl.constexpr, DOT: tl.constexpr):
+                                 BLOCK_V: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr):
         # one program per (batch·head, value block), over the chunks in order, its state S [K, BLOCK_V] in fp32:
         # writes each chunk's entering state S and its corrections U, then S_T. The chunks' reads O = q_in S + Aqk U
         # need no state of their own and run in parallel after it (_gdn2_chunk_output_kernel): inside the pass
-        # their operands doubled what each step holds
+        # their operands doubled what each step holds. A chunk goes by pieces of ROWS rows (U's rows need only S,
+        # and S's update sums over rows): where rows are not 16-byte aligned each element is its own load and
+        # address, and a whole chunk's [CHUNK, K] operands spilled
         pid_bh, pid_v = tl.program_id(0), tl.program_id(1)
         bi, hi = pid_bh // H, pid_bh % H
         ks = tl.arange(0, BLOCK_K)
@@ -2203,14 +2205,18 @@ if HAS_TRITON:
         for c in range(n_chunks):
             chunk = ((bi * n_chunks + c) * H + hi).to(tl.int64)
             tl.store(S_in_ptr + chunk * K * V + st_offs, S.to(S_in_ptr.dtype.element_ty), mask=st_mask)
-            Y = _gdn2_chunk_tile(Y_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
-            U0, v_mask = _gdn2_chunk_tile(U0_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)
-            U = U0 - _gdn2_dot(Y, S, DOT)
-            tl.store(_gdn2_chunk_rows(U_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0], U.to(U_ptr.dtype.element_ty),
-                     mask=v_mask)
-            k_out = _gdn2_chunk_tile(k_out_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
             d = tl.load(decay_ptr + chunk * K + ks, mask=ks < K, other=0.0)
-            S = d[:, None] * S + _gdn2_dot(tl.trans(k_out), U, DOT)
+            S_next = d[:, None] * S
+            for j in range(CHUNK // ROWS):
+                piece = c * (CHUNK // ROWS) + j
+                Y = _gdn2_chunk_tile(Y_ptr, H * K, bi, piece, hi, T, K, ks, ROWS)[0]
+                U0, v_mask = _gdn2_chunk_tile(U0_ptr, H * V, bi, piece, hi, T, V, vs, ROWS)
+                U = U0 - _gdn2_dot(Y, S, DOT)
+                tl.store(_gdn2_chunk_rows(U_ptr, H * V, bi, piece, hi, T, V, vs, ROWS)[0], U.to(U_ptr.dtype.element_ty),
+                         mask=v_mask)
+                k_out = _gdn2_chunk_tile(k_out_ptr, H * K, bi, piece, hi, T, K, ks, ROWS)[0]
+                S_next += _gdn2_dot(tl.trans(k_out), U, DOT)
+            S = S_next
         tl.store(sT_ptr + pid_bh.to(tl.int64) * K * V + st_offs, S, mask=st_mask)
 
     @triton.jit
@@ -2238,10 +2244,12 @@ if HAS_TRITON:
     @triton.jit
     def _gdn2_chunk_bwd_state_kernel(Aqk_ptr, Y_ptr, q_in_ptr, k_out_ptr, decay_ptr, do_ptr, dsT_ptr, dS_next_ptr,
                                      dU_ptr, ds0_ptr, row_do, T, H, K, V, n_chunks, CHUNK: tl.constexpr,
-                                     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT: tl.constexpr):
+                                     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT: tl.constexpr,
+                                     ROWS: tl.constexpr):
         # reverse over the chunks: dU = Aqkᵀ dO + k_out dS',  dS = q_inᵀ dO + Diag(d) dS' − Yᵀ dU, with dS' the
-        # gradient of the chunk's exit state (dS_T for the last one), held as the state pass holds S; dS' and dU are
-        # written per chunk
+        # gradient of the chunk's exit state (dS_T for the last one), held as the state pass holds S, a chunk by
+        # pieces of ROWS rows as there (dU's rows j: Aqk's columns j against the whole dO); dS' and dU are written
+        # per chunk
         pid_bh, pid_v = tl.program_id(0), tl.program_id(1)
         bi, hi = pid_bh // H, pid_bh % H
         rs = tl.arange(0, CHUNK)
@@ -2254,16 +2262,22 @@ if HAS_TRITON:
             c = n_chunks - 1 - cc
             chunk = ((bi * n_chunks + c) * H + hi).to(tl.int64)
             tl.store(dS_next_ptr + chunk * K * V + st_offs, dS.to(dS_next_ptr.dtype.element_ty), mask=st_mask)
-            dO, v_mask = _gdn2_chunk_tile(do_ptr, row_do, bi, c, hi, T, V, vs, CHUNK)
-            k_out = _gdn2_chunk_tile(k_out_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
-            Aqk = tl.load(_gdn2_chunk_block(Aqk_ptr, bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK))
-            dU = _gdn2_dot(tl.trans(Aqk), dO, DOT) + _gdn2_dot(k_out, dS, DOT)
-            tl.store(_gdn2_chunk_rows(dU_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0], dU.to(dU_ptr.dtype.element_ty),
-                     mask=v_mask)
-            q_in = _gdn2_chunk_tile(q_in_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
-            Y = _gdn2_chunk_tile(Y_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
+            dO = _gdn2_chunk_tile(do_ptr, row_do, bi, c, hi, T, V, vs, CHUNK)[0]
             d = tl.load(decay_ptr + chunk * K + ks, mask=ks < K, other=0.0)
-            dS = _gdn2_dot(tl.trans(q_in), dO, DOT) + d[:, None] * dS - _gdn2_dot(tl.trans(Y), dU, DOT)
+            dS_prev = d[:, None] * dS
+            for j in range(CHUNK // ROWS):
+                piece = c * (CHUNK // ROWS) + j
+                js = j * ROWS + tl.arange(0, ROWS)
+                Aqk_j = tl.load(_gdn2_chunk_block(Aqk_ptr, bi, c, hi, H, n_chunks, rs, js, CHUNK, CHUNK))
+                k_out = _gdn2_chunk_tile(k_out_ptr, H * K, bi, piece, hi, T, K, ks, ROWS)[0]
+                dU = _gdn2_dot(tl.trans(Aqk_j), dO, DOT) + _gdn2_dot(k_out, dS, DOT)
+                dO_j, v_mask = _gdn2_chunk_tile(do_ptr, row_do, bi, piece, hi, T, V, vs, ROWS)
+                tl.store(_gdn2_chunk_rows(dU_ptr, H * V, bi, piece, hi, T, V, vs, ROWS)[0],
+                         dU.to(dU_ptr.dtype.element_ty), mask=v_mask)
+                q_in = _gdn2_chunk_tile(q_in_ptr, H * K, bi, piece, hi, T, K, ks, ROWS)[0]
+                Y = _gdn2_chunk_tile(Y_ptr, H * K, bi, piece, hi, T, K, ks, ROWS)[0]
+                dS_prev += _gdn2_dot(tl.trans(q_in), dO_j, DOT) - _gdn2_dot(tl.trans(Y), dU, DOT)
+            dS = dS_prev
         tl.store(ds0_ptr + pid_bh.to(tl.int64) * K * V + st_offs, dS, mask=st_mask)
 
     @triton.jit
@@ -2388,37 +2402,42 @@ if HAS_TRITON:
         # first part reaches every token's dg, the write of token s only the dg of the tokens after it in that chunk.
         # Written out, it would cancel those writes, O(1) terms whose difference is small under steep decays.
         # One program per (batch·head, block of channels), over the chunks from the last, a running sum carried
-        # over; the last chunk's step also forms the end state's terms (over V, from U's rows one token back)
+        # over; the last chunk's step, ahead of the loop, also forms the end state's terms (over V, from U's rows one
+        # token back): inside it, its tiles stayed live across the loop and spilled
         pid_bh, pid_k = tl.program_id(0), tl.program_id(1)
         bi, hi = pid_bh // H, pid_bh % H
         rs = tl.arange(0, CHUNK)
         ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        after = tl.zeros((BLOCK_K,), dtype=tl.float32)             # Σ dG over the chunks after this one
+        c = n_chunks - 1   # the last chunk first, with the end state's terms
+        u_dS = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)        # u_{t−1} · dS_T (over v)
         end = tl.zeros((BLOCK_K,), dtype=tl.float32)               # exp(G_C)·Σ_v dS_T⊙S_in of the last chunk
-        for cc in range(n_chunks):
+        for v0 in range(0, V, BLOCK_V):
+            vs = v0 + tl.arange(0, BLOCK_V)
+            U_rows, v_mask = _gdn2_chunk_rows(U_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)
+            U_prev = tl.load(U_rows - H * V, mask=v_mask & (rs[:, None] > 0), other=0.0).to(tl.float32)
+            st_offs = ks[:, None] * V + vs[None, :]
+            st_mask = (ks[:, None] < K) & (vs[None, :] < V)
+            dS_T = tl.load(dsT_ptr + pid_bh.to(tl.int64) * K * V + st_offs, mask=st_mask, other=0.0)
+            S_in = tl.load(_gdn2_chunk_block(S_in_ptr, bi, c, hi, H, n_chunks, ks, vs, K, V), mask=st_mask,
+                           other=0.0).to(tl.float32)
+            u_dS += tl.dot(U_prev, tl.trans(dS_T), input_precision="ieee")
+            end += tl.sum(dS_T * S_in, axis=1)
+        g, mask = _gdn2_chunk_tile(g_ptr, row_g, bi, c, hi, T, K, ks, CHUNK)
+        g = g.to(tl.float32)
+        end *= tl.exp(tl.sum(g, axis=0))
+        later = tl.cumsum(g, axis=0, reverse=True)      # row t: G_C − G_{t−1}, the decay after token t − 1
+        # token t − 1's k and u on row t (none on the chunk's first row)
+        k_prev = tl.load(_gdn2_chunk_rows(k_ptr, row_k, bi, c, hi, T, K, ks, CHUNK)[0] - row_k,
+                         mask=mask & (rs[:, None] > 0), other=0.0).to(tl.float32)
+        ends = tl.cumsum(tl.exp(later) * k_prev * u_dS, axis=0)
+        dG = _gdn2_chunk_tile(dG_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0]
+        dg = tl.cumsum(dG, axis=0, reverse=True) + ends
+        tl.store(_gdn2_chunk_rows(dg_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0], dg + end[None, :], mask=mask)
+        after = tl.sum(dG, axis=0)             # Σ dG over the chunks after this one
+        for cc in range(1, n_chunks):
             c = n_chunks - 1 - cc
             dG, mask = _gdn2_chunk_tile(dG_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)
             dg = tl.cumsum(dG, axis=0, reverse=True) + after[None, :]
-            if cc == 0:
-                g = _gdn2_chunk_tile(g_ptr, row_g, bi, c, hi, T, K, ks, CHUNK)[0].to(tl.float32)
-                later = tl.cumsum(g, axis=0, reverse=True)      # row t: G_C − G_{t−1}, the decay after token t − 1
-                # token t − 1's k and u on row t (none on the chunk's first row)
-                k_prev = tl.load(_gdn2_chunk_rows(k_ptr, row_k, bi, c, hi, T, K, ks, CHUNK)[0] - row_k,
-                                 mask=mask & (rs[:, None] > 0), other=0.0).to(tl.float32)
-                u_dS = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)        # u_{t−1} · dS_T (over v)
-                for v0 in range(0, V, BLOCK_V):
-                    vs = v0 + tl.arange(0, BLOCK_V)
-                    U_rows, v_mask = _gdn2_chunk_rows(U_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)
-                    U_prev = tl.load(U_rows - H * V, mask=v_mask & (rs[:, None] > 0), other=0.0).to(tl.float32)
-                    st_offs = ks[:, None] * V + vs[None, :]
-                    st_mask = (ks[:, None] < K) & (vs[None, :] < V)
-                    dS_T = tl.load(dsT_ptr + pid_bh.to(tl.int64) * K * V + st_offs, mask=st_mask, other=0.0)
-                    S_in = tl.load(_gdn2_chunk_block(S_in_ptr, bi, c, hi, H, n_chunks, ks, vs, K, V), mask=st_mask,
-                                   other=0.0).to(tl.float32)
-                    u_dS += tl.dot(U_prev, tl.trans(dS_T), input_precision="ieee")
-                    end += tl.sum(dS_T * S_in, axis=1)
-                end *= tl.exp(tl.sum(g, axis=0))
-                dg += tl.cumsum(tl.exp(later) * k_prev * u_dS, axis=0)
             tl.store(_gdn2_chunk_rows(dg_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0], dg + end[None, :], mask=mask)
             after += tl.sum(dG, axis=0)
 
@@ -2440,28 +2459,41 @@ def _gdn2_dot_kinds(x):
 
 def _gdn2_chunk_blocks(K, chunk, dot):
     """Launch parameters of the chunked kernels for dots of kind `dot` (_gdn2_dot_kinds), measured with the
-    ahead-of-time compile (the AOT test: as Triton's JIT specialises them and at a shape with no integer a multiple of
-    16, under triton 3.7.1 and 3.6.0) over head sizes 32-128, value sizes to 256: at chunks 16, 32 and 64 with bf16
-    dots, at chunk 16 with fp32 (TF32) and fp16 dots (what gdn2_triton runs them at). The per-chunk kernels run 4
-    warps: with 8, Triton lays chained dots' warps all along the chunk's 64 rows, 4 of them computing copies, and they
-    spilled. The sequential passes run 8 warps on value blocks of 8, held to 128 registers up to head size 64, 2
-    blocks an SM (4 warps at value blocks of 16 held to 232 spilled 8-96 B a thread); at head size 128 to
-    MAX_REGISTERS, 1 block; fp32 dots' up to head size 64 at 4 warps held to MAX_REGISTERS, 2 blocks (at 8 held to
-    128, triton 3.6.0 spilled 8 B on sm_90; at 4, head size 128 spilled 8 B). The backward per-chunk kernel walks K
-    in blocks of 8, fp32 dots' in blocks of 16 unpipelined (blocks of 8 spilled 192-248 B under triton 3.6.0,
-    pipelined 8)."""
+    ahead-of-time compile (the AOT test: as Triton's JIT specialises them and at a shape with no integer a multiple
+    of 16, under triton 3.7.1 and 3.6.0) over head sizes 32-128, value sizes to 256: at chunks 16, 32 and 64 with
+    bf16 dots, at chunk 16 with fp32 (TF32) and fp16 dots (what gdn2_triton runs them at). The output and backward
+    per-chunk kernels run 4 warps: with 8, Triton lays chained dots' warps all along the chunk's 64 rows, 4 of them
+    computing copies, and they spilled. The state passes take a chunk in pieces of 16 rows: at a shape whose rows are
+    not 16-byte aligned every element of a tile is its own load and 64-bit address, and whole [64, 64] operands
+    spilled 40-560 B at value blocks of 16-64. With bf16 dots up to head size 64 they run value blocks of 32 at 4
+    warps, the forward held to 160 registers (3 blocks an SM: B 16, H 11, V 64 is 352 programs, 1 wave of an H100's
+    132 SMs), the reverse to MAX_REGISTERS (2 blocks, 2 waves; held to 160-168 it spilled 24-40 B). Other dots and
+    head size 128 keep value blocks of 8: 8 warps held to 128 registers up to head size 64, 2 blocks an SM; at head
+    size 128 to MAX_REGISTERS, 1 block; fp32 dots' up to head size 64 at 4 warps held to MAX_REGISTERS, 2 blocks
+    (value blocks of 32 there spilled 8-1680 B). dg's pass takes channel blocks of 16 (704 programs) at 4 warps held
+    to 168 registers, 3 blocks an SM, 2 waves, and the end state's terms over value blocks of 64 (one step at V 64;
+    at blocks of 32 the pass walked 17 steps; channel blocks of 32 at 8 warps held to 128 spilled 16-24 B). The intra
+    kernel stays at 8 warps, 1 block an SM (at 4, 184-536 B spilled: the solve and Y, U0's split-operand dots hold
+    the whole chunk's [64, 64] in fp32), writing Y, U0 in blocks of 32 (blocks of 16 spilled 16-120 B). The backward
+    per-chunk kernel walks K in blocks of 8 at 4 warps (2 blocks an SM), fp32 dots' in blocks of 16 unpipelined
+    (blocks of 8 spilled 192-248 B under triton 3.6.0, pipelined 8)."""
     block_k = max(16, triton.next_power_of_2(K))
     fp32 = dot in ("tf32", "tf32x3")
-    state = dict(num_warps=8, maxnreg=128 if block_k <= 64 else MAX_REGISTERS)
+    if dot == "bf16" and block_k <= 64:
+        state = dict(BLOCK_V=32, num_warps=4, maxnreg=160)
+        bwd_state = dict(BLOCK_V=32, num_warps=4, maxnreg=MAX_REGISTERS)
+    else:
+        state = bwd_state = dict(BLOCK_V=8, **(dict(num_warps=4, maxnreg=MAX_REGISTERS) if fp32 and block_k <= 64
+                                               else dict(num_warps=8, maxnreg=128 if block_k <= 64 else MAX_REGISTERS)))
     return dict(
-        intra=dict(CHUNK=chunk, SUB=16, BLOCK_KP=16, BLOCK_KD=16, BLOCK_KS=16, BLOCK_V=16, num_warps=8, num_stages=2,
+        intra=dict(CHUNK=chunk, SUB=16, BLOCK_KP=16, BLOCK_KD=16, BLOCK_KS=32, BLOCK_V=32, num_warps=8, num_stages=2,
                    maxnreg=MAX_REGISTERS),
-        state=dict(CHUNK=chunk, BLOCK_K=block_k, BLOCK_V=8, num_stages=2,
-                   **(dict(num_warps=4, maxnreg=MAX_REGISTERS) if fp32 and block_k <= 64 else state)),
+        state=dict(CHUNK=chunk, BLOCK_K=block_k, ROWS=16, num_stages=2, **state),
         output=dict(CHUNK=chunk, BLOCK_K=min(block_k, 32), BLOCK_V=16, num_warps=4, num_stages=2),
+        bwd_state=dict(CHUNK=chunk, BLOCK_K=block_k, ROWS=16, num_stages=2, **bwd_state),
         bwd_intra=dict(CHUNK=chunk, SUB=16, BLOCK_K=16 if fp32 else 8, BLOCK_V=16, num_warps=4,
                        num_stages=1 if fp32 else 2, maxnreg=MAX_REGISTERS),
-        bwd_dg=dict(CHUNK=chunk, BLOCK_K=8, BLOCK_V=16, num_warps=4, num_stages=2))
+        bwd_dg=dict(CHUNK=chunk, BLOCK_K=16, BLOCK_V=64, num_warps=4, num_stages=2, maxnreg=168))
 
 
 GDN2_TRITON_CHUNKS = (16, 32, 64)   # the chunk sizes the Triton kernels take (sub-chunks of 16)
@@ -2558,9 +2590,9 @@ def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: 
     (do, row_do), dS_T = _token_rows(do), dS_T.contiguous()
     dS_next, dU = torch.empty_like(S_in), torch.empty_like(U)
     ds0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
-    _gdn2_chunk_bwd_state_kernel[(B * H, triton.cdiv(V, blocks["state"]["BLOCK_V"]))](
+    _gdn2_chunk_bwd_state_kernel[(B * H, triton.cdiv(V, blocks["bwd_state"]["BLOCK_V"]))](
         Aqk, Y, q_in, k_out, decay, do, dS_T, dS_next, dU, ds0, row_do, T, H, K, V, N, DOT=dots["DOT"],
-        **blocks["state"])
+        **blocks["bwd_state"])
     dq, dk, dv, db, dw = (torch.empty(t.shape, device=q.device, dtype=t.dtype) for t in (q, k, v, b, w))
     dG = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)
     _gdn2_chunk_bwd_intra_kernel[(B * N, H)](

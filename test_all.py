@@ -2593,15 +2593,11 @@ AOT_PASSES = {"fp32": (torch.float32, AOT_ARCHS), "bf16": (torch.bfloat16, AOT_A
 # (kernel, dtype, case) allowed above kernels.MAX_REGISTERS on sm_80 / sm_90, with the reason: none today
 AOT_REGISTER_EXCEPTIONS = set()
 # (kernel, dtype, shape, triton version): the most stack bytes a thread it may still spill there on any arch (sm_80
-# and sm_89 where it does). Open (issue 46): gdn2's bf16 intra kernel at chunk 64 (8 warps at MAX_REGISTERS; 16
-# warps, unpipelined or its stores moved spilled as much or more), its reverse state pass at a shape with no integer
-# a multiple of 16 (8 warps at 128, 2 blocks an SM; 4 warps at MAX_REGISTERS spilled 16 B) and there, under triton
-# 3.6.0, its bf16 backward per-chunk kernel
-AOT_SPILL_EXCEPTIONS = {("_gdn2_chunk_intra_kernel", "bf16", "general", "3.7.1"): 16,
-                        ("_gdn2_chunk_intra_kernel", "bf16", "recorded", "3.6.0"): 72,
-                        ("_gdn2_chunk_intra_kernel", "bf16", "general", "3.6.0"): 120,
-                        ("_gdn2_chunk_bwd_state_kernel", "bf16", "general", "3.7.1"): 16,
-                        ("_gdn2_chunk_bwd_state_kernel", "bf16", "general", "3.6.0"): 24,
+# and sm_89 where it does). Open (issue 46), both under triton 3.6.0 at a shape with no integer a multiple of 16:
+# gdn2's bf16 intra kernel (the "default" case, sm_89; value and key blocks of 16, 64, unpipelined or wider
+# pair-weight blocks spilled 56-96 B) and its bf16 backward per-chunk kernel (sm_80; its first pass split in two,
+# Ainv reloaded, 8 warps or key blocks of 16 spilled 64-376 B)
+AOT_SPILL_EXCEPTIONS = {("_gdn2_chunk_intra_kernel", "bf16", "general", "3.6.0"): 56,
                         ("_gdn2_chunk_bwd_intra_kernel", "bf16", "general", "3.6.0"): 32}
 
 
