@@ -3175,6 +3175,16 @@ if HAS_TRITON:
         tl.store(dh0_ptr + pid_bh.to(tl.int64) * p * n + st_offs, ds, mask=st_mask)
 
     @triton.jit
+    def _ssd_dx_block(dy_ptr, stride_dy, dt_ptr, stride_dt, A, bi, c, k, l, hi, p, Cs, ps, BLOCK_C: tl.constexpr):
+        # what both walks of kernel 5 start block k with: its tokens, steps, rows in the chunk, mask and dy tile
+        rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
+        dt, u, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
+        rows = k * BLOCK_C + rs
+        x_mask = valid[:, None] & (ps[None, :] < p)
+        dy = tl.load(_ssd_rows_tile(dy_ptr, stride_dy, bi * l + c * Cs, rows, hi * p + ps), mask=x_mask, other=0.0)
+        return rs, pos, valid, dt, u, e, T, rows, x_mask, dy
+
+    @triton.jit
     def _ssd_chunk_bwd_dx_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, CB_ptr, D_ptr, h_in_ptr, dS_next_ptr, dy_ptr,
                                  dx_ptr, ddt_parts_ptr, ends_ptr, crossings_ptr, b, l, h, p, n, n_chunks, Cs, stride_x,
                                  stride_dt, stride_B, stride_C, stride_dy, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -3202,11 +3212,8 @@ if HAS_TRITON:
         js = tl.arange(0, BLOCK_NB)
         first = bi * l + c * Cs                                         # the chunk's first row
         for k in range(n_blocks):                                       # the reads: y_in, earlier blocks nearest first
-            rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
-            dt, u, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
-            rows = k * BLOCK_C + rs                                     # in the chunk
-            x_mask = valid[:, None] & (ps[None, :] < p)
-            dy = tl.load(_ssd_rows_tile(dy_ptr, stride_dy, first, rows, hi * p + ps), mask=x_mask, other=0.0)
+            rs, pos, valid, dt, u, e, T, rows, x_mask, dy = _ssd_dx_block(dy_ptr, stride_dy, dt_ptr, stride_dt, A, bi,
+                                                                          c, k, l, hi, p, Cs, ps, BLOCK_C)
             ends = ends_ptr + pid_ch * 6 * n_blocks + k
             dyu = dy.to(tl.float32) * tl.exp(u)[:, None]
             crossing = tl.zeros((BLOCK_NB,), dtype=tl.float32)          # [j]: the pairs of block j < k with k
@@ -3226,11 +3233,8 @@ if HAS_TRITON:
             tl.store(ends + 5 * n_blocks, tl.sum(dt * d_dtA, axis=0))
             tl.store(crossings_ptr + (pid_ch * n_blocks + k) * n_blocks + js, crossing, mask=js < n_blocks)
         for k in range(n_blocks):                                       # the writes: g_out, later blocks nearest first
-            rs, pos, valid, last = _ssd_block_tokens(c, k, l, Cs, BLOCK_C)
-            dt, u, e, T = _ssd_block_steps(dt_ptr, stride_dt, A, bi, l, hi, pos, valid, last)
-            rows = k * BLOCK_C + rs                                     # in the chunk
-            x_mask = valid[:, None] & (ps[None, :] < p)
-            dy = tl.load(_ssd_rows_tile(dy_ptr, stride_dy, first, rows, hi * p + ps), mask=x_mask, other=0.0)
+            rs, pos, valid, dt, u, e, T, rows, x_mask, dy = _ssd_dx_block(dy_ptr, stride_dy, dt_ptr, stride_dt, A, bi,
+                                                                          c, k, l, hi, p, Cs, ps, BLOCK_C)
             x = tl.load(_ssd_rows_tile(x_ptr, stride_x, first, rows, hi * p + ps), mask=x_mask, other=0.0)
             ends = ends_ptr + pid_ch * 6 * n_blocks + k
             g_out = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
