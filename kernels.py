@@ -2024,12 +2024,31 @@ if HAS_TRITON:
         elif DOT == "fp16":
             out = tl.dot(a.to(tl.float16), b.to(tl.float16))
         elif DOT == "bf16x3" or DOT == "fp16x3":
-            half: tl.constexpr = tl.bfloat16 if DOT == "bf16x3" else tl.float16
-            a_hi, b_hi = a.to(half), b.to(half)
-            a_lo, b_lo = (a - a_hi.to(tl.float32)).to(half), (b - b_hi.to(tl.float32)).to(half)
-            out = tl.dot(a_hi, b_hi, tl.dot(a_hi, b_lo, tl.dot(a_lo, b_hi)))
+            a_hi, a_lo = _gdn2_halves(a, DOT)
+            out = _gdn2_dot_halves(a_hi, a_lo, b, DOT)
         else:
             out = tl.dot(a, b, input_precision=DOT)
+        return out
+
+    @triton.jit
+    def _gdn2_halves(a, DOT: tl.constexpr):
+        # a split for _gdn2_dot_halves: its "bf16x3" / "fp16x3" halves, a = a_hi + a_lo, else a (twice)
+        if DOT == "bf16x3" or DOT == "fp16x3":
+            half: tl.constexpr = tl.bfloat16 if DOT == "bf16x3" else tl.float16
+            a_hi = a.to(half)
+            a_lo = (a - a_hi.to(tl.float32)).to(half)
+        else:
+            a_hi, a_lo = a, a
+        return a_hi, a_lo
+
+    @triton.jit
+    def _gdn2_dot_halves(a_hi, a_lo, b, DOT: tl.constexpr):
+        # _gdn2_dot(a, b, DOT) from a's _gdn2_halves (split once where a is the left operand of several dots)
+        if DOT == "bf16x3" or DOT == "fp16x3":
+            b_hi, b_lo = _gdn2_halves(b, DOT)
+            out = tl.dot(a_hi, b_hi, tl.dot(a_hi, b_lo, tl.dot(a_lo, b_hi)))
+        else:
+            out = _gdn2_dot(a_hi, b, DOT)
         return out
 
     @triton.jit
@@ -2048,17 +2067,25 @@ if HAS_TRITON:
         return tl.load(ptrs, mask=mask, other=0.0), mask
 
     @triton.jit
-    def _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale, bi, c, hi, T, K, k0,
-                            CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
-        # q̃, k, b, G in fp32 at channels k0 .. k0 + BLOCK_K of chunk c (G per channel needs no other channel), G's
-        # last row, and the tiles' mask. Called with a sub-chunk's rows (CHUNK = SUB), G starts at the sub-chunk
+    def _gdn2_chunk_load_kbg(k_ptr, b_ptr, g_ptr, row_k, row_b, row_g, bi, c, hi, T, K, k0, CHUNK: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+        # k, b, G in fp32 at channels k0 .. k0 + BLOCK_K of chunk c (G per channel needs no other channel), G's last
+        # row, and the tiles' mask. Called with a sub-chunk's rows (CHUNK = SUB), G starts at the sub-chunk
         cols = k0 + tl.arange(0, BLOCK_K)
-        q, mask = _gdn2_chunk_tile(q_ptr, row_q, bi, c, hi, T, K, cols, CHUNK)
-        k = _gdn2_chunk_tile(k_ptr, row_k, bi, c, hi, T, K, cols, CHUNK)[0].to(tl.float32)
+        k, mask = _gdn2_chunk_tile(k_ptr, row_k, bi, c, hi, T, K, cols, CHUNK)
         b = _gdn2_chunk_tile(b_ptr, row_b, bi, c, hi, T, K, cols, CHUNK)[0].to(tl.float32)
         g = _gdn2_chunk_tile(g_ptr, row_g, bi, c, hi, T, K, cols, CHUNK)[0].to(tl.float32)
         G = tl.cumsum(g, axis=0)                                    # tail: g = 0, G flat
         G_last = tl.sum(tl.where(tl.arange(0, CHUNK)[:, None] == CHUNK - 1, G, 0.0), axis=0)
+        return k.to(tl.float32), b, G, G_last, mask
+
+    @triton.jit
+    def _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale, bi, c, hi, T, K, k0,
+                            CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
+        # q̃ and _gdn2_chunk_load_kbg's k, b, G, G's last row and mask
+        k, b, G, G_last, mask = _gdn2_chunk_load_kbg(k_ptr, b_ptr, g_ptr, row_k, row_b, row_g, bi, c, hi, T, K, k0,
+                                                     CHUNK, BLOCK_K)
+        q = _gdn2_chunk_tile(q_ptr, row_q, bi, c, hi, T, K, k0 + tl.arange(0, BLOCK_K), CHUNK)[0]
         return q.to(tl.float32) * scale, k, b, G, G_last, mask
 
     @triton.jit
@@ -2111,25 +2138,29 @@ if HAS_TRITON:
         return inverse
 
     @triton.jit
-    def _gdn2_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, Ainv_ptr, Aqk_ptr, Y_ptr, U0_ptr, q_in_ptr,
-                                 k_out_ptr, decay_ptr, row_q, row_k, row_g, row_b, row_v, row_w, scale, T, H, K, V,
-                                 n_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_KP: tl.constexpr,
-                                 BLOCK_KD: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_V: tl.constexpr,
-                                 DOT: tl.constexpr, SOLVE: tl.constexpr):
-        # one program per (batch·chunk, head): L and Aqk below the sub-chunk diagonal (dots through each row block's
-        # first row, K in blocks of BLOCK_KP), their diagonal blocks (tiles, a sub-chunk at a time, K in blocks of
-        # BLOCK_KD), the solve, then Y, q_in, k_out, d (K in blocks of BLOCK_KS) and U0 (V in blocks of BLOCK_V).
-        # The forward passes no Ainv_ptr: only the backward reads Ainv
+    def _gdn2_chunk_pair_kernel(q_ptr, k_ptr, g_ptr, b_ptr, L_ptr, Aqk_ptr, q_in_ptr, k_out_ptr, decay_ptr, row_q,
+                                row_k, row_g, row_b, scale, T, H, K, n_chunks, CHUNK: tl.constexpr,
+                                SUB: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_KD: tl.constexpr, DOT: tl.constexpr):
+        # one program per (batch·chunk, head): q_in, k_out, d and L, Aqk below the sub-chunk diagonal (dots through
+        # each row block's first row), K in blocks of BLOCK_KP, then their diagonal blocks (tiles, a sub-chunk at a
+        # time, K in blocks of BLOCK_KD). L goes out in fp32, its strictly lower triangle only: the solve reads it
+        # as if it had computed it
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         NS: tl.constexpr = CHUNK // SUB
         rs = tl.arange(0, CHUNK)
         L = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
         Aqk = tl.zeros((CHUNK, CHUNK), dtype=tl.float32)
-        if NS > 1:
-            for k0 in range(0, K, BLOCK_KP):
-                q, k, b, G, _, _ = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale,
-                                                       bi, c, hi, T, K, k0, CHUNK, BLOCK_KP)
+        for k0 in range(0, K, BLOCK_KP):
+            q, k, b, G, G_last, mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g,
+                                                           scale, bi, c, hi, T, K, k0, CHUNK, BLOCK_KP)
+            ks = k0 + tl.arange(0, BLOCK_KP)
+            tl.store(_gdn2_chunk_rows(q_in_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0],
+                     (tl.exp(G) * q).to(q_in_ptr.dtype.element_ty), mask=mask)
+            tl.store(_gdn2_chunk_rows(k_out_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0],
+                     (tl.exp(G_last[None, :] - G) * k).to(k_out_ptr.dtype.element_ty), mask=mask)
+            tl.store(decay_ptr + (pid_bc * H + hi).to(tl.int64) * K + ks, tl.exp(G_last), mask=ks < K)
+            if NS > 1:
                 for i in range(1, NS):
                     later, earlier = _gdn2_sub_gates(G, i, SUB)
                     k_earlier = tl.trans(k * earlier)
@@ -2150,36 +2181,49 @@ if HAS_TRITON:
         Aqk_diag += tl.where(subs[:, None] == subs[None, :], tl.reshape(qk, (NS, SUB))[:, :, None], 0.0)   # s = r
         tl.store(_gdn2_chunk_block(Aqk_ptr, bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK),
                  (Aqk + _gdn2_sub_diagonal(Aqk_diag, CHUNK)).to(Aqk_ptr.dtype.element_ty))
+        tl.store(_gdn2_chunk_block(L_ptr, bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK),
+                 L + _gdn2_sub_diagonal(L_diag, CHUNK), mask=rs[:, None] > rs[None, :])
+
+    @triton.jit
+    def _gdn2_chunk_solve_kernel(k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, L_ptr, Ainv_ptr, Y_ptr, U0_ptr, row_k, row_g,
+                                 row_b, row_v, row_w, T, H, K, V, n_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                                 BLOCK_KS: tl.constexpr, BLOCK_V: tl.constexpr, SOLVE: tl.constexpr):
+        # one program per (batch·chunk, head): the solve from the pair kernel's L (its diagonal blocks, then a block
+        # row at a time), then Y (K in blocks of BLOCK_KS) and U0 (V in blocks of BLOCK_V) from the unrounded Ainv.
+        # The forward passes no Ainv_ptr: only the backward reads Ainv
+        pid_bc, hi = tl.program_id(0), tl.program_id(1)
+        bi, c = pid_bc // n_chunks, pid_bc % n_chunks
+        NS: tl.constexpr = CHUNK // SUB
+        rs, subs = tl.arange(0, CHUNK), tl.arange(0, SUB)
+        blocks = tl.arange(0, NS)[:, None, None]
+        diagonal = (blocks * SUB + subs[None, :, None]) * CHUNK + blocks * SUB + subs[None, None, :]   # its blocks
+        L_diag = tl.load(L_ptr + ((bi * n_chunks + c) * H + hi).to(tl.int64) * CHUNK * CHUNK + diagonal,
+                         mask=subs[None, :, None] > subs[None, None, :], other=0.0)
         D_inv = _gdn2_sub_inverse(L_diag)
         Ainv = _gdn2_sub_diagonal(D_inv, CHUNK)
         if NS > 1:
-            blocks = tl.arange(0, NS)[:, None, None]
             rows = tl.reshape(Ainv, (NS, SUB, CHUNK))    # block row i: D_i⁻¹ E_i, then less D_i⁻¹ L_i Ainv
-            for i in tl.static_range(1, NS):
-                L_i = tl.sum(tl.where(blocks == i, tl.reshape(L, (NS, SUB, CHUNK)), 0.0), axis=0)
-                solved = _gdn2_dot(L_i, tl.reshape(rows, (CHUNK, CHUNK)), SOLVE)   # rows ≥ i·SUB meet zeros of L_i
+            for i in tl.static_range(1, NS):   # L_i: the blocks of L left of the diagonal in block row i
+                L_i = tl.load(_gdn2_chunk_block(L_ptr, bi, c, hi, H, n_chunks, i * SUB + subs, rs, CHUNK, CHUNK),
+                              mask=rs[None, :] < i * SUB, other=0.0)
+                solved = _gdn2_dot(L_i, tl.reshape(rows, (CHUNK, CHUNK)), SOLVE)
                 rows -= _gdn2_sub_placed(_gdn2_dot(_gdn2_sub_block(D_inv, i), solved, SOLVE), i, NS)
             Ainv = tl.reshape(rows, (CHUNK, CHUNK))
         if Ainv_ptr is not None:
             tl.store(_gdn2_chunk_block(Ainv_ptr, bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK),
                      Ainv.to(Ainv_ptr.dtype.element_ty))
+        Ainv_hi, Ainv_lo = _gdn2_halves(Ainv, SOLVE)
         for k0 in range(0, K, BLOCK_KS):
-            q, k, b, G, G_last, mask = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g,
-                                                           scale, bi, c, hi, T, K, k0, CHUNK, BLOCK_KS)
-            ks = k0 + tl.arange(0, BLOCK_KS)
-            Y = _gdn2_dot(Ainv, tl.exp(G) * b * k, SOLVE)
-            tl.store(_gdn2_chunk_rows(Y_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0], Y.to(Y_ptr.dtype.element_ty),
-                     mask=mask)
-            tl.store(_gdn2_chunk_rows(q_in_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0],
-                     (tl.exp(G) * q).to(q_in_ptr.dtype.element_ty), mask=mask)
-            tl.store(_gdn2_chunk_rows(k_out_ptr, H * K, bi, c, hi, T, K, ks, CHUNK)[0],
-                     (tl.exp(G_last[None, :] - G) * k).to(k_out_ptr.dtype.element_ty), mask=mask)
-            tl.store(decay_ptr + (pid_bc * H + hi).to(tl.int64) * K + ks, tl.exp(G_last), mask=ks < K)
+            k, b, G, _, mask = _gdn2_chunk_load_kbg(k_ptr, b_ptr, g_ptr, row_k, row_b, row_g, bi, c, hi, T, K, k0,
+                                                    CHUNK, BLOCK_KS)
+            Y = _gdn2_dot_halves(Ainv_hi, Ainv_lo, tl.exp(G) * b * k, SOLVE)
+            tl.store(_gdn2_chunk_rows(Y_ptr, H * K, bi, c, hi, T, K, k0 + tl.arange(0, BLOCK_KS), CHUNK)[0],
+                     Y.to(Y_ptr.dtype.element_ty), mask=mask)
         for v0 in range(0, V, BLOCK_V):
             vs = v0 + tl.arange(0, BLOCK_V)
             v, mask = _gdn2_chunk_tile(v_ptr, row_v, bi, c, hi, T, V, vs, CHUNK)
             w = _gdn2_chunk_tile(w_ptr, row_w, bi, c, hi, T, V, vs, CHUNK)[0].to(tl.float32)
-            U0 = _gdn2_dot(Ainv, v.to(tl.float32) * w, SOLVE)
+            U0 = _gdn2_dot_halves(Ainv_hi, Ainv_lo, v.to(tl.float32) * w, SOLVE)
             tl.store(_gdn2_chunk_rows(U0_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0], U0.to(U0_ptr.dtype.element_ty),
                      mask=mask)
 
@@ -2486,8 +2530,8 @@ def _gdn2_chunk_blocks(K, chunk, dot):
         state = bwd_state = dict(BLOCK_V=8, **(dict(num_warps=4, maxnreg=MAX_REGISTERS) if fp32 and block_k <= 64
                                                else dict(num_warps=8, maxnreg=128 if block_k <= 64 else MAX_REGISTERS)))
     return dict(
-        intra=dict(CHUNK=chunk, SUB=16, BLOCK_KP=16, BLOCK_KD=16, BLOCK_KS=32, BLOCK_V=32, num_warps=8, num_stages=2,
-                   maxnreg=MAX_REGISTERS),
+        pair=dict(CHUNK=chunk, SUB=16, BLOCK_KP=16, BLOCK_KD=16, num_warps=4, num_stages=2, maxnreg=MAX_REGISTERS),
+        solve=dict(CHUNK=chunk, SUB=16, BLOCK_KS=16, BLOCK_V=16, num_warps=4, num_stages=2, maxnreg=MAX_REGISTERS),
         state=dict(CHUNK=chunk, BLOCK_K=block_k, ROWS=16, num_stages=2, **state),
         output=dict(CHUNK=chunk, BLOCK_K=min(block_k, 32), BLOCK_V=16, num_warps=4, num_stages=2),
         bwd_state=dict(CHUNK=chunk, BLOCK_K=block_k, ROWS=16, num_stages=2, **bwd_state),
@@ -2527,8 +2571,13 @@ def _gdn2_chunk_intra(q, k, v, g, b, w, rows, scale, chunk, dots, with_ainv):
     Aqk = torch.empty(B, N, H, chunk, chunk, **operand)
     Y, q_in, k_out = (torch.empty(B, T, H, K, **operand) for _ in range(3))
     U0, decay = torch.empty(B, T, H, V, **operand), torch.empty(B, N, H, K, **f32)
-    _gdn2_chunk_intra_kernel[(B * N, H)](q, k, g, b, v, w, Ainv, Aqk, Y, U0, q_in, k_out, decay, *rows, scale, T, H, K,
-                                         V, N, **dots, **_gdn2_chunk_blocks(K, chunk, dots["DOT"])["intra"])
+    L = torch.empty(B, N, H, chunk, chunk, **f32)
+    blocks = _gdn2_chunk_blocks(K, chunk, dots["DOT"])
+    row_q, row_k, row_g, row_b, row_v, row_w = rows
+    _gdn2_chunk_pair_kernel[(B * N, H)](q, k, g, b, L, Aqk, q_in, k_out, decay, row_q, row_k, row_g, row_b, scale, T,
+                                        H, K, N, DOT=dots["DOT"], **blocks["pair"])
+    _gdn2_chunk_solve_kernel[(B * N, H)](k, g, b, v, w, L, Ainv, Y, U0, row_k, row_g, row_b, row_v, row_w, T, H, K, V,
+                                         N, SOLVE=dots["SOLVE"], **blocks["solve"])
     return Ainv, Aqk, Y, U0, q_in, k_out, decay
 
 

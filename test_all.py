@@ -2212,7 +2212,7 @@ def test_triton_gdn2_dispatch_by_length(device):
         def step():
             t = torch.zeros(1, 256, 1, 16, dtype=dtype)
             kernels.gdn2_triton(t, t, t, t.float(), t, t, chunk_size=64)
-        assert ("_gdn2_chunk_intra_kernel", (chunks, 1)) in bench.triton_grids(step), dtype
+        assert ("_gdn2_chunk_pair_kernel", (chunks, 1)) in bench.triton_grids(step), dtype
 
 
 # 16-bit error budgets: each gdn2 kernel on bf16 (or fp16) inputs (g in fp32, as the model passes it) against the
@@ -2354,16 +2354,16 @@ def test_triton_gdn2_grids_fit_the_axis_limits(device):
     def backward(outs):
         torch.autograd.backward(list(outs), [torch.empty_like(o) for o in outs])
 
-    with mock.patch.object(type(kernels._gdn2_chunk_intra_kernel), "run", record):   # the interpreter's or the JIT's
+    with mock.patch.object(type(kernels._gdn2_chunk_pair_kernel), "run", record):   # the interpreter's or the JIT's
         for fn in (kernels.gdn2_chunked_triton, kernels.gdn2_recurrent_triton):
             backward(fn(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, V), leaf(B, T, H, K, dtype=torch.float32),
                         leaf(B, T, H, K), leaf(B, T, H, V), None, leaf(B, H, K, V, dtype=torch.float32)))
         backward(kernels.gdn2_gates_triton(leaf(B, T, H, K), leaf(B, T, H, K), leaf(B, T, H, K),
                                            leaf(H, dtype=torch.float32), leaf(H * K, dtype=torch.float32)))
     names = {name for name, _ in grids}
-    assert {"_gdn2_chunk_intra_kernel", "_gdn2_chunk_state_kernel", "_gdn2_chunk_output_kernel",
-            "_gdn2_chunk_bwd_state_kernel", "_gdn2_chunk_bwd_intra_kernel", "_gdn2_rec_fwd_kernel",
-            "_gdn2_rec_bwd_kernel", "_gdn2_gates_fwd_kernel", "_gdn2_gates_bwd_kernel"} <= names
+    assert {"_gdn2_chunk_pair_kernel", "_gdn2_chunk_solve_kernel", "_gdn2_chunk_state_kernel",
+            "_gdn2_chunk_output_kernel", "_gdn2_chunk_bwd_state_kernel", "_gdn2_chunk_bwd_intra_kernel",
+            "_gdn2_rec_fwd_kernel", "_gdn2_rec_bwd_kernel", "_gdn2_gates_fwd_kernel", "_gdn2_gates_bwd_kernel"} <= names
     assert max(grid[0] for _, grid in grids) >= B * T // 16    # the batch·chunks launches are there
     over = [(name, grid) for name, grid in grids if grid[0] >= 2 ** 31 or any(n > H for n in grid[1:])]
     assert not over, over                                    # y, z at most the heads (V = 1: one value block)
