@@ -1986,9 +1986,11 @@ _gdn2_recurrent_fwd.register_autograd(_gdn2_recurrent_backward, setup_context=_g
 
 # Chunked gdn2 (chunks of CHUNK tokens; G = within-chunk cumsum of g, q̃ = scale·q, e = b⊙k, as gdn2_torch), each chunk
 # in NS = CHUNK / SUB sub-chunks of SUB = 16 rows:
-#   intra, per chunk:  L_rs = Σ_d e_rd k_sd P_rsd (s < r),  Aqk_rs = Σ_d q̃_rd k_sd P_rsd (s ≤ r),
-#                      P_rsd = exp(G_rd − G_sd),  Ainv = (I + L)^{-1},  Y = Ainv (exp(G)⊙e),  U0 = Ainv (w⊙v),
-#                      and the state pass's operands q_in = exp(G)⊙q̃, k_out = exp(G_C − G)⊙k, d = exp(G_C)
+#   intra, per chunk, in two kernels (the pair kernel, then the solve, L between them in fp32; in one, the solve's
+#   and Y, U0's fp32 [CHUNK, CHUNK] operands held 1 block of 8 warps an SM):
+#     pairs:  L_rs = Σ_d e_rd k_sd P_rsd (s < r),  Aqk_rs = Σ_d q̃_rd k_sd P_rsd (s ≤ r),  P_rsd = exp(G_rd − G_sd),
+#             and the state pass's operands q_in = exp(G)⊙q̃, k_out = exp(G_C − G)⊙k, d = exp(G_C)
+#     solve:  Ainv = (I + L)^{-1},  Y = Ainv (exp(G)⊙e),  U0 = Ainv (w⊙v)
 #   state pass, over the chunks in order:  U = U0 − Y S,  S ← Diag(d) S + k_outᵀ U   (S_in: each chunk's entering S)
 #   output, per chunk:  O = q_in S_in + Aqk U
 # The pair weights go by blocks of sub-chunks. Below the diagonal (r in sub-chunk i, s in an earlier one, m the first
@@ -1998,7 +2000,7 @@ _gdn2_recurrent_fwd.register_autograd(_gdn2_recurrent_backward, setup_context=_g
 # P per channel for s < r only, as explicit [SUB, SUB, BLOCK] tiles: no exponent is positive there either. The
 # solve inverts each diagonal block D_i = I + L_ii by forward substitution, then block row i of Ainv is
 # D_i⁻¹ (E_i − L_i Ainv), L_i the blocks left of the diagonal in block row i (NS − 1 steps).
-# The backward keeps nothing but the inputs: it reruns the intra kernel and the state pass, then
+# The backward keeps nothing but the inputs: it reruns the intra kernels and the state pass, then
 #   reverse over the chunks:  dU = Aqkᵀ dO + k_out dS',  dS = q_inᵀ dO + Diag(d) dS' − Yᵀ dU   (dS' the exit state's)
 #   per chunk:                dAqk = dO Uᵀ,  dZ = Ainvᵀ dU (dv = dZ⊙w, dw = dZ⊙v),  dẼ = Ainvᵀ dY with dY = −dU Sᵀ,
 #                             dL = −dZ Uᵀ (as U = Ainv (Z − Ẽ S), −Ainvᵀ (dU Zᵀ + dY Ẽᵀ) Ainvᵀ is just that),
@@ -2517,8 +2519,10 @@ def _gdn2_chunk_blocks(K, chunk, dot):
     (value blocks of 32 there spilled 8-1680 B). dg's pass takes channel blocks of 16 (704 programs) at 4 warps held
     to 168 registers, 3 blocks an SM, 2 waves, and the end state's terms over value blocks of 64 (one step at V 64;
     at blocks of 32 the pass walked 17 steps; channel blocks of 32 at 8 warps held to 128 spilled 16-24 B). The intra
-    kernel stays at 8 warps, 1 block an SM (at 4, 184-536 B spilled: the solve and Y, U0's split-operand dots hold
-    the whole chunk's [64, 64] in fp32), writing Y, U0 in blocks of 32 (blocks of 16 spilled 16-120 B). The backward
+    kernel, in one, held 1 block of 8 warps an SM (at 4, 184-536 B spilled: the solve and Y, U0's split-operand dots
+    hold the whole chunk's [64, 64] in fp32); split in two, each runs 4 warps held to MAX_REGISTERS, 2 blocks an SM:
+    the pair kernel at 141-231 registers, the solve writing Y, U0 in blocks of 16 at 80-232 (blocks of 32 spilled
+    8-32 B on sm_80 and sm_89 at the general shape; 8 warps held to 128 spilled 8-32 B). The backward
     per-chunk kernel walks K in blocks of 8 at 4 warps (2 blocks an SM), fp32 dots' in blocks of 16 unpipelined
     (blocks of 8 spilled 192-248 B under triton 3.6.0, pipelined 8)."""
     block_k = max(16, triton.next_power_of_2(K))
@@ -2557,10 +2561,11 @@ def _gdn2_token_rows(q, k, v, g, b, w):
 
 
 def _gdn2_chunk_intra(q, k, v, g, b, w, rows, scale, chunk, dots, with_ainv):
-    """The intra kernel's per-chunk quantities (Ainv, Aqk, Y, U0, q_in, k_out, d), all but d in the dots' operand
+    """The intra kernels' per-chunk quantities (Ainv, Aqk, Y, U0, q_in, k_out, d), all but d in the dots' operand
     dtype: every later read of Ainv, Aqk, Y, q_in and k_out is a dot's operand (rounded there anyway), U0 is the
     corrections' start (U is stored so too); the decays d stay fp32. Ainv (None without with_ainv) only for the
-    backward."""
+    backward. L goes from the pair kernel to the solve in fp32 (its strictly lower triangle): the solve's input
+    unrounded, as if one kernel did both."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = triton.cdiv(T, chunk)
@@ -2626,7 +2631,7 @@ def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: 
                       scale: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                          torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dg, db, dw, d initial_state), each in its input's dtype (d initial_state in fp32): the intra
-    kernel and the state pass rerun, then the reverse state pass, the per-chunk backward (every gradient but dg's
+    kernels and the state pass rerun, then the reverse state pass, the per-chunk backward (every gradient but dg's
     sum over the sequence) and dg's reverse cumulative sum."""
     B, T, H, K = q.shape
     V = v.shape[-1]

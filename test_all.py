@@ -2207,7 +2207,7 @@ def test_triton_gdn2_dispatch_by_length(device):
         o_torch, s_torch = kernels.gdn2(**inputs, kernels="torch")
         assert rel_err(o_tri, o_torch) < 1e-5 and rel_err(s_tri, s_torch) < 1e-5
     # the chunk: chunk_size for bf16 inputs, at most 16 for fp32 and fp16 ones (their launches at 32 and 64 spilled
-    # registers ahead of time); counted by the intra kernel's programs, B·chunks, on fake tensors at T 256
+    # registers ahead of time); counted by the pair kernel's programs, B·chunks, on fake tensors at T 256
     for dtype, chunks in ((torch.bfloat16, 4), (torch.float32, 16), (torch.float16, 16)):
         def step():
             t = torch.zeros(1, 256, 1, 16, dtype=dtype)
