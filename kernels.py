@@ -2085,9 +2085,9 @@ if HAS_TRITON:
     def _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g, scale, bi, c, hi, T, K, k0,
                             CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
         # q̃ and _gdn2_chunk_load_kbg's k, b, G, G's last row and mask
-        k, b, G, G_last, mask = _gdn2_chunk_load_kbg(k_ptr, b_ptr, g_ptr, row_k, row_b, row_g, bi, c, hi, T, K, k0,
-                                                     CHUNK, BLOCK_K)
-        q = _gdn2_chunk_tile(q_ptr, row_q, bi, c, hi, T, K, k0 + tl.arange(0, BLOCK_K), CHUNK)[0]
+        q, mask = _gdn2_chunk_tile(q_ptr, row_q, bi, c, hi, T, K, k0 + tl.arange(0, BLOCK_K), CHUNK)
+        k, b, G, G_last, _ = _gdn2_chunk_load_kbg(k_ptr, b_ptr, g_ptr, row_k, row_b, row_g, bi, c, hi, T, K, k0,
+                                                  CHUNK, BLOCK_K)
         return q.to(tl.float32) * scale, k, b, G, G_last, mask
 
     @triton.jit
