@@ -2594,9 +2594,10 @@ AOT_PASSES = {"fp32": (torch.float32, AOT_ARCHS), "bf16": (torch.bfloat16, AOT_A
 AOT_REGISTER_EXCEPTIONS = set()
 # (kernel, dtype, shape, triton version): the most stack bytes a thread it may still spill there on any arch. Open
 # (issue 46): gdn2's bf16 backward per-chunk kernel under triton 3.6.0 at a shape with no integer a multiple of 16, on
-# sm_80 (its first pass split in two, Ainv reloaded, 8 warps or key blocks of 16 spilled 64-376 B; without either its
-# off-diagonal pair terms or its V loop it spills none). Its intra kernel spills 56 B there on sm_89, which is not
-# compiled (AOT_RUNS_ON), and none on sm_80 and sm_90
+# sm_80 (its first pass split in two, Ainv reloaded, 8 warps or key blocks of 16 spilled 64-376 B; its sub-chunk loop
+# split into a diagonal and an off-diagonal loop 16 B, with dAqk's diagonal reloaded and unpipelined 8 B; held to 228
+# registers 48 B; without either its off-diagonal pair terms or its V loop it spills none). G's two intra kernels
+# (pair products, solve) spill none there, on sm_89 (which is not compiled, AOT_RUNS_ON) and on sm_90
 AOT_SPILL_EXCEPTIONS = {("_gdn2_chunk_bwd_intra_kernel", "bf16", "general", "3.6.0"): 32}
 
 
