@@ -2581,23 +2581,21 @@ AOT_CASES = {   # name: (GPTConfig overrides, T); each in fp32 and under bf16 au
     "mamba p128 n128 zoh": (dict(mixer="M", mamba_headdim=128, mamba_d_state=128, mamba_discretization="zoh"), 128),
     "sparsemax attention T1024": (dict(mixer="A", attention="sparsemax"), 1024),
 }
-AOT_ARCHS = (80, 90)
-# the GPUs each compiled arch's code stands for: sm_89 (Ada: RTX 40xx, L4, L40) runs sm_80's code (mma.sync, cp.async;
-# the same shared memory), which ptxas fits in registers within 3 of sm_80's (gdn2's recurrent backward compiled for
-# both under both Tritons), so sm_80's binaries are held to sm_89's smaller shared memory too (99 KB) instead of
-# compiling each launch a third time (CI's time)
-AOT_RUNS_ON = {75: (75,), 80: (80, 89), 90: (90,)}
+# the GPUs each compiled arch stands for: sm_89 (Ada: RTX 40xx, L4, L40) is compiled in bf16, what dtype=auto runs
+# there; in fp32 (opt-in, TF32 dots) sm_80's binaries stand for it (the same mma.sync and cp.async code; ptxas fitted
+# gdn2's recurrent backward within 3 registers of sm_80's under both Tritons) and are held to its smaller shared
+# memory (99 KB), which keeps CI's compiles to what it can afford
+AOT_RUNS_ON = {75: (75,), 80: (80, 89), 89: (89,), 90: (90,)}
 # each pass: the autocast dtype the AOT_CASES run in and the archs its launches compile for: the bf16 GPUs (sm_80 and
 # up) in fp32 (TF32) and bf16, Turing (sm_75: T4, RTX 20xx), which has no bf16, in fp16
-AOT_PASSES = {"fp32": (torch.float32, AOT_ARCHS), "bf16": (torch.bfloat16, AOT_ARCHS), "fp16": (torch.float16, (75,))}
+AOT_PASSES = {"fp32": (torch.float32, (80, 90)), "bf16": (torch.bfloat16, (80, 89, 90)), "fp16": (torch.float16, (75,))}
 # (kernel, dtype, case) allowed above kernels.MAX_REGISTERS on sm_80 / sm_90, with the reason: none today
 AOT_REGISTER_EXCEPTIONS = set()
 # (kernel, dtype, shape, triton version): the most stack bytes a thread it may still spill there on any arch. Open
 # (issue 46): gdn2's bf16 backward per-chunk kernel under triton 3.6.0 at a shape with no integer a multiple of 16, on
 # sm_80 (its first pass split in two, Ainv reloaded, 8 warps or key blocks of 16 spilled 64-376 B; its sub-chunk loop
 # split into a diagonal and an off-diagonal loop 16 B, with dAqk's diagonal reloaded and unpipelined 8 B; held to 228
-# registers 48 B; without either its off-diagonal pair terms or its V loop it spills none). G's two intra kernels
-# (pair products, solve) spill none there, on sm_89 (which is not compiled, AOT_RUNS_ON) and on sm_90
+# registers 48 B; without either its off-diagonal pair terms or its V loop it spills none)
 AOT_SPILL_EXCEPTIONS = {("_gdn2_chunk_bwd_intra_kernel", "bf16", "general", "3.6.0"): 32}
 
 
@@ -2713,10 +2711,10 @@ def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time(pass_name,
     """Every Triton kernel, at the launch parameters its wrapper picks for the AOT_CASES models and specialised as
     Triton's JIT specialises their arguments (tt.divisibility 16 on each 16-byte-aligned pointer and each integer
     divisible by 16), and again as a shape with no integer a multiple of 16 compiles it, compiles for the archs of
-    its pass of AOT_PASSES (sm_80 and sm_90 in fp32 and bf16; sm_75 in fp16), fits the shared memory per block of
-    each arch that runs its code (AOT_RUNS_ON: sm_80's runs on sm_89; kernels.SHARED_LIMIT, the CUDA programming
-    guide's: 64 / 163 / 99 / 227 KB for sm_75 / 80 / 89 / 90), spills no register
-    (stack bytes per thread 0, cuobjdump's count; AOT_SPILL_EXCEPTIONS at most their bytes) and takes at most
+    its pass of AOT_PASSES (sm_80, sm_89 and sm_90 in bf16; sm_80 and sm_90 in fp32; sm_75 in fp16), fits the shared
+    memory per block of each arch it stands for (AOT_RUNS_ON: fp32's sm_80 for sm_89; kernels.SHARED_LIMIT, the CUDA
+    programming guide's: 64 / 163 / 99 / 227 KB for sm_75 / 80 / 89 / 90), spills no register (stack bytes per
+    thread 0, cuobjdump's count; AOT_SPILL_EXCEPTIONS at most their bytes) and takes at most
     kernels.MAX_REGISTERS = 232 a thread, but for AOT_REGISTER_EXCEPTIONS; under the installed Triton and, in its
     passes, under AOT_OTHER_TRITON."""
     path, version = AOT_OTHER_TRITON[:2] if other_triton else (None, None)
