@@ -2694,14 +2694,16 @@ def aot_compiled_rows(program, triton_path=None):
 
 # the other supported Triton (README: torch 2.11.0 + triton 3.6.0) where only the AOT test imports it, and the passes
 # compiled under it: the dtypes a GPU runs by default there (dtype=auto: bf16 autocast, fp16 on sm_75); fp32, opt-in
-# and the same kernels with TF32 dots, under the installed Triton only (426 compiles, about 100 s of CI's 2 cores).
+# and the same kernels with TF32 dots, under the installed Triton only (434 compiles, about 100 s of CI's 2 cores;
+# compiled by hand under 3.6.0 for sm_80, sm_89 and sm_90 at the commit that held rms_norm's backward to 232
+# registers: no spill).
 # .ci/run installs it there (pip install --no-deps --target .triton-3.6 triton==3.6.0)
 AOT_OTHER_TRITON = (os.path.join(ROOT, ".triton-3.6"), "3.6.0", ("bf16", "fp16"))
 
 
 # one case per Triton and pass, which two xdist workers share out (worksteal). Distinct compiles under a Triton:
-# fp32 426, bf16 502, fp16 217 (at 5f47752; 1,864 with 3.6.0's 719); 0.3-0.5 s of one core each (fp16's pass, 0.33 s,
-# and bf16's under triton 3.6.0, 0.5 s, timed)
+# fp32 434, bf16 771, fp16 221 (2,418 with 3.6.0's 992, counted when sm_89 joined bf16's pass); 0.3-0.5 s of one
+# core each (fp16's pass, 0.33 s, and bf16's under triton 3.6.0, 0.5 s, timed)
 @pytest.mark.aot
 @pytest.mark.parametrize("pass_name, other_triton",
                          [(p, False) for p in AOT_PASSES] + [(p, True) for p in AOT_OTHER_TRITON[2]],
