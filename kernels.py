@@ -2340,8 +2340,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _gdn2_chunk_bwd_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, do_ptr, Ainv_ptr, S_in_ptr, U_ptr,
-                                     dS_next_ptr, dU_ptr, dAqk_ptr, dL_ptr, dq_ptr, dk_ptr, dv_ptr, db_ptr, dw_ptr,
-                                     dG_ptr, row_q, row_k, row_g, row_b, row_v, row_w, row_do, scale, T, H, K, V,
+                                     dS_next_ptr, dU_ptr, dZ_ptr, dAqk_ptr, dL_ptr, dq_ptr, dk_ptr, dv_ptr, db_ptr,
+                                     dw_ptr, dG_ptr, row_q, row_k, row_g, row_b, row_v, row_w, row_do, scale, T, H, K, V,
                                      n_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
                                      BLOCK_V: tl.constexpr, DOT: tl.constexpr):
         # one program per (batch·chunk, head), every gradient of the chunk. Pass 1 walks V: dAqk = dO Uᵀ,
@@ -2374,6 +2374,8 @@ if HAS_TRITON:
                      (dZ * w).to(dv_ptr.dtype.element_ty), mask=v_mask)
             tl.store(_gdn2_chunk_rows(dw_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0],
                      (dZ * v).to(dw_ptr.dtype.element_ty), mask=v_mask)
+            tl.store(_gdn2_chunk_rows(dZ_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0],
+                     dZ.to(dZ_ptr.dtype.element_ty), mask=v_mask)
         dAqk_rr = tl.sum(tl.where(rs[:, None] == rs[None, :], dAqk, 0.0), axis=1)[:, None]
         below = rs[:, None] > rs[None, :]
         tl.store(_gdn2_chunk_block(dAqk_ptr, bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK),
@@ -2389,7 +2391,7 @@ if HAS_TRITON:
             e = b * k
             dq_in = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)     # dO Sᵀ
             dk_out = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)    # U dS'ᵀ
-            dY = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)        # −dU Sᵀ
+            dE = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)        # dẼ = Ainvᵀ dY = −dZ Sᵀ
             for v0 in range(0, V, BLOCK_V):
                 vs = v0 + tl.arange(0, BLOCK_V)
                 st_mask = (ks[:, None] < K) & (vs[None, :] < V)
@@ -2399,12 +2401,12 @@ if HAS_TRITON:
                                   other=0.0)
                 dO = _gdn2_chunk_tile(do_ptr, row_do, bi, c, hi, T, V, vs, CHUNK)[0]
                 U = _gdn2_chunk_tile(U_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0]
-                dU = _gdn2_chunk_tile(dU_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0]
+                dZ = _gdn2_chunk_tile(dZ_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0]
                 dq_in += _gdn2_dot(dO, tl.trans(S), DOT)
                 dk_out += _gdn2_dot(U, tl.trans(dS_next), DOT)
-                dY -= _gdn2_dot(dU, tl.trans(S), DOT)
+                dE -= _gdn2_dot(dZ, tl.trans(S), DOT)
             dq = tl.exp(G) * dq_in                                   # dq̃
-            de = tl.exp(G) * _gdn2_dot(AinvT, dY, DOT)              # exp(G)⊙dẼ
+            de = tl.exp(G) * dE                                      # exp(G)⊙dẼ
             dk_state = tl.exp(G_last[None, :] - G) * dk_out
             dk_pairs = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)
             for i in range(tl.cdiv(tl.minimum(T - c * CHUNK, CHUNK), SUB)):   # the sub-chunks that hold tokens
@@ -2644,7 +2646,7 @@ def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: 
     Ainv, Aqk, Y, U0, q_in, k_out, decay = _gdn2_chunk_intra(q, k, v, g, b, w, rows, scale, chunk, dots, True)
     S_in, U, _ = _gdn2_chunk_states(Y, U0, k_out, decay, initial_state, chunk, dots["DOT"])
     (do, row_do), dS_T = _token_rows(do), dS_T.contiguous()
-    dS_next, dU = torch.empty_like(S_in), torch.empty_like(U)
+    dS_next, dU, dZ = torch.empty_like(S_in), torch.empty_like(U), torch.empty_like(U)
     ds0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
     _gdn2_chunk_bwd_state_kernel[(B * H, triton.cdiv(V, blocks["bwd_state"]["BLOCK_V"]))](
         Aqk, Y, q_in, k_out, decay, do, dS_T, dS_next, dU, ds0, row_do, T, H, K, V, N, DOT=dots["DOT"],
@@ -2652,8 +2654,8 @@ def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: 
     dq, dk, dv, db, dw = (torch.empty(t.shape, device=q.device, dtype=t.dtype) for t in (q, k, v, b, w))
     dG = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)
     _gdn2_chunk_bwd_intra_kernel[(B * N, H)](
-        q, k, g, b, v, w, do, Ainv, S_in, U, dS_next, dU, torch.empty_like(Ainv), torch.empty_like(Ainv), dq, dk, dv,
-        db, dw, dG, *rows, row_do, scale, T, H, K, V, N, DOT=dots["DOT"], **blocks["bwd_intra"])
+        q, k, g, b, v, w, do, Ainv, S_in, U, dS_next, dU, dZ, torch.empty_like(Ainv), torch.empty_like(Ainv), dq, dk,
+        dv, db, dw, dG, *rows, row_do, scale, T, H, K, V, N, DOT=dots["DOT"], **blocks["bwd_intra"])
     dg = torch.empty(B, T, H, K, device=q.device, dtype=g.dtype)
     _gdn2_chunk_bwd_dg_kernel[(B * H, triton.cdiv(K, blocks["bwd_dg"]["BLOCK_K"]))](
         dG, g, k, U, S_in, dS_T, dg, rows[2], rows[1], T, H, K, V, N, **blocks["bwd_dg"])
