@@ -2341,8 +2341,8 @@ if HAS_TRITON:
     @triton.jit
     def _gdn2_chunk_bwd_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, do_ptr, Ainv_ptr, S_in_ptr, U_ptr,
                                      dS_next_ptr, dU_ptr, dZ_ptr, dAqk_ptr, dL_ptr, dq_ptr, dk_ptr, dv_ptr, db_ptr,
-                                     dw_ptr, dG_ptr, row_q, row_k, row_g, row_b, row_v, row_w, row_do, scale, T, H, K, V,
-                                     n_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
+                                     dw_ptr, dG_ptr, row_q, row_k, row_g, row_b, row_v, row_w, row_do, scale, T, H, K,
+                                     V, n_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
                                      BLOCK_V: tl.constexpr, DOT: tl.constexpr):
         # one program per (batch·chunk, head), every gradient of the chunk. Pass 1 walks V: dAqk = dO Uᵀ,
         # dZ = Ainvᵀ dU (dv, dw, final) and dL = −dZ Uᵀ; dAqk's diagonal stays in registers, the strictly lower
@@ -2409,29 +2409,34 @@ if HAS_TRITON:
             de = tl.exp(G) * dE                                      # exp(G)⊙dẼ
             dk_state = tl.exp(G_last[None, :] - G) * dk_out
             dk_pairs = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)
-            for i in range(tl.cdiv(tl.minimum(T - c * CHUNK, CHUNK), SUB)):   # the sub-chunks that hold tokens
+            n_subs = tl.cdiv(tl.minimum(T - c * CHUNK, CHUNK), SUB)   # the sub-chunks that hold tokens
+            for i in range(n_subs):   # the diagonal blocks, as tiles
                 q_i, k_i, b_i, G_i, _, _ = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g,
                                                                scale, bi, c * NS + i, hi, T, K, k0, SUB, BLOCK_K)
-                e_i = b_i * k_i
                 subs = i * SUB + tl.arange(0, SUB)
                 dAqk_ii = tl.load(_gdn2_chunk_block(dAqk_ptr, bi, c, hi, H, n_chunks, subs, subs, CHUNK, CHUNK))
                 dL_ii = tl.load(_gdn2_chunk_block(dL_ptr, bi, c, hi, H, n_chunks, subs, subs, CHUNK, CHUNK))
-                dq_i, de_i, dk_i = _gdn2_sub_pair_grads(q_i, k_i, e_i, G_i, dAqk_ii.to(tl.float32),
+                dq_i, de_i, dk_i = _gdn2_sub_pair_grads(q_i, k_i, b_i * k_i, G_i, dAqk_ii.to(tl.float32),
                                                         dL_ii.to(tl.float32))
-                dk_pairs += tl.reshape(_gdn2_sub_placed(dk_i, i, NS), (CHUNK, BLOCK_K))
-                if i > 0:   # the blocks left of the diagonal, through the sub-chunk's first row m
-                    dAqk_i = tl.load(_gdn2_chunk_block(dAqk_ptr, bi, c, hi, H, n_chunks, subs, rs, CHUNK, CHUNK))
-                    dL_i = tl.load(_gdn2_chunk_block(dL_ptr, bi, c, hi, H, n_chunks, subs, rs, CHUNK, CHUNK))
-                    G_m = tl.sum(tl.where(rows == i * SUB, G, 0.0), axis=0)[None, :]
-                    later = tl.exp(G_i - tl.sum(tl.where(subs[:, None] == i * SUB, G_i, 0.0), axis=0)[None, :])
-                    earlier = tl.exp(tl.where(rows < i * SUB, G_m - G, -float("inf")))
-                    k_earlier = k * earlier
-                    dq_i += later * _gdn2_dot(dAqk_i, k_earlier, DOT)
-                    de_i += later * _gdn2_dot(dL_i, k_earlier, DOT)
-                    dk_pairs += earlier * (_gdn2_dot(tl.trans(dAqk_i), q_i * later, DOT)
-                                           + _gdn2_dot(tl.trans(dL_i), e_i * later, DOT))
                 dq += tl.reshape(_gdn2_sub_placed(dq_i, i, NS), (CHUNK, BLOCK_K))
                 de += tl.reshape(_gdn2_sub_placed(de_i, i, NS), (CHUNK, BLOCK_K))
+                dk_pairs += tl.reshape(_gdn2_sub_placed(dk_i, i, NS), (CHUNK, BLOCK_K))
+            # the blocks left of the diagonal, by dots through the sub-chunk's first row m; unpipelined (its loads
+            # prefetched, the kernel spilled at a shape with no integer a multiple of 16)
+            for i in tl.range(1, n_subs, num_stages=1):
+                q_i, k_i, b_i, G_i, _, _ = _gdn2_chunk_load_qk(q_ptr, k_ptr, b_ptr, g_ptr, row_q, row_k, row_b, row_g,
+                                                               scale, bi, c * NS + i, hi, T, K, k0, SUB, BLOCK_K)
+                subs = i * SUB + tl.arange(0, SUB)
+                dAqk_i = tl.load(_gdn2_chunk_block(dAqk_ptr, bi, c, hi, H, n_chunks, subs, rs, CHUNK, CHUNK))
+                dL_i = tl.load(_gdn2_chunk_block(dL_ptr, bi, c, hi, H, n_chunks, subs, rs, CHUNK, CHUNK))
+                G_m = tl.sum(tl.where(rows == i * SUB, G, 0.0), axis=0)[None, :]
+                later = tl.exp(G_i - tl.sum(tl.where(subs[:, None] == i * SUB, G_i, 0.0), axis=0)[None, :])
+                earlier = tl.exp(tl.where(rows < i * SUB, G_m - G, -float("inf")))
+                k_earlier = k * earlier
+                dq += tl.reshape(_gdn2_sub_placed(later * _gdn2_dot(dAqk_i, k_earlier, DOT), i, NS), (CHUNK, BLOCK_K))
+                de += tl.reshape(_gdn2_sub_placed(later * _gdn2_dot(dL_i, k_earlier, DOT), i, NS), (CHUNK, BLOCK_K))
+                dk_pairs += earlier * (_gdn2_dot(tl.trans(dAqk_i), q_i * later, DOT)
+                                       + _gdn2_dot(tl.trans(dL_i), b_i * k_i * later, DOT))
             # without the diagonal dAqk_rr (it adds q̃⊙k·dAqk_rr to q̃⊙dq̃ and to k⊙dk, which cancel), and
             # without the state term's share in the last chunk: its writes cancel the end-state term, which
             # _gdn2_chunk_bwd_dg_kernel adds without them
