@@ -2004,8 +2004,8 @@ _gdn2_recurrent_fwd.register_autograd(_gdn2_recurrent_backward, setup_context=_g
 # D_i⁻¹ (E_i − L_i Ainv), L_i the blocks left of the diagonal in block row i (NS − 1 steps).
 # The backward keeps nothing but the inputs: it reruns the intra kernels and the state pass, then
 #   reverse over the chunks:  dU = Aqkᵀ dO + k_out dS',  dS = q_inᵀ dO + Diag(d) dS' − Yᵀ dU   (dS' the exit state's)
-#   per chunk:                dAqk = dO Uᵀ,  dZ = Ainvᵀ dU (dv = dZ⊙w, dw = dZ⊙v),  dẼ = Ainvᵀ dY with dY = −dU Sᵀ,
-#                             dL = −dZ Uᵀ (as U = Ainv (Z − Ẽ S), −Ainvᵀ (dU Zᵀ + dY Ẽᵀ) Ainvᵀ is just that),
+#   per chunk:                dAqk = dO Uᵀ,  dZ = Ainvᵀ dU (dv = dZ⊙w, dw = dZ⊙v),  dẼ = Ainvᵀ dY = −dZ Sᵀ,
+#                             dL = −dZ Uᵀ (dY = −dU Sᵀ; as U = Ainv (Z − Ẽ S), −Ainvᵀ (dU Zᵀ + dY Ẽᵀ) Ainvᵀ is that),
 #                             then the pair weights' terms by the forward's blocks,
 # and dg by the gauge identity (below), the pair weights' diagonal (s = r, exp 0 = 1) kept out of it as in gdn2_torch,
 # its reverse cumulative sum over the sequence in a kernel of its own. The kernels read q, k, v, g, b, w and dO where
@@ -2345,15 +2345,16 @@ if HAS_TRITON:
                                      V, n_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
                                      BLOCK_V: tl.constexpr, DOT: tl.constexpr):
         # one program per (batch·chunk, head), every gradient of the chunk. Pass 1 walks V: dAqk = dO Uᵀ,
-        # dZ = Ainvᵀ dU (dv, dw, final) and dL = −dZ Uᵀ; dAqk's diagonal stays in registers, the strictly lower
-        # dAqk and dL go out to dAqk_ptr, dL_ptr in the operands' dtype (held across pass 2 they spilled registers)
-        # and pass 2 reads them back a sub-chunk's rows at a time. Pass 2 walks K in blocks, each over V for the
-        # operands' terms dq_in = dO Sᵀ, dk_out = U dS'ᵀ and dY = −dU Sᵀ (dẼ = Ainvᵀ dY), then adds the pair weights'
-        # terms sub-chunk by sub-chunk (each over its rows r):
+        # dZ = Ainvᵀ dU (dv, dw, final; dZ also to dZ_ptr in the operands' dtype) and dL = −dZ Uᵀ; dAqk's diagonal
+        # stays in registers, the strictly lower dAqk and dL go out to dAqk_ptr, dL_ptr in the operands' dtype (held
+        # across pass 2 they spilled registers) and pass 2 reads them back a sub-chunk's rows at a time. Pass 2 walks
+        # K in blocks, each over V for the operands' terms dq_in = dO Sᵀ, dk_out = U dS'ᵀ and
+        # dẼ = Ainvᵀ dY = −Ainvᵀ dU Sᵀ = −dZ Sᵀ (pass 1's dZ: Ainv is not held across pass 2, where it spilled), then
+        # adds the pair weights' terms (each sub-chunk over its rows r):
         #   dq̃_r += Σ_s dAqk_rs k_s P_rs,  de_r += Σ_s dL_rs k_s P_rs,  dk_s += Σ_r (dL_rs e_r + dAqk_rs q̃_r) P_rs,
-        # its diagonal block as tiles, the blocks left of it by dots through its first row m as the forward forms
-        # them, and writes dq = scale·dq̃, dk, db = k⊙de in the inputs' dtypes and dG, ∂L/∂G by the gauge identity,
-        # for _gdn2_chunk_bwd_dg_kernel
+        # the diagonal blocks as tiles, then the blocks left of them by dots through each sub-chunk's first row m as
+        # the forward forms them, and writes dq = scale·dq̃, dk, db = k⊙de in the inputs' dtypes and dG, ∂L/∂G by the
+        # gauge identity, for _gdn2_chunk_bwd_dg_kernel
         pid_bc, hi = tl.program_id(0), tl.program_id(1)
         bi, c = pid_bc // n_chunks, pid_bc % n_chunks
         NS: tl.constexpr = CHUNK // SUB

@@ -2591,12 +2591,9 @@ AOT_RUNS_ON = {75: (75,), 80: (80, 89), 90: (90,)}
 AOT_PASSES = {"fp32": (torch.float32, (80, 90)), "bf16": (torch.bfloat16, (80, 90)), "fp16": (torch.float16, (75,))}
 # (kernel, dtype, case) allowed above kernels.MAX_REGISTERS on sm_80 / sm_90, with the reason: none today
 AOT_REGISTER_EXCEPTIONS = set()
-# (kernel, dtype, shape, triton version): the most stack bytes a thread it may still spill there on any arch. Open
-# (issue 46): gdn2's bf16 backward per-chunk kernel under triton 3.6.0 at a shape with no integer a multiple of 16, on
-# sm_80 (its first pass split in two, Ainv reloaded, 8 warps or key blocks of 16 spilled 64-376 B; its sub-chunk loop
-# split into a diagonal and an off-diagonal loop 16 B, with dAqk's diagonal reloaded and unpipelined 8 B; held to 228
-# registers 48 B; without either its off-diagonal pair terms or its V loop it spills none)
-AOT_SPILL_EXCEPTIONS = {("_gdn2_chunk_bwd_intra_kernel", "bf16", "general", "3.6.0"): 32}
+# (kernel, dtype, shape, triton version): the most stack bytes a thread it may still spill there on any arch: none
+# today (gdn2's backward per-chunk kernel's 32 B went with dẼ = −dZ Sᵀ from pass 1's dZ and an unpipelined loop)
+AOT_SPILL_EXCEPTIONS = {}
 
 
 def aot_ops_alone():
