@@ -2340,15 +2340,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _gdn2_chunk_bwd_intra_kernel(q_ptr, k_ptr, g_ptr, b_ptr, v_ptr, w_ptr, do_ptr, Ainv_ptr, S_in_ptr, U_ptr,
-                                     dS_next_ptr, dU_ptr, dZ_ptr, dAqk_ptr, dL_ptr, dq_ptr, dk_ptr, dv_ptr, db_ptr,
-                                     dw_ptr, dG_ptr, row_q, row_k, row_g, row_b, row_v, row_w, row_do, scale, T, H, K,
-                                     V, n_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
+                                     dS_next_ptr, dU_ptr, dAqk_ptr, dL_ptr, dq_ptr, dk_ptr, dv_ptr, db_ptr, dw_ptr,
+                                     dG_ptr, row_q, row_k, row_g, row_b, row_v, row_w, row_do, scale, T, H, K, V,
+                                     n_chunks, CHUNK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
                                      BLOCK_V: tl.constexpr, DOT: tl.constexpr):
         # one program per (batch·chunk, head), every gradient of the chunk. Pass 1 walks V: dAqk = dO Uᵀ,
-        # dZ = Ainvᵀ dU (dv, dw, final; dZ also to dZ_ptr in the operands' dtype) and dL = −dZ Uᵀ; dAqk's diagonal
-        # stays in registers, the strictly lower dAqk and dL go out to dAqk_ptr, dL_ptr in the operands' dtype (held
-        # across pass 2 they spilled registers) and pass 2 reads them back a sub-chunk's rows at a time. Pass 2 walks
-        # K in blocks, each over V for the operands' terms dq_in = dO Sᵀ, dk_out = U dS'ᵀ and
+        # dZ = Ainvᵀ dU (dv, dw, final) and dL = −dZ Uᵀ. dZ goes out over dU at dU_ptr in the operands' dtype (each
+        # tile after this program read it; no other program reads the chunk's rows); dAqk's diagonal stays in
+        # registers, the strictly lower dAqk and dL go out to dAqk_ptr, dL_ptr in the operands' dtype (held across
+        # pass 2 they spilled registers) and pass 2 reads them back a sub-chunk's rows at a time. Pass 2 walks K in
+        # blocks, each over V for the operands' terms dq_in = dO Sᵀ, dk_out = U dS'ᵀ and
         # dẼ = Ainvᵀ dY = −Ainvᵀ dU Sᵀ = −dZ Sᵀ (pass 1's dZ: Ainv is not held across pass 2, where it spilled), then
         # adds the pair weights' terms (each sub-chunk over its rows r):
         #   dq̃_r += Σ_s dAqk_rs k_s P_rs,  de_r += Σ_s dL_rs k_s P_rs,  dk_s += Σ_r (dL_rs e_r + dAqk_rs q̃_r) P_rs,
@@ -2375,8 +2376,8 @@ if HAS_TRITON:
                      (dZ * w).to(dv_ptr.dtype.element_ty), mask=v_mask)
             tl.store(_gdn2_chunk_rows(dw_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0],
                      (dZ * v).to(dw_ptr.dtype.element_ty), mask=v_mask)
-            tl.store(_gdn2_chunk_rows(dZ_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0],
-                     dZ.to(dZ_ptr.dtype.element_ty), mask=v_mask)
+            tl.store(_gdn2_chunk_rows(dU_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0],
+                     dZ.to(dU_ptr.dtype.element_ty), mask=v_mask)
         dAqk_rr = tl.sum(tl.where(rs[:, None] == rs[None, :], dAqk, 0.0), axis=1)[:, None]
         below = rs[:, None] > rs[None, :]
         tl.store(_gdn2_chunk_block(dAqk_ptr, bi, c, hi, H, n_chunks, rs, rs, CHUNK, CHUNK),
@@ -2402,7 +2403,7 @@ if HAS_TRITON:
                                   other=0.0)
                 dO = _gdn2_chunk_tile(do_ptr, row_do, bi, c, hi, T, V, vs, CHUNK)[0]
                 U = _gdn2_chunk_tile(U_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0]
-                dZ = _gdn2_chunk_tile(dZ_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0]
+                dZ = _gdn2_chunk_tile(dU_ptr, H * V, bi, c, hi, T, V, vs, CHUNK)[0]
                 dq_in += _gdn2_dot(dO, tl.trans(S), DOT)
                 dk_out += _gdn2_dot(U, tl.trans(dS_next), DOT)
                 dE -= _gdn2_dot(dZ, tl.trans(S), DOT)
@@ -2652,7 +2653,7 @@ def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: 
     Ainv, Aqk, Y, U0, q_in, k_out, decay = _gdn2_chunk_intra(q, k, v, g, b, w, rows, scale, chunk, dots, True)
     S_in, U, _ = _gdn2_chunk_states(Y, U0, k_out, decay, initial_state, chunk, dots["DOT"])
     (do, row_do), dS_T = _token_rows(do), dS_T.contiguous()
-    dS_next, dU, dZ = torch.empty_like(S_in), torch.empty_like(U), torch.empty_like(U)
+    dS_next, dU = torch.empty_like(S_in), torch.empty_like(U)
     ds0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
     _gdn2_chunk_bwd_state_kernel[(B * H, triton.cdiv(V, blocks["bwd_state"]["BLOCK_V"]))](
         Aqk, Y, q_in, k_out, decay, do, dS_T, dS_next, dU, ds0, row_do, T, H, K, V, N, DOT=dots["DOT"],
@@ -2660,8 +2661,8 @@ def _gdn2_chunked_bwd(do: torch.Tensor, dS_T: torch.Tensor, q: torch.Tensor, k: 
     dq, dk, dv, db, dw = (torch.empty(t.shape, device=q.device, dtype=t.dtype) for t in (q, k, v, b, w))
     dG = torch.empty(B, T, H, K, device=q.device, dtype=torch.float32)
     _gdn2_chunk_bwd_intra_kernel[(B * N, H)](
-        q, k, g, b, v, w, do, Ainv, S_in, U, dS_next, dU, dZ, torch.empty_like(Ainv), torch.empty_like(Ainv), dq, dk,
-        dv, db, dw, dG, *rows, row_do, scale, T, H, K, V, N, DOT=dots["DOT"], **blocks["bwd_intra"])
+        q, k, g, b, v, w, do, Ainv, S_in, U, dS_next, dU, torch.empty_like(Ainv), torch.empty_like(Ainv), dq, dk, dv,
+        db, dw, dG, *rows, row_do, scale, T, H, K, V, N, DOT=dots["DOT"], **blocks["bwd_intra"])
     dg = torch.empty(B, T, H, K, device=q.device, dtype=g.dtype)
     _gdn2_chunk_bwd_dg_kernel[(B * H, triton.cdiv(K, blocks["bwd_dg"]["BLOCK_K"]))](
         dG, g, k, U, S_in, dS_T, dg, rows[2], rows[1], T, H, K, V, N, **blocks["bwd_dg"])
