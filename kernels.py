@@ -79,8 +79,21 @@ def _widen_bf16_dots_in_the_interpreter():
                                                                                      *rest)
 
 
+def _drop_the_interpreters_unasserted_overflow_checks():
+    """Triton's CPU interpreter (3.6, 3.7) redoes every int32 add, sub and mul of a kernel in int64 and compares the
+    result with int32's range, then hands the comparison to device_assert, which asserts nothing unless the options'
+    debug is on, and the interpreter's never is: about a third of a kernel's time there, for no check. Off, the
+    kernels compute exactly what they did."""
+    import dataclasses
+    from triton.runtime import interpreter
+    options = interpreter.interpreter_builder.options
+    if not options.debug:
+        interpreter.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
 if HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
     _widen_bf16_dots_in_the_interpreter()
+    _drop_the_interpreters_unasserted_overflow_checks()
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "ref")
 

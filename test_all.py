@@ -2230,6 +2230,11 @@ if kernels.HAS_TRITON:
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)   # converts to y's dtype
 
+    @triton.jit
+    def _triton_times_4_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs) * 4)
+
 
 def triton_half_store(x, device, dtype=torch.bfloat16):
     """x rounded to dtype as a Triton kernel's store on `device` rounds it (computed by storing x), in fp64."""
@@ -2245,6 +2250,26 @@ def triton_half_u(device, dtype=torch.bfloat16):
     eps = torch.finfo(dtype).eps
     rounds = triton_half_store(torch.tensor([1 + 0.75 * eps]), device, dtype).item() > 1
     return eps / 2 if rounds else eps
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's CPU interpreter")
+def test_the_interpreters_overflow_checks_that_kernels_py_drops_asserted_nothing(monkeypatch):
+    """kernels.py turns the interpreter's int32 overflow sanitizer off. On, as Triton leaves it, with debug off, as
+    the interpreter always runs, 2^30 · 4 in int32 still wraps to 0 without a word (the check is computed, then
+    asserted nowhere); only with debug on does it stop the kernel. So dropping it drops no check."""
+    from triton.runtime import interpreter
+    builder = interpreter.interpreter_builder
+    assert (builder.options.sanitize_overflow, builder.options.debug) == (False, False)
+    x, y = torch.tensor([2**30, 3], dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    for sanitize, debug in ((False, False), (True, False), (True, True)):
+        monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=sanitize,
+                                                                    debug=debug))
+        if debug:
+            with pytest.raises(Exception, match="int32 overflow detected for operation mul"):
+                _triton_times_4_kernel[(1,)](x, y, BLOCK=2)
+        else:
+            _triton_times_4_kernel[(1,)](x, y, BLOCK=2)
+            assert y.tolist() == [0, 12], (sanitize, y)
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -2582,13 +2607,13 @@ AOT_CASES = {   # name: (GPTConfig overrides, T); each in fp32 and under bf16 au
     "sparsemax attention T1024": (dict(mixer="A", attention="sparsemax"), 1024),
 }
 # the GPUs each compiled arch's code stands for: sm_89 (Ada: RTX 40xx, L4, L40) runs sm_80's code (mma.sync, cp.async),
-# which ptxas fits within a few registers of sm_80's: compiled once for sm_89 in bf16 under both Tritons (every launch,
-# both shapes) it spilled nothing, and compiling it in CI took 2 more minutes than CI's 30 have. So sm_80's binaries
-# are held to sm_89's smaller shared memory too (99 KB)
-AOT_RUNS_ON = {75: (75,), 80: (80, 89), 90: (90,)}
+# compiled for sm_89 itself in bf16, the dtype a bf16 GPU trains in (ptxas fits it within a few registers of sm_80's);
+# the fp32 pass's sm_80 binaries stand for it, so they are held to sm_89's smaller shared memory too (99 KB)
+AOT_RUNS_ON = {75: (75,), 80: (80, 89), 89: (89,), 90: (90,)}
 # each pass: the autocast dtype the AOT_CASES run in and the archs its launches compile for: the bf16 GPUs (sm_80 and
 # up) in fp32 (TF32) and bf16, Turing (sm_75: T4, RTX 20xx), which has no bf16, in fp16
-AOT_PASSES = {"fp32": (torch.float32, (80, 90)), "bf16": (torch.bfloat16, (80, 90)), "fp16": (torch.float16, (75,))}
+AOT_PASSES = {"fp32": (torch.float32, (80, 90)), "bf16": (torch.bfloat16, (80, 89, 90)),
+              "fp16": (torch.float16, (75,))}
 # (kernel, dtype, case) allowed above kernels.MAX_REGISTERS on sm_80 / sm_90, with the reason: none today
 AOT_REGISTER_EXCEPTIONS = set()
 # (kernel, dtype, shape, triton version): the most stack bytes a thread it may still spill there on any arch: none
@@ -2699,8 +2724,8 @@ AOT_OTHER_TRITON = (os.path.join(ROOT, ".triton-3.6"), "3.6.0", ("bf16", "fp16")
 
 
 # one case per Triton and pass, which two xdist workers share out (worksteal). Distinct compiles under a Triton:
-# fp32 434, bf16 514, fp16 221 (1,904 with 3.6.0's 735, counted after G's intra kernel was split); 0.3-0.5 s of one
-# core each (fp16's pass, 0.33 s, and bf16's under triton 3.6.0, 0.5 s, timed)
+# fp32 434, bf16 771 (sm_80, sm_89, sm_90), fp16 221 (2,418 with 3.6.0's 992, counted after G's intra kernel was
+# split); 0.3-0.5 s of one core each (fp16's pass, 0.33 s, and bf16's under triton 3.6.0, 0.5 s, timed)
 @pytest.mark.aot
 @pytest.mark.parametrize("pass_name, other_triton",
                          [(p, False) for p in AOT_PASSES] + [(p, True) for p in AOT_OTHER_TRITON[2]],
@@ -2710,12 +2735,12 @@ def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time(pass_name,
     """Every Triton kernel, at the launch parameters its wrapper picks for the AOT_CASES models and specialised as
     Triton's JIT specialises their arguments (tt.divisibility 16 on each 16-byte-aligned pointer and each integer
     divisible by 16), and again as a shape with no integer a multiple of 16 compiles it, compiles for the archs of
-    its pass of AOT_PASSES (sm_80 and sm_90 in fp32 and bf16; sm_75 in fp16), fits the shared memory per block of
-    each arch that runs its code (AOT_RUNS_ON: sm_80's runs on sm_89; kernels.SHARED_LIMIT, the CUDA
-    programming guide's: 64 / 163 / 99 / 227 KB for sm_75 / 80 / 89 / 90), spills no register (stack bytes per
-    thread 0, cuobjdump's count; AOT_SPILL_EXCEPTIONS at most their bytes) and takes at most
-    kernels.MAX_REGISTERS = 232 a thread, but for AOT_REGISTER_EXCEPTIONS; under the installed Triton and, in its
-    passes, under AOT_OTHER_TRITON."""
+    its pass of AOT_PASSES (sm_80 and sm_90 in fp32, sm_80, sm_89 and sm_90 in bf16, sm_75 in fp16), fits the shared
+    memory per block of each arch that runs its code (AOT_RUNS_ON: fp32's sm_80 code runs on sm_89;
+    kernels.SHARED_LIMIT, the CUDA programming guide's: 64 / 163 / 99 / 227 KB for sm_75 / 80 / 89 / 90), spills no
+    register (stack bytes per thread 0, cuobjdump's count; AOT_SPILL_EXCEPTIONS at most their bytes) and takes at
+    most kernels.MAX_REGISTERS = 232 a thread, but for AOT_REGISTER_EXCEPTIONS; under the installed Triton and, in
+    its passes, under AOT_OTHER_TRITON."""
     path, version = AOT_OTHER_TRITON[:2] if other_triton else (None, None)
     if path and not os.path.isdir(path):
         message = f"triton {version} is not in {path}: pip install --no-deps --target {path} triton=={version}"
