@@ -198,24 +198,61 @@ def _compiled(kernel, signature, constexprs, attrs, options, arch):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(options))
 
 
-@functools.lru_cache(maxsize=None)
-def _compile_resources(kernel, signature, constexprs, attrs, options, arch):
-    """(shared bytes, registers, stack bytes) of one launch compiled for sm_<arch> (_compiled); registers and stack
-    (where spilled registers go) from cuobjdump, None where the wheel has none."""
+# archs whose Triton PTX is another arch's but for its .target line: Triton lowers an op differently for Ada (sm_89)
+# than for Ampere (sm_80) only for fp8, which no kernel here takes. So sm_89's binary is ptxas's (with the flags
+# Triton passes it) of sm_80's PTX retargeted, a quarter of a whole compile; retargeted_matches checks that it is the
+# one a whole compile builds
+SAME_PTX_AS = {89: 80}
+
+
+def _cubin(kernel, signature, constexprs, attrs, options, arch):
+    """(cubin, shared bytes) of one launch for sm_<arch>: _compiled's, or for an arch of SAME_PTX_AS its twin's PTX
+    (a hit in Triton's cache once the twin is compiled) retargeted and assembled by Triton's own ptxas step."""
+    if arch not in SAME_PTX_AS:
+        compiled = _compiled(kernel, signature, constexprs, attrs, options, arch)
+        return compiled.asm["cubin"], compiled.metadata.shared
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    twin = _compiled(kernel, signature, constexprs, attrs, options, SAME_PTX_AS[arch])
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    ptx = twin.asm["ptx"].replace(f".target sm_{SAME_PTX_AS[arch]}\n", f".target sm_{arch}\n", 1)
+    return backend.make_cubin(ptx, {}, backend.parse_options(dict(options)), arch), twin.metadata.shared
+
+
+def _cubin_resources(cubin):
+    """(registers, stack bytes) of a cubin from the wheel's cuobjdump, (None, None) where it has none."""
     import re
     import subprocess
     import tempfile
-    compiled = _compiled(kernel, signature, constexprs, attrs, options, arch)
     cuobjdump = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
-    regs = stack = None
-    if os.path.exists(cuobjdump):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-        found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-        regs, stack = (int(found[1]), int(found[2])) if found else (None, None)
-    return compiled.metadata.shared, regs, stack
+    if not os.path.exists(cuobjdump):
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return (int(found[1]), int(found[2])) if found else (None, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_resources(kernel, signature, constexprs, attrs, options, arch):
+    """(shared bytes, registers, stack bytes) of one launch compiled for sm_<arch> (_cubin); registers and stack
+    (where spilled registers go) from cuobjdump, None where the wheel has none."""
+    cubin, shared = _cubin(kernel, signature, constexprs, attrs, options, arch)
+    return (shared, *_cubin_resources(cubin))
+
+
+def retargeted_matches(launch, arch):
+    """Whether a whole compile of the launch for sm_<arch> (an arch of SAME_PTX_AS) emits its twin's PTX but for the
+    .target line and assembles to the registers and stack bytes _cubin's retargeted PTX does."""
+    kernel, *dicts = launch
+    items = [tuple(d.items()) for d in dicts]
+    whole = _compiled(kernel, *items, arch)
+    twin = _compiled(kernel, *items, SAME_PTX_AS[arch])
+    same_ptx = whole.asm["ptx"] == twin.asm["ptx"].replace(f".target sm_{SAME_PTX_AS[arch]}\n", f".target sm_{arch}\n",
+                                                            1)
+    return same_ptx and _cubin_resources(whole.asm["cubin"]) == _cubin_resources(_cubin(kernel, *items, arch)[0])
 
 
 _FORKED = []   # what forked_map's workers read: (fn, items), which need not pickle (kernels and closures do not)
@@ -241,19 +278,20 @@ def forked_map(fn, items, workers=None):
 
 def triton_resources(launches, archs=(80, 89, 90), workers=None):
     """One row per (launch, arch): dict(kernel, arch, constexprs, attrs, num_warps, dtype, shared, limit, regs,
-    stack). Each distinct (launch, arch) compiles once, in `workers` forked processes (default: one per CPU core),
-    the largest kernels first so that no worker is left with one at the end."""
-    jobs = [(launch, arch) for launch in launches for arch in archs]
-    distinct = {(launch_key(launch), arch): (launch, arch) for launch, arch in jobs}
-    order = sorted(distinct, key=lambda key: -len(distinct[key][0][0].src))
-    compile_one = lambda key: _compile_resources(distinct[key][0][0], *key[0][1:], distinct[key][1])
+    stack). Each distinct launch compiles once for each arch, its archs in one job (an arch of SAME_PTX_AS after its
+    twin, whose PTX it reuses), the jobs in `workers` forked processes (default: one per CPU core), the largest
+    kernels first so that no worker is left with one at the end."""
+    distinct = {launch_key(launch): launch for launch in launches}
+    order = sorted(distinct, key=lambda key: -len(distinct[key][0].src))
+    ordered_archs = sorted(archs, key=lambda a: (a in SAME_PTX_AS, a))
+    compile_one = lambda key: {a: _compile_resources(distinct[key][0], *key[1:], a) for a in ordered_archs}
     found = dict(zip(order, forked_map(compile_one, order, workers)))
     return [dict(kernel=kernel.fn.__name__, arch=arch, constexprs=constexprs, attrs=attrs,
                  num_warps=options.get("num_warps", 4),
                  dtype=next((d for d in ("bf16", "fp16") if f"*{d}" in signature.values()), "fp32"),
                  shared=shared, limit=kernels.SHARED_LIMIT[arch], regs=regs, stack=stack)
-            for ((kernel, signature, constexprs, attrs, options), arch) in jobs
-            for shared, regs, stack in [found[(launch_key((kernel, signature, constexprs, attrs, options)), arch)]]]
+            for (kernel, signature, constexprs, attrs, options) in launches for arch in archs
+            for shared, regs, stack in [found[launch_key((kernel, signature, constexprs, attrs, options))][arch]]]
 
 
 def triton_resource_table(archs=(80, 89, 90), dtypes=(torch.float32, torch.bfloat16), **dims):

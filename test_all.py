@@ -2662,9 +2662,18 @@ def aot_resource_rows(steps_of=aot_model_steps, passes=tuple(AOT_PASSES)):
     rows = []
     for archs, launches in by_archs.items():
         compiled = bench.triton_resources([launch[0] for launch in launches.values()], archs=archs)
+        # an arch built from its twin's PTX (bench.SAME_PTX_AS): each kernel's first general-shape launch (or first
+        # launch) compiled whole for it too, its rows saying whether the two agree (PTX, registers, stack)
+        sampled = {}
+        for variant, _, _, shape in sorted(launches.values(), key=lambda launch: launch[3] != "general"):
+            sampled.setdefault(variant[0].fn.__name__, variant)
+        checks = {arch: dict(zip(sampled, bench.forked_map(lambda launch: bench.retargeted_matches(launch, arch),
+                                                           list(sampled.values()))))
+                  for arch in archs if arch in bench.SAME_PTX_AS}
         for row, (_, pass_name, case, shape) in zip(compiled, [l for l in launches.values() for _ in archs]):
             row.update({"case": case, "shape": shape, "pass": pass_name, "constexprs": str(row["constexprs"]),
-                        "attrs": sorted(row["attrs"]), "triton": kernels.triton.__version__})
+                        "attrs": sorted(row["attrs"]), "triton": kernels.triton.__version__,
+                        "whole_compile_agrees": checks.get(row["arch"], {}).get(row["kernel"])})
         rows += compiled
     return rows
 
@@ -2725,7 +2734,8 @@ AOT_OTHER_TRITON = (os.path.join(ROOT, ".triton-3.6"), "3.6.0", ("bf16", "fp16")
 
 # one case per Triton and pass, which two xdist workers share out (worksteal). Distinct compiles under a Triton:
 # fp32 434, bf16 771 (sm_80, sm_89, sm_90), fp16 221 (2,418 with 3.6.0's 992, counted after G's intra kernel was
-# split); 0.3-0.5 s of one core each (fp16's pass, 0.33 s, and bf16's under triton 3.6.0, 0.5 s, timed)
+# split); 0.3-0.5 s of one core each (fp16's pass, 0.33 s, and bf16's under triton 3.6.0, 0.5 s, timed), sm_89's a
+# quarter of that (ptxas alone on sm_80's PTX, bench.SAME_PTX_AS: 6.4 s where 65 whole compiles took 28.6)
 @pytest.mark.aot
 @pytest.mark.parametrize("pass_name, other_triton",
                          [(p, False) for p in AOT_PASSES] + [(p, True) for p in AOT_OTHER_TRITON[2]],
@@ -2761,6 +2771,10 @@ def test_triton_kernels_fit_registers_and_shared_memory_ahead_of_time(pass_name,
                                                           else version)}
     assert pass_name in {r["dtype"] for r in rows}   # the pass's dtype reached the kernels' pointers
     assert any(r["attrs"] for r in rows if r["shape"] == "recorded")   # the JIT's divisibility reached the compiles
+    # sm_89's binaries, assembled from sm_80's PTX (bench.SAME_PTX_AS), are those a whole compile builds: one launch a
+    # kernel compiled both ways
+    assert all(r["whole_compile_agrees"] for r in rows if r["arch"] in bench.SAME_PTX_AS), sorted(
+        {r["kernel"] for r in rows if r["arch"] in bench.SAME_PTX_AS and not r["whole_compile_agrees"]})
     print_aot_table(rows)
     over, spills, heavy = aot_rows_fit(rows)
     assert not over and not spills, f"over shared memory: {over}; spilled bytes per thread: " + "; ".join(
@@ -3101,6 +3115,7 @@ def test_a_new_op_is_one_row_that_every_check_runs(device):
     assert {(r["kernel"], r["pass"], r["arch"]) for r in rows} == {
         ("_scaled_copy_kernel", p, a) for p, (_, archs) in AOT_PASSES.items() for a in archs}
     assert aot_rows_fit(rows) == ([], {}, [])
+    assert all(r["whole_compile_agrees"] for r in rows if r["arch"] in bench.SAME_PTX_AS)
 
 
 def test_every_triton_launch_runs_on_its_inputs_gpu_with_autocast_off(simulated_gpu):
